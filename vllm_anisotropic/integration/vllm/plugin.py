@@ -1,0 +1,42 @@
+"""``vllm.general_plugins`` entry point.
+
+vLLM calls ``register()`` once per process, in every process it starts: the user's process
+(``EngineArgs.__post_init__``), the EngineCore process and every worker
+(``WorkerBase.init_worker``), before the model is loaded. It must be cheap (no heavy imports)
+and idempotent: it may be called again by hand, and registrations are process-local.
+
+What it does today:
+- asks for AMX tile permission (see ``amx.py``): the fix for vLLM CPU workers dying at random
+  with SIGILL;
+- when ``VLLM_ANISOTROPIC_TRACE_REGISTER`` names a file, appends ``<pid>`` to it once per
+  process, so tests and users can check which processes loaded the plugin.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from vllm_anisotropic.integration.vllm.amx import request_amx_permission
+
+logger = logging.getLogger(__name__)
+
+TRACE_ENV = "VLLM_ANISOTROPIC_TRACE_REGISTER"
+
+# Process-local registration flag: the only module state, and it is per process by design.
+_registered_pid: int | None = None
+
+
+def register() -> None:
+    """Install vllm-anisotropic into the current vLLM process (idempotent, cheap)."""
+    global _registered_pid
+    pid = os.getpid()
+    if _registered_pid == pid:
+        return
+    amx = request_amx_permission()
+    _registered_pid = pid
+    trace = os.environ.get(TRACE_ENV)
+    if trace:
+        with open(trace, "a", encoding="ascii") as f:
+            f.write(f"{pid}\n")
+    logger.debug("vllm-anisotropic registered in pid %d (amx permission: %s)", pid, amx)
