@@ -1,0 +1,455 @@
+"""The one draft-tree type: every proposer emits it, every verifier and allocator consumes it.
+
+Scope: the data structure (``DraftTree``), its derived index arrays (depths, positions,
+ancestor masks, first-child / next-sibling links, priority-ordered child tables) and the
+packing of many trees into one flat batch (``TreeBatch``). No sampling, no vLLM.
+
+Sources: draft trees as in SpecInfer (Miao et al. 2024, arXiv 2305.09781) and the GOOSE spine
+tree (papers/000, Sec. 4 and Algorithm 3: nodes tagged by source, spine before branch); the
+multiset child lists of i.i.d. multi-path trees follow Definition 3.1 of papers/002
+(Thomas et al., "Dynamic Delayed Tree Expansion").
+
+Terms
+-----
+node 0, the root
+    The last accepted token (the "anchor" in GOOSE). Not a draft: it is never verified.
+    ``parents[0] == -1``, ``sources[0] == NodeSource.ROOT``, ``values[0] == 1``.
+parent-before-child order
+    ``parents[i] < i`` for every ``i > 0``. The proposers put nodes in *value order* (most
+    valuable first, parents first), so ``truncate(n)`` keeps the n most valuable nodes and is
+    always a valid tree.
+value
+    Estimated probability that the node's whole root-to-node path is accepted.
+draft distribution (``draft_probs``)
+    Only for trees sampled from a draft model. Convention (same indexing as the target
+    logits): **row i is q(. | path to node i), the distribution the children of node i were
+    sampled from.** Rows of leaves are unused. Deterministic trees (GOOSE, top-k) have none.
+multiplicity
+    Number of i.i.d. draft paths through a node (Definition 3.1 of papers/002: the child list
+    of a node is a multiset). 1 everywhere for unmerged trees; a trie that merged K i.i.d.
+    paths stores the counts here, so the child multiset of node c is every child j repeated
+    ``multiplicity[j]`` times.
+depth / position
+    ``depth[0] == 0``; a node's position is ``prompt_len + depth``, where ``prompt_len`` is
+    the number of tokens before the root (so the root sits at position ``prompt_len`` and
+    every child one position after its parent).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = ["NodeSource", "DraftTree", "TreeBatch", "pack_trees", "SOURCE_PRIORITY"]
+
+
+class NodeSource(enum.IntEnum):
+    """Where a node's token came from (GOOSE papers/000 Sec. 4: PLD spine vs TR branch)."""
+
+    ROOT = 0  # the last accepted token, not a draft
+    SPINE = 1  # context match (prompt-lookup n-gram copy): the deep, reliable chain
+    BRANCH = 2  # adjacency-table / token-recycling alternative forking from a node
+    DRAFT = 3  # sampled from a draft model q (carries draft_probs)
+
+
+# Rank used to order siblings for the greedy walk and the deterministic sampler
+# (GOOSE Algorithm 3: spine children are checked before branch children). Lower first;
+# equal ranks keep node-index (value) order.
+SOURCE_PRIORITY: dict[NodeSource, int] = {
+    NodeSource.ROOT: 0,
+    NodeSource.SPINE: 0,
+    NodeSource.BRANCH: 1,
+    NodeSource.DRAFT: 1,
+}
+_PRIORITY_BY_CODE = np.array([SOURCE_PRIORITY[NodeSource(c)] for c in range(len(NodeSource))])
+
+
+def _as_int64(x) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, dtype=np.int64))
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """A draft tree in parent-before-child order. Node 0 is the root (last accepted token).
+
+    Example (a spine of two tokens with one branch at the root)::
+
+        tokens  = [5, 17, 9, 23]        # node 0 = root token 5
+        parents = [-1, 0, 1, 0]         # 17 -> 9 is the spine, 23 a branch
+        sources = [ROOT, SPINE, SPINE, BRANCH]
+        depths  = [0, 1, 2, 1]
+    """
+
+    # [num_nodes] int64; tokens[0] is the root (last accepted) token
+    tokens: np.ndarray
+    # [num_nodes] int64; parents[0] == -1 and parents[i] < i
+    parents: np.ndarray
+    # [num_nodes] int8 NodeSource codes; sources[0] == ROOT
+    sources: np.ndarray = None  # type: ignore[assignment]
+    # [num_nodes] float64; estimated probability that the path root->i is accepted
+    values: np.ndarray = None  # type: ignore[assignment]
+    # [num_nodes, vocab_size] or None; row i = q(. | path to i), the law of node i's children
+    draft_probs: torch.Tensor | None = None
+    # [num_nodes] int64 >= 1; i.i.d. draft paths through the node (child multiset counts)
+    multiplicity: np.ndarray = None  # type: ignore[assignment]
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        tokens = _as_int64(self.tokens)
+        parents = _as_int64(self.parents)
+        n = tokens.shape[0]
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "parents", parents)
+        if self.sources is None:
+            src = np.full(n, NodeSource.DRAFT if self.draft_probs is not None else NodeSource.BRANCH, np.int8)
+            if n:
+                src[0] = NodeSource.ROOT
+        else:
+            src = np.ascontiguousarray(np.asarray(self.sources, dtype=np.int8))
+        object.__setattr__(self, "sources", src)
+        vals = np.ones(n) if self.values is None else np.asarray(self.values, dtype=np.float64)
+        object.__setattr__(self, "values", np.ascontiguousarray(vals))
+        mult = np.ones(n, np.int64) if self.multiplicity is None else _as_int64(self.multiplicity)
+        object.__setattr__(self, "multiplicity", mult)
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Raise ValueError unless every invariant of the type holds."""
+        n = self.num_nodes
+        if n < 1:
+            raise ValueError("a DraftTree has at least the root node")
+        for name in ("parents", "sources", "values", "multiplicity"):
+            if getattr(self, name).shape != (n,):
+                raise ValueError(f"{name} must have shape ({n},), got {getattr(self, name).shape}")
+        if self.tokens.ndim != 1:
+            raise ValueError("tokens must be 1-D")
+        if self.parents[0] != -1:
+            raise ValueError("parents[0] must be -1 (node 0 is the root)")
+        idx = np.arange(n)
+        if n > 1 and not np.all((self.parents[1:] >= 0) & (self.parents[1:] < idx[1:])):
+            raise ValueError("parents must satisfy 0 <= parents[i] < i for i > 0")
+        if self.sources[0] != NodeSource.ROOT or np.any(self.sources[1:] == NodeSource.ROOT):
+            raise ValueError("exactly node 0 has source ROOT")
+        if np.any((self.sources < 0) | (self.sources >= len(NodeSource))):
+            raise ValueError("unknown source code")
+        if np.any(self.tokens < 0):
+            raise ValueError("tokens must be non-negative")
+        if np.any(self.multiplicity < 1):
+            raise ValueError("multiplicity must be >= 1")
+        if self.draft_probs is not None:
+            if self.draft_probs.ndim != 2 or self.draft_probs.shape[0] != n:
+                raise ValueError(f"draft_probs must be [num_nodes={n}, vocab_size]")
+            if int(self.tokens.max()) >= self.draft_probs.shape[1]:
+                raise ValueError("token id out of draft vocabulary")
+
+    # ------------------------------------------------------------------ basic
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def has_draft_probs(self) -> bool:
+        return self.draft_probs is not None
+
+    def _memo(self, key, fn):
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    @property
+    def depths(self) -> np.ndarray:
+        """[num_nodes] int64; depths[0] == 0, depths[i] = depths[parents[i]] + 1."""
+
+        def build():
+            d = np.zeros(self.num_nodes, np.int64)
+            for i in range(1, self.num_nodes):  # parent-before-child: one pass suffices
+                d[i] = d[self.parents[i]] + 1
+            return d
+
+        return self._memo("depths", build)
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    def positions(self, prompt_len: int) -> np.ndarray:
+        """[num_nodes] int64 position ids: ``prompt_len + depth``.
+
+        ``depths [0,1,1,2], prompt_len 7 -> positions [7,8,8,9]``.
+        """
+        return self.depths + int(prompt_len)
+
+    @property
+    def num_children(self) -> np.ndarray:
+        """[num_nodes] int64 number of child nodes (not counting multiplicity)."""
+        return self._memo("nchild", lambda: np.bincount(self.parents[1:], minlength=self.num_nodes).astype(np.int64))
+
+    @property
+    def is_leaf(self) -> np.ndarray:
+        return self.num_children == 0
+
+    @property
+    def first_child(self) -> np.ndarray:
+        """[num_nodes] int64; first child in *priority order* (see ``children``), -1 if leaf."""
+        return self._memo("links", self._links)[0]
+
+    @property
+    def next_sibling(self) -> np.ndarray:
+        """[num_nodes] int64; next sibling in priority order, -1 if last. Root: -1.
+
+        ``parents [-1,0,0,1] (all same source) -> first_child [1,3,-1,-1],
+        next_sibling [-1,2,-1,-1]``.
+        """
+        return self._memo("links", self._links)[1]
+
+    def _links(self):
+        n = self.num_nodes
+        first = np.full(n, -1, np.int64)
+        nxt = np.full(n, -1, np.int64)
+        for c, kids in enumerate(self.children_lists()):
+            if kids:
+                first[c] = kids[0]
+                for a, b in zip(kids[:-1], kids[1:]):
+                    nxt[a] = b
+        return first, nxt
+
+    def children_lists(self) -> list[list[int]]:
+        """Child node indices of every node, in priority order.
+
+        Priority order (GOOSE Algorithm 3): SPINE children before BRANCH/DRAFT children;
+        within equal priority, ascending node index (= value order).
+        """
+
+        def build():
+            kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
+            rank = _PRIORITY_BY_CODE[self.sources]
+            order = np.lexsort((np.arange(self.num_nodes), rank))  # by rank, then index
+            for j in order:
+                if j > 0:
+                    kids[self.parents[j]].append(int(j))
+            return kids
+
+        return self._memo("kids", build)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's first descendant to ``node`` (root excluded)."""
+        path = []
+        while node > 0:
+            path.append(int(node))
+            node = int(self.parents[node])
+        return path[::-1]
+
+    # ------------------------------------------------------------------ masks
+    @property
+    def ancestor_mask(self) -> np.ndarray:
+        """[num_nodes, num_nodes] bool; ``mask[i, j]`` iff j is i or an ancestor of i.
+
+        This is the tree attention mask: node i attends to node j iff ``mask[i, j]``.
+        ``parents [-1,0,0,1] -> rows [1000],[1100],[1010],[1101]``.
+        """
+
+        def build():
+            n = self.num_nodes
+            m = np.zeros((n, n), bool)
+            for i in range(n):
+                m[i, i] = True
+                if i > 0:
+                    m[i] |= m[self.parents[i]]
+            return m
+
+        return self._memo("amask", build)
+
+    @property
+    def ancestor_bits(self) -> np.ndarray:
+        """[num_nodes] int64 bit-packed ancestor mask; bit j of entry i == ``ancestor_mask[i, j]``.
+
+        Only for trees of at most 64 nodes (bit 63 is the sign bit of int64; read it with
+        ``(bits >> j) & 1``). ``parents [-1,0,0,1] -> [0b1, 0b11, 0b101, 0b1011] = [1,3,5,11]``.
+        """
+        if self.num_nodes > 64:
+            raise ValueError(f"ancestor_bits needs <= 64 nodes, tree has {self.num_nodes}")
+
+        def build():
+            bits = np.zeros(self.num_nodes, np.uint64)
+            for i in range(self.num_nodes):
+                own = np.uint64(1) << np.uint64(i)
+                bits[i] = own | (bits[self.parents[i]] if i > 0 else np.uint64(0))
+            return bits.view(np.int64)
+
+        return self._memo("abits", build)
+
+    # ------------------------------------------------------------------ edits
+    def truncate(self, n: int) -> "DraftTree":
+        """The first ``n`` nodes (n >= 1). Always a valid tree (parents come first)."""
+        if n < 1:
+            raise ValueError("truncate keeps at least the root")
+        n = min(int(n), self.num_nodes)
+        return DraftTree(
+            tokens=self.tokens[:n],
+            parents=self.parents[:n],
+            sources=self.sources[:n],
+            values=self.values[:n],
+            draft_probs=None if self.draft_probs is None else self.draft_probs[:n],
+            multiplicity=self.multiplicity[:n],
+        )
+
+    @staticmethod
+    def chain(tokens, root_token: int = 0, source: NodeSource = NodeSource.SPINE, draft_probs=None) -> "DraftTree":
+        """A linear chain root -> tokens[0] -> tokens[1] -> ... ."""
+        t = [int(root_token)] + [int(x) for x in tokens]
+        n = len(t)
+        src = [NodeSource.ROOT] + [source] * (n - 1)
+        return DraftTree(tokens=t, parents=list(range(-1, n - 1)), sources=src, draft_probs=draft_probs)
+
+    @staticmethod
+    def from_paths(paths, root_token: int = 0, merge: bool = False, source: NodeSource = NodeSource.DRAFT) -> "DraftTree":
+        """Build a tree from token paths (each a sequence starting below the root).
+
+        ``merge=False`` keeps every path separate (duplicate sibling tokens allowed: each
+        path is an independent draw); ``merge=True`` builds a trie and counts the paths
+        through each node in ``multiplicity``. Either form is a valid input to every
+        OT verifier; Traversal/Block need unmerged trees.
+        Example: paths [[1,2],[1,3]] merged -> tokens [r,1,2,3], parents [-1,0,1,1],
+        multiplicity [1,2,1,1]; unmerged -> tokens [r,1,2,1,3], parents [-1,0,1,0,3].
+        """
+        tokens, parents, mult = [int(root_token)], [-1], [1]
+        index: dict[tuple, int] = {(): 0}
+        for path in paths:
+            prefix: tuple = ()
+            parent = 0
+            for k, tok in enumerate(path):
+                key = prefix + (int(tok),) if merge else (id(path), k)
+                if merge and key in index:
+                    node = index[key]
+                    mult[node] += 1
+                else:
+                    node = len(tokens)
+                    tokens.append(int(tok))
+                    parents.append(parent)
+                    mult.append(1)
+                    index[key] = node
+                prefix = prefix + (int(tok),)
+                parent = node
+        src = [NodeSource.ROOT] + [source] * (len(tokens) - 1)
+        return DraftTree(tokens=tokens, parents=parents, sources=src, multiplicity=mult)
+
+    def with_draft_probs(self, draft_probs: torch.Tensor | None) -> "DraftTree":
+        return DraftTree(self.tokens, self.parents, self.sources, self.values, draft_probs, self.multiplicity)
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    """Many trees packed into flat arrays (torch, on one device) with cumulative offsets.
+
+    Worked example: two trees with 3 and 2 nodes, prompt lengths 7 and 4::
+
+        tree 0: parents [-1,0,0], depths [0,1,1]    tree 1: parents [-1,0], depths [0,1]
+        node_offsets  = [0, 3, 5]                   # cu_num_nodes, tree b = [o[b], o[b+1])
+        parents       = [-1, 0, 0, -1, 3]           # *global* flat indices, root: -1
+        local_parents = [-1, 0, 0, -1, 0]
+        depths        = [0, 1, 1, 0, 1]
+        positions     = [7, 8, 8, 4, 5]             # prompt_len[b] + depth
+        tree_index    = [0, 0, 0, 1, 1]
+        root_index    = [0, 3]
+
+    ``children[g, :]`` lists the global child indices of flat node g in priority order
+    (-1 padded); ``slots[g, :]`` is the child *multiset*: each child repeated by its
+    multiplicity (-1 padded). ``ancestor_bits`` is set when every tree has <= 64 nodes.
+    """
+
+    # [batch_size + 1] int64 cumulative node counts
+    node_offsets: torch.Tensor
+    # [num_nodes] int64 token ids
+    tokens: torch.Tensor
+    # [num_nodes] int64 global parent index, -1 for roots
+    parents: torch.Tensor
+    # [num_nodes] int64 local parent index, -1 for roots
+    local_parents: torch.Tensor
+    # [num_nodes] int64
+    depths: torch.Tensor
+    # [num_nodes] int64 (prompt_len + depth); zeros-based if no prompt lengths were given
+    positions: torch.Tensor
+    # [num_nodes] int64 which tree each node belongs to
+    tree_index: torch.Tensor
+    # [batch_size] int64 global index of each root
+    root_index: torch.Tensor
+    # [num_nodes] int8 NodeSource codes
+    sources: torch.Tensor
+    # [num_nodes] float64
+    values: torch.Tensor
+    # [num_nodes, max_children] int64 global child indices, priority order, -1 padded
+    children: torch.Tensor
+    # [num_nodes, max_slots] int64 child multiset (children repeated by multiplicity), -1 pad
+    slots: torch.Tensor
+    # [num_nodes] int64 bit-packed ancestor masks (local bits), or None if a tree has > 64 nodes
+    ancestor_bits: torch.Tensor | None
+    # max depth over the batch
+    max_depth: int
+    # True iff every multiplicity is 1 (no merged i.i.d. paths)
+    unmerged: bool
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.root_index.shape[0])
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def to(self, device) -> "TreeBatch":
+        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return TreeBatch(**kw)
+
+
+def pack_trees(trees: list[DraftTree], prompt_lens=None, device="cpu") -> TreeBatch:
+    """Pack trees into one ``TreeBatch`` (see its docstring for the worked example)."""
+    if not trees:
+        raise ValueError("pack_trees needs at least one tree")
+    counts = np.array([t.num_nodes for t in trees], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    total = int(offsets[-1])
+    base = np.repeat(offsets[:-1], counts)
+    local_parents = np.concatenate([t.parents for t in trees])
+    parents = np.where(local_parents >= 0, local_parents + base, -1)
+    depths = np.concatenate([t.depths for t in trees])
+    plen = np.zeros(len(trees), np.int64) if prompt_lens is None else np.asarray(prompt_lens, np.int64)
+    if plen.shape != (len(trees),):
+        raise ValueError("prompt_lens must have one entry per tree")
+    positions = depths + np.repeat(plen, counts)
+    max_children = max(int(t.num_children.max()) for t in trees)
+    children = np.full((total, max(max_children, 1)), -1, np.int64)
+    slot_lists = []
+    for t, off in zip(trees, offsets[:-1]):
+        for c, kids in enumerate(t.children_lists()):
+            if kids:
+                children[off + c, : len(kids)] = np.asarray(kids) + off
+            slot_lists.append([k + int(off) for k in kids for _ in range(int(t.multiplicity[k]))])
+    max_slots = max(1, max(len(s) for s in slot_lists))
+    slots = np.full((total, max_slots), -1, np.int64)
+    for g, s in enumerate(slot_lists):
+        slots[g, : len(s)] = s
+    bits = None
+    if int(counts.max()) <= 64:
+        bits = torch.from_numpy(np.concatenate([t.ancestor_bits for t in trees])).to(device)
+    t64 = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    return TreeBatch(
+        node_offsets=t64(offsets),
+        tokens=t64(np.concatenate([t.tokens for t in trees])),
+        parents=t64(parents),
+        local_parents=t64(local_parents),
+        depths=t64(depths),
+        positions=t64(positions),
+        tree_index=t64(np.repeat(np.arange(len(trees)), counts)),
+        root_index=t64(offsets[:-1]),
+        sources=t64(np.concatenate([t.sources for t in trees])),
+        values=t64(np.concatenate([t.values for t in trees])),
+        children=t64(children),
+        slots=t64(slots),
+        ancestor_bits=bits,
+        max_depth=int(depths.max()),
+        unmerged=all(bool(np.all(t.multiplicity == 1)) for t in trees),
+    )
