@@ -400,6 +400,39 @@ class TreeBatch:
     def num_nodes(self) -> int:
         return int(self.tokens.shape[0])
 
+    def repeat(self, n: int) -> "TreeBatch":
+        """The batch tiled n times (trees b, then b again ...): [t0, t1, t0, t1, ...].
+
+        Global indices are shifted per copy: ``parents`` [-1,0,-1,2] (2 trees, 4 nodes) repeated
+        twice -> [-1,0,-1,2,-1,4,-1,6]. Used to run one tree many times (Monte Carlo, benches).
+        """
+        total = self.num_nodes
+        shift = (torch.arange(n, device=self.tokens.device) * total).repeat_interleave(total)
+
+        def glob(x):  # tile a global-index tensor, keeping -1 padding
+            t = x.repeat(n, *([1] * (x.ndim - 1)))
+            s = shift.view(-1, *([1] * (x.ndim - 1)))
+            return torch.where(t >= 0, t + s, t)
+
+        offs = self.node_offsets[1:].repeat(n) + (torch.arange(n, device=shift.device) * total).repeat_interleave(self.batch_size)
+        return TreeBatch(
+            node_offsets=torch.cat([self.node_offsets[:1], offs]),
+            tokens=self.tokens.repeat(n),
+            parents=glob(self.parents),
+            local_parents=self.local_parents.repeat(n),
+            depths=self.depths.repeat(n),
+            positions=self.positions.repeat(n),
+            tree_index=self.tree_index.repeat(n) + torch.arange(n, device=shift.device).repeat_interleave(total) * self.batch_size,
+            root_index=self.root_index.repeat(n) + torch.arange(n, device=shift.device).repeat_interleave(self.batch_size) * total,
+            sources=self.sources.repeat(n),
+            values=self.values.repeat(n),
+            children=glob(self.children),
+            slots=glob(self.slots),
+            ancestor_bits=None if self.ancestor_bits is None else self.ancestor_bits.repeat(n),
+            max_depth=self.max_depth,
+            unmerged=self.unmerged,
+        )
+
     def to(self, device) -> "TreeBatch":
         kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         return TreeBatch(**kw)

@@ -1,0 +1,292 @@
+"""Analytic acceptance rates, branching probabilities, exact output laws and expected block
+efficiency of the verifiers (papers/002 Sec. 5, Appendix C and D, Eq. 1-3).
+
+Scope: closed-form / exact computations on small vocabularies, in float64, with plain Python
+control flow. Used by tests (exactness proofs, Monte Carlo checks of the samplers) and by the
+delayed-tree selector (expected block efficiency from per-node branching probabilities).
+
+Terms (papers/002):
+
+acceptance rate (Def. 5.1)
+    alpha(f_{p,q,k}) = P(f(X_1..X_k) in {X_1..X_k}) for X_i ~ q i.i.d.
+branching probability (Def. 5.3)
+    B(f_{p,q,k}, x, t) = P(f(x) = t); ``solver_output_law`` returns the whole law over the
+    vocabulary (children and non-children), ``branching_probabilities`` its values on x.
+expected block efficiency (Eq. 1-3)
+    E[tau + 1 | T] = sum over nodes c of P(the traversal reaches c), the root included.
+
+The solvers see the child multiset in uniformly random order (``topdown.py``), so the laws of
+the order-dependent ones (Naive, SpecTr) average over the orderings of the multiset.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import torch
+
+from vllm_anisotropic.tree import DraftTree
+from vllm_anisotropic.verifiers.khisti import khisti_rank, khisti_selection_law
+from vllm_anisotropic.verifiers.spectr import spectr_constants, spectr_rho
+
+__all__ = [
+    "OT_SOLVERS",
+    "solver_output_law",
+    "branching_probabilities",
+    "acceptance_rate",
+    "output_distribution",
+    "expected_block_efficiency",
+]
+
+OT_SOLVERS = ("nss", "naive", "naive_tree", "spectr", "specinfer", "khisti", "deterministic", "greedy")
+
+
+def _norm_pos(v: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    v = v.clamp(min=0)
+    s = float(v.sum())
+    return v / s if s > 0 else fallback
+
+
+def _delta(vocab: int, t: int) -> torch.Tensor:
+    d = torch.zeros(vocab, dtype=torch.float64)
+    d[t] = 1.0
+    return d
+
+
+def _naive_law(p, q, x1: int) -> torch.Tensor:
+    # accept X_1 with min(1, p/q), else y ~ norm((p - q)_+)
+    a = min(1.0, float(p[x1]) / float(q[x1])) if float(q[x1]) > 0 else 1.0
+    return a * _delta(p.shape[0], x1) + (1.0 - a) * _norm_pos(p - q, p)
+
+
+def _spectr_law(p, q, order: list[int]) -> torch.Tensor:
+    k = torch.tensor([len(order)])
+    rho = spectr_rho(p.unsqueeze(0), q.unsqueeze(0), k)
+    _, _, gamma = spectr_constants(p.unsqueeze(0), q.unsqueeze(0), k, rho)
+    rho_f, gam = float(rho[0]), float(gamma[0])
+    out = torch.zeros_like(p)
+    stay = 1.0
+    for x in order:  # accept X_i with min(1, p / (rho q)) in sequence
+        a = min(1.0, float(p[x]) / (rho_f * float(q[x]))) if float(q[x]) > 0 else 1.0
+        out[x] += stay * a
+        stay *= 1.0 - a
+    res = (p - torch.minimum(p / rho_f, q) * gam).clamp(min=0)
+    return out + stay * _norm_pos(res, p)
+
+
+def _specinfer_law(p, q, xs: list[int]) -> torch.Tensor:
+    # B(S, p) = 1/|S| sum_{t in S} [a(t) delta_t + (1 - a(t)) B(S \ t, norm((p - q)_+))]
+    if not xs:
+        return p.clone()
+    out = torch.zeros_like(p)
+    res = _norm_pos(p - q, p)
+    for i, t in enumerate(xs):
+        a = min(1.0, float(p[t]) / float(q[t])) if float(q[t]) > 0 else 1.0
+        out += (a * _delta(p.shape[0], t) + (1.0 - a) * _specinfer_law(res, q, xs[:i] + xs[i + 1 :])) / len(xs)
+    return out
+
+
+def _khisti_law(p, q, xs: list[int]) -> torch.Tensor:
+    r = khisti_selection_law(p.unsqueeze(0), q.unsqueeze(0), torch.tensor([len(xs)]))[0]
+    rank = khisti_rank(p.unsqueeze(0), q.unsqueeze(0))[0]
+    winner = max(xs, key=lambda x: int(rank[x]))
+    return _naive_law(p, r, winner)
+
+
+def _deterministic_law(p, xs: list[int]) -> torch.Tensor:
+    # one-hot SpecInfer in priority order: accept x with p_cur(x), else zero x and renormalise
+    out = torch.zeros_like(p)
+    cur = p.clone()
+    stay = 1.0
+    for x in xs:
+        a = float(cur[x])
+        out[x] += stay * a
+        stay *= 1.0 - a
+        cur[x] = 0.0
+        cur = _norm_pos(cur, cur)
+    return out + stay * cur
+
+
+def solver_output_law(name: str, p: torch.Tensor, q: torch.Tensor | None, xs: list[int]) -> torch.Tensor:
+    """Law of the token output by the OTLP solver ``name`` at a node, [vocab_size] float64.
+
+    ``xs``: the child multiset (tokens, repeated by multiplicity), in priority order. For
+    "naive" (single path) the law includes residual tokens equal to other drafts, which the
+    single-path walk does not descend into (``output_distribution`` handles that).
+    """
+    p = p.to(torch.float64)
+    q = None if q is None else q.to(torch.float64)
+    if name in ("nss", "greedy"):
+        return p.clone()
+    if name == "deterministic":
+        return _deterministic_law(p, xs)
+    if name in ("naive", "naive_tree"):  # X_1 is uniform over the shuffled multiset
+        return sum(_naive_law(p, q, x) for x in xs) / len(xs)
+    if name == "spectr":
+        perms = list(itertools.permutations(xs))
+        return sum(_spectr_law(p, q, list(o)) for o in perms) / len(perms)
+    if name == "specinfer":
+        return _specinfer_law(p, q, list(xs))
+    if name == "khisti":
+        return _khisti_law(p, q, list(xs))
+    raise ValueError(f"no OTLP solver law for {name!r}; valid: {OT_SOLVERS}")
+
+
+def branching_probabilities(name: str, p, q, xs: list[int]) -> dict[int, float]:
+    """B(f_{p,q,k}, xs, t) for every distinct draft token t (papers/002 Def. 5.3, Appendix D)."""
+    law = solver_output_law(name, p, q, xs)
+    if name == "naive":  # single path: only the (uniformly chosen) first draft is descended into
+        return {t: float(_single_path_accept(p, q, xs, t)) for t in set(xs)}
+    return {t: float(law[t]) for t in set(xs)}
+
+
+def _single_path_accept(p, q, xs, t) -> float:
+    p = p.to(torch.float64)
+    q = q.to(torch.float64)
+    return sum(min(1.0, float(p[x]) / float(q[x])) for x in xs if x == t) / len(xs)
+
+
+def acceptance_rate(name: str, p: torch.Tensor, q: torch.Tensor, k: int) -> float:
+    """alpha(f_{p,q,k}) by the closed forms of papers/002 Appendix C (Algorithms 6-10).
+
+    For "khisti" this returns the papers/002 Algorithm 10 *lower bound* sum_x min(p, r)
+    (residual hits on the non-selected drafts are not counted).
+    """
+    p = p.to(torch.float64)
+    q = q.to(torch.float64)
+    if name == "nss":  # Alg. 6: sum_t p(t) (1 - (1 - q(t))^k)
+        return float((p * (1 - (1 - q) ** k)).sum())
+    if name == "naive":  # single path: only X_1 can be accepted
+        return float(torch.minimum(p, q).sum())
+    if name == "naive_tree":  # Alg. 7
+        return float(torch.minimum(p, q).sum() + ((p - q).clamp(min=0) * (1 - (1 - q) ** (k - 1))).sum())
+    if name == "spectr":  # Alg. 8
+        kt = torch.tensor([k])
+        rho = spectr_rho(p.unsqueeze(0), q.unsqueeze(0), kt)
+        beta, p_acc, gamma = (float(v[0]) for v in spectr_constants(p.unsqueeze(0), q.unsqueeze(0), kt, rho))
+        res = _norm_pos(p - torch.minimum(p / float(rho[0]), q) * gamma, p)
+        r = (q - p / float(rho[0])).clamp(min=0) / (1 - beta) if beta < 1 else torch.zeros_like(q)
+        return p_acc + (1 - p_acc) * float((res * (1 - (1 - r) ** k)).sum())
+    if name == "specinfer":  # Alg. 9
+        p_rej, m, pc = 1.0, torch.ones_like(p), p.clone()
+        for _ in range(k):
+            r = float(torch.minimum(pc, q).sum())
+            p_rej *= 1 - r
+            if r < 1:
+                m = m * (1 - (q - pc).clamp(min=0) / (1 - r))  # P(t not among rejected drafts)
+            pc = _norm_pos(pc - q, pc)
+        return (1 - p_rej) + p_rej * float((pc * (1 - m)).sum())
+    if name == "khisti":  # Alg. 10 lower bound
+        r = khisti_selection_law(p.unsqueeze(0), q.unsqueeze(0), torch.tensor([k]))[0]
+        return float(torch.minimum(p, r).sum())
+    raise ValueError(f"no acceptance formula for {name!r}")
+
+
+# ---------------------------------------------------------------------------- whole trees
+def output_distribution(
+    name: str,
+    tree: DraftTree,
+    p_rows: torch.Tensor,  # [num_nodes, vocab_size] processed target p per node
+    q_rows: torch.Tensor | None = None,  # [num_nodes, vocab_size] draft law of each node's children
+) -> dict[tuple[int, ...], float]:
+    """Exact law of the emitted tokens (accepted path tokens + bonus) for a fixed tree."""
+    p_rows = p_rows.to(torch.float64)
+    q_rows = None if q_rows is None else q_rows.to(torch.float64)
+    out: dict[tuple[int, ...], float] = defaultdict(float)
+    if name == "traversal":
+        _traversal_law(tree, p_rows, q_rows, out)
+    elif name == "block":
+        _block_law(tree, p_rows, q_rows, out)
+    else:
+        _topdown_law(name, tree, p_rows, q_rows, 0, 1.0, (), out)
+    return dict(out)
+
+
+def _topdown_law(name, tree, p_rows, q_rows, node, reach, prefix, out) -> None:
+    kids = tree.children_lists()[node]
+    p = p_rows[node]
+    if not kids:
+        for y in torch.nonzero(p > 0).flatten().tolist():
+            out[prefix + (y,)] += reach * float(p[y])
+        return
+    slots = [j for j in kids for _ in range(int(tree.multiplicity[j]))]
+    xs = [int(tree.tokens[j]) for j in slots]
+    q = None if q_rows is None else q_rows[node]
+    law = solver_output_law(name, p, q, xs)
+    if name == "naive":
+        # single path: X_1 uniform over the slots; accepted -> descend into that slot's node
+        for j, x in zip(slots, xs):
+            a = min(1.0, float(p[x]) / float(q[x])) if float(q[x]) > 0 else 1.0
+            if a > 0:
+                _topdown_law(name, tree, p_rows, q_rows, j, reach * a / len(xs), prefix + (x,), out)
+            res = _norm_pos(p - q, p)
+            for y in torch.nonzero(res > 0).flatten().tolist():
+                out[prefix + (y,)] += reach * (1 - a) / len(xs) * float(res[y])
+        return
+    first = {}
+    for j in kids:  # the driver descends into the first child (priority order) with the token
+        first.setdefault(int(tree.tokens[j]), j)
+    for y in torch.nonzero(law > 0).flatten().tolist():
+        mass = reach * float(law[y])
+        if y in first:
+            _topdown_law(name, tree, p_rows, q_rows, first[y], mass, prefix + (y,), out)
+        else:
+            out[prefix + (y,)] += mass
+
+
+def _traversal_law(tree, p_rows, q_rows, out) -> None:
+    kids = tree.children_lists()
+    state = {0: [1.0, p_rows[0].clone()]}
+    reach = [1.0]  # probability that no node was accepted so far
+
+    def tokens_to(c):
+        return tuple(int(tree.tokens[n]) for n in tree.path_to(c))
+
+    def visit(c) -> None:
+        for x in kids[c]:
+            a_c, p_c = state[c]
+            qc = q_rows[c]
+            tok = int(tree.tokens[x])
+            state[x] = [min(1.0, a_c * float(p_c[tok]) / float(qc[tok])), p_rows[x].clone()]
+            visit(x)
+            m = (a_c * p_c - qc).clamp(min=0)  # child rejected: missing mass to the parent
+            dm = float(m.sum())
+            state[c] = [dm / (1 - a_c + dm), m / dm] if dm > 0 else [0.0, p_c]
+        a_c, p_c = state[c]
+        acc = 1.0 if c == 0 else a_c
+        for y in torch.nonzero(p_c > 0).flatten().tolist():
+            out[tokens_to(c) + (y,)] += reach[0] * acc * float(p_c[y])
+        reach[0] *= 1 - acc
+
+    visit(0)
+
+
+def _block_law(tree, p_rows, q_rows, out) -> None:
+    chain = [0]
+    while tree.first_child[chain[-1]] >= 0:
+        chain.append(int(tree.first_child[chain[-1]]))
+    big_l = len(chain) - 1
+    w = [1.0]
+    for i in range(1, big_l + 1):
+        x = int(tree.tokens[chain[i]])
+        w.append(min(1.0, w[-1] * float(p_rows[chain[i - 1]][x]) / float(q_rows[chain[i - 1]][x])))
+    reach = 1.0
+    for i in range(big_l, -1, -1):
+        if i == big_l:
+            h, dist = w[i], p_rows[chain[i]]
+        else:
+            dist = (w[i] * p_rows[chain[i]] - q_rows[chain[i]]).clamp(min=0)
+            dsum = float(dist.sum())
+            h = 1.0 if i == 0 else (dsum / (dsum + 1 - w[i]) if dsum > 0 else 0.0)
+            dist = dist / dsum if dsum > 0 else p_rows[chain[i]]
+        prefix = tuple(int(tree.tokens[n]) for n in chain[1 : i + 1])
+        for y in torch.nonzero(dist > 0).flatten().tolist():
+            out[prefix + (y,)] += reach * h * float(dist[y])
+        reach *= 1 - h
+
+
+def expected_block_efficiency(name: str, tree: DraftTree, p_rows, q_rows=None) -> float:
+    """E[tau + 1 | T] (papers/002 Eq. 2-3): expected number of emitted tokens for this tree."""
+    law = output_distribution(name, tree, p_rows, q_rows)
+    return sum(len(s) * w for s, w in law.items())
