@@ -1,0 +1,89 @@
+"""Draft proposers: one interface (``base.Proposer`` / ``base.RequestState``), one registry.
+
+Scope: training-free drafting of ``DraftTree``s. Algorithms (one module each):
+
+=========================  ===================================================  ==============
+name                       algorithm                                            module
+=========================  ===================================================  ==============
+ar                         plain decoding (root-only trees)                     prompt_lookup
+pld                        Prompt Lookup Decoding chain (Saxena 2023)           prompt_lookup
+tr                         Token Recycling: unigram matrix + static BFS tree    token_recycling
+iso3, iso5                 Isotropic(k): k-ary BFS tree, GOOSE's sources        isotropic
+goose                      GOOSE spine tree (papers/000 Alg. 1-2)               goose
+goose-no-spine-branches    ablation: all branch budget at the root              goose
+goose-unigram              ablation: no bigram tier                             goose
+goose-no-bypass            ablation: never verify the spine alone               goose
+goose-no-spine             ablation: no context-match spine (TR-sourced tree)   goose
+=========================  ===================================================  ==============
+
+``get_proposer(name, vocab_size=None, **options)`` builds one; options are the fields of the
+method's pydantic config (``config.py``), an unknown option is a ValueError naming the valid
+ones. ``proposers.pld.propose_prompt_lookup`` is the stateless PLD kernel (matcher oracle).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable
+from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, RequestState
+from vllm_anisotropic.proposers.config import (
+    GooseConfig,
+    IsotropicConfig,
+    PLDConfig,
+    ProposerConfig,
+    TokenRecyclingConfig,
+)
+from vllm_anisotropic.proposers.context_match import ContextMatch, ContextMatcher
+from vllm_anisotropic.proposers.goose import GooseProposer, build_spine_tree
+from vllm_anisotropic.proposers.isotropic import IsotropicProposer
+from vllm_anisotropic.proposers.prompt_lookup import ARConfig, ARProposer, PLDProposer
+from vllm_anisotropic.proposers.token_recycling import TokenRecyclingProposer
+
+__all__ = [
+    "PROPOSERS",
+    "get_proposer",
+    "proposer_config",
+    "Proposer",
+    "RequestState",
+    "ProposalInfo",
+    "ProposalMode",
+    "AdjacencyTable",
+    "ContextMatch",
+    "ContextMatcher",
+    "build_spine_tree",
+    "GooseConfig",
+    "PLDConfig",
+    "TokenRecyclingConfig",
+    "IsotropicConfig",
+]
+
+# name -> (proposer class, config class, preset options applied before the user's)
+PROPOSERS: dict[str, tuple[type[Proposer], type[ProposerConfig], dict[str, Any]]] = {
+    "ar": (ARProposer, ARConfig, {}),
+    "pld": (PLDProposer, PLDConfig, {}),
+    "tr": (TokenRecyclingProposer, TokenRecyclingConfig, {}),
+    "iso3": (IsotropicProposer, IsotropicConfig, {"branching": 3}),
+    "iso5": (IsotropicProposer, IsotropicConfig, {"branching": 5}),
+    "goose": (GooseProposer, GooseConfig, {}),
+    "goose-no-spine-branches": (GooseProposer, GooseConfig, {"spine_branches": False}),
+    "goose-unigram": (GooseProposer, GooseConfig, {"bigram": False}),
+    "goose-no-bypass": (GooseProposer, GooseConfig, {"bypass": False}),
+    "goose-no-spine": (GooseProposer, GooseConfig, {"context_spine": False}),
+}
+
+
+def proposer_config(name: str, **options) -> ProposerConfig:
+    """The validated config of ``name`` with ``options`` applied over its presets."""
+    try:
+        _, config_cls, preset = PROPOSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown proposer {name!r}; valid names: {sorted(PROPOSERS)}") from None
+    return config_cls(**{**preset, **options})
+
+
+def get_proposer(name: str, vocab_size: int | None = None, **options) -> Proposer:
+    """Build the proposer registered under ``name`` (ValueError naming valid names/keys)."""
+    config = proposer_config(name, **options)
+    cls = PROPOSERS[name][0]
+    return cls(config, vocab_size=vocab_size)

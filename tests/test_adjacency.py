@@ -1,0 +1,84 @@
+"""Adjacency table: harvest vs a naive top-k loop, tiers, LRU bound, memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable, topk_scores
+from vllm_anisotropic.tree import DraftTree
+
+
+def _naive_topk(row: torch.Tensor, k: int):
+    p = torch.softmax(row.double(), -1).tolist()
+    order = sorted(range(len(p)), key=lambda j: (-p[j], j))[:k]
+    return order, [p[j] for j in order]
+
+
+def test_harvest_matches_naive_topk():
+    g = torch.Generator().manual_seed(0)
+    vocab, k = 50, 10
+    tokens = [3, 7, 3, 9, 12]
+    prev = [1, 3, 2, -1, 9]
+    logits = torch.randn(len(tokens), vocab, generator=g) * 3
+    t = AdjacencyTable(vocab, k)
+    t.harvest(prev, tokens, logits)
+    for i, (pv, tok) in enumerate(zip(prev, tokens)):
+        ids, scores = _naive_topk(logits[i], k)
+        if pv >= 0:
+            got_ids, got_scores = t.successors(pv, tok)
+            assert got_ids.tolist() == ids
+            np.testing.assert_allclose(got_scores, scores, rtol=1e-5)
+    # unigram row of token 3 = last harvested row for 3 (index 2)
+    ids2, _ = _naive_topk(logits[2], k)
+    assert t.unigram_ids[3].tolist() == ids2
+    # bigram miss -> unigram row
+    assert t.successors(40, 3)[0].tolist() == ids2
+    assert t.successors(-1, 9)[0].tolist() == _naive_topk(logits[3], k)[0]
+
+
+def test_empty_table_and_lazy_allocation():
+    t = AdjacencyTable(None, 4)
+    assert t.is_empty and t.successors(0, 1)[0].size == 0
+    t.harvest([-1], [2], torch.randn(1, 30))
+    assert t.vocab_size == 30 and t.successors(-1, 2)[0].size == 4
+    assert t.successors(-1, 5)[0].size == 0
+
+
+def test_topk_scores_dtype_and_sum():
+    ids, p = topk_scores(torch.randn(3, 100), 10)
+    assert ids.dtype == np.int32 and p.shape == (3, 10) and np.all(p.sum(1) <= 1 + 1e-6)
+    assert np.all(np.diff(p, axis=1) <= 0)
+
+
+def test_bigram_lru_bound():
+    vocab, k, cap = 20, 3, 4
+    t = AdjacencyTable(vocab, k, bigram_capacity=cap)
+    rows = np.arange(k, dtype=np.int32)[None].repeat(1, 0)
+    sc = np.full((1, k), 0.2, np.float32)
+    for key in range(6):
+        t.update([key], [key + 1], rows, sc)
+        if key == 3:
+            t.successors(0, 1)  # refresh (0, 1): it survives the next evictions
+    assert len(t) == cap
+    keys = set(t._bigram_slots)
+    assert 0 * vocab + 1 in keys and 1 * vocab + 2 not in keys and 5 * vocab + 6 in keys
+    assert sorted(t._bigram_slots.values()) == list(range(cap))
+
+
+def test_harvest_tree_keys():
+    vocab = 16
+    tree = DraftTree(tokens=[5, 6, 7, 8], parents=[-1, 0, 1, 0])
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1))
+    t = AdjacencyTable(vocab, 2)
+    t.harvest_tree(tree, 4, logits)
+    assert t.successors(4, 5)[0].tolist() == _naive_topk(logits[0], 2)[0]
+    assert t.successors(6, 7)[0].tolist() == _naive_topk(logits[2], 2)[0]
+    assert t.successors(5, 8)[0].tolist() == _naive_topk(logits[3], 2)[0]
+
+
+def test_memory_numbers():
+    for vocab, mb in ((49152, 3.93), (151936, 12.15)):
+        m = AdjacencyTable(vocab, 10).memory_bytes()
+        assert abs(m["unigram"] / 1e6 - mb) < 0.01
+        assert m["bigram_rows"] == 65536 * 10 * 8

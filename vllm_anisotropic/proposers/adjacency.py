@@ -1,0 +1,233 @@
+"""Adjacency table: top-K next tokens harvested from the target model's own logits.
+
+Scope: storage, lookup and batched harvest of successor lists. No tree building, no vLLM.
+
+Sources: Token Recycling (Luo et al., ACL 2025, arXiv 2408.08696): an adjacency matrix with one
+row of top-k candidate next tokens per vocabulary token, overwritten with the newest top-k of
+every forward pass (draft tokens included) and inherited across queries ("hot start"). GOOSE
+(papers/000 Sec. 4.1 and Appendix C.1) extends it to two tiers: a dense unigram table
+``[vocab_size, K]`` of token ids and logit-derived scores, and a bigram table keyed by the last
+two tokens ``(t_{i-1}, t_i)``; logits of every verified node, rejected branches included, and of
+the prefill are harvested with one batched top-k.
+
+Terms
+-----
+successors of a key
+    The K most likely next tokens after the key, best first, with their *scores*: softmax
+    probabilities (temperature 1) of the target at the harvested position, so scores of one
+    row sum to <= 1 and are comparable with the min-branch-score threshold 0.01.
+harvest
+    For each verified node i with token ``t_i`` and previous token ``t_{i-1}`` (its parent's
+    token; for the tree root, the context token before it): row ``t_i`` of the unigram table
+    and bigram entry ``(t_{i-1}, t_i)`` are overwritten by the top-K of ``softmax(logits[i])``.
+    Within one batch, the last row for a key wins (deterministic).
+
+Memory (``memory_bytes``): unigram ``V * K * (4 + 4)`` bytes (int32 ids, float32 scores):
+3.9 MB at V = 49,152 and 12.2 MB at V = 151,936 for K = 10. The bigram tier is bounded by
+``bigram_capacity`` entries (default 65,536): ``capacity * K * 8`` bytes of rows (5.2 MB) plus
+the key -> slot dict (about 100 bytes per entry in CPython, ~6.6 MB at capacity). Eviction is
+least-recently-used: a lookup hit or an overwrite refreshes an entry; inserting into a full
+table evicts the least recently used entry and reuses its row.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+__all__ = ["AdjacencyTable", "topk_scores"]
+
+_EMPTY = -1
+
+
+def topk_scores(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Batched top-k of ``softmax(logits)``.
+
+    Args:
+        logits: ``[num_tokens, vocab_size]`` raw target logits (any float dtype, any device).
+        k: number of successors kept per row.
+
+    Returns:
+        ``([num_tokens, k] int32 ids, [num_tokens, k] float32 probabilities)``, best first, on CPU.
+    """
+    assert logits.ndim == 2, logits.shape
+    k = min(int(k), int(logits.shape[-1]))
+    # softmax only on the top-k: p_j = exp(l_j - logsumexp(l)), one logsumexp per row
+    top, ids = torch.topk(logits.float(), k, dim=-1)
+    probs = torch.exp(top - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
+    return ids.to(torch.int32).cpu().numpy(), probs.cpu().numpy().astype(np.float32)
+
+
+def _last_occurrence(keys: np.ndarray) -> np.ndarray:
+    """Indices of the last occurrence of each distinct key (sorted by key).
+
+    ``keys [4, 7, 4] -> [2, 1]`` (key 4 last at 2, key 7 at 1).
+    """
+    rev = keys[::-1]
+    _, first_in_rev = np.unique(rev, return_index=True)
+    return len(keys) - 1 - first_in_rev
+
+
+class AdjacencyTable:
+    """Two-tier successor table (dense unigram + bounded LRU bigram); see module docstring.
+
+    ``vocab_size=None`` allocates the unigram tier lazily at the first harvest (its size read
+    from the logits), so a proposer can be built before the model's vocabulary is known.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int | None = None,
+        top_k: int = 10,
+        bigram: bool = True,
+        bigram_capacity: int = 65536,
+    ) -> None:
+        if top_k < 1:
+            raise ValueError("top_k must be >= 1")
+        self.top_k = int(top_k)
+        self.use_bigram = bool(bigram)
+        self.bigram_capacity = int(bigram_capacity)
+        self.vocab_size: int | None = None
+        # [vocab_size, top_k] int32 successor ids (-1 = empty); [vocab_size, top_k] float32 scores
+        self.unigram_ids: np.ndarray | None = None
+        self.unigram_scores: np.ndarray | None = None
+        # bigram tier: key (prev * vocab_size + token) -> slot, in LRU order (oldest first)
+        self._bigram_slots: OrderedDict[int, int] = OrderedDict()
+        # [bigram_capacity, top_k] rows, allocated with the unigram tier
+        self.bigram_ids: np.ndarray | None = None
+        self.bigram_scores: np.ndarray | None = None
+        self.num_harvested = 0
+        if vocab_size is not None:
+            self._allocate(int(vocab_size))
+
+    def _allocate(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.unigram_ids = np.full((vocab_size, self.top_k), _EMPTY, np.int32)
+        self.unigram_scores = np.zeros((vocab_size, self.top_k), np.float32)
+        if self.use_bigram:
+            cap = self.bigram_capacity
+            self.bigram_ids = np.full((cap, self.top_k), _EMPTY, np.int32)
+            self.bigram_scores = np.zeros((cap, self.top_k), np.float32)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def is_empty(self) -> bool:
+        return self.num_harvested == 0
+
+    def __len__(self) -> int:
+        """Number of bigram entries held."""
+        return len(self._bigram_slots)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held: unigram arrays, bigram arrays, bigram dict (measured), total."""
+        uni = 0 if self.unigram_ids is None else self.unigram_ids.nbytes + self.unigram_scores.nbytes
+        bi = 0 if self.bigram_ids is None else self.bigram_ids.nbytes + self.bigram_scores.nbytes
+        d = sys.getsizeof(self._bigram_slots) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in self._bigram_slots.items())
+        return {"unigram": uni, "bigram_rows": bi, "bigram_index": d, "total": uni + bi + d}
+
+    # ------------------------------------------------------------------ lookup
+    def successors(self, prev_token: int, token: int) -> tuple[np.ndarray, np.ndarray]:
+        """Successor ids and scores of ``(prev_token, token)``: the bigram row when present,
+        else the unigram row of ``token``; only the filled entries (possibly none).
+
+        ``prev_token < 0`` skips the bigram tier.
+        """
+        if self.unigram_ids is None or not 0 <= token < self.vocab_size:
+            return np.zeros(0, np.int32), np.zeros(0, np.float32)
+        if self.use_bigram and prev_token >= 0:
+            key = int(prev_token) * self.vocab_size + int(token)
+            slot = self._bigram_slots.get(key)
+            if slot is not None:
+                self._bigram_slots.move_to_end(key)  # LRU refresh
+                ids, scores = self.bigram_ids[slot], self.bigram_scores[slot]
+                filled = ids >= 0
+                return ids[filled], scores[filled]
+        ids, scores = self.unigram_ids[token], self.unigram_scores[token]
+        filled = ids >= 0
+        return ids[filled], scores[filled]
+
+    # ------------------------------------------------------------------ updates
+    def update(
+        self,
+        prev_tokens,  # [num_tokens] int, -1 = no previous token (skip bigram)
+        tokens,  # [num_tokens] int
+        top_ids: np.ndarray,  # [num_tokens, top_k] int32
+        top_scores: np.ndarray,  # [num_tokens, top_k] float32
+    ) -> None:
+        """Overwrite the rows of ``tokens`` (and bigram keys) with the given successors.
+
+        Duplicate keys in one call: the last row wins.
+        """
+        tokens = np.asarray(tokens, np.int64).reshape(-1)
+        prev_tokens = np.asarray(prev_tokens, np.int64).reshape(-1)
+        n = tokens.shape[0]
+        assert prev_tokens.shape == (n,) and top_ids.shape[0] == n and top_scores.shape == top_ids.shape
+        if n == 0:
+            return
+        if self.unigram_ids is None:
+            raise ValueError("vocab_size unknown: harvest logits first or pass vocab_size")
+        k = min(self.top_k, top_ids.shape[1])
+        ids = np.full((n, self.top_k), _EMPTY, np.int32)
+        scores = np.zeros((n, self.top_k), np.float32)
+        ids[:, :k] = top_ids[:, :k]
+        scores[:, :k] = top_scores[:, :k]
+        last = _last_occurrence(tokens)
+        self.unigram_ids[tokens[last]] = ids[last]
+        self.unigram_scores[tokens[last]] = scores[last]
+        if self.use_bigram:
+            for i in range(n):  # in order, so the last duplicate wins
+                if prev_tokens[i] >= 0:
+                    self._put_bigram(int(prev_tokens[i]) * self.vocab_size + int(tokens[i]), ids[i], scores[i])
+        self.num_harvested += n
+
+    def _put_bigram(self, key: int, ids: np.ndarray, scores: np.ndarray) -> None:
+        slots = self._bigram_slots
+        slot = slots.get(key)
+        if slot is not None:
+            slots.move_to_end(key)
+        elif len(slots) < self.bigram_capacity:
+            slot = len(slots)
+            slots[key] = slot
+        else:
+            _, slot = slots.popitem(last=False)  # evict the least recently used entry
+            slots[key] = slot
+        self.bigram_ids[slot] = ids
+        self.bigram_scores[slot] = scores
+
+    def harvest(
+        self,
+        prev_tokens,  # [num_tokens] int, -1 = none
+        tokens,  # [num_tokens] int
+        logits: torch.Tensor,  # [num_tokens, vocab_size]
+    ) -> None:
+        """One batched top-k over ``softmax(logits)`` rows, then ``update``."""
+        if logits.shape[0] == 0:
+            return
+        if self.unigram_ids is None:
+            self._allocate(int(logits.shape[-1]))
+        assert logits.shape[-1] >= self.vocab_size, (logits.shape, self.vocab_size)
+        ids, scores = topk_scores(logits, self.top_k)
+        self.update(prev_tokens, tokens, ids, scores)
+
+    def harvest_tree(self, tree, prev_root_token: int, logits: torch.Tensor) -> None:
+        """Harvest every node of a verified ``DraftTree`` (rejected branches included).
+
+        Node i is keyed by ``(tokens[parents[i]], tokens[i])``; the root by
+        ``(prev_root_token, tokens[0])``. ``logits`` is ``[num_nodes, vocab_size]``.
+        """
+        assert logits.shape[0] == tree.num_nodes, (logits.shape, tree.num_nodes)
+        prev = np.empty(tree.num_nodes, np.int64)
+        prev[0] = prev_root_token
+        prev[1:] = tree.tokens[tree.parents[1:]]
+        self.harvest(prev, tree.tokens, logits)
+
+    def harvest_sequence(self, tokens, logits: torch.Tensor, chunk: int = 1024) -> None:
+        """Harvest a prefill: row j of ``logits`` follows ``tokens[j]`` (prev ``tokens[j-1]``)."""
+        tokens = np.asarray(tokens, np.int64)
+        assert logits.shape[0] == tokens.shape[0], (logits.shape, tokens.shape)
+        prev = np.concatenate([[-1], tokens[:-1]])
+        for s in range(0, tokens.shape[0], chunk):
+            self.harvest(prev[s : s + chunk], tokens[s : s + chunk], logits[s : s + chunk])

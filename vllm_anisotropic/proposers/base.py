@@ -1,0 +1,83 @@
+"""The proposer interface shared by GOOSE and every baseline.
+
+Scope: the contract only. A ``Proposer`` holds configuration and anything shared across
+requests (e.g. a hot-start adjacency table); ``Proposer.new_request()`` returns a per-request
+``RequestState`` that drafts trees and learns from verification results:
+
+* ``state.propose(context_tokens) -> DraftTree`` -- ``context_tokens`` is every token the
+  request has (prompt + emitted output); its last token is the tree root (the last accepted
+  token, not yet run through the model). A root-only tree means "plain decoding this step".
+* ``state.observe(tree, accepted, logits)`` -- after verification: ``accepted`` are the
+  accepted node indices (root excluded, root->leaf order, ``VerifyResult.accepted``) and
+  ``logits`` the target logits of every verified node, ``[num_nodes, vocab_size]`` (row i =
+  next-token logits after node i's path), or None when the caller cannot provide them.
+* ``state.observe_prefill(prompt_tokens, logits)`` -- optional harvest of the prefill
+  (row j = logits after ``prompt_tokens[j]``).
+
+``state.last_info`` describes the last proposal (mode, spine length, bypass, ...), for logs.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+import numpy as np
+import torch
+
+from vllm_anisotropic.tree import DraftTree
+
+__all__ = ["ProposalMode", "ProposalInfo", "RequestState", "Proposer", "root_only"]
+
+
+class ProposalMode(str, enum.Enum):
+    """How a step's tree was built (GOOSE Appendix B.2 routing)."""
+
+    TREE = "tree"  # a spine tree / branch tree
+    BYPASS = "bypass"  # the context-match spine verified alone as a linear chain
+    CHAIN = "chain"  # a baseline linear chain (PLD)
+    PLAIN = "plain"  # root only: no source had anything; one plain decoding step
+
+
+@dataclass(frozen=True)
+class ProposalInfo:
+    mode: ProposalMode
+    # number of SPINE nodes in the tree (context-match tokens)
+    spine_len: int = 0
+    # n of the matched n-gram (0: no match), its backward match length, consensus flag
+    ngram: int = 0
+    match_length: int = 0
+    consensus: bool = False
+    # spine ratio r used (GOOSE), nan for baselines
+    spine_ratio: float = float("nan")
+
+
+def root_only(context_tokens) -> DraftTree:
+    """The one-node tree of a plain decoding step (root = last context token)."""
+    return DraftTree.chain([], root_token=int(context_tokens[-1]))
+
+
+class RequestState(abc.ABC):
+    """Per-request drafting state; see module docstring for the call protocol."""
+
+    last_info: ProposalInfo = ProposalInfo(ProposalMode.PLAIN)
+
+    @abc.abstractmethod
+    def propose(self, context_tokens: np.ndarray) -> DraftTree: ...
+
+    def observe(self, tree: DraftTree, accepted: Sequence[int], logits: torch.Tensor | None) -> None:
+        """Learn from a verified tree; default: nothing to learn."""
+
+    def observe_prefill(self, prompt_tokens, logits: torch.Tensor | None) -> None:
+        """Harvest prefill logits; default: nothing."""
+
+
+class Proposer(abc.ABC):
+    """A configured drafting method; ``new_request()`` makes the per-request state."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def new_request(self) -> RequestState: ...

@@ -1,0 +1,131 @@
+"""Typed, validated proposer configuration (pydantic), defaults = the papers' hyperparameters.
+
+Scope: one config model per proposer family; an unknown key is an error naming the valid keys
+(the vLLM integration reads these from ``--speculative-config``). No algorithm here.
+
+Defaults follow GOOSE papers/000 Table 5 and Sec. 5.1: node budget B = 60 (nodes *including*
+the root, so at most 59 draft tokens), max branch depth D = 6, adjacency top-K = 10,
+spine-branch ratio rho = 0.5, min branch score 0.01, n-gram lengths {3, 4, 5}, spine
+continuation 20, EMA coefficient 0.3 (initial spine acceptance 0.3, Algorithm 2 line 3), spine
+ratio tiers p_s < 0.2 -> 0.15, < 0.4 -> 0.30, else 0.50, linear bypass threshold 8.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "ProposerConfig",
+    "PLDConfig",
+    "AdjacencyConfig",
+    "GooseConfig",
+    "TokenRecyclingConfig",
+    "IsotropicConfig",
+]
+
+
+class ProposerConfig(BaseModel):
+    """Base: frozen, attribute docstrings become field descriptions, unknown keys rejected."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; valid keys: {sorted(cls.model_fields)}")
+        return data
+
+
+class PLDConfig(ProposerConfig):
+    """Prompt Lookup Decoding: a linear chain copied from the latest n-gram match."""
+
+    ngram_sizes: tuple[int, ...] = Field(default=(3, 4, 5), min_length=1)
+    """n-gram lengths tried, longest first (GOOSE Table 5: {3, 4, 5})."""
+    max_continuation: int = Field(default=20, ge=1)
+    """Maximum draft chain length copied after the match (GOOSE Table 5: 20)."""
+    budget: int = Field(default=60, ge=1)
+    """Node budget B including the root; the chain is cut to B - 1 tokens."""
+
+
+class AdjacencyConfig(ProposerConfig):
+    """Fields shared by the adjacency-table proposers (TR, Isotropic, GOOSE)."""
+
+    budget: int = Field(default=60, ge=1)
+    """Node budget B: tree nodes including the root (<= B - 1 draft tokens). Paper: 60."""
+    max_depth: int = Field(default=6, ge=1)
+    """Max depth D of a branch subtree, measured from its branching node. Paper: 6."""
+    top_k: int = Field(default=10, ge=1)
+    """Successors kept per adjacency-table key (top-K). Paper: 10."""
+    bigram: bool = True
+    """Use the bigram tier (key = last two tokens) before the unigram row (GOOSE Sec. 4.1)."""
+    bigram_capacity: int = Field(default=65536, ge=1)
+    """Max bigram entries (LRU eviction); bounds memory at capacity * top_k * 8 bytes + index."""
+    min_branch_score: float = Field(default=0.01, ge=0.0, le=1.0)
+    """Successors with a score (softmax probability) below this are pruned. Paper: 0.01."""
+    shared_table: bool = True
+    """One adjacency table per proposer, inherited across requests (TR's hot start); False
+    gives every request an empty table of its own."""
+
+
+class GooseConfig(AdjacencyConfig):
+    """GOOSE spine tree (papers/000 Algorithms 1-2, Appendix C.1) and its ablation switches."""
+
+    ngram_sizes: tuple[int, ...] = Field(default=(3, 4, 5), min_length=1)
+    """Context-match n-gram lengths, longest first. Paper: {3, 4, 5}."""
+    max_continuation: int = Field(default=20, ge=1)
+    """Max spine (context-match continuation) length. Paper: 20."""
+    spine_branch_ratio: float = Field(default=0.5, ge=0.0, le=1.0)
+    """rho: share of the non-spine budget given to spine-node branches; 1 - rho to the root
+    branches (Algorithm 1 lines 2-3). Paper: 0.5."""
+    ema_coef: float = Field(default=0.3, gt=0.0, le=1.0)
+    """EMA coefficient: p_s <- (1 - c) p_s + c * (spine acceptance of the step). Paper: 0.3."""
+    initial_spine_acceptance: float = Field(default=0.3, ge=0.0, le=1.0)
+    """Initial p_s (Algorithm 2 line 3). Paper: 0.3."""
+    tier_thresholds: tuple[float, float] = (0.2, 0.4)
+    """p_s boundaries of the spine-ratio tiers. Paper: 0.2, 0.4."""
+    tier_ratios: tuple[float, float, float] = (0.15, 0.30, 0.50)
+    """Spine ratio r for p_s below the first threshold, between, and above. Paper: .15/.30/.50."""
+    bypass: bool = True
+    """Linear bypass: verify the spine alone when the match is confident (Sec. 4.3)."""
+    consensus_bypass: bool = True
+    """Consensus (>= 2 n-gram lengths agree on the first token) triggers the bypass."""
+    bypass_min_length: int = Field(default=8, ge=1)
+    """Long-match bypass threshold in tokens. Paper: 8."""
+    bypass_signal: Literal["draft_length", "match_length"] = "draft_length"
+    """What 'long match' measures: the draft chain length |d| (Algorithm 2 line 6, Prop. 4
+    proof) or the backward-extended matched length of the context suffix."""
+    spine_branches: bool = True
+    """Attach branches at spine nodes (ablation 'w/o spine branches' sets False: the whole
+    branch budget goes to the root)."""
+    context_spine: bool = True
+    """Use context matches at all (ablation 'w/o context-match spine': TR-sourced tree only)."""
+
+
+class TokenRecyclingConfig(AdjacencyConfig):
+    """Token Recycling (Luo et al. 2025): unigram adjacency matrix + static imbalanced tree."""
+
+    bigram: bool = False
+    """TR uses the single-token (unigram) adjacency matrix."""
+    min_branch_score: float = Field(default=0.0, ge=0.0, le=1.0)
+    """TR fills its static tree without score pruning."""
+    rank_decay: float = Field(default=1.5, gt=0.0)
+    """Static template prior: the rank-j successor is accepted with prior ~ (j + 1) ** -rank_decay;
+    the template keeps the B - 1 nodes of highest prior path product (depth <= max_depth)."""
+
+
+class IsotropicConfig(AdjacencyConfig):
+    """Isotropic(k): a uniform k-ary tree filled breadth-first from GOOSE's sources."""
+
+    branching: int = Field(default=3, ge=1)
+    """k, children per node (the paper compares k = 3 and k = 5)."""
+    max_depth: int = Field(default=20, ge=1)
+    """Depth cap; a k-ary tree of B = 60 nodes stops at depth 4 (k = 3) or 3 (k = 5) anyway."""
+    ngram_sizes: tuple[int, ...] = Field(default=(3, 4, 5), min_length=1)
+    """Context-match n-gram lengths (the match supplies the rank-0 child along its path)."""
+    max_continuation: int = Field(default=20, ge=1)
+    """Max context-match continuation."""
