@@ -1,0 +1,96 @@
+"""Analytic acceptance rates (papers/002 App. C), branching laws (App. D) and expected block
+efficiency (Eq. 1-3): checked against exact enumeration and Monte Carlo of the fast samplers."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_anisotropic.tree import DraftTree, pack_trees
+from vllm_anisotropic.verifiers import TargetSampling, get_verifier
+from vllm_anisotropic.verifiers.analytic import acceptance_rate, expected_block_efficiency, solver_output_law
+from vllm_anisotropic.verifiers.toy import DraftTable, TableModel, paths_to_tree, sample_iid_paths, tree_rows
+
+V = 4
+g = torch.Generator().manual_seed(7)
+P = torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 1.5, 0)
+Q = torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 1.5, 0)
+
+
+def exact_acceptance(name, k):
+    """P(output in drafts) by enumerating every ordered draw X_1..X_k ~ q."""
+    total = 0.0
+    for xs in itertools.product(range(V), repeat=k):
+        w = math.prod(float(Q[x]) for x in xs)
+        law = solver_output_law(name, P, Q, list(xs))
+        if name == "naive":  # single path: only X_1 (uniform over the slots) counts
+            acc = sum(min(1.0, float(P[x] / Q[x])) for x in xs) / k
+        else:
+            acc = sum(float(law[t]) for t in set(xs))
+        total += w * acc
+    return total
+
+
+@pytest.mark.parametrize("name", ["nss", "naive", "naive_tree", "spectr", "specinfer"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_acceptance_formula_equals_enumeration(name, k):
+    assert abs(acceptance_rate(name, P, Q, k) - exact_acceptance(name, k)) < 1e-9
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_khisti_lower_bound(k):
+    assert acceptance_rate("khisti", P, Q, k) <= exact_acceptance("khisti", k) + 1e-12
+
+
+@pytest.mark.parametrize("name", ["nss", "naive", "naive_tree", "spectr", "specinfer", "khisti"])
+def test_solver_laws_are_target(name):
+    """Branching laws mixed over i.i.d. drafts give back p (the OTLP property, Def. 3.2)."""
+    for k in (1, 2, 3):
+        mix = torch.zeros(V, dtype=torch.float64)
+        for xs in itertools.product(range(V), repeat=k):
+            mix += math.prod(float(Q[x]) for x in xs) * solver_output_law(name, P, Q, list(xs))
+        torch.testing.assert_close(mix, P, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["naive_tree", "spectr", "specinfer", "khisti"])
+def test_acceptance_matches_monte_carlo(name):
+    """Fast sampler on depth-1 trees with k = 3 i.i.d. drafts: accept rate vs formula, 1e5 runs."""
+    n, k = 100_000, 3
+    rng = np.random.default_rng(3)
+    draws = rng.choice(V, size=(n, k), p=Q.numpy())
+    tree_tokens = np.concatenate([np.zeros((n, 1), np.int64), draws], 1)
+    trees = {}
+    for row in map(tuple, tree_tokens):
+        trees.setdefault(row, DraftTree(tokens=list(row), parents=[-1, 0, 0, 0]))
+    uniq = list(trees)
+    idx = {r: i for i, r in enumerate(uniq)}
+    order = np.array([idx[tuple(r)] for r in tree_tokens])
+    hits = 0
+    logits = torch.log(P).unsqueeze(0).repeat(4, 1)
+    q = Q.unsqueeze(0).repeat(4, 1)
+    v = get_verifier(name, torch.float64)
+    for i, r in enumerate(uniq):  # one batch per distinct draw, sized by its count
+        m = int((order == i).sum())
+        b = pack_trees([trees[r]]).repeat(m)
+        res = v.verify_batch(b, logits.repeat(m, 1), TargetSampling(1.0), torch.Generator().manual_seed(i), q.repeat(m, 1))
+        hits += int((res.num_accepted > 0).sum())
+    est = hits / n
+    want = acceptance_rate(name, P, Q, k) if name != "khisti" else exact_acceptance(name, k)
+    assert abs(est - want) < 5 * math.sqrt(want * (1 - want) / n) + 1e-9
+
+
+@pytest.mark.parametrize("name", ["specinfer", "traversal", "deterministic"])
+def test_expected_block_efficiency_matches_monte_carlo(name):
+    target = TableModel(V, seed=1)
+    draft = DraftTable(target, seed=2)
+    tree = paths_to_tree(sample_iid_paths(draft, (0,), 3, 1, 2, np.random.default_rng(4)), 0, 1)
+    logits, q = tree_rows(tree, (0,), target, draft)
+    p = torch.softmax(logits, -1)
+    want = expected_block_efficiency(name, tree, p, q)
+    n = 100_000
+    res = get_verifier(name, torch.float64).verify_batch(
+        pack_trees([tree]).repeat(n), logits.repeat(n, 1), TargetSampling(1.0), torch.Generator().manual_seed(0), q.repeat(n, 1))
+    x = (res.num_accepted + 1).double()
+    assert abs(float(x.mean()) - want) <= 5 * float(x.std()) / math.sqrt(n) + 1e-9

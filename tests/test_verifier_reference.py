@@ -1,0 +1,74 @@
+"""Fast vectorised verifiers == slow per-node reference loops, seed for seed; registry."""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_anisotropic.tree import DraftTree, pack_trees
+from vllm_anisotropic.verifiers import VERIFIERS, TargetSampling, get_verifier
+from vllm_anisotropic.verifiers.toy import DraftTable, TableModel, paths_to_tree, sample_iid_paths, topk_tree, tree_rows
+
+V = 6
+TARGET = TableModel(V, seed=5)
+DRAFT = DraftTable(TARGET, seed=6)
+
+
+def batch_of_trees(draft_model: bool, rng):
+    trees, logits, qs = [], [], []
+    for i in range(12):
+        prefix = (int(rng.integers(V)),)
+        if draft_model:
+            k, l1, l2 = int(rng.integers(1, 4)), int(rng.integers(0, 3)), int(rng.integers(0, 3))
+            tree = paths_to_tree(sample_iid_paths(DRAFT, prefix, k, l1, l2, rng), prefix[-1], l1)
+        else:
+            tree = topk_tree(TARGET, prefix, width=int(rng.integers(1, 3)), depth=2, spine=list(rng.integers(0, V, 3)))
+        lg, q = tree_rows(tree, prefix, TARGET, DRAFT)
+        trees.append(tree)
+        logits.append(lg)
+        qs.append(q)
+    return trees, torch.cat(logits), torch.cat(qs)
+
+
+SAMPLINGS = [TargetSampling(1.0), TargetSampling(0.6, top_k=3), TargetSampling(1.2, top_p=0.7), TargetSampling(0.0)]
+
+
+@pytest.mark.parametrize("name", sorted(VERIFIERS))
+def test_fast_equals_reference(name):
+    v = get_verifier(name, torch.float64)
+    rng = np.random.default_rng(0)
+    families = [True] if v.requires_draft_probs else [True, False]
+    for draft_model in families:
+        trees, logits, q = batch_of_trees(draft_model, rng)
+        batch = pack_trees(trees)
+        for seed in range(6):
+            sampling = [SAMPLINGS[(seed + i) % len(SAMPLINGS)] for i in range(len(trees))]
+            fast = v.verify_batch(batch, logits, sampling, torch.Generator().manual_seed(seed), q).to_list()
+            ref = v.reference_batch(batch, logits, sampling, torch.Generator().manual_seed(seed), q)
+            assert fast == ref
+
+
+def test_single_tree_api_and_float32():
+    tree = DraftTree.from_paths([[1, 2], [3, 4]], root_token=0)
+    logits = torch.randn(tree.num_nodes, 8)
+    q = torch.softmax(torch.randn(tree.num_nodes, 8), -1)
+    for name in VERIFIERS:
+        r = get_verifier(name).verify(tree.with_draft_probs(q), logits, TargetSampling(0.8), torch.Generator().manual_seed(0))
+        assert 0 <= r.bonus_token < 8
+        assert r.accepted == tree.path_to(r.accepted[-1]) if r.accepted else True
+
+
+def test_registry():
+    assert set(VERIFIERS) == {"greedy", "deterministic", "nss", "naive", "naive_tree", "spectr", "specinfer",
+                              "khisti", "traversal", "block"}
+    with pytest.raises(ValueError, match="valid names.*greedy"):
+        get_verifier("nope")
+
+
+def test_missing_draft_probs_and_merged_trees_raise():
+    tree = DraftTree.from_paths([[1, 2], [1, 3]], root_token=0, merge=True)
+    logits = torch.randn(tree.num_nodes, 4)
+    with pytest.raises(ValueError, match="draft_probs"):
+        get_verifier("specinfer").verify(tree, logits)
+    q = torch.full((tree.num_nodes, 4), 0.25)
+    with pytest.raises(ValueError, match="unmerged"):
+        get_verifier("traversal").verify(tree.with_draft_probs(q), logits)
