@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "vllm_anisotropic.models.cli",
     "vllm_anisotropic.data.cli",
     "vllm_anisotropic.bench.demo",
+    "vllm_anisotropic.bench.tau",
 )
 
 
