@@ -100,7 +100,7 @@ def _mbpp(path: Path) -> Iterator[Prompt]:
             dataset="mbpp",
             id=f"mbpp/{doc['task_id']}",
             text=f"{doc['text'].strip()}\nYour code should pass these tests:\n{tests}",
-            reference=doc["code"].replace("\r\n", "\n"),
+            reference=doc["code"].replace("\r\n", "\n").replace("\r", "\n"),
         )
 
 
