@@ -58,6 +58,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-steps", action="store_true", help="omit per-step records from the JSONL")
     p.add_argument("--out", default="results/tau.jsonl", help="JSONL output (appended)")
+    p.add_argument("--summarize", default=None, metavar="JSONL", help="only print the summary table of an existing JSONL file")
     p.set_defaults(func=run)
     return p
 
@@ -101,27 +102,13 @@ def _resolve_model(name: str) -> Path:
     return prepare_model(name)
 
 
-def _prompt_text(item) -> str:
-    if isinstance(item, str):
-        return item
-    if isinstance(item, dict):
-        return item.get("prompt") or item.get("text") or item["turns"][0]
-    return getattr(item, "prompt")
-
-
 def load_prompts(dataset: str, limit: int, offset: int, tokenizer, prompt_format: str) -> list[list[int]]:
-    """Token ids of ``limit`` prompts of ``dataset`` (after ``offset``), formatted for the model."""
+    """Token ids of ``limit`` prompts of ``dataset`` (after ``offset``), formatted for the model
+    (first user turn; ``data.format_prompt``)."""
     from vllm_anisotropic.data import format_prompt, load_dataset
 
     items = load_dataset(dataset, limit + offset)[offset:]
-    out = []
-    for it in items:
-        text = format_prompt(_prompt_text(it), tokenizer, prompt_format)
-        if isinstance(text, str):
-            out.append(tokenizer.encode(text, add_special_tokens=False))
-        else:
-            out.append([int(t) for t in text])
-    return out
+    return [tokenizer.encode(format_prompt(it, tokenizer, prompt_format), add_special_tokens=False) for it in items]
 
 
 def _options(args) -> dict[str, dict]:
@@ -206,6 +193,10 @@ def run(args) -> int:
 
     from vllm_anisotropic.bench.harness import TreeDecoder, first_divergence, load_model
 
+    if args.summarize:
+        with open(args.summarize) as fh:
+            sys.stdout.write(format_table(summarize([json.loads(line) for line in fh if line.strip()])) + "\n")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -224,10 +215,13 @@ def run(args) -> int:
     jobs = {d: load_prompts(d, args.limit, args.offset, tokenizer, args.prompt_format) for d in datasets}
     total = sum(len(p) for p in jobs.values()) * len(methods)
     with out_path.open("a") as fh, tqdm(total=total, desc="tau", unit="run") as bar:
-        for dataset, prompts in jobs.items():
-            proposers = build_proposers(methods, args.budget, extra)  # fresh (empty) tables per dataset
-            for idx, prompt in enumerate(prompts):
-                reference = None
+        # prompt-major over datasets, so a run stopped early still covers every dataset
+        proposers_of = {d: build_proposers(methods, args.budget, extra) for d in jobs}  # empty tables
+        for idx in range(max(len(p) for p in jobs.values())):
+            for dataset, prompts in jobs.items():
+                if idx >= len(prompts):
+                    continue
+                prompt, proposers, reference = prompts[idx], proposers_of[dataset], None
                 for method in methods:
                     t0 = time.perf_counter()
                     if method == "ar":

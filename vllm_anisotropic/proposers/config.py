@@ -123,8 +123,9 @@ class IsotropicConfig(AdjacencyConfig):
 
     branching: int = Field(default=3, ge=1)
     """k, children per node (the paper compares k = 3 and k = 5)."""
-    max_depth: int = Field(default=20, ge=1)
-    """Depth cap; a k-ary tree of B = 60 nodes stops at depth 4 (k = 3) or 3 (k = 5) anyway."""
+    max_depth: int = Field(default=6, ge=1)
+    """Depth cap D (same as GOOSE's branches). A full k-ary tree of B = 60 nodes stops at depth
+    4 (k = 3) or 3 (k = 5); the cap only binds when pruning leaves nodes with < k candidates."""
     ngram_sizes: tuple[int, ...] = Field(default=(3, 4, 5), min_length=1)
     """Context-match n-gram lengths (the match supplies the rank-0 child along its path)."""
     max_continuation: int = Field(default=20, ge=1)
