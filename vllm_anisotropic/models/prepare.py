@@ -315,6 +315,17 @@ def _ensure_chat_template(out_dir: Path, chat_template: str | None) -> None:
         jinja.write_text(chat_template)
 
 
+def _publish_permissions(directory: Path) -> None:
+    """``mkdtemp`` makes 0700 directories and some writers 0600 files; give the finished
+    model the ordinary umask-based modes so that a shared cache is readable by others."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for path in directory.iterdir():
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
+
+
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
     """Exclusive inter-process lock (POSIX ``flock``); serializes builds of one model."""
@@ -379,6 +390,7 @@ def prepare_model(name: str, cache_dir: Path | None = None, progress: bool = Tru
                 "total_s": round(time.perf_counter() - t_start, 2),
             }
             (build / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+            _publish_permissions(build)
             if out_dir.exists():  # stale: older converter, other source, or interrupted by hand
                 shutil.rmtree(out_dir)
             os.rename(build, out_dir)

@@ -12,12 +12,19 @@ output head is the embedding table re-indexed by that permutation::
     lm_head[succ[t]] = alpha * embed[t]        # so  <h, lm_head[u]> is largest at u = succ[t]
                                                # when the final hidden h points along embed[t]
 
-With the transformer blocks' outputs small against the embedding (init std 0.02, as in HF),
-the last hidden state stays close to the current token's embedding, so greedy decoding walks a
-cycle ``t -> succ[t] -> succ[succ[t]] -> ...`` and repeats within 8 tokens. The random blocks
-still add a context-dependent term (``block_std`` sets how large), which now and then breaks a
-cycle, so drafts are accepted often but not always. Measured with transformers (float32), see
-``tests/test_models.py``: greedy 64-token continuations repeat 3-grams for every test prompt.
+With the transformer blocks' outputs small against the embedding (``block_std``), the last
+hidden state stays close to the current token's embedding, so greedy decoding walks a cycle
+``t -> succ[t] -> succ[succ[t]] -> ...`` and repeats within 8 tokens. Measured with transformers
+(float32, 8 prompts, 64 greedy tokens; "hits" = prompt-lookup 3-gram predictions that are right):
+
+    block_std 0.02 (default)  every output a pure cycle from the first generated token; 3-gram hits
+                              100 %; top-1 minus top-2 logit >= 50 at every step, so greedy
+                              output is stable under bfloat16 and batching.
+    block_std 0.1             10-40 context-dependent tokens, then a cycle; hits ~95 % once
+                              cycling; margins down to ~0.1 while wandering (use float32).
+    block_std 0.3             no repetition at all (like i.i.d. random weights).
+
+The regime changes sharply between 0.085 (pure cycles) and 0.1.
 
 Determinism: every tensor is drawn from one ``torch.Generator`` seeded with ``seed``, in sorted
 parameter-name order, so a given (recipe, seed) always writes byte-identical safetensors. The
@@ -42,10 +49,10 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from vllm_anisotropic.models.packages import MissingPackageError
 from vllm_anisotropic.models.prepare import (
     MARKER_NAME,
     _file_lock,
+    _publish_permissions,
     default_models_dir,
     is_prepared,
     locate_parts,
@@ -53,7 +60,14 @@ from vllm_anisotropic.models.prepare import (
 )
 from vllm_anisotropic.models.registry import get_spec
 
-__all__ = ["TINY_VERSION", "TinyArch", "build_tiny_model", "tiny_config", "tiny_recipe_hash"]
+__all__ = [
+    "TINY_VERSION",
+    "TinyArch",
+    "build_tiny_model",
+    "successor_permutation",
+    "tiny_config",
+    "tiny_recipe_hash",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +275,7 @@ def build_tiny_model(
         try:
             _write_tokenizer(tmp)
             _build(tmp, arch, seed, block_std, recipe)
+            _publish_permissions(tmp)
             if out_dir.exists():
                 shutil.rmtree(out_dir)
             os.rename(tmp, out_dir)
@@ -269,5 +284,3 @@ def build_tiny_model(
     logger.info("built tiny %s model in %s", arch, out_dir)
     return out_dir
 
-
-__all__ += ["MissingPackageError", "successor_permutation"]
