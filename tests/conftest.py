@@ -17,7 +17,7 @@ def tiny_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_prompts() -> list[str]:
-    """Real HumanEval and GSM8K prompt texts (raw, no chat template: the tiny model has none)."""
+    """Real HumanEval and GSM8K prompt texts (raw: the tiny model is a random-weight model, chat formatting adds nothing)."""
     from vllm_anisotropic.data import load_dataset
 
     return [p.text for p in load_dataset("humaneval", limit=6)] + [
