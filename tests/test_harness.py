@@ -61,3 +61,17 @@ def test_eos_and_budget(tiny):
     res = dec.generate(prompts[0], get_proposer("goose", budget=8).new_request(), 40, eos_ids=[eos])
     assert res.tokens == refs[0][: refs[0].index(eos) + 1]
     assert all(s.tree_size <= 8 for s in res.steps)
+
+
+def test_qwen2_arch_equality():
+    """Qwen2 (q/k/v biases) through the same tree path."""
+    from vllm_anisotropic.models import build_tiny_model
+
+    model, tok = load_model(build_tiny_model(arch="qwen2"), dtype=torch.float32)
+    dec = TreeDecoder(model)
+    prop = get_proposer("goose")
+    for text in TEXTS[:2]:
+        p = tok.encode(text)
+        ref = dec.greedy_decode(p, 32).tokens
+        res = dec.generate(p, prop.new_request(), 32)
+        assert res.tokens == ref
