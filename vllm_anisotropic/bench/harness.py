@@ -93,6 +93,8 @@ class DecodeResult:
             "branch_proposed": int(sum(s.branch_size for s in st)),
             "mean_tree_size": float(sum(s.tree_size for s in st) / n),
             "bypass_steps": int(sum(s.mode == ProposalMode.BYPASS.value for s in st)),
+            # accepted path = spine prefix then branch suffix (GOOSE Sec. 4.2 "spine continuation")
+            "spine_continuation_steps": int(sum(s.spine_accepted > 0 and s.branch_accepted > 0 for s in st)),
             "plain_steps": int(sum(s.mode == ProposalMode.PLAIN.value for s in st)),
             "propose_ms_per_step": 1e3 * float(sum(s.propose_s for s in st) / n),
             "forward_ms_per_step": 1e3 * float(sum(s.forward_s for s in st) / n),

@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["add_parser", "run", "summarize", "format_table"]
+__all__ = ["add_parser", "run", "summarize", "complete_prompts", "format_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-steps", action="store_true", help="omit per-step records from the JSONL")
     p.add_argument("--out", default="results/tau.jsonl", help="JSONL output (appended)")
-    p.add_argument("--summarize", default=None, metavar="JSONL", help="only print the summary table of an existing JSONL file")
+    p.add_argument("--summarize", default=None, metavar="JSONL[,JSONL]",
+                   help="only print the summary table of existing JSONL files (prompts finished by every method)")
     p.set_defaults(func=run)
     return p
 
@@ -133,19 +134,39 @@ def build_proposers(methods: list[str], budget: int | None, extra: dict[str, dic
 
 
 # ---------------------------------------------------------------------- summary
+def complete_prompts(records: list[dict]) -> list[dict]:
+    """Only the prompts that every method of their dataset finished (a run stopped early
+    leaves its last prompt partial), so that all methods average over the same prompts."""
+    methods = defaultdict(set)
+    done = defaultdict(set)
+    for r in records:
+        methods[r["dataset"]].add(r["method"])
+        done[(r["dataset"], r["prompt_index"])].add(r["method"])
+    return [r for r in records if done[(r["dataset"], r["prompt_index"])] == methods[r["dataset"]]]
+
+
 def summarize(records: list[dict]) -> dict:
     """Per (dataset, method): tau, p_s, p_t, ratio, ms/step, identical fraction, prompts."""
     acc = defaultdict(lambda: defaultdict(float))
+    multi = len({r["dataset"] for r in records}) > 1
     for r in records:
-        s = r["summary"]
-        a = acc[(r["dataset"], r["method"])]
-        a["steps"] += s["num_steps"]
-        a["emitted"] += s["accepted"] + s["num_steps"]
-        for k in ("spine_accepted", "spine_proposed", "branch_accepted", "branch_proposed", "bypass_steps"):
-            a[k] += s[k]
-        a["propose_ms"] += s["propose_ms_per_step"] * s["num_steps"]
-        a["prompts"] += 1
-        a["identical"] += bool(r.get("identical_to_ar", True))
+        for a in [acc[(r["dataset"], r["method"])]] + ([acc[("ALL (pooled)", r["method"])]] if multi else []):
+            _accumulate(a, r)
+    return _finish(acc)
+
+
+def _accumulate(a: dict, r: dict) -> None:
+    s = r["summary"]
+    a["steps"] += s["num_steps"]
+    a["emitted"] += s["accepted"] + s["num_steps"]
+    for k in ("spine_accepted", "spine_proposed", "branch_accepted", "branch_proposed", "bypass_steps"):
+        a[k] += s[k]
+    a["propose_ms"] += s["propose_ms_per_step"] * s["num_steps"]
+    a["prompts"] += 1
+    a["identical"] += bool(r.get("identical_to_ar", True))
+
+
+def _finish(acc: dict) -> dict:
     out = {}
     for key, a in acc.items():
         steps = max(a["steps"], 1)
@@ -166,7 +187,7 @@ def summarize(records: list[dict]) -> dict:
 
 def format_table(summary: dict) -> str:
     lines = []
-    datasets = sorted({d for d, _ in summary})
+    datasets = sorted({d for d, _ in summary}, key=lambda d: (d.startswith("ALL"), d))
     for d in datasets:
         rows = {m: v for (dd, m), v in summary.items() if dd == d}
         lines.append(f"dataset {d}")
@@ -194,8 +215,11 @@ def run(args) -> int:
     from vllm_anisotropic.bench.harness import TreeDecoder, first_divergence, load_model
 
     if args.summarize:
-        with open(args.summarize) as fh:
-            sys.stdout.write(format_table(summarize([json.loads(line) for line in fh if line.strip()])) + "\n")
+        records = []
+        for path in args.summarize.split(","):
+            with open(path) as fh:
+                records.extend(json.loads(line) for line in fh if line.strip())
+        sys.stdout.write(format_table(summarize(complete_prompts(records))) + "\n")
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
