@@ -66,26 +66,26 @@ def test_amx_permission_in_a_fresh_process():
         assert (before, after) == ("False", "False")
 
 
+def _pld_job(model_dir, prompts, speculative_config=PLD) -> OfflineJob:
+    return OfflineJob(
+        model=str(model_dir),
+        prompts=prompts,
+        max_tokens=48,
+        speculative_config=speculative_config,
+        llm_kwargs=ENGINE_KWARGS,
+    )
+
+
 @pytest.fixture(scope="module")
 def plain_run(tiny_model_dir, tiny_prompts):
-    job = OfflineJob(
-        model=str(tiny_model_dir), prompts=tiny_prompts, max_tokens=48, llm_kwargs=ENGINE_KWARGS
-    )
-    return run_offline_job(job)
+    return run_offline_job(_pld_job(tiny_model_dir, tiny_prompts, speculative_config=None))
 
 
 def test_proposer_runs_in_every_process_and_greedy_is_identical(
     tiny_model_dir, tiny_prompts, plain_run, tmp_path
 ):
     trace = tmp_path / "trace"
-    job = OfflineJob(
-        model=str(tiny_model_dir),
-        prompts=tiny_prompts,
-        max_tokens=48,
-        speculative_config=PLD,
-        llm_kwargs=ENGINE_KWARGS,
-    )
-    spec = run_offline_job(job, env={TRACE_ENV: str(trace)})
+    spec = run_offline_job(_pld_job(tiny_model_dir, tiny_prompts), env={TRACE_ENV: str(trace)})
     pids = [int(p) for p in trace.read_text().split()]
     # front end (the job process), EngineCore, worker: each registered exactly once.
     assert len(pids) >= 3 and len(set(pids)) == len(pids), pids
@@ -99,13 +99,7 @@ def test_ten_multiprocess_starts_with_speculation_none_dies(
     tiny_model_dir, tiny_prompts, plain_run
 ):
     """The SIGILL worker crash (shared/notes section 6) killed 4 of 5 such starts before the fix."""
-    job = OfflineJob(
-        model=str(tiny_model_dir),
-        prompts=tiny_prompts,
-        max_tokens=48,
-        speculative_config=PLD,
-        llm_kwargs=ENGINE_KWARGS,
-    )
+    job = _pld_job(tiny_model_dir, tiny_prompts)
     env = {"PYTHONFAULTHANDLER": "1"}
     for start in range(NUM_STARTS):
         result = run_offline_job(job, env=env)  # raises OfflineJobFailed with the log on a death
