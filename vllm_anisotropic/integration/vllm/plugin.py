@@ -8,6 +8,9 @@ and idempotent: it may be called again by hand, and registrations are process-lo
 What it does today:
 - asks for AMX tile permission (see ``amx.py``): the fix for vLLM CPU workers dying at random
   with SIGILL;
+- installs the front-door patches (``patches.py``) that make
+  ``speculative_config={"method": "goose"}`` (and ``pld``, ``token_recycling``,
+  ``isotropic``) select this plugin's tree worker, runner, attention and scheduler;
 - when ``VLLM_ANISOTROPIC_TRACE_REGISTER`` names a file, appends ``<pid>`` to it once per
   process, so tests and users can check which processes loaded the plugin.
 """
@@ -34,6 +37,9 @@ def register() -> None:
     if _registered_pid == pid:
         return
     amx = request_amx_permission()
+    from vllm_anisotropic.integration.vllm.patches import apply
+
+    apply()
     _registered_pid = pid
     trace = os.environ.get(TRACE_ENV)
     if trace:

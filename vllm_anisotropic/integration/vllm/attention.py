@@ -1,0 +1,155 @@
+"""Tree attention for vLLM's CPU backend: CPU_ATTN plus a masked recompute of the tree rows.
+
+Scope: decoder self-attention of the draft-tree rows only. vLLM's CPU kernel
+(``ops.cpu_attention_with_kv_cache``) supports causal or per-sequence ``dynamic_causal``
+masks, not arbitrary ones (shared/notes section 3b). So ``TreeCPUAttentionImpl.forward`` lets
+the kernel compute every row (correct for prompts, re-run tokens and each tree's root), then
+recomputes the rows of tree nodes with ``torch.nn.functional.scaled_dot_product_attention``
+over the request's paged KV cache and a boolean tree mask, and overwrites those output rows.
+
+Mask of tree request r (context length ``c = seq_len - n``, ``n`` draft nodes in the last n
+logical KV positions): node i may attend every context position ``< c`` (prompt, accepted
+tokens, the root) and node j iff j is i or an ancestor of i (``DraftTree.ancestor_mask``).
+Example: parents ``[-1, 0, 0, 1]``, c = 5 -> row of node 3: ``[1,1,1,1,1 | 1,0,1]``.
+
+KV layout: the cache of one layer is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+holding, per (block, head), a K region then a V region whose inner order depends on the ISA
+(the ``vec`` kernels store K transposed, ``[head_size, block_size]``). Rather than hard-code
+it, ``kv_layout`` writes probe tokens through vLLM's own ``cpu_attn_reshape_and_cache`` once
+per (isa, dtype, block_size, head_size) and reads back where each (token, dim) landed.
+The recompute runs in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+__all__ = ["TreeCPUBackend", "TreeCPUAttentionImpl", "kv_layout", "TREE_BACKEND_CLS"]
+
+TREE_BACKEND_CLS = f"{__name__}.TreeCPUBackend"
+_DIGIT = 16  # probe values stay in 1..16: exact in every cache dtype
+
+
+@functools.lru_cache(maxsize=16)
+def kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where token t, dim d of one (block, kv head) lives in its ``2 * block_size * head_size``
+    elements: ``(k_offsets, v_offsets)``, each ``[block_size, head_size]`` int64.
+
+    Probes: four writes of the whole block with K (and V) set to one base-16 digit of t or d.
+    """
+    from vllm import _custom_ops as ops
+
+    t = torch.arange(block_size).view(block_size, 1).expand(block_size, head_size)
+    d = torch.arange(head_size).view(1, head_size).expand(block_size, head_size)
+    digits = [t // _DIGIT, t % _DIGIT, d // _DIGIT, d % _DIGIT]
+    region = 2 * block_size * head_size
+    reads = []
+    for digit in digits:
+        cache = torch.zeros(1, 1, block_size, 2 * head_size, dtype=dtype)
+        view = cache.view(1, 1, 2 * block_size, head_size)
+        key_cache, value_cache = view.chunk(2, dim=2)
+        value = (digit + 1).to(dtype).view(block_size, 1, head_size)
+        ops.cpu_attn_reshape_and_cache(
+            value, value, key_cache, value_cache, torch.arange(block_size, dtype=torch.int64),
+            isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
+        )
+        reads.append(cache.view(region).float().round().long() - 1)
+    tt = reads[0] * _DIGIT + reads[1]
+    dd = reads[2] * _DIGIT + reads[3]
+    if bool((tt < 0).any() or (dd < 0).any()):
+        raise RuntimeError(f"CPU KV layout probe failed for isa={isa} dtype={dtype} (unfilled elements)")
+    offsets = torch.arange(region)
+    half = block_size * head_size
+    k_off = torch.full((block_size, head_size), -1, dtype=torch.int64)
+    v_off = torch.full((block_size, head_size), -1, dtype=torch.int64)
+    k_off[tt[:half], dd[:half]] = offsets[:half]
+    v_off[tt[half:], dd[half:]] = offsets[half:]
+    if bool((k_off < 0).any() or (v_off < 0).any()):
+        raise RuntimeError(f"CPU KV layout probe for isa={isa} is not a K-then-V permutation")
+    return k_off, v_off
+
+
+class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    """``CPUAttentionBackendImpl`` whose tree rows are recomputed with a tree mask."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        plan = getattr(attn_metadata, "tree_plan", None) if attn_metadata is not None else None
+        if plan is None:
+            return output
+        if self.alibi_slopes is not None or self.sliding_window != -1 or self.logits_soft_cap or self.sinks is not None:
+            raise NotImplementedError(
+                "vllm-anisotropic tree attention does not support ALiBi, sliding windows, "
+                "logit soft-capping or attention sinks yet"
+            )
+        if self.is_fp8_kv_cache:
+            raise NotImplementedError("vllm-anisotropic tree attention does not support fp8 KV caches")
+        self._tree_rows(layer, query, kv_cache, attn_metadata, plan, output)
+        return output
+
+    def _gather_plan(self, plan, attn_metadata, block_size: int):
+        """Per-step indices shared by all layers: [R, L] blocks/offsets, [R, N] query rows,
+        [R, N] valid query rows, [R, N, L] bool mask."""
+        key = ("gather", block_size)
+        if key in plan.cache:
+            return plan.cache[key]
+        seq_lens = attn_metadata.seq_lens.tolist()
+        q_end = attn_metadata.query_start_loc[1:].tolist()
+        block_table = attn_metadata.block_table
+        lens = [seq_lens[i] for i in plan.req_index]
+        num_reqs, max_len, max_nodes = len(plan.req_index), max(lens), max(plan.num_nodes)
+        blocks = torch.zeros(num_reqs, max_len, dtype=torch.int64)
+        offs = torch.zeros(num_reqs, max_len, dtype=torch.int64)
+        rows = torch.zeros(num_reqs, max_nodes, dtype=torch.int64)
+        valid = torch.zeros(num_reqs, max_nodes, dtype=torch.bool)
+        mask = torch.zeros(num_reqs, max_nodes, max_len, dtype=torch.bool)
+        for r, (i, n, m) in enumerate(zip(plan.req_index, plan.num_nodes, plan.masks)):
+            seq_len = lens[r]
+            ctx = seq_len - n
+            pos = torch.arange(seq_len)
+            blocks[r, :seq_len] = block_table[i, pos // block_size].to(torch.int64)
+            offs[r, :seq_len] = pos % block_size
+            rows[r, :n] = torch.arange(q_end[i] - n, q_end[i])
+            valid[r, :n] = True
+            mask[r, :n, :ctx] = True
+            mask[r, :n, ctx:seq_len] = torch.from_numpy(np.ascontiguousarray(m))
+            mask[r, n:, 0] = True  # padding rows: attend something (discarded)
+        out = (blocks, offs, rows, valid, mask)
+        plan.cache[key] = out
+        return out
+
+    def _tree_rows(self, layer, query, kv_cache, attn_metadata, plan, output) -> None:
+        num_blocks, num_kv_heads, block_size, two_hs = kv_cache.shape
+        head_size = two_hs // 2
+        k_off, v_off = kv_layout(layer.isa, kv_cache.dtype, block_size, head_size)
+        blocks, offs, rows, valid, mask = self._gather_plan(plan, attn_metadata, block_size)
+        flat = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size * head_size)
+        b = blocks.unsqueeze(-1)  # [R, L, 1]
+        # [R, L, head_size, num_kv_heads] -> [R, num_kv_heads, L, head_size]
+        k = flat[b, :, k_off[offs]].permute(0, 3, 1, 2).float()
+        v = flat[b, :, v_off[offs]].permute(0, 3, 1, 2).float()
+        q = query.view(query.shape[0], self.num_heads, self.head_size)
+        # [R, num_heads, N, head_size]
+        q = q[rows].permute(0, 2, 1, 3).float()
+        if self.num_queries_per_kv > 1:
+            k = k.repeat_interleave(self.num_queries_per_kv, dim=1)
+            v = v.repeat_interleave(self.num_queries_per_kv, dim=1)
+        # softmax(q k^T * scale + log(mask)) v, per tree request
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=self.scale)
+        o = o.permute(0, 2, 1, 3).to(output.dtype)  # [R, N, num_heads, head_size]
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        out[rows[valid]] = o[valid]
+
+
+class TreeCPUBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with ``TreeCPUAttentionImpl``; registered by the tree worker."""
+
+    @staticmethod
+    def get_impl_cls():
+        return TreeCPUAttentionImpl

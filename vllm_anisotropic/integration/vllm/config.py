@@ -1,0 +1,155 @@
+"""The tree speculative methods vLLM accepts from this plugin, and their tunables: one place.
+
+Scope: names, defaults, validation and transport of the configuration. No vLLM import here
+(``patches.py`` wires it into vLLM's config classes).
+
+Usage::
+
+    LLM(model, speculative_config={"method": "goose"})                       # paper defaults
+    LLM(model, speculative_config={"method": "goose", "budget": 40, "top_k": 8})
+    vllm serve MODEL --speculative-config '{"method": "goose", "max_depth": 4}'
+
+Methods (``speculative_config["method"]``) and the proposer each one runs
+(``vllm_anisotropic.proposers`` registry name):
+
+=================  ==========  ====================================================
+method             proposer    tunables (pydantic config, defaults = paper values)
+=================  ==========  ====================================================
+goose              goose       ``proposers.config.GooseConfig`` (B=60, D=6, K=10, ...)
+pld                pld         ``proposers.config.PLDConfig``
+token_recycling    tr          ``proposers.config.TokenRecyclingConfig``
+isotropic          iso3        ``proposers.config.IsotropicConfig`` (``branching`` = k)
+=================  ==========  ====================================================
+
+plus the engine-side keys of ``EngineTreeConfig`` (``verifier``).
+
+How tunables travel (vLLM's ``SpeculativeConfig`` is a pydantic dataclass with
+``extra="forbid"``, so it cannot carry them): in the front-end process the plugin wraps
+``EngineArgs.create_speculative_config``; before vLLM validates the dict it removes every key
+that is not a ``SpeculativeConfig`` field, validates those keys here (an unknown key is a
+ValueError naming every valid one), and stores the validated options under
+``additional_config["vllm_anisotropic"]``. ``VllmConfig`` (additional_config included) is
+pickled to the EngineCore and worker processes, where the drafter reads it back with
+``TreeSpecConfig.from_additional_config``. Setting
+``additional_config={"vllm_anisotropic": {...}}`` directly works too (same validation).
+
+``num_speculative_tokens`` (a vLLM key) is the cap on draft tokens (= tree nodes minus the
+root) handed to vLLM per step; when omitted it defaults to ``budget - 1`` (59 for GOOSE).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from vllm_anisotropic.proposers import PROPOSERS, proposer_config
+
+__all__ = [
+    "TREE_METHODS",
+    "ADDITIONAL_CONFIG_KEY",
+    "EngineTreeConfig",
+    "TreeSpecConfig",
+    "split_speculative_dict",
+]
+
+# vLLM ``speculative_config["method"]`` -> proposer registry name
+TREE_METHODS: dict[str, str] = {
+    "goose": "goose",
+    "pld": "pld",
+    "token_recycling": "tr",
+    "isotropic": "iso3",
+}
+
+ADDITIONAL_CONFIG_KEY = "vllm_anisotropic"
+
+
+class EngineTreeConfig(BaseModel):
+    """Engine-side tunables, independent of the proposer."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True, extra="forbid")
+
+    verifier: Literal["greedy"] = "greedy"
+    """Tree verifier for temperature-0 requests: the GOOSE greedy walk (papers/000 Alg. 3),
+    which emits exactly plain greedy decoding's tokens. Requests that sample (temperature > 0),
+    use penalties/logit bias/bad words/min_tokens, structured output or logprobs decode without
+    trees (plain decoding, lossless) until a sampling tree verifier is wired in."""
+
+
+def _valid_keys(method: str) -> list[str]:
+    config_cls = PROPOSERS[TREE_METHODS[method]][1]
+    return sorted(set(config_cls.model_fields) | set(EngineTreeConfig.model_fields))
+
+
+class TreeSpecConfig(BaseModel):
+    """Validated method + options, as stored in ``additional_config["vllm_anisotropic"]``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: str
+    options: dict[str, Any] = {}
+
+    @classmethod
+    def build(cls, method: str, options: dict[str, Any]) -> "TreeSpecConfig":
+        """Validate ``options`` for ``method``; ValueError naming valid methods/keys."""
+        if method not in TREE_METHODS:
+            raise ValueError(f"unknown vllm-anisotropic method {method!r}; valid: {sorted(TREE_METHODS)}")
+        valid = _valid_keys(method)
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config key(s) {unknown} for method {method!r}; valid "
+                f"vllm-anisotropic keys: {valid} (plus vLLM's SpeculativeConfig fields such as "
+                f"num_speculative_tokens)"
+            )
+        engine = {k: v for k, v in options.items() if k in EngineTreeConfig.model_fields}
+        proposer = {k: v for k, v in options.items() if k not in EngineTreeConfig.model_fields}
+        EngineTreeConfig(**engine)
+        proposer_config(TREE_METHODS[method], **proposer)
+        return cls(method=method, options=dict(options))
+
+    @property
+    def engine(self) -> EngineTreeConfig:
+        return EngineTreeConfig(**{k: v for k, v in self.options.items() if k in EngineTreeConfig.model_fields})
+
+    @property
+    def proposer_name(self) -> str:
+        return TREE_METHODS[self.method]
+
+    @property
+    def proposer_options(self) -> dict[str, Any]:
+        return {k: v for k, v in self.options.items() if k not in EngineTreeConfig.model_fields}
+
+    @property
+    def budget(self) -> int:
+        """Tree nodes including the root (the proposer config's ``budget``)."""
+        return int(proposer_config(self.proposer_name, **self.proposer_options).budget)
+
+    def to_additional_config(self) -> dict[str, Any]:
+        return self.model_dump()
+
+    @classmethod
+    def from_additional_config(cls, method: str, additional_config: dict | None) -> "TreeSpecConfig":
+        stored = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+        options = dict(stored.get("options", {})) if "options" in stored or "method" in stored else dict(stored)
+        stored_method = stored.get("method", method)
+        if stored_method != method:
+            raise ValueError(
+                f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is for method {stored_method!r} "
+                f"but speculative_config selects {method!r}"
+            )
+        return cls.build(method, options)
+
+
+def split_speculative_dict(spec: dict[str, Any], vllm_fields: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a user's ``speculative_config`` dict into (vLLM keys, our keys).
+
+    ``{"method": "goose", "budget": 40, "num_speculative_tokens": 20}`` ->
+    ``({"method": "goose", "num_speculative_tokens": 20}, {"budget": 40})``.
+    Dashes are read as underscores, like vLLM does.
+    """
+    ours, theirs = {}, {}
+    for key, value in spec.items():
+        k = key.replace("-", "_")
+        (theirs if k in vllm_fields else ours)[k] = value
+    return theirs, ours

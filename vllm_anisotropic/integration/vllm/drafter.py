@@ -1,0 +1,156 @@
+"""The worker-side tree drafter: per-request proposer state and the req_id -> tree side table.
+
+Scope: bookkeeping between vLLM's flat draft lists and our ``DraftTree``s. The tree runner
+(``runner.py``) calls it at three points of a step:
+
+1. ``propose_trees`` after the step's bookkeeping (where vLLM runs ``custom_class``
+   proposers): one ``DraftTree`` per eligible request from its context (prompt + output); the
+   list handed to vLLM is the tree's non-root tokens in value order, ``tree.tokens[1:]``.
+2. ``take_tree`` in the next step's ``_prepare_inputs``: vLLM may schedule only a prefix of
+   that list (token budget, ``max_model_len``); the tree is cut with ``truncate(1 + n)``,
+   which is a valid subtree because nodes are in parent-before-child value order.
+3. ``observe`` after verification: the logits of every verified node (root included) go to
+   the proposer state (adjacency-table harvest, spine-acceptance EMA).
+
+State lives per request (``Proposer.new_request()``), created at the first proposal and
+dropped when the request finishes or is aborted (``drop``); a preempted request keeps its
+proposer state but loses its pending tree (``drop_tree``).
+
+Example: tree tokens ``[r, 5, 9, 7]`` parents ``[-1, 0, 0, 1]`` -> vLLM draft list
+``[5, 9, 7]``; vLLM schedules ``[5, 9]`` -> verified tree tokens ``[r, 5, 9]`` parents
+``[-1, 0, 0]``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
+from vllm_anisotropic.proposers import get_proposer
+from vllm_anisotropic.proposers.base import RequestState
+from vllm_anisotropic.tree import DraftTree, NodeSource
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TreeDrafter", "STATS_ENV"]
+
+# When set to a file path, the drafter rewrites it (JSON) with its cumulative tree counters
+# every time a request finishes: the only view of tree shapes from outside the worker.
+STATS_ENV = "VLLM_ANISOTROPIC_TREE_STATS"
+
+
+class TreeDrafter:
+    """Built by the tree runner through vLLM's ``custom_class`` path: ``cls(vllm_config)``."""
+
+    def __init__(self, vllm_config) -> None:
+        spec = vllm_config.speculative_config
+        # During construction vLLM's config reads method "custom_class"; the real method is
+        # stored with the tunables in additional_config (patches.py / config.py).
+        stored = (vllm_config.additional_config or {}).get("vllm_anisotropic") or {}
+        method = stored.get("method") or spec.method
+        self.config = TreeSpecConfig.from_additional_config(method, vllm_config.additional_config)
+        vocab_size = vllm_config.model_config.get_vocab_size()
+        self.proposer = get_proposer(self.config.proposer_name, vocab_size=vocab_size, **self.config.proposer_options)
+        self.max_draft_tokens: int = int(spec.num_speculative_tokens)
+        self.max_model_len: int = int(vllm_config.model_config.max_model_len)
+        self.states: dict[str, RequestState] = {}
+        self.trees: dict[str, DraftTree] = {}
+        self.stats: dict[str, int] = {
+            "verified_trees": 0,  # trees with >= 1 draft node
+            "branching_trees": 0,  # trees with a node of >= 2 children
+            "draft_nodes": 0,
+            "max_nodes": 0,
+            "accepted_nodes": 0,
+            "accepted_branch_nodes": 0,  # accepted nodes of source BRANCH
+            "accepted_off_chain": 0,  # accepted paths that are not nodes 1..a (KV re-run needed)
+        }
+        self._stats_path = os.environ.get(STATS_ENV)
+
+    # ------------------------------------------------------------------ vLLM custom_class API
+    def propose(self, *args, **kwargs):
+        """vLLM's chain ``propose`` is not used: the tree runner calls ``propose_trees``."""
+        raise RuntimeError("TreeDrafter runs only inside vllm-anisotropic's tree model runner")
+
+    def load_model(self, *args, **kwargs) -> None:
+        """No draft model: drafts come from the context and the target's own logits."""
+
+    # ------------------------------------------------------------------ step protocol
+    def propose_trees(
+        self,
+        req_ids: Sequence[str],
+        eligible: Sequence[bool],
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,  # [max_num_reqs]
+        token_ids_cpu: np.ndarray,  # [max_num_reqs, max_model_len]
+    ) -> list[list[int]]:
+        """One draft list per batch row: ``tree.tokens[1:]`` of the request's new tree."""
+        drafts: list[list[int]] = []
+        for i, req_id in enumerate(req_ids):
+            num_tokens = int(num_tokens_no_spec[i])
+            # no sampled token: a partial prefill chunk or a discarded request
+            if not sampled_token_ids[i] or not eligible[i]:
+                self.trees.pop(req_id, None)
+                drafts.append([])
+                continue
+            state = self.states.get(req_id)
+            if state is None:
+                state = self.states[req_id] = self.proposer.new_request()
+            tree = state.propose(token_ids_cpu[i, :num_tokens])
+            assert int(tree.tokens[0]) == int(token_ids_cpu[i, num_tokens - 1]), "root must be the last token"
+            room = min(self.max_draft_tokens, self.max_model_len - num_tokens - 1)
+            tree = tree.truncate(max(room, 0) + 1)
+            self.trees[req_id] = tree
+            drafts.append(tree.tokens[1:].tolist())
+        return drafts
+
+    def take_tree(self, req_id: str, scheduled: Sequence[int]) -> DraftTree | None:
+        """The pending tree of ``req_id`` cut to the ``scheduled`` draft prefix, or None.
+
+        Raises when vLLM scheduled tokens that are not a prefix of the tree's draft list
+        (that would be a bookkeeping bug; verifying it as a tree would be wrong).
+        """
+        tree = self.trees.pop(req_id, None)
+        if tree is None:
+            if scheduled:
+                raise RuntimeError(f"request {req_id}: {len(scheduled)} drafts scheduled but no tree pending")
+            return None
+        n = len(scheduled)
+        if n > tree.num_nodes - 1 or not np.array_equal(tree.tokens[1 : 1 + n], np.asarray(scheduled, np.int64)):
+            raise RuntimeError(
+                f"request {req_id}: scheduled drafts {list(scheduled)[:8]}... are not a prefix of the "
+                f"pending tree's draft list {tree.tokens[1:9].tolist()}..."
+            )
+        return tree.truncate(n + 1)
+
+    def observe(self, req_id: str, tree: DraftTree, accepted: list[int], logits: torch.Tensor | None) -> None:
+        """After verification: logits ``[num_nodes, vocab_size]``, row i after node i's path."""
+        state = self.states.get(req_id)
+        if state is not None:
+            state.observe(tree, accepted, logits)
+        if tree.num_nodes > 1:
+            st = self.stats
+            st["verified_trees"] += 1
+            st["branching_trees"] += int(tree.num_children.max() >= 2)
+            st["draft_nodes"] += tree.num_nodes - 1
+            st["max_nodes"] = max(st["max_nodes"], tree.num_nodes)
+            st["accepted_nodes"] += len(accepted)
+            st["accepted_branch_nodes"] += int(sum(tree.sources[i] == NodeSource.BRANCH for i in accepted))
+            st["accepted_off_chain"] += int(list(accepted) != list(range(1, len(accepted) + 1)))
+
+    def drop(self, req_id: str) -> None:
+        """The request finished or was aborted."""
+        self.states.pop(req_id, None)
+        self.trees.pop(req_id, None)
+        if self._stats_path:
+            with open(self._stats_path, "w", encoding="utf-8") as f:
+                json.dump(self.stats, f)
+
+    def drop_tree(self, req_id: str) -> None:
+        """The request was preempted: its pending drafts are gone."""
+        self.trees.pop(req_id, None)

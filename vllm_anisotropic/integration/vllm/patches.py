@@ -1,0 +1,272 @@
+"""Every in-process patch vllm-anisotropic applies to vLLM, in one module, version-checked.
+
+Scope: the front door only -- making ``speculative_config={"method": "goose"}`` (and ``pld``,
+``token_recycling``, ``isotropic``) a valid vLLM configuration that selects this plugin's
+worker, model runner, attention backend and scheduler. Nothing on disk is modified; every
+patch wraps a vLLM function in the current process and is idempotent. ``plugin.register()``
+calls ``apply()`` in every vLLM process (patches are process-local).
+
+Patches (vLLM 0.32; file:line in shared/notes/vllm-0.32-spec-decode-map.md section 1):
+
+1. ``SpeculativeConfig.method``: our names are added to its ``Literal`` in the three places
+   pydantic reads (``__annotations__``, ``__dataclass_fields__[...].type``,
+   ``__pydantic_fields__[...].annotation``), then ``rebuild_dataclass(force=True)``.
+2. ``SpeculativeConfig.__post_init__``: for our methods, runs vLLM's own ``custom_class``
+   branch (no draft model: ``draft_model_config = target_model_config``) and restores the
+   method name; ``num_speculative_tokens`` defaults to ``budget - 1``.
+3. ``EngineArgs.create_speculative_config`` (front-end process): strips our tunables from the
+   dict before vLLM validates it and stores them, validated, in ``additional_config``
+   (see ``config.py``).
+4. ``VllmConfig.__post_init__``: refuses unsupported combinations with an error naming the
+   problem (async scheduling, pipeline parallel, hybrid/Mamba models, fp8 KV cache, the V2
+   model runner, a non-CPU platform, a user-chosen worker/scheduler class) and installs our
+   worker class (which installs the runner, the tree attention backend and the tree
+   sampler) and scheduler class.
+5. ``VllmConfig._get_v2_model_runner_unsupported_features``: lists our methods, so the V1
+   runner is chosen wherever V2 would be the default.
+
+On a vLLM version other than ``SUPPORTED_VLLM``, only patch 3 is installed, and it raises a
+clear error when one of our methods is requested; plain vLLM use is untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import typing
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ("0.32.",)
+WORKER_CLS = "vllm_anisotropic.integration.vllm.worker.TreeCPUWorker"
+SCHEDULER_CLS = "vllm_anisotropic.integration.vllm.scheduler.TreeScheduler"
+_MARK = "_vllm_anisotropic_patched"
+
+
+class UnsupportedConfigError(ValueError):
+    """A vLLM option that tree speculative decoding does not support (yet)."""
+
+
+def _tree_methods() -> dict[str, str]:
+    from vllm_anisotropic.integration.vllm.config import TREE_METHODS
+
+    return TREE_METHODS
+
+
+def is_tree_method(method: Any) -> bool:
+    return isinstance(method, str) and method in _tree_methods()
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def version_supported(version: str | None = None) -> bool:
+    version = version or vllm_version()
+    return any(version.startswith(v) for v in SUPPORTED_VLLM)
+
+
+def _already(obj, name: str) -> bool:
+    return getattr(getattr(obj, name), _MARK, False)
+
+
+def _mark(fn):
+    setattr(fn, _MARK, True)
+    return fn
+
+
+# ---------------------------------------------------------------- 1 + 2: SpeculativeConfig
+def _patch_method_literal(cls) -> None:
+    from pydantic.dataclasses import rebuild_dataclass
+
+    current = cls.__dataclass_fields__["method"].type
+    args = set()
+    for arg in typing.get_args(current):  # Literal[...] | None
+        args.update(typing.get_args(arg) or ())
+    missing = [m for m in _tree_methods() if m not in args]
+    if not missing:
+        return
+    new = current | typing.Literal[tuple(missing)]  # type: ignore[valid-type]
+    cls.__annotations__["method"] = new
+    cls.__dataclass_fields__["method"].type = new
+    cls.__pydantic_fields__["method"].annotation = new
+    rebuild_dataclass(cls, force=True)
+
+
+def _patch_speculative_post_init(cls) -> None:
+    if _already(cls, "__post_init__"):
+        return
+    original = cls.__post_init__
+
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        method = self.method
+        if not is_tree_method(method):
+            return original(self, *args, **kwargs)
+        if self.model is not None:
+            raise UnsupportedConfigError(
+                f"speculative method {method!r} drafts from the context and the target's own "
+                f"logits; it takes no draft 'model' (got {self.model!r})"
+            )
+        if self.num_speculative_tokens is None:
+            from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
+
+            self.num_speculative_tokens = TreeSpecConfig.build(method, {}).budget - 1
+        # vLLM's custom_class branch: no draft model, draft config = target config.
+        self.method = "custom_class"
+        self.model = "vllm_anisotropic.integration.vllm.drafter.TreeDrafter"
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            self.method = method
+            self.model = None
+
+    cls.__post_init__ = _mark(__post_init__)
+
+
+# ---------------------------------------------------------------- 3: tunables
+def _patch_create_speculative_config(engine_args_cls, supported: bool) -> None:
+    if _already(engine_args_cls, "create_speculative_config"):
+        return
+    original = engine_args_cls.create_speculative_config
+
+    @functools.wraps(original)
+    def create_speculative_config(self, *args, **kwargs):
+        spec = self.speculative_config
+        method = spec.get("method", self.spec_method) if isinstance(spec, dict) else self.spec_method
+        if not is_tree_method(method):
+            return original(self, *args, **kwargs)
+        if not supported:
+            raise UnsupportedConfigError(
+                f"vllm-anisotropic's method {method!r} supports vLLM {SUPPORTED_VLLM[0]}x; "
+                f"installed vLLM is {vllm_version()}"
+            )
+        from vllm.config import SpeculativeConfig
+
+        from vllm_anisotropic.integration.vllm.config import (
+            ADDITIONAL_CONFIG_KEY,
+            TreeSpecConfig,
+            split_speculative_dict,
+        )
+
+        theirs, ours = split_speculative_dict(dict(spec or {}), set(SpeculativeConfig.__dataclass_fields__))
+        additional = dict(self.additional_config or {})
+        if ours and ADDITIONAL_CONFIG_KEY in additional:
+            raise UnsupportedConfigError(
+                f"give the {method!r} tunables either in speculative_config or in "
+                f"additional_config[{ADDITIONAL_CONFIG_KEY!r}], not both"
+            )
+        if ours or ADDITIONAL_CONFIG_KEY not in additional:
+            tree = TreeSpecConfig.build(method, ours)
+        else:
+            tree = TreeSpecConfig.from_additional_config(method, additional)
+        theirs.setdefault("method", method)
+        theirs.setdefault("num_speculative_tokens", tree.budget - 1)
+        additional[ADDITIONAL_CONFIG_KEY] = tree.to_additional_config()
+        self.additional_config = additional
+        self.speculative_config = theirs
+        return original(self, *args, **kwargs)
+
+    engine_args_cls.create_speculative_config = _mark(create_speculative_config)
+
+
+# ---------------------------------------------------------------- 4 + 5: VllmConfig
+def check_and_install(vllm_config) -> None:
+    """Refuse unsupported combinations; select our worker and scheduler (process 0)."""
+    import vllm.envs as envs
+    from vllm.platforms import current_platform
+
+    spec = vllm_config.speculative_config
+    method = spec.method
+    problems = []
+    if not current_platform.is_cpu():
+        problems.append(
+            f"platform {current_platform.device_name!r}: tree attention is implemented for "
+            f"vLLM's CPU backend only so far"
+        )
+    if vllm_config.scheduler_config.async_scheduling:
+        problems.append("async scheduling (drop --async-scheduling / async_scheduling=True)")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        problems.append("pipeline parallelism (pipeline_parallel_size > 1)")
+    model_config = vllm_config.model_config
+    if model_config is not None and getattr(model_config, "is_hybrid", False):
+        problems.append("hybrid (Mamba / linear-attention) models: their state cannot roll back a tree")
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        problems.append("the V2 model runner (unset VLLM_USE_V2_MODEL_RUNNER or set it to 0)")
+    kv_dtype = str(vllm_config.cache_config.cache_dtype)
+    if kv_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        problems.append(f"kv_cache_dtype {kv_dtype!r}")
+    worker_cls = vllm_config.parallel_config.worker_cls
+    if worker_cls not in ("auto", WORKER_CLS):
+        problems.append(f"a custom worker_cls {worker_cls!r}")
+    sched_cls = vllm_config.scheduler_config.scheduler_cls
+    if sched_cls not in (None, SCHEDULER_CLS) and not (
+        isinstance(sched_cls, str) and sched_cls.endswith("sched.scheduler.Scheduler")
+    ):
+        problems.append(f"a custom scheduler_cls {sched_cls!r}")
+    if problems:
+        raise UnsupportedConfigError(
+            f"speculative method {method!r} (vllm-anisotropic) does not support: " + "; ".join(problems)
+        )
+    # The tunables normally arrive through create_speculative_config; a SpeculativeConfig
+    # built by hand gets the defaults (or whatever additional_config holds), validated here.
+    from vllm_anisotropic.integration.vllm.config import ADDITIONAL_CONFIG_KEY, TreeSpecConfig
+
+    additional = vllm_config.additional_config
+    if isinstance(additional, dict):
+        tree = TreeSpecConfig.from_additional_config(method, additional)
+        additional[ADDITIONAL_CONFIG_KEY] = tree.to_additional_config()
+    vllm_config.parallel_config.worker_cls = WORKER_CLS
+    vllm_config.scheduler_config.scheduler_cls = SCHEDULER_CLS
+
+
+def _patch_vllm_config(cls) -> None:
+    if not _already(cls, "__post_init__"):
+        original = cls.__post_init__
+
+        @functools.wraps(original)
+        def __post_init__(self, *args, **kwargs):
+            spec = self.speculative_config
+            if spec is not None and is_tree_method(spec.method):
+                check_and_install(self)
+            return original(self, *args, **kwargs)
+
+        cls.__post_init__ = _mark(__post_init__)
+
+    name = "_get_v2_model_runner_unsupported_features"
+    if hasattr(cls, name) and not _already(cls, name):
+        original_v2 = getattr(cls, name)
+
+        @functools.wraps(original_v2)
+        def unsupported(self, *args, **kwargs):
+            out = original_v2(self, *args, **kwargs)
+            spec = self.speculative_config
+            if spec is not None and is_tree_method(spec.method):
+                out.append(f"speculative method '{spec.method}' (vllm-anisotropic)")
+            return out
+
+        setattr(cls, name, _mark(unsupported))
+
+
+def apply() -> bool:
+    """Install the patches in this process (idempotent). Returns whether vLLM is supported."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    supported = version_supported()
+    _patch_create_speculative_config(EngineArgs, supported)
+    if not supported:
+        logger.warning(
+            "vllm-anisotropic supports vLLM %sx, found %s: tree methods disabled",
+            SUPPORTED_VLLM[0],
+            vllm_version(),
+        )
+        return False
+    from vllm.config import SpeculativeConfig, VllmConfig
+
+    _patch_speculative_post_init(SpeculativeConfig)
+    _patch_method_literal(SpeculativeConfig)
+    _patch_vllm_config(VllmConfig)
+    return True

@@ -1,0 +1,125 @@
+"""Tree verification in place of vLLM's chain rejection sampler (V1 model runner).
+
+Scope: the ``runner.rejection_sampler`` call contract of vLLM 0.32
+(``forward(metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput``, see
+``v1/sample/rejection_sampler.py``) for batches that contain draft trees; verification itself is
+``verifiers.get_verifier("greedy")`` (GOOSE, papers/000 Algorithm 3: walk from the root, at each
+node descend to the child -- SPINE children first -- whose token is the target's argmax; the
+argmax at the last accepted node is the bonus token).
+
+Terms: *accepted* draft nodes form a root-to-node path; the *bonus* token is the target's token
+after that path. Emitted tokens = accepted path tokens + bonus, written to
+``sampled_token_ids[i, :a + 1]`` (``[batch_size, max_spec_len + 1]`` int32, padded with -1).
+
+Logits layout (``SpecDecodeMetadata``): a request with ``n`` scheduled drafts owns ``n + 1``
+consecutive rows ending at ``cu_num_sampled_tokens[i]``; row 0 is the root, row j node j, so
+row j is exactly the verifier's "logits after node j's path". Worked example: drafts per request
+``[3, 0, 2]`` -> ``cu_num_sampled_tokens [4, 5, 8]`` -> rows ``[0..3], [4], [5..7]``.
+
+Which requests have trees is decided by the runner (``runner.TreeStep``): only requests whose
+sampling reduces to plain argmax (temperature 0, no penalties, bias, bad words, min_tokens,
+logprobs or structured output). Every other request has no drafts, so its row is the bonus row
+and its token comes from vLLM's own sampler exactly as in plain decoding. A batch without any
+multi-node tree (including vLLM's warm-up dummy call, which has drafts but no trees) goes to
+vLLM's original rejection sampler unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from vllm_anisotropic.tree import pack_trees
+from vllm_anisotropic.verifiers import get_verifier
+
+__all__ = ["TreeRejectionSampler"]
+
+PLACEHOLDER_TOKEN_ID = -1  # vLLM's rejection_sampler.PLACEHOLDER_TOKEN_ID
+
+
+class TreeRejectionSampler(nn.Module):
+    """Wraps vLLM's ``RejectionSampler``; verifies this step's trees with the greedy walk."""
+
+    def __init__(self, original: nn.Module, runner, verifier: str = "greedy") -> None:
+        super().__init__()
+        self.original = original
+        self.sampler = original.sampler
+        self.runner = runner  # reads runner.tree_step (set in _prepare_inputs) and runner.drafter
+        self.verifier = get_verifier(verifier)
+
+    def forward(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata):
+        step = self.runner.take_tree_step()
+        walk = {} if step is None else {i: t for i, t in step.trees.items() if t.num_nodes > 1}
+        if not walk:
+            out = self.original(metadata, draft_probs, logits, sampling_metadata)
+            if step is not None:
+                self._harvest_roots(step, metadata, logits)
+            return out
+
+        num_draft = list(metadata.num_draft_tokens)
+        batch_size = len(num_draft)
+        # [batch_size] row index after each request's last row
+        cu_sampled = metadata.cu_num_sampled_tokens.tolist()
+        # Requests without a tree have no drafts: their token is vLLM's bonus sample, exactly
+        # as in plain decoding (temperature, penalties, generators, logprobs all apply).
+        for i in range(batch_size):
+            if num_draft[i] and i not in walk:
+                raise RuntimeError(f"batch row {i} has {num_draft[i]} drafts but no draft tree")
+        bonus_out = self.sampler(
+            logits=logits[metadata.bonus_logits_indices],
+            sampling_metadata=sampling_metadata,
+            predict_bonus_token=True,
+        )
+        # [batch_size, 1]
+        bonus = bonus_out.sampled_token_ids
+        width = metadata.max_spec_len + 1
+        out = torch.full((batch_size, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=logits.device)
+        out[:, 0] = bonus[:, 0].to(torch.int32)
+
+        rows_of = {i: slice(cu_sampled[i] - num_draft[i] - 1, cu_sampled[i]) for i in walk}
+        order = sorted(walk)
+        trees = [walk[i] for i in order]
+        # [sum of num_nodes, vocab_size]; tree k's rows are its 1 + n logits rows
+        tree_logits = torch.cat([logits[rows_of[i]] for i in order])
+        batch = pack_trees(trees, device=tree_logits.device)
+        results = self.verifier.verify_batch(batch, tree_logits).to_list()
+        for i, tree, res in zip(order, trees, results):
+            tokens = res.emitted_tokens(tree)
+            out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+            self.runner.drafter.observe(step.req_ids[i], tree, res.accepted, logits[rows_of[i]])
+        for i, tree in step.trees.items():  # root-only trees: harvest the root row
+            if tree.num_nodes == 1:
+                self.runner.drafter.observe(step.req_ids[i], tree, [], logits[cu_sampled[i] - 1 : cu_sampled[i]])
+
+        logprobs = None
+        if bonus_out.logprobs_tensors is not None:
+            # Only non-tree rows ask for logprobs (tree requests never do); their one emitted
+            # token sits at column 0. vLLM filters the flattened [batch_size * width] logprobs
+            # with the valid-token mask, so each row's bonus logprobs are repeated per column.
+            lp = bonus_out.logprobs_tensors
+            logprobs = type(lp)(
+                lp.logprob_token_ids.repeat_interleave(width, dim=0),
+                lp.logprobs.repeat_interleave(width, dim=0),
+                lp.selected_token_ranks.repeat_interleave(width, dim=0),
+            )
+        from vllm.v1.outputs import SamplerOutput
+
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+    def _harvest_roots(self, step, metadata, logits) -> None:
+        cu_sampled = metadata.cu_num_sampled_tokens.tolist()
+        for i, tree in step.trees.items():
+            self.runner.drafter.observe(step.req_ids[i], tree, [], logits[cu_sampled[i] - 1 : cu_sampled[i]])
+
+
+def harvest_plain(runner, logits: torch.Tensor) -> None:
+    """Non-speculative steps (no SpecDecodeMetadata): harvest root-only trees' rows.
+
+    In a step without any scheduled drafts vLLM's logits have one row per request."""
+    step = runner.take_tree_step()
+    if step is None:
+        return
+    for i, tree in step.trees.items():
+        runner.drafter.observe(step.req_ids[i], tree, [], logits[i : i + 1])

@@ -1,0 +1,45 @@
+"""KV correctness after tree acceptance by recomputation (shared/notes section 3e, Option R).
+
+Scope: one override of vLLM's V1 ``Scheduler.update_from_output``.
+
+Why: vLLM assumes accepted drafts are a prefix of the draft list, so that the KV written for
+draft k at slot ``root + k`` is the KV of the k-th emitted token. In a tree the accepted path
+is any root-to-node path (e.g. nodes 2 -> 7), whose KV sits at the wrong slots and was
+computed at tree positions. After vLLM's own bookkeeping (``num_computed_tokens -=
+rejected``) we also roll back the ``a`` accepted tokens: ``num_computed_tokens -= a``. The
+next ``schedule()`` then re-runs them, as ordinary tokens at their true positions and slots,
+in front of the new root and its drafts (query ``[a re-run, root, n drafts]``; the runner
+indexes tree rows from the end of the query). Cost: ``a`` extra query tokens per step; no
+cache copy.
+
+Worked example: 100 tokens computed, root at position 100, 5 drafts, path of 2 accepted ->
+vLLM leaves ``num_computed_tokens = 103`` (root + 2), we set ``101``; the request now holds
+103 tokens, so the next step schedules tokens 101..102 again plus the new root 103 and its drafts.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+__all__ = ["TreeScheduler"]
+
+
+class TreeScheduler(Scheduler):
+    """vLLM's scheduler + recompute of accepted tree tokens."""
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        sampled = model_runner_output.sampled_token_ids
+        if not sampled:
+            return outputs
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            request = self.requests.get(req_id)
+            if not drafts or request is None or request.is_finished():
+                continue
+            index = model_runner_output.req_id_to_index.get(req_id)
+            if index is None:
+                continue
+            num_accepted = max(len(sampled[index]) - 1, 0)
+            if num_accepted:
+                request.num_computed_tokens -= num_accepted
+        return outputs
