@@ -7,6 +7,9 @@ token-identical to plain greedy decoding. Each run is its own process (see
 ``integration/vllm/offline.py``), so the numbers are measured in one invocation on one machine.
 
 Speculative methods available today (``--method``):
+- ``goose`` (default): GOOSE tree speculative decoding through this plugin's front door,
+  ``speculative_config={"method": "goose"}`` (tree drafting, tree attention, greedy tree walk;
+  see docs/engine.md), paper defaults unless ``--num-speculative-tokens`` caps the tree;
 - ``pld``: our prompt-lookup proposer plugged in through vLLM's ``custom_class`` method;
 - ``ngram``: vLLM's built-in n-gram proposer, for comparison.
 """
@@ -25,20 +28,30 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def speculative_config_for(method: str, num_speculative_tokens: int) -> dict[str, Any]:
+# Chain methods' draft length when --num-speculative-tokens is not given; tree methods then
+# use their budget (GOOSE: B = 60 nodes -> 59 draft tokens).
+DEFAULT_CHAIN_TOKENS = 5
+
+
+def speculative_config_for(method: str, num_speculative_tokens: int | None = None) -> dict[str, Any]:
     """The ``speculative_config`` dict that selects ``method`` in vLLM."""
     from vllm_anisotropic.integration.vllm.proposer import PROMPT_LOOKUP_CLASS
 
     configs = {
+        "goose": {"method": "goose"},
         "pld": {"method": "custom_class", "model": PROMPT_LOOKUP_CLASS},
         "ngram": {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 5},
     }
     if method not in configs:
         raise ValueError(f"unknown method {method!r}; valid: {sorted(configs)}")
+    if num_speculative_tokens is None:
+        if method == "goose":
+            return dict(configs[method])
+        num_speculative_tokens = DEFAULT_CHAIN_TOKENS
     return {**configs[method], "num_speculative_tokens": num_speculative_tokens}
 
 
-DEMO_METHODS = ("pld", "ngram")
+DEMO_METHODS = ("goose", "pld", "ngram")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,8 +65,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", default="humaneval")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--method", choices=DEMO_METHODS, default="pld")
-    p.add_argument("--num-speculative-tokens", type=int, default=5)
+    p.add_argument("--method", choices=DEMO_METHODS, default="goose")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help=f"draft tokens per step (default: the tree budget for goose, {DEFAULT_CHAIN_TOKENS} for chains)",
+    )
     p.add_argument("--out", type=Path, default=None, help="append a JSONL record here")
     p.set_defaults(func=run)
 
