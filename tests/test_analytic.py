@@ -11,6 +11,7 @@ import torch
 from vllm_anisotropic.tree import DraftTree, pack_trees
 from vllm_anisotropic.verifiers import TargetSampling, get_verifier
 from vllm_anisotropic.verifiers.analytic import acceptance_rate, expected_block_efficiency, solver_output_law
+from vllm_anisotropic.verifiers.khisti import khisti_keep_probability, khisti_stage
 from vllm_anisotropic.verifiers.toy import DraftTable, TableModel, paths_to_tree, sample_iid_paths, tree_rows
 
 V = 4
@@ -94,3 +95,48 @@ def test_expected_block_efficiency_matches_monte_carlo(name):
         pack_trees([tree]).repeat(n), logits.repeat(n, 1), TargetSampling(1.0), torch.Generator().manual_seed(0), q.repeat(n, 1))
     x = (res.num_accepted + 1).double()
     assert abs(float(x.mean()) - want) <= 5 * float(x.std()) / math.sqrt(n) + 1e-9
+
+
+def test_khisti_stage_law_and_truncated_lp_optimality():
+    """One Khisti stage (arXiv 2410.18234 Sec. 4, truncated LP): (a) r is exactly the law of the
+    pairwise selection, by enumeration of the ordered pair (Y ~ q1, X ~ q2); (b) the max-flow
+    solution attains the LP optimum, the min-cut value
+        min_A sum_{i in A} p_i + sum_{i not in A} b_i + sum_{pairs not inside A} M_ij
+    over subsets A of Omega_1 (the LP value sum_{i in Omega_1} min(p_i, r_i))."""
+    v, s = 7, 5
+    for trial in range(25):
+        g = torch.Generator().manual_seed(trial)
+        p = torch.softmax(torch.randn(v, generator=g, dtype=torch.float64) * 2, 0)
+        if trial % 3 == 0:  # target with zeros (top-k / top-p)
+            p[torch.randperm(v, generator=g)[:3]] = 0
+            p = p / p.sum()
+        q1 = torch.softmax(torch.randn(v, generator=g, dtype=torch.float64) * 2, 0)
+        q2 = q1 if trial % 2 else torch.softmax(torch.randn(v, generator=g, dtype=torch.float64) * 2, 0)
+        st = khisti_stage(p[None], q1[None], q2[None], s)
+        law = torch.zeros(v, dtype=torch.float64)
+        for a, b in itertools.product(range(v), repeat=2):
+            keep = khisti_keep_probability(st, 0, a, b)
+            law[a] += q1[a] * q2[b] * keep
+            law[b] += q1[a] * q2[b] * (1 - keep)
+        torch.testing.assert_close(law, st.r[0], rtol=0, atol=1e-14)
+        top = st.top[0].tolist()
+        rest = [t for t in range(v) if t not in top]
+        t1, t2 = float(q1[rest].sum()), float(q2[rest].sum())
+        b = [float(q1[t] * q2[t] + q1[t] * t2 + t1 * q2[t]) for t in top]
+        m = {(i, j): float(q1[top[i]] * q2[top[j]] + q1[top[j]] * q2[top[i]]) for i in range(s) for j in range(i + 1, s)}
+        cut = min(
+            sum(float(p[top[i]]) if i in a else b[i] for i in range(s))
+            + sum(w for (i, j), w in m.items() if not (i in a and j in a))
+            for n in range(s + 1)
+            for a in map(set, itertools.combinations(range(s), n))
+        )
+        assert abs(float(torch.minimum(p[top], st.r[0][top]).sum()) - cut) < 1e-12
+
+
+def test_khisti_four_drafts_law_is_target():
+    """k = 4 (three tournament stages): the branching law mixed over i.i.d. drafts is p."""
+    mix = torch.zeros(V, dtype=torch.float64)
+    for xs in itertools.product(range(V), repeat=4):
+        mix += math.prod(float(Q[x]) for x in xs) * solver_output_law("khisti", P, Q, list(xs))
+    torch.testing.assert_close(mix, P, rtol=0, atol=1e-10)
+    assert acceptance_rate("khisti", P, Q, 4) >= acceptance_rate("khisti", P, Q, 1) - 1e-12

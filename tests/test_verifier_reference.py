@@ -72,3 +72,25 @@ def test_missing_draft_probs_and_merged_trees_raise():
     q = torch.full((tree.num_nodes, 4), 0.25)
     with pytest.raises(ValueError, match="unmerged"):
         get_verifier("traversal").verify(tree.with_draft_probs(q), logits)
+
+
+def test_greedy_half_precision_logits():
+    """bf16/fp16 target logits (the speed benchmark's storage): the greedy walk's chunked
+    float32 argmax equals the argmax of the raw rows, ties included (first index)."""
+    from vllm_anisotropic.verifiers.greedy import rows_argmax
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(40, 300, generator=g) * 4).to(torch.bfloat16)
+    logits[3, 10] = logits[3, 200] = 50.0  # tie: the first index wins
+    rows = torch.tensor([3, 0, 39, 3, 17])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = logits.to(dtype)
+        assert rows_argmax(x, rows, chunk_rows=2).tolist() == x[rows].float().argmax(-1).tolist()
+    assert int(rows_argmax(logits, rows[:1])[0]) == 10
+    rng = np.random.default_rng(1)
+    trees, lg, _ = batch_of_trees(False, rng)
+    batch = pack_trees(trees)
+    v = get_verifier("greedy")
+    half = lg.to(torch.bfloat16)
+    assert v.verify_batch(batch, half, TargetSampling(0.0)).to_list() == \
+        v.reference_batch(batch, half.float(), TargetSampling(0.0))

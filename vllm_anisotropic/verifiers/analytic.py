@@ -16,7 +16,7 @@ expected block efficiency (Eq. 1-3)
     E[tau + 1 | T] = sum over nodes c of P(the traversal reaches c), the root included.
 
 The solvers see the child multiset in uniformly random order (``topdown.py``), so the laws of
-the order-dependent ones (Naive, SpecTr) average over the orderings of the multiset.
+the order-dependent ones (Naive, SpecTr, the Khisti tournament) average over the orderings of the multiset.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections import defaultdict
 import torch
 
 from vllm_anisotropic.tree import DraftTree
-from vllm_anisotropic.verifiers.khisti import khisti_rank, khisti_selection_law
+from vllm_anisotropic.verifiers.khisti import khisti_importance_law, khisti_keep_probability
 from vllm_anisotropic.verifiers.spectr import spectr_constants, spectr_rho
 
 __all__ = [
@@ -88,10 +88,25 @@ def _specinfer_law(p, q, xs: list[int]) -> torch.Tensor:
 
 
 def _khisti_law(p, q, xs: list[int]) -> torch.Tensor:
-    r = khisti_selection_law(p.unsqueeze(0), q.unsqueeze(0), torch.tensor([len(xs)]))[0]
-    rank = khisti_rank(p.unsqueeze(0), q.unsqueeze(0))[0]
-    winner = max(xs, key=lambda x: int(rank[x]))
-    return _naive_law(p, r, winner)
+    # papers/002 Algorithm 15: sum_x pi_x NAIVE_BRANCHING(p, r, [x]), pi_x = P(tournament
+    # winner = x). The tournament is sequential, so pi averages over the uniformly random
+    # order of the multiset the driver presents; the stages (and r) depend on p, q, k only.
+    stages = khisti_importance_law(p.unsqueeze(0), q.unsqueeze(0), len(xs))
+    r = stages[-1].r[0] if stages else q
+    perms = list(itertools.permutations(xs))
+    pi: dict[int, float] = defaultdict(float)
+    for order in perms:
+        dist = {order[0]: 1.0}  # law of the current winner
+        for stage, challenger in zip(stages, order[1:]):
+            nxt: dict[int, float] = defaultdict(float)
+            for w, m in dist.items():
+                keep = khisti_keep_probability(stage, 0, w, challenger)
+                nxt[w] += m * keep
+                nxt[challenger] += m * (1.0 - keep)
+            dist = nxt
+        for w, m in dist.items():
+            pi[w] += m / len(perms)
+    return sum(m * _naive_law(p, r, w) for w, m in pi.items())
 
 
 def _deterministic_law(p, xs: list[int]) -> torch.Tensor:
@@ -177,8 +192,9 @@ def acceptance_rate(name: str, p: torch.Tensor, q: torch.Tensor, k: int) -> floa
                 m = m * (1 - (q - pc).clamp(min=0) / (1 - r))  # P(t not among rejected drafts)
             pc = _norm_pos(pc - q, pc)
         return (1 - p_rej) + p_rej * float((pc * (1 - m)).sum())
-    if name == "khisti":  # Alg. 10 lower bound
-        r = khisti_selection_law(p.unsqueeze(0), q.unsqueeze(0), torch.tensor([k]))[0]
+    if name == "khisti":  # Alg. 10 lower bound: sum_t min(p(t), r(t)), r the importance-weighted law
+        stages = khisti_importance_law(p.unsqueeze(0), q.unsqueeze(0), k)
+        r = stages[-1].r[0] if stages else q
         return float(torch.minimum(p, r).sum())
     raise ValueError(f"no acceptance formula for {name!r}")
 
