@@ -76,17 +76,23 @@ def test_missing_draft_probs_and_merged_trees_raise():
 
 def test_greedy_half_precision_logits():
     """bf16/fp16 target logits (the speed benchmark's storage): the greedy walk's chunked
-    float32 argmax equals the argmax of the raw rows, ties included (first index)."""
+    float32 argmax equals the argmax of the raw rows: ties (first index), rows whose maximum
+    is negative or +-0, infinities and NaN included."""
     from vllm_anisotropic.verifiers.greedy import rows_argmax
 
     g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(40, 300, generator=g) * 4).to(torch.bfloat16)
+    logits = torch.randn(40, 300, generator=g) * 4
     logits[3, 10] = logits[3, 200] = 50.0  # tie: the first index wins
-    rows = torch.tensor([3, 0, 39, 3, 17])
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    logits[5] = -logits[5].abs() - 1  # all negative
+    logits[6] = -logits[6].abs()
+    logits[6, 7], logits[6, 9] = -0.0, 0.0  # maximum 0, -0 first
+    logits[7, 100] = float("inf")
+    logits[8, 50] = float("nan")
+    rows = torch.tensor([3, 0, 39, 3, 17, 5, 6, 7, 8])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         x = logits.to(dtype)
-        assert rows_argmax(x, rows, chunk_rows=2).tolist() == x[rows].float().argmax(-1).tolist()
-    assert int(rows_argmax(logits, rows[:1])[0]) == 10
+        assert rows_argmax(x, rows, chunk_rows=2).tolist() == x[rows].float().argmax(-1).tolist(), dtype
+    assert rows_argmax(logits.to(torch.bfloat16), rows)[:2].tolist() == [10, int(logits[0].argmax())]
     rng = np.random.default_rng(1)
     trees, lg, _ = batch_of_trees(False, rng)
     batch = pack_trees(trees)
