@@ -5,9 +5,11 @@ Engine runs (each a fresh process, vLLM's default multiprocess engine, ~30-60 s 
 
 1. plain greedy decoding of 12 real prompts (6 HumanEval + 6 GSM8K), 64 tokens each;
 2. GOOSE with branch pruning off and no linear bypass, so every step verifies a wide
-   multi-branch tree: output token-identical to (1), vLLM's own spec counters give tau > 1,
-   and the drafter's tree counters (``VLLM_ANISOTROPIC_TREE_STATS``) show branching trees and
-   accepted paths off the first chain (the KV re-run path);
+   multi-branch tree, on a tight engine (a KV cache of ~2,300 tokens for 12 requests and a
+   256-token step budget: chunked prefills, trees cut to the scheduled prefix, requests
+   waiting for KV): output token-identical to (1), vLLM's own spec counters give tau > 1, and
+   the drafter's tree counters (``VLLM_ANISOTROPIC_TREE_STATS``) show branching trees and
+   accepted branch nodes;
 3. GOOSE with the paper defaults and ``max_tokens=1``: the first token of (1).
 
 Config checks run in one subprocess without starting an engine.
@@ -27,6 +29,7 @@ from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_jo
 pytestmark = pytest.mark.engine
 
 ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 1024}
+TIGHT_ENGINE_KWARGS = {**ENGINE_KWARGS, "kv_cache_memory_bytes": 1_200_000, "max_num_batched_tokens": 256}
 MAX_TOKENS = 64
 # Every verified tree is a full 60-node tree: pruning (min score 0.01) and the linear bypass off.
 WIDE_GOOSE = {"method": "goose", "bypass": False, "min_branch_score": 0.0}
@@ -59,7 +62,7 @@ def test_goose_trees_are_greedy_identical_with_tau_above_one(model_dir, prompts,
         prompts=prompts,
         max_tokens=MAX_TOKENS,
         speculative_config=WIDE_GOOSE,
-        llm_kwargs=ENGINE_KWARGS,
+        llm_kwargs=TIGHT_ENGINE_KWARGS,
     )
     spec = run_offline_job(job, env={STATS_ENV: str(stats_file)})
     identical = sum(a == b for a, b in zip(plain.token_ids, spec.token_ids))
@@ -70,7 +73,8 @@ def test_goose_trees_are_greedy_identical_with_tau_above_one(model_dir, prompts,
     assert spec.spec.tau > 1.5, spec.spec
     stats = json.loads(stats_file.read_text())
     assert stats["verified_trees"] > 0
-    assert stats["branching_trees"] == stats["verified_trees"], stats  # wide trees every step
+    # wide trees nearly every step (a tree cut to a short scheduled prefix may be a chain)
+    assert stats["branching_trees"] > 0.8 * stats["verified_trees"], stats
     assert stats["max_nodes"] > 30, stats
     assert stats["accepted_branch_nodes"] > 0, stats
     assert stats["accepted_nodes"] == spec.spec.num_accepted_tokens, (stats, spec.spec)
@@ -90,7 +94,7 @@ def test_goose_defaults_max_tokens_one(model_dir, prompts, plain):
 
 
 CONFIG_CHECKS = r"""
-import json, sys
+import json, os, sys
 from vllm.engine.arg_utils import EngineArgs
 from vllm_anisotropic.integration.vllm.plugin import register
 register()
@@ -114,7 +118,21 @@ print(json.dumps({
     "async": build({"method": "goose"}, async_scheduling=True),
     "pld": build({"method": "pld", "max_continuation": 8}),
     "isotropic": build({"method": "isotropic", "branching": 5}),
+    "v2_runner": (os.environ.__setitem__("VLLM_USE_V2_MODEL_RUNNER", "1"), build({"method": "goose"}))[1],
 }))
+"""
+
+UNKNOWN_VLLM = r"""
+import sys
+from vllm.engine.arg_utils import EngineArgs
+from vllm_anisotropic.integration.vllm import patches
+patches.vllm_version = lambda: "0.99.0"
+from vllm_anisotropic.integration.vllm.plugin import register
+register()
+try:
+    EngineArgs(model=sys.argv[1], speculative_config={"method": "goose"}).create_engine_config()
+except Exception as e:
+    print(f"{type(e).__name__}: {e}")
 """
 
 
@@ -136,3 +154,75 @@ def test_front_door_config_and_refusals(model_dir):
     assert "async scheduling" in r["async"]["error"] and "goose" in r["async"]["error"]
     assert r["pld"]["ok"] and r["pld"]["k"] == 59 and r["pld"]["worker"] == worker
     assert r["isotropic"]["ok"] and r["isotropic"]["extra"]["options"] == {"branching": 5}
+    assert "V2 model runner" in r["v2_runner"]["error"], r["v2_runner"]
+
+
+def test_unknown_vllm_version_is_refused_by_name(model_dir):
+    out = subprocess.run(
+        [sys.executable, "-c", UNKNOWN_VLLM, model_dir], check=True, capture_output=True, text=True
+    )
+    assert "supports vLLM 0.32.x; installed vLLM is 0.99.0" in out.stdout, out.stdout[-500:]
+
+
+def test_tree_attention_rows_match_masked_reference():
+    """The tree-row recompute over vLLM's paged CPU KV cache (written by vLLM's own cache op)
+    equals a per-row softmax over context + ancestors; other rows are left alone."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm import _custom_ops as ops
+
+    from vllm_anisotropic.integration.vllm.attention import TreeCPUAttentionImpl
+    from vllm_anisotropic.integration.vllm.runner import TreePlan
+    from vllm_anisotropic.tree import DraftTree
+
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_size, block_size, num_blocks = 4, 2, 64, 32, 16
+    impl = object.__new__(TreeCPUAttentionImpl)  # the attention math only: no vLLM config
+    impl.num_heads, impl.head_size, impl.num_kv_heads = num_heads, head_size, num_kv_heads
+    impl.num_queries_per_kv, impl.scale = num_heads // num_kv_heads, head_size**-0.5
+    trees = [
+        DraftTree(tokens=[0, 1, 2, 3, 4], parents=[-1, 0, 0, 1, 2]),
+        DraftTree(tokens=[0, 1, 2], parents=[-1, 0, 1]),
+    ]
+    # request 0: query = 3 re-run tokens + root + 4 nodes; request 1: root + 2 nodes
+    query_lens, contexts = [8, 3], [37, 70]
+    seq_lens = [c + t.num_nodes - 1 for c, t in zip(contexts, trees)]
+    block_table = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]], dtype=torch.int32)
+    kv_cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_size)
+    key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
+    keys = [torch.randn(s, num_kv_heads, head_size) for s in seq_lens]
+    values = [torch.randn(s, num_kv_heads, head_size) for s in seq_lens]
+    for r in range(2):
+        pos = torch.arange(seq_lens[r])
+        slots = block_table[r, pos // block_size].long() * block_size + pos % block_size
+        ops.cpu_attn_reshape_and_cache(
+            keys[r], values[r], key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+        )
+    query = torch.randn(sum(query_lens), num_heads * head_size)
+    output = torch.zeros_like(query)
+    metadata = SimpleNamespace(
+        seq_lens=torch.tensor(seq_lens), query_start_loc=torch.tensor([0, 8, 11]), block_table=block_table
+    )
+    # tree 0 starts with a one-node chain, tree 1 is a chain: their leading rows are causal
+    # already and stay the kernel's (here: untouched zeros)
+    prefixes = [1, 2]
+    plan = TreePlan([0, 1], [t.num_nodes - 1 for t in trees], [t.ancestor_mask[1:, 1:] for t in trees], prefixes)
+    impl._tree_rows(SimpleNamespace(isa="vec"), query, kv_cache, metadata, plan, output)
+    tree_rows = set()
+    for r, (tree, start) in enumerate(zip(trees, [0, 8])):
+        n = tree.num_nodes - 1
+        ctx = seq_lens[r] - n
+        for j in range(prefixes[r], n):
+            row = start + query_lens[r] - n + j
+            tree_rows.add(row)
+            allowed = list(range(ctx)) + [ctx + i for i in range(n) if tree.ancestor_mask[j + 1, i + 1]]
+            for h in range(num_heads):
+                k = keys[r][allowed, h // impl.num_queries_per_kv]
+                v = values[r][allowed, h // impl.num_queries_per_kv]
+                q = query[row].view(num_heads, head_size)[h]
+                ref = torch.softmax(k @ q * impl.scale, 0) @ v
+                got = output[row].view(num_heads, head_size)[h]
+                assert torch.allclose(got, ref, atol=1e-4), (r, j, h)
+    others = [i for i in range(output.shape[0]) if i not in tree_rows]
+    assert output[others].abs().sum() == 0

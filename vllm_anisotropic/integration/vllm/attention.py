@@ -37,9 +37,11 @@ _DIGIT = 16  # probe values stay in 1..16: exact in every cache dtype
 
 
 @functools.lru_cache(maxsize=16)
-def kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> tuple:
     """Where token t, dim d of one (block, kv head) lives in its ``2 * block_size * head_size``
-    elements: ``(k_offsets, v_offsets)``, each ``[block_size, head_size]`` int64.
+    elements: ``(k_offsets, v_offsets, k_kind, v_kind)``, offsets ``[block_size, head_size]``
+    int64, kinds ``"plain"`` (``t * head_size + d``), ``"transposed"`` (``d * block_size + t``)
+    or ``"permuted"`` (anything else; gathered element by element).
 
     Probes: four writes of the whole block with K (and V) set to one base-16 digit of t or d.
     """
@@ -72,7 +74,16 @@ def kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> 
     v_off[tt[half:], dd[half:]] = offsets[half:]
     if bool((k_off < 0).any() or (v_off < 0).any()):
         raise RuntimeError(f"CPU KV layout probe for isa={isa} is not a K-then-V permutation")
-    return k_off, v_off
+    t_idx, d_idx = t.long(), d.long()
+
+    def kind(off: torch.Tensor, base: int) -> str:
+        if torch.equal(off - base, t_idx * head_size + d_idx):
+            return "plain"
+        if torch.equal(off - base, d_idx * block_size + t_idx):
+            return "transposed"
+        return "permuted"
+
+    return k_off, v_off, kind(k_off, 0), kind(v_off, half)
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -94,8 +105,10 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         return output
 
     def _gather_plan(self, plan, attn_metadata, block_size: int):
-        """Per-step indices shared by all layers: [R, L] blocks/offsets, [R, N] query rows,
-        [R, N] valid query rows, [R, N, L] bool mask."""
+        """Per-step indices shared by all layers (built by the first layer):
+        ``[R * B]`` block ids of each tree request's KV blocks (B = most blocks of any tree
+        request; padding repeats block 0), ``[R, N]`` query rows and their validity, and the
+        ``[R, 1, N, B * block_size]`` additive mask (0 = may attend, -inf = not)."""
         key = ("gather", block_size)
         if key in plan.cache:
             return plan.cache[key]
@@ -103,48 +116,66 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         q_end = attn_metadata.query_start_loc[1:].tolist()
         block_table = attn_metadata.block_table
         lens = [seq_lens[i] for i in plan.req_index]
-        num_reqs, max_len, max_nodes = len(plan.req_index), max(lens), max(plan.num_nodes)
-        blocks = torch.zeros(num_reqs, max_len, dtype=torch.int64)
-        offs = torch.zeros(num_reqs, max_len, dtype=torch.int64)
+        num_reqs = len(plan.req_index)
+        max_nodes = max(n - c for n, c in zip(plan.num_nodes, plan.chain_prefix or [0] * num_reqs))
+        num_blocks = -(-max(lens) // block_size)
+        blocks = torch.zeros(num_reqs, num_blocks, dtype=torch.int64)
         rows = torch.zeros(num_reqs, max_nodes, dtype=torch.int64)
         valid = torch.zeros(num_reqs, max_nodes, dtype=torch.bool)
-        mask = torch.zeros(num_reqs, max_nodes, max_len, dtype=torch.bool)
-        for r, (i, n, m) in enumerate(zip(plan.req_index, plan.num_nodes, plan.masks)):
+        allowed = torch.zeros(num_reqs, max_nodes, num_blocks * block_size, dtype=torch.bool)
+        prefixes = plan.chain_prefix or [0] * num_reqs
+        for r, (i, n, m, c) in enumerate(zip(plan.req_index, plan.num_nodes, plan.masks, prefixes)):
             seq_len = lens[r]
             ctx = seq_len - n
-            pos = torch.arange(seq_len)
-            blocks[r, :seq_len] = block_table[i, pos // block_size].to(torch.int64)
-            offs[r, :seq_len] = pos % block_size
-            rows[r, :n] = torch.arange(q_end[i] - n, q_end[i])
-            valid[r, :n] = True
-            mask[r, :n, :ctx] = True
-            mask[r, :n, ctx:seq_len] = torch.from_numpy(np.ascontiguousarray(m))
-            mask[r, n:, 0] = True  # padding rows: attend something (discarded)
-        out = (blocks, offs, rows, valid, mask)
+            used = -(-seq_len // block_size)
+            blocks[r, :used] = block_table[i, :used].to(torch.int64)
+            # rows of nodes c+1..n (nodes 1..c form a chain: the kernel's causal rows are exact)
+            k = n - c
+            rows[r, :k] = torch.arange(q_end[i] - k, q_end[i])
+            valid[r, :k] = True
+            allowed[r, :k, :ctx] = True
+            allowed[r, :k, ctx:seq_len] = torch.from_numpy(np.ascontiguousarray(m[c:]))
+            allowed[r, k:, 0] = True  # padding rows attend something (their output is dropped)
+        mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, float("-inf"))
+        out = (blocks.flatten(), rows, valid, mask.unsqueeze(1))
         plan.cache[key] = out
         return out
 
     def _tree_rows(self, layer, query, kv_cache, attn_metadata, plan, output) -> None:
         num_blocks, num_kv_heads, block_size, two_hs = kv_cache.shape
         head_size = two_hs // 2
-        k_off, v_off = kv_layout(layer.isa, kv_cache.dtype, block_size, head_size)
-        blocks, offs, rows, valid, mask = self._gather_plan(plan, attn_metadata, block_size)
-        flat = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size * head_size)
-        b = blocks.unsqueeze(-1)  # [R, L, 1]
-        # [R, L, head_size, num_kv_heads] -> [R, num_kv_heads, L, head_size]
-        k = flat[b, :, k_off[offs]].permute(0, 3, 1, 2).float()
-        v = flat[b, :, v_off[offs]].permute(0, 3, 1, 2).float()
+        layout = kv_layout(layer.isa, kv_cache.dtype, block_size, head_size)
+        blocks, rows, valid, mask = self._gather_plan(plan, attn_metadata, block_size)
+        num_reqs = rows.shape[0]
+        # [R * B, num_kv_heads, 2 * block_size * head_size]: whole blocks, one copy
+        blk = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size * head_size).index_select(0, blocks)
+        # [R, num_kv_heads, B * block_size, head_size] each
+        k = _unpack(blk, layout[0], layout[2], num_reqs, block_size, head_size, 0)
+        v = _unpack(blk, layout[1], layout[3], num_reqs, block_size, head_size, block_size * head_size)
         q = query.view(query.shape[0], self.num_heads, self.head_size)
         # [R, num_heads, N, head_size]
         q = q[rows].permute(0, 2, 1, 3).float()
-        if self.num_queries_per_kv > 1:
-            k = k.repeat_interleave(self.num_queries_per_kv, dim=1)
-            v = v.repeat_interleave(self.num_queries_per_kv, dim=1)
-        # softmax(q k^T * scale + log(mask)) v, per tree request
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=self.scale)
+        # softmax(q k^T * scale + mask) v, per tree request; GQA: num_heads / num_kv_heads
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_queries_per_kv > 1
+        )
         o = o.permute(0, 2, 1, 3).to(output.dtype)  # [R, N, num_heads, head_size]
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         out[rows[valid]] = o[valid]
+
+
+def _unpack(blk, offsets, kind, num_reqs, block_size, head_size, base) -> torch.Tensor:
+    """K or V of gathered blocks as float32 ``[R, num_kv_heads, B * block_size, head_size]``."""
+    n, num_kv_heads, _ = blk.shape
+    region = block_size * head_size
+    if kind == "plain":  # [block_size, head_size]
+        x = blk[..., base : base + region].reshape(n, num_kv_heads, block_size, head_size)
+    elif kind == "transposed":  # [head_size, block_size]
+        x = blk[..., base : base + region].reshape(n, num_kv_heads, head_size, block_size).transpose(-1, -2)
+    else:
+        x = blk.index_select(-1, offsets.flatten()).view(n, num_kv_heads, block_size, head_size)
+    x = x.reshape(num_reqs, n // num_reqs, num_kv_heads, block_size, head_size).permute(0, 2, 1, 3, 4)
+    return x.reshape(num_reqs, num_kv_heads, -1, head_size).float()
 
 
 class TreeCPUBackend(CPUAttentionBackend):

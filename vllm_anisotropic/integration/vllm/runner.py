@@ -49,12 +49,16 @@ class TreePlan:
     ``req_index[r]``: batch row of tree request r; ``num_nodes[r]``: its draft nodes n_r (root
     excluded); ``masks[r]``: ``[n_r, n_r]`` bool ancestor mask among the draft nodes (node i
     may attend node j); the node rows are the last n_r query rows of request ``req_index[r]``.
-    ``cache`` holds gather indices built by the first layer and reused by the others.
+    ``chain_prefix[r]``: c_r, the leading nodes 1..c_r that form a chain below the root; their
+    rows are causal already (ancestors = every earlier node), so only rows c_r+1..n_r are
+    recomputed (missing entries: 0). ``cache`` holds gather indices built by the first layer
+    and reused by the others.
     """
 
     req_index: list[int]
     num_nodes: list[int]
     masks: list[np.ndarray]
+    chain_prefix: list[int] = field(default_factory=list)
     cache: dict = field(default_factory=dict)
 
 
@@ -65,6 +69,16 @@ class TreeStep:
 
     req_ids: list[str]
     trees: dict[int, DraftTree]
+
+
+def chain_prefix(tree: DraftTree) -> int:
+    """Largest c with ``parents[1..c] == [0..c-1]``: nodes 1..c form a chain below the root.
+
+    ``parents [-1, 0, 1, 0, 2] -> 2``; a pure chain of n nodes -> n.
+    """
+    parents = tree.parents[1:]
+    off = np.nonzero(parents != np.arange(len(parents)))[0]
+    return int(off[0]) if len(off) else len(parents)
 
 
 def tree_eligible(sampling_params) -> bool:
@@ -108,6 +122,8 @@ class TreeCPUModelRunner(CPUModelRunner):
         )
         self._tree_step: TreeStep | None = None
         self._tree_plan: TreePlan | None = None
+        # req_id -> accepted nodes whose KV is already in place (path 1 -> 2 -> ... -> c)
+        self.kv_in_place: dict[str, int] = {}
 
     # ------------------------------------------------------------------ request lifecycle
     def _update_states(self, scheduler_output):
@@ -141,9 +157,13 @@ class TreeCPUModelRunner(CPUModelRunner):
             # positions of the node rows: root position + depth (rows counted from the end)
             depths = torch.from_numpy(tree.depths[1:]).to(self.positions.dtype)
             self.positions[end - n : end] = self.positions[root_row] + depths
+            prefix = chain_prefix(tree)
+            if prefix == n:  # a chain: vLLM's causal attention is already the tree mask
+                continue
             plan.req_index.append(i)
             plan.num_nodes.append(n)
             plan.masks.append(tree.ancestor_mask[1:, 1:])
+            plan.chain_prefix.append(prefix)
         if trees:
             self._tree_step = TreeStep(req_ids, trees)
         if plan.req_index:
@@ -168,6 +188,15 @@ class TreeCPUModelRunner(CPUModelRunner):
         out = super()._sample(logits, spec_decode_metadata)
         if spec_decode_metadata is None and logits is not None:
             harvest_plain(self, logits)  # no drafts anywhere this step: root rows only
+        return out
+
+    def sample_tokens(self, grammar_output):
+        out = super().sample_tokens(grammar_output)
+        # Tell the scheduler which accepted tokens need no re-run (scheduler.TreeScheduler);
+        # an output without the attribute makes it re-run every accepted token (always safe).
+        kv_in_place, self.kv_in_place = self.kv_in_place, {}
+        if kv_in_place and hasattr(out, "sampled_token_ids"):
+            out.kv_in_place = kv_in_place
         return out
 
     # ------------------------------------------------------------------ drafting

@@ -88,6 +88,13 @@ class TreeRejectionSampler(nn.Module):
         for i, tree, res in zip(order, trees, results):
             tokens = res.emitted_tokens(tree)
             out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+            # accepted path 1 -> 2 -> ... -> c: node k was computed at slot root + k, position
+            # root + k, attending exactly its ancestors -- vLLM's chain KV, already in place
+            in_place = 0
+            while in_place < len(res.accepted) and res.accepted[in_place] == in_place + 1:
+                in_place += 1
+            if in_place:
+                self.runner.kv_in_place[step.req_ids[i]] = in_place
             self.runner.drafter.observe(step.req_ids[i], tree, res.accepted, logits[rows_of[i]])
         for i, tree in step.trees.items():  # root-only trees: harvest the root row
             if tree.num_nodes == 1:

@@ -6,7 +6,12 @@ Why: vLLM assumes accepted drafts are a prefix of the draft list, so that the KV
 draft k at slot ``root + k`` is the KV of the k-th emitted token. In a tree the accepted path
 is any root-to-node path (e.g. nodes 2 -> 7), whose KV sits at the wrong slots and was
 computed at tree positions. After vLLM's own bookkeeping (``num_computed_tokens -=
-rejected``) we also roll back the ``a`` accepted tokens: ``num_computed_tokens -= a``. The
+rejected``) we also roll back the ``a`` accepted tokens: ``num_computed_tokens -= a``,
+except a leading run of accepted nodes 1 -> 2 -> ... -> c (a chain at the front of the
+tree, e.g. the GOOSE bypass spine): those sit at slot ``root + k`` and were computed at
+position ``root + k`` attending exactly their ancestors, so their KV is vLLM's chain KV
+already; the runner reports c per request (``ModelRunnerOutput.kv_in_place``, an extra
+attribute that travels with the pickled output; without it every accepted token is re-run). The
 next ``schedule()`` then re-runs them, as ordinary tokens at their true positions and slots,
 in front of the new root and its drafts (query ``[a re-run, root, n drafts]``; the runner
 indexes tree rows from the end of the query). Cost: ``a`` extra query tokens per step; no
@@ -32,6 +37,8 @@ class TreeScheduler(Scheduler):
         sampled = model_runner_output.sampled_token_ids
         if not sampled:
             return outputs
+        # accepted paths 1 -> 2 -> ... -> c keep their KV (runner.sample_tokens); re-run the rest
+        kv_in_place = getattr(model_runner_output, "kv_in_place", None) or {}
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             request = self.requests.get(req_id)
             if not drafts or request is None or request.is_finished():
@@ -40,6 +47,7 @@ class TreeScheduler(Scheduler):
             if index is None:
                 continue
             num_accepted = max(len(sampled[index]) - 1, 0)
-            if num_accepted:
-                request.num_computed_tokens -= num_accepted
+            rerun = num_accepted - min(kv_in_place.get(req_id, 0), num_accepted)
+            if rerun:
+                request.num_computed_tokens -= rerun
         return outputs
