@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from vllm_anisotropic.verifiers.base import BatchVerifyResult
-from vllm_anisotropic.verifiers.topdown import TopDownVerifier
+from vllm_anisotropic.verifiers.topdown import TopDownVerifier, descend
 
 __all__ = ["GreedyVerifier", "rows_argmax"]
 
@@ -90,15 +90,5 @@ class GreedyVerifier(TopDownVerifier):
             nodes = cur[rows]
             y = rows_argmax(target_logits, nodes)  # [rows]
             cand = batch.children[nodes]  # [rows, max_children] priority order, -1 padded
-            cand_tok = torch.where(cand >= 0, batch.tokens[cand.clamp(min=0)], -1)
-            match = cand_tok == y.unsqueeze(1)
-            hit = match.any(dim=1)
-            child = cand.gather(1, match.to(torch.int8).argmax(dim=1, keepdim=True)).squeeze(1)
-            go = rows[hit]
-            accepted[go, num_acc[go]] = child[hit] - batch.root_index[go]
-            num_acc[go] += 1
-            cur[go] = child[hit]
-            stop = rows[~hit]
-            bonus[stop] = y[~hit]
-            active[stop] = False
+            descend(batch, rows, cand, y, cur, accepted, num_acc, bonus, active)
         return BatchVerifyResult(accepted=accepted, num_accepted=num_acc, bonus_tokens=bonus)

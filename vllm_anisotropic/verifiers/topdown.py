@@ -45,6 +45,32 @@ def shuffle_slots(
     return slot_tokens.gather(1, order), slot_nodes.gather(1, order)
 
 
+
+def descend(
+    batch: TreeBatch,
+    rows: torch.Tensor,  # [rows] request indices still walking
+    cand: torch.Tensor,  # [rows, max_children] candidate child nodes, priority order, -1 padded
+    y: torch.Tensor,  # [rows] the token each row emits at this depth
+    cur: torch.Tensor,  # [batch_size] current node per request (updated in place)
+    accepted: torch.Tensor,  # [batch_size, max_depth] accepted local node ids (updated in place)
+    num_acc: torch.Tensor,  # [batch_size] (updated in place)
+    bonus: torch.Tensor,  # [batch_size] (updated in place)
+    active: torch.Tensor,  # [batch_size] bool (updated in place)
+) -> None:
+    """One step of a top-down walk: each row moves to its first candidate child whose token is
+    ``y`` (accepting it); a row with no such child stops and emits ``y`` as its bonus token."""
+    cand_tok = torch.where(cand >= 0, batch.tokens[cand.clamp(min=0)], -1)
+    match = cand_tok == y.unsqueeze(1)
+    hit = match.any(dim=1)
+    child = cand.gather(1, match.to(torch.int8).argmax(dim=1, keepdim=True)).squeeze(1)
+    go = rows[hit]
+    accepted[go, num_acc[go]] = child[hit] - batch.root_index[go]
+    num_acc[go] += 1
+    cur[go] = child[hit]
+    stop = rows[~hit]
+    bonus[stop] = y[~hit]
+    active[stop] = False
+
 class TopDownVerifier(Verifier):
     """Top-down traversal; subclasses implement ``solve`` (and ``solve_reference``)."""
 
@@ -110,15 +136,5 @@ class TopDownVerifier(Verifier):
                 y[k] = self.solve(target[k], q, slot_tokens[k], ut[k])
             # descend: first child in priority order whose token is y
             cand = slot_nodes[:, :1] if self.single_path else batch.children[nodes]  # [rows, C]
-            cand_tok = torch.where(cand >= 0, batch.tokens[cand.clamp(min=0)], -1)
-            match = cand_tok == y.unsqueeze(1)
-            hit = match.any(dim=1)
-            child = cand.gather(1, match.to(torch.int8).argmax(dim=1, keepdim=True)).squeeze(1)
-            go = rows[hit]
-            accepted[go, num_acc[go]] = child[hit] - batch.root_index[go]
-            num_acc[go] += 1
-            cur[go] = child[hit]
-            stop = rows[~hit]
-            bonus[stop] = y[~hit]
-            active[stop] = False
+            descend(batch, rows, cand, y, cur, accepted, num_acc, bonus, active)
         return BatchVerifyResult(accepted=accepted, num_accepted=num_acc, bonus_tokens=bonus)
