@@ -39,6 +39,9 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from vllm_anisotropic.proposers.base import RequestState
+from vllm_anisotropic.tree import DraftTree
+
 __all__ = ["AdjacencyTable", "topk_scores"]
 
 _EMPTY = -1
@@ -232,3 +235,23 @@ class AdjacencyTable:
         prev = np.concatenate([[-1], tokens[:-1]])
         for s in range(0, tokens.shape[0], chunk):
             self.harvest(prev[s : s + chunk], tokens[s : s + chunk], logits[s : s + chunk])
+
+
+class HarvestingState(RequestState):
+    """Per-request state of a proposer whose drafts come from an ``AdjacencyTable``.
+
+    Harvests the logits of every verified node (rejected branches included) and of the prefill
+    into ``self.table``; subclasses set ``table`` and keep ``_prev_root`` (the token before the
+    root, the bigram key of the root's successors) up to date in ``propose``.
+    """
+
+    table: AdjacencyTable
+    _prev_root: int = -1
+
+    def observe(self, tree: DraftTree, accepted, logits: torch.Tensor | None) -> None:
+        if logits is not None:
+            self.table.harvest_tree(tree, self._prev_root, logits)
+
+    def observe_prefill(self, prompt_tokens, logits: torch.Tensor | None) -> None:
+        if logits is not None:
+            self.table.harvest_sequence(prompt_tokens, logits)

@@ -57,8 +57,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vllm_anisotropic.proposers.adjacency import AdjacencyTable
-from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, RequestState
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState
+from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer
 from vllm_anisotropic.proposers.config import GooseConfig
 from vllm_anisotropic.proposers.context_match import ContextMatch, ContextMatcher
 from vllm_anisotropic.proposers.treebuild import TreeBuilder
@@ -211,7 +211,7 @@ def build_spine_tree(
     return builder.finish()
 
 
-class GooseState(RequestState):
+class GooseState(HarvestingState):
     """Per-request GOOSE state: context index, spine-acceptance EMA, the (shared) table."""
 
     def __init__(self, config: GooseConfig, table: AdjacencyTable) -> None:
@@ -266,8 +266,7 @@ class GooseState(RequestState):
 
     def observe(self, tree: DraftTree, accepted, logits: torch.Tensor | None) -> None:
         # Algorithm 2 line 15: harvest every verified node, rejected branches included
-        if logits is not None:
-            self.table.harvest_tree(tree, self._prev_root, logits)
+        super().observe(tree, accepted, logits)
         # line 16: p_s <- (1 - c) p_s + c * (accepted spine nodes / proposed spine nodes)
         is_spine = tree.sources == NodeSource.SPINE
         num_spine = int(np.count_nonzero(is_spine))
@@ -275,10 +274,6 @@ class GooseState(RequestState):
             acc = int(np.count_nonzero(is_spine[np.asarray(accepted, np.int64)])) if len(accepted) else 0
             c = self.config.ema_coef
             self.spine_acceptance = (1.0 - c) * self.spine_acceptance + c * acc / num_spine
-
-    def observe_prefill(self, prompt_tokens, logits: torch.Tensor | None) -> None:
-        if logits is not None:
-            self.table.harvest_sequence(prompt_tokens, logits)
 
 
 class GooseProposer(Proposer):

@@ -15,10 +15,9 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
-import torch
 
-from vllm_anisotropic.proposers.adjacency import AdjacencyTable
-from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, RequestState
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState
+from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer
 from vllm_anisotropic.proposers.config import IsotropicConfig
 from vllm_anisotropic.proposers.context_match import ContextMatcher
 from vllm_anisotropic.proposers.treebuild import TreeBuilder
@@ -73,7 +72,7 @@ def build_isotropic_tree(
     return builder.finish()
 
 
-class IsotropicState(RequestState):
+class IsotropicState(HarvestingState):
     def __init__(self, config: IsotropicConfig, table: AdjacencyTable) -> None:
         self.config = config
         self.table = table
@@ -101,14 +100,6 @@ class IsotropicState(RequestState):
         mode = ProposalMode.TREE if tree.num_nodes > 1 else ProposalMode.PLAIN
         self.last_info = ProposalInfo(mode, spine_len=spine_len, ngram=hit.ngram, match_length=hit.match_length, consensus=hit.consensus)
         return tree
-
-    def observe(self, tree: DraftTree, accepted, logits: torch.Tensor | None) -> None:
-        if logits is not None:
-            self.table.harvest_tree(tree, self._prev_root, logits)
-
-    def observe_prefill(self, prompt_tokens, logits: torch.Tensor | None) -> None:
-        if logits is not None:
-            self.table.harvest_sequence(prompt_tokens, logits)
 
 
 class IsotropicProposer(Proposer):

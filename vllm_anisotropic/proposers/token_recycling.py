@@ -21,10 +21,9 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
-import torch
 
-from vllm_anisotropic.proposers.adjacency import AdjacencyTable
-from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, RequestState
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState
+from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer
 from vllm_anisotropic.proposers.config import TokenRecyclingConfig
 from vllm_anisotropic.proposers.treebuild import TreeBuilder
 from vllm_anisotropic.tree import DraftTree, NodeSource
@@ -57,7 +56,7 @@ def static_template(budget: int, max_depth: int, top_k: int, rank_decay: float) 
     return slots
 
 
-class TokenRecyclingState(RequestState):
+class TokenRecyclingState(HarvestingState):
     def __init__(self, config: TokenRecyclingConfig, table: AdjacencyTable, template) -> None:
         self.config = config
         self.table = table
@@ -86,14 +85,6 @@ class TokenRecyclingState(RequestState):
         tree = builder.finish()
         self.last_info = ProposalInfo(ProposalMode.TREE if tree.num_nodes > 1 else ProposalMode.PLAIN)
         return tree
-
-    def observe(self, tree: DraftTree, accepted, logits: torch.Tensor | None) -> None:
-        if logits is not None:
-            self.table.harvest_tree(tree, self._prev_root, logits)
-
-    def observe_prefill(self, prompt_tokens, logits: torch.Tensor | None) -> None:
-        if logits is not None:
-            self.table.harvest_sequence(prompt_tokens, logits)
 
 
 class TokenRecyclingProposer(Proposer):
