@@ -184,24 +184,38 @@ class TreeDecoder:
         max_new_tokens: int,
         eos_ids=(),
         harvest_prefill: bool = True,
+        first_token_from_prefill: bool = False,
     ) -> DecodeResult:
-        """Tree speculative decoding of ``prompt`` with ``state`` (see module docstring)."""
+        """Tree speculative decoding of ``prompt`` with ``state`` (see module docstring).
+
+        ``first_token_from_prefill=True`` starts the way vLLM does: the whole prompt is
+        prefilled, its last row's argmax is the first output token (no tree, no harvest: vLLM
+        computes only that row), and the first tree is rooted at that token. ``res.steps`` then
+        holds the verification steps only; ``bench/crosscheck.py`` compares them with the
+        engine's per-step accepted lengths.
+        """
         assert len(prompt) >= 1
         t_start = time.perf_counter()
         eos = set(int(e) for e in eos_ids)
         cache = self._new_cache()
         context = list(int(t) for t in prompt)
-        cache_len = len(context) - 1
-        if cache_len > 0:  # prefill all but the last prompt token (the first root)
+        res = DecodeResult(tokens=[], prompt_len=len(prompt))
+        if first_token_from_prefill:
+            out = self.model(input_ids=torch.tensor([context], device=self.device), past_key_values=cache, use_cache=True)
+            first = int(out.logits[0, -1].argmax())
+            context.append(first)
+            res.tokens.append(first)
+        elif len(context) > 1:  # prefill all but the last prompt token (the first root)
             ids = torch.tensor([context[:-1]], device=self.device)
             out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
             if harvest_prefill:
                 tp = time.perf_counter()
                 state.observe_prefill(context[:-1], out.logits[0])
                 logger.debug("prefill harvest %.1f ms", 1e3 * (time.perf_counter() - tp))
+        cache_len = len(context) - 1
         self._sync()
-        res = DecodeResult(tokens=[], prompt_len=len(prompt), prefill_s=time.perf_counter() - t_start)
-        done = False
+        res.prefill_s = time.perf_counter() - t_start
+        done = bool(res.tokens) and (len(res.tokens) >= max_new_tokens or res.tokens[-1] in eos)
         while not done:
             t0 = time.perf_counter()
             tree = state.propose(np.asarray(context, dtype=np.int64))

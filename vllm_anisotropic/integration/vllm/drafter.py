@@ -23,26 +23,21 @@ Example: tree tokens ``[r, 5, 9, 7]`` parents ``[-1, 0, 0, 1]`` -> vLLM draft li
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
+from vllm_anisotropic.integration.vllm.metrics import STATS_ENV, MetricsSink, TreeMetrics
 from vllm_anisotropic.proposers import get_proposer
 from vllm_anisotropic.proposers.base import RequestState
-from vllm_anisotropic.tree import DraftTree, NodeSource
+from vllm_anisotropic.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TreeDrafter", "STATS_ENV"]
-
-# When set to a file path, the drafter rewrites it (JSON) with its cumulative tree counters
-# every time a request finishes: the only view of tree shapes from outside the worker.
-STATS_ENV = "VLLM_ANISOTROPIC_TREE_STATS"
 
 
 class TreeDrafter:
@@ -61,16 +56,9 @@ class TreeDrafter:
         self.max_model_len: int = int(vllm_config.model_config.max_model_len)
         self.states: dict[str, RequestState] = {}
         self.trees: dict[str, DraftTree] = {}
-        self.stats: dict[str, int] = {
-            "verified_trees": 0,  # trees with >= 1 draft node
-            "branching_trees": 0,  # trees with a node of >= 2 children
-            "draft_nodes": 0,
-            "max_nodes": 0,
-            "accepted_nodes": 0,
-            "accepted_branch_nodes": 0,  # accepted nodes of source BRANCH
-            "accepted_off_chain": 0,  # accepted paths that are not nodes 1..a (KV re-run needed)
-        }
-        self._stats_path = os.environ.get(STATS_ENV)
+        # tree counters -> stats file (VLLM_ANISOTROPIC_TREE_STATS), /metrics and the log (metrics.py)
+        self.metrics = TreeMetrics()
+        self.sink = MetricsSink(self.metrics, rank=_tp_rank())
 
     # ------------------------------------------------------------------ vLLM custom_class API
     def propose(self, *args, **kwargs):
@@ -131,26 +119,29 @@ class TreeDrafter:
     def observe(self, req_id: str, tree: DraftTree, accepted: list[int], logits: torch.Tensor | None) -> None:
         """After verification: logits ``[num_nodes, vocab_size]``, row i after node i's path."""
         state = self.states.get(req_id)
+        mode = None
         if state is not None:
+            mode = getattr(state.last_info.mode, "value", None)  # the info of this tree's proposal
             state.observe(tree, accepted, logits)
-        if tree.num_nodes > 1:
-            st = self.stats
-            st["verified_trees"] += 1
-            st["branching_trees"] += int(tree.num_children.max() >= 2)
-            st["draft_nodes"] += tree.num_nodes - 1
-            st["max_nodes"] = max(st["max_nodes"], tree.num_nodes)
-            st["accepted_nodes"] += len(accepted)
-            st["accepted_branch_nodes"] += int(sum(tree.sources[i] == NodeSource.BRANCH for i in accepted))
-            st["accepted_off_chain"] += int(list(accepted) != list(range(1, len(accepted) + 1)))
+        self.metrics.record(req_id, tree, accepted, mode, trace=self.sink.trace)
+        self.sink.tick()
 
     def drop(self, req_id: str) -> None:
         """The request finished or was aborted."""
         self.states.pop(req_id, None)
         self.trees.pop(req_id, None)
-        if self._stats_path:
-            with open(self._stats_path, "w", encoding="utf-8") as f:
-                json.dump(self.stats, f)
+        self.sink.tick(force=True)
 
     def drop_tree(self, req_id: str) -> None:
         """The request was preempted: its pending drafts are gone."""
         self.trees.pop(req_id, None)
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 outside a distributed setup)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - no process group yet / not distributed
+        return 0

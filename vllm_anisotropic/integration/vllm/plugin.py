@@ -11,6 +11,9 @@ What it does today:
 - installs the front-door patches (``patches.py``) that make
   ``speculative_config={"method": "goose"}`` (and ``pld``, ``token_recycling``,
   ``isotropic``) select this plugin's tree worker, runner, attention and scheduler;
+- exports the tree metrics (``metrics.py``): names the stats file the workers write (a
+  temporary file unless ``VLLM_ANISOTROPIC_TREE_STATS`` is set; child processes inherit it)
+  and registers the ``vllm_anisotropic:*`` Prometheus collector that reads it;
 - when ``VLLM_ANISOTROPIC_TRACE_REGISTER`` names a file, appends ``<pid>`` to it once per
   process, so tests and users can check which processes loaded the plugin.
 """
@@ -40,6 +43,9 @@ def register() -> None:
     from vllm_anisotropic.integration.vllm.patches import apply
 
     apply()
+    from vllm_anisotropic.integration.vllm.metrics import install_collector
+
+    install_collector()
     _registered_pid = pid
     trace = os.environ.get(TRACE_ENV)
     if trace:

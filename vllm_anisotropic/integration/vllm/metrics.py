@@ -1,0 +1,211 @@
+"""Tree-decoding metrics: counted in the worker, shown in vLLM's log and on its ``/metrics``.
+
+Scope: what vLLM's own spec-decode counters cannot say about a tree (they see a flat draft
+list): acceptance per draft source (SPINE = context match, BRANCH = adjacency table), tree
+size, bypass and plain steps.
+
+Path of a number (vLLM runs the drafter in a worker process, ``/metrics`` is served by the
+API-server process, and vLLM's ``SchedulerStats`` cannot carry extra fields across its
+msgspec boundary):
+
+1. ``TreeMetrics.record`` in the worker, once per verified request-step (``drafter.observe``);
+2. every ``WRITE_INTERVAL_S`` and when a request finishes, rank 0 writes the counters as JSON
+   (atomic rename) to the file named by ``VLLM_ANISOTROPIC_TREE_STATS``. ``plugin.register``
+   creates a temporary file name in the first vLLM process (the user's / API server's) when
+   the variable is unset; every process vLLM starts afterwards inherits it;
+3. ``TreeMetricsCollector``, registered in prometheus_client's default registry in every
+   process, reads that file at scrape time and exports ``vllm_anisotropic:*`` counters; the
+   API server's ``/metrics`` (vLLM's default registry outside multi-API-server mode) includes
+   them. The worker also logs a one-line summary every ``LOG_INTERVAL_S`` through the ``vllm``
+   logger, next to vLLM's own "SpecDecoding metrics" line.
+
+Definitions (per request-step that had a tree pending; vLLM's prefill step is not one):
+``tau = (steps + accepted) / steps``; ``p_s = accepted_spine / spine_nodes``, ``p_t =
+accepted_branch / branch_nodes``. ``VLLM_ANISOTROPIC_TREE_TRACE=1`` also keeps, per request,
+the list of accepted lengths per step (tests and ``bench/crosscheck.py`` compare it with the
+exact harness); it grows with the run, so it is off by default.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from vllm_anisotropic.tree import DraftTree, NodeSource
+
+__all__ = ["STATS_ENV", "TRACE_ENV", "TreeMetrics", "MetricsSink", "ensure_stats_file", "install_collector"]
+
+STATS_ENV = "VLLM_ANISOTROPIC_TREE_STATS"
+TRACE_ENV = "VLLM_ANISOTROPIC_TREE_TRACE"
+WRITE_INTERVAL_S = 1.0
+LOG_INTERVAL_S = 10.0
+
+# vLLM's handlers sit on the "vllm" logger: a child of it prints like vLLM's own lines.
+log = logging.getLogger("vllm.anisotropic")
+
+
+@dataclass
+class TreeMetrics:
+    """Cumulative counters of one worker (see module docstring for the definitions)."""
+
+    steps: int = 0  # request-steps with a tree pending (root-only trees included)
+    plain_steps: int = 0  # root-only trees: nothing to draft
+    bypass_steps: int = 0  # GOOSE verified its context-match spine alone
+    verified_trees: int = 0  # trees with >= 1 draft node
+    branching_trees: int = 0  # trees with a node of >= 2 children
+    draft_nodes: int = 0
+    spine_nodes: int = 0
+    branch_nodes: int = 0
+    max_nodes: int = 0
+    accepted_nodes: int = 0
+    accepted_spine_nodes: int = 0
+    accepted_branch_nodes: int = 0
+    accepted_off_chain: int = 0  # accepted paths that are not nodes 1..a (KV re-run needed)
+    requests: dict[str, list[int]] = field(default_factory=dict)  # traces (TRACE_ENV only)
+
+    def record(self, req_id: str, tree: DraftTree, accepted: Sequence[int], mode: str | None, trace: bool) -> None:
+        self.steps += 1
+        a = len(accepted)
+        if trace:
+            self.requests.setdefault(req_id, []).append(a)
+        if mode == "bypass":
+            self.bypass_steps += 1
+        if tree.num_nodes == 1:
+            self.plain_steps += 1
+            return
+        src = tree.sources
+        acc_src = src[np.asarray(accepted, np.int64)] if a else src[:0]
+        self.verified_trees += 1
+        self.branching_trees += int(tree.num_children.max() >= 2)
+        self.draft_nodes += tree.num_nodes - 1
+        self.spine_nodes += int(np.count_nonzero(src == NodeSource.SPINE))
+        self.branch_nodes += int(np.count_nonzero(src == NodeSource.BRANCH))
+        self.max_nodes = max(self.max_nodes, tree.num_nodes)
+        self.accepted_nodes += a
+        self.accepted_spine_nodes += int(np.count_nonzero(acc_src == NodeSource.SPINE))
+        self.accepted_branch_nodes += int(np.count_nonzero(acc_src == NodeSource.BRANCH))
+        self.accepted_off_chain += int(list(accepted) != list(range(1, a + 1)))
+
+    @property
+    def tau(self) -> float:
+        return (self.steps + self.accepted_nodes) / self.steps if self.steps else 0.0
+
+    def summary_line(self) -> str:
+        def rate(x: int, n: int) -> str:
+            return f"{x / n:.3f}" if n else "n/a"
+
+        trees = max(self.verified_trees, 1)
+        return (
+            f"vllm-anisotropic tree metrics: steps {self.steps}, tau {self.tau:.2f}, "
+            f"spine acceptance {rate(self.accepted_spine_nodes, self.spine_nodes)}, "
+            f"branch acceptance {rate(self.accepted_branch_nodes, self.branch_nodes)}, "
+            f"mean draft nodes {self.draft_nodes / trees:.1f}, "
+            f"bypass rate {rate(self.bypass_steps, self.steps)}, plain rate {rate(self.plain_steps, self.steps)}"
+        )
+
+
+class MetricsSink:
+    """Writes ``TreeMetrics`` to the stats file (rank 0 only) and logs the summary line."""
+
+    def __init__(self, metrics: TreeMetrics, rank: int = 0) -> None:
+        self.metrics = metrics
+        self.path = os.environ.get(STATS_ENV) if rank == 0 else None
+        self.trace = os.environ.get(TRACE_ENV, "") not in ("", "0")
+        self.log_enabled = rank == 0
+        self._last_write = 0.0
+        self._last_log = time.monotonic()
+        self._last_logged_steps = 0
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.path and (force or now - self._last_write >= WRITE_INTERVAL_S):
+            self._last_write = now
+            write_json_atomic(self.path, asdict(self.metrics))
+        if self.log_enabled and now - self._last_log >= LOG_INTERVAL_S and self.metrics.steps != self._last_logged_steps:
+            self._last_log, self._last_logged_steps = now, self.metrics.steps
+            log.info(self.metrics.summary_line())
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def ensure_stats_file() -> str:
+    """The stats file path, creating a temporary one (and exporting it) when unset."""
+    path = os.environ.get(STATS_ENV)
+    if not path:
+        path = os.path.join(tempfile.mkdtemp(prefix="vllm-anisotropic-"), "tree_stats.json")
+        os.environ[STATS_ENV] = path
+    return path
+
+
+# Prometheus: counter name -> (TreeMetrics fields or source split, help)
+_COUNTERS = {
+    "tree_steps": ("steps", "request-steps verified with a draft tree pending (root-only trees included)"),
+    "tree_plain_steps": ("plain_steps", "request-steps whose tree was the root alone (nothing to draft)"),
+    "tree_bypass_steps": ("bypass_steps", "request-steps that verified the context-match spine alone (GOOSE bypass)"),
+    "tree_verified_trees": ("verified_trees", "verified trees with at least one draft node"),
+    "tree_draft_nodes": ("draft_nodes", "draft nodes verified (root excluded)"),
+    "tree_accepted_nodes": ("accepted_nodes", "draft nodes accepted; tau = (steps + accepted) / steps"),
+}
+_BY_SOURCE = {
+    "tree_source_draft_nodes": ({"spine": "spine_nodes", "branch": "branch_nodes"}, "draft nodes verified, by source"),
+    "tree_source_accepted_nodes": (
+        {"spine": "accepted_spine_nodes", "branch": "accepted_branch_nodes"},
+        "draft nodes accepted, by source (spine = context match, branch = adjacency table)",
+    ),
+}
+
+
+class TreeMetricsCollector:
+    """prometheus_client collector over the stats file (read at scrape time)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def read(self) -> dict:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        data = self.read()
+        for name, (key, doc) in _COUNTERS.items():
+            fam = CounterMetricFamily(f"vllm_anisotropic:{name}", doc)
+            fam.add_metric([], float(data.get(key, 0)))
+            yield fam
+        for name, (keys, doc) in _BY_SOURCE.items():
+            fam = CounterMetricFamily(f"vllm_anisotropic:{name}", doc, labels=["source"])
+            for source, key in keys.items():
+                fam.add_metric([source], float(data.get(key, 0)))
+            yield fam
+
+
+_collector_pid: int | None = None
+
+
+def install_collector() -> None:
+    """Register the collector in prometheus_client's default registry (once per process)."""
+    global _collector_pid
+    if _collector_pid == os.getpid():
+        return
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:  # prometheus_client is a vLLM dependency; nothing to do without it
+        return
+    REGISTRY.register(TreeMetricsCollector(ensure_stats_file()))
+    _collector_pid = os.getpid()
