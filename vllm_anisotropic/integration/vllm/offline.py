@@ -49,6 +49,8 @@ class OfflineJob(BaseModel):
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
+    seed_per_prompt: bool = False
+    """With ``seed``: prompt i gets seed ``seed + i`` (independent seeded samples of one prompt)."""
     n: int = Field(1, ge=1)
     stop: list[str] | None = None
     speculative_config: dict[str, Any] | None = None
@@ -134,14 +136,15 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
         if job.prompts is not None
         else [TokensPrompt(prompt_token_ids=ids) for ids in job.prompt_token_ids]
     )
-    params = SamplingParams(
-        max_tokens=job.max_tokens,
-        temperature=job.temperature,
-        top_p=job.top_p,
-        seed=job.seed,
-        n=job.n,
-        stop=job.stop,
-    )
+    def params_for(seed):
+        return SamplingParams(
+            max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=seed, n=job.n, stop=job.stop
+        )
+
+    if job.seed is not None and job.seed_per_prompt:
+        params = [params_for(job.seed + i) for i in range(len(prompts))]
+    else:
+        params = params_for(job.seed)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started

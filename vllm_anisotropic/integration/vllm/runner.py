@@ -16,8 +16,9 @@ Scope: the per-step glue (shared/notes/vllm-0.32-spec-decode-map.md sections 2-3
 * ``rejection_sampler``: ``sampler.TreeRejectionSampler`` (greedy tree walk + harvest);
 * KV after acceptance: the scheduler re-runs the accepted tokens (``scheduler.py``).
 
-Tree eligibility: a request gets trees only when its next token is the plain argmax of the raw
-logits (``tree_eligible``); every other request decodes without drafts, exactly as vLLM would.
+Tree eligibility (``tree_eligible``): a request gets trees when its next token is the argmax
+of the raw logits, or sampled from softmax(logits / temperature) under top-k / top-p (verified
+by the sampling verifier); every other request decodes without drafts, exactly as vLLM would.
 """
 
 from __future__ import annotations
@@ -81,14 +82,16 @@ def chain_prefix(tree: DraftTree) -> int:
     return int(off[0]) if len(off) else len(parents)
 
 
-def tree_eligible(sampling_params) -> bool:
-    """True when the next token is ``argmax(raw logits)``: greedy and nothing that edits the
-    logits or needs per-token outputs that the tree walk does not produce."""
+def tree_eligible(sampling_params, sampling_trees: bool = False) -> bool:
+    """True when the next token's law is what the tree verifiers reproduce: ``argmax(raw
+    logits)`` (greedy), or with ``sampling_trees`` softmax(logits / temperature) under top-k /
+    top-p; nothing else may edit the logits or need per-token outputs the verifiers lack."""
     sp = sampling_params
-    if sp is None or sp.temperature >= _SAMPLING_EPS:
+    if sp is None or (sp.temperature >= _SAMPLING_EPS and not sampling_trees):
         return False
     return (
         sp.logprobs is None
+        and getattr(sp, "min_p", 0.0) == 0.0
         and sp.presence_penalty == 0.0
         and sp.frequency_penalty == 0.0
         and sp.repetition_penalty == 1.0
@@ -117,8 +120,9 @@ class TreeCPUModelRunner(CPUModelRunner):
         if self.uses_mrope:
             raise NotImplementedError("vllm-anisotropic tree decoding does not support M-RoPE models yet")
         assert isinstance(self.drafter, TreeDrafter), type(self.drafter)
+        engine = self.drafter.config.engine
         self.rejection_sampler = TreeRejectionSampler(
-            self.rejection_sampler, self, verifier=self.drafter.config.engine.verifier
+            self.rejection_sampler, self, verifier=engine.verifier, sampling_verifier=engine.sampling_verifier
         )
         self._tree_step: TreeStep | None = None
         self._tree_plan: TreePlan | None = None
@@ -203,7 +207,8 @@ class TreeCPUModelRunner(CPUModelRunner):
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         assert isinstance(sampled_token_ids, list)
         req_ids = list(self.input_batch.req_ids)
-        eligible = [tree_eligible(self.requests[r].sampling_params) for r in req_ids]
+        sampling_trees = self.drafter.config.engine.sampling_verifier != "none"
+        eligible = [tree_eligible(self.requests[r].sampling_params, sampling_trees) for r in req_ids]
         return self.drafter.propose_trees(
             req_ids,
             eligible,

@@ -2,7 +2,7 @@
 
 Scope: the ``runner.rejection_sampler`` call contract of vLLM 0.32
 (``forward(metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput``, see
-``v1/sample/rejection_sampler.py``) for batches that contain draft trees; verification itself is
+``v1/sample/rejection_sampler.py``) for batches that contain draft trees; greedy verification is
 ``verifiers.get_verifier("greedy")`` (GOOSE, papers/000 Algorithm 3: walk from the root, at each
 node descend to the child -- SPINE children first -- whose token is the target's argmax; the
 argmax at the last accepted node is the bonus token).
@@ -16,10 +16,13 @@ consecutive rows ending at ``cu_num_sampled_tokens[i]``; row 0 is the root, row 
 row j is exactly the verifier's "logits after node j's path". Worked example: drafts per request
 ``[3, 0, 2]`` -> ``cu_num_sampled_tokens [4, 5, 8]`` -> rows ``[0..3], [4], [5..7]``.
 
-Which requests have trees is decided by the runner (``runner.TreeStep``): only requests whose
-sampling reduces to plain argmax (temperature 0, no penalties, bias, bad words, min_tokens,
-logprobs or structured output). Every other request has no drafts, so its row is the bonus row
-and its token comes from vLLM's own sampler exactly as in plain decoding. A batch without any
+Which requests have trees is decided by the runner (``runner.tree_eligible``): greedy
+requests (verified by the greedy walk) and, unless ``sampling_verifier="none"``, sampled
+requests whose law is softmax(logits / temperature) under top-k / top-p (verified by the
+sampling verifier -- one-hot SpecInfer by default -- on exactly that law, seeded requests with
+their own generator). Requests with penalties, bias, bad words, min_p, min_tokens, logprobs or
+structured output have no drafts, so their row is the bonus row and their token comes from
+vLLM's own sampler exactly as in plain decoding. A batch without any
 multi-node tree (including vLLM's warm-up dummy call, which has drafts but no trees) goes to
 vLLM's original rejection sampler unchanged.
 """
@@ -32,7 +35,8 @@ import torch
 from torch import nn
 
 from vllm_anisotropic.tree import pack_trees
-from vllm_anisotropic.verifiers import get_verifier
+from vllm_anisotropic.verifiers import SamplingTensors, get_verifier
+from vllm_anisotropic.verifiers.sampling import SAMPLING_EPS
 
 __all__ = ["TreeRejectionSampler"]
 
@@ -42,12 +46,13 @@ PLACEHOLDER_TOKEN_ID = -1  # vLLM's rejection_sampler.PLACEHOLDER_TOKEN_ID
 class TreeRejectionSampler(nn.Module):
     """Wraps vLLM's ``RejectionSampler``; verifies this step's trees with the greedy walk."""
 
-    def __init__(self, original: nn.Module, runner, verifier: str = "greedy") -> None:
+    def __init__(self, original: nn.Module, runner, verifier: str = "greedy", sampling_verifier: str = "none") -> None:
         super().__init__()
         self.original = original
         self.sampler = original.sampler
         self.runner = runner  # reads runner.tree_step (set in _prepare_inputs) and runner.drafter
         self.verifier = get_verifier(verifier)
+        self.sampling_verifier = None if sampling_verifier == "none" else get_verifier(sampling_verifier)
 
     def forward(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata):
         step = self.runner.take_tree_step()
@@ -79,13 +84,9 @@ class TreeRejectionSampler(nn.Module):
         out[:, 0] = bonus[:, 0].to(torch.int32)
 
         rows_of = {i: slice(cu_sampled[i] - num_draft[i] - 1, cu_sampled[i]) for i in walk}
-        order = sorted(walk)
-        trees = [walk[i] for i in order]
-        # [sum of num_nodes, vocab_size]; tree k's rows are its 1 + n logits rows
-        tree_logits = torch.cat([logits[rows_of[i]] for i in order])
-        batch = pack_trees(trees, device=tree_logits.device)
-        results = self.verifier.verify_batch(batch, tree_logits).to_list()
-        for i, tree, res in zip(order, trees, results):
+        results = self._verify(walk, rows_of, logits, sampling_metadata)
+        for i, res in sorted(results.items()):
+            tree = walk[i]
             tokens = res.emitted_tokens(tree)
             out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
             # accepted path 1 -> 2 -> ... -> c: node k was computed at slot root + k, position
@@ -115,10 +116,57 @@ class TreeRejectionSampler(nn.Module):
 
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
+    def _verify(self, walk: dict, rows_of: dict, logits: torch.Tensor, sampling_metadata) -> dict:
+        """batch row -> ``VerifyResult``: greedy rows by the greedy walk, sampled rows by the
+        sampling verifier on the processed target law (temperature, top-k, top-p as vLLM's
+        sampler applies them); a seeded request draws its uniforms from its own generator."""
+        temperature = sampling_metadata.temperature
+        greedy = [i for i in sorted(walk) if temperature is None or float(temperature[i]) < SAMPLING_EPS]
+        sampled = [i for i in sorted(walk) if i not in set(greedy)]
+        if sampled and self.sampling_verifier is None:
+            raise RuntimeError(f"batch rows {sampled} sample with trees but no sampling verifier is configured")
+        results = {}
+        if greedy:
+            results.update(self._verify_rows(self.verifier, greedy, walk, rows_of, logits, None, None))
+        generators = sampling_metadata.generators or {}
+        unseeded = [i for i in sampled if i not in generators]
+        if unseeded:
+            results.update(self._verify_rows(self.sampling_verifier, unseeded, walk, rows_of, logits,
+                                             _sampling_tensors(sampling_metadata, unseeded), None))
+        for i in sampled:
+            if i in generators:
+                results.update(self._verify_rows(self.sampling_verifier, [i], walk, rows_of, logits,
+                                                 _sampling_tensors(sampling_metadata, [i]), generators[i]))
+        return results
+
+    @staticmethod
+    def _verify_rows(verifier, rows, walk, rows_of, logits, sampling, generator) -> dict:
+        trees = [walk[i] for i in rows]
+        # [sum of num_nodes, vocab_size]; tree k's rows are its 1 + n logits rows
+        tree_logits = torch.cat([logits[rows_of[i]] for i in rows])
+        batch = pack_trees(trees, device=tree_logits.device)
+        if sampling is None:
+            out = verifier.verify_batch(batch, tree_logits)
+        else:
+            out = verifier.verify_batch(batch, tree_logits, sampling, generator)
+        return dict(zip(rows, out.to_list()))
+
     def _harvest_roots(self, step, metadata, logits) -> None:
         cu_sampled = metadata.cu_num_sampled_tokens.tolist()
         for i, tree in step.trees.items():
             self.runner.drafter.observe(step.req_ids[i], tree, [], logits[cu_sampled[i] - 1 : cu_sampled[i]])
+
+
+def _sampling_tensors(md, rows: list[int]) -> SamplingTensors:
+    """Per-row temperature / top-k / top-p of batch ``rows`` from vLLM's ``SamplingMetadata``
+    (its ``top_k`` / ``top_p`` are None when no request of the batch uses them)."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    n = len(rows)
+    return SamplingTensors(
+        temperature=md.temperature.cpu()[idx].float(),
+        top_k=md.top_k.cpu()[idx].long() if md.top_k is not None else torch.full((n,), -1, dtype=torch.long),
+        top_p=md.top_p.cpu()[idx].float() if md.top_p is not None else torch.ones(n),
+    )
 
 
 def harvest_plain(runner, logits: torch.Tensor) -> None:
