@@ -10,6 +10,10 @@ Statistical test, per output position t: the two-sample Pearson chi-square of th
 mapped to a standard normal by the Wilson-Hilferty transform; every position must have z < 4
 (false-alarm rate ~3e-5 per position if the laws are equal). The spec run must actually
 accept drafts (else the check is vacuous) and produce many distinct continuations.
+
+``n > 1`` (vLLM forks a request into n children sharing its parameters; with a seed they share
+it and are identical, so the law test above uses n = 1): an unseeded n = 2 run with trees must
+return two independent-looking completions per prompt.
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ def test_sampled_tokens_follow_plain_vllm_law(tiny_prompts):
     # lm_head_alpha 0.25: top-1 probability ~0.76 and entropy ~1.3 nats at temperature 0.7 (the
     # default head is so sharp that sampling would equal greedy decoding)
     model = str(build_tiny_model(block_std=0.1, lm_head_alpha=0.25))
-    job = OfflineJob(model=model, prompts=[tiny_prompts[0]] * N, max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.9,
-                     seed=1000, seed_per_prompt=True, llm_kwargs=ENGINE)
+    job = OfflineJob(model=model, prompts=[tiny_prompts[0]] * N, max_tokens=MAX_TOKENS, temperature=0.7,
+                     top_p=0.9, seed=1000, seed_per_prompt=True, llm_kwargs=ENGINE)
     plain = run_offline_job(job)
     spec = run_offline_job(job.model_copy(update={"speculative_config": {"method": "goose"}}))
     assert spec.spec.num_accepted_tokens > 100, spec.spec  # trees were verified and accepted
@@ -78,4 +82,17 @@ def test_sampled_tokens_follow_plain_vllm_law(tiny_prompts):
         a = Counter(o[t] for o in outs_plain if len(o) > t)
         b = Counter(o[t] for o in outs_spec if len(o) > t)
         zs.append(round(two_sample_z(a, b), 2))
+    print(f"spec counters {spec.spec}, tau {spec.spec.tau:.2f}, distinct outputs {len({tuple(o) for o in outs_spec})}/{N}, z per position {zs}")
     assert max(zs) < 4.0, zs
+
+
+def test_n2_sampled_children_with_trees(tiny_prompts):
+    from vllm_anisotropic.models import build_tiny_model
+
+    model = str(build_tiny_model(block_std=0.1, lm_head_alpha=0.25))
+    job = OfflineJob(model=model, prompts=tiny_prompts[:8], n=2, max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.9,
+                     speculative_config={"method": "goose"}, llm_kwargs=ENGINE)
+    spec = run_offline_job(job)
+    assert spec.spec.num_accepted_tokens > 0
+    assert all(len(r) == 2 and all(len(c) == MAX_TOKENS for c in r) for r in spec.token_ids)
+    assert sum(r[0] != r[1] for r in spec.token_ids) >= 6  # children sample independently

@@ -53,6 +53,7 @@ class OfflineJob(BaseModel):
     """With ``seed``: prompt i gets seed ``seed + i`` (independent seeded samples of one prompt)."""
     n: int = Field(1, ge=1)
     stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
     speculative_config: dict[str, Any] | None = None
     """Passed verbatim to ``LLM(speculative_config=...)``; None = plain decoding."""
     llm_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -91,6 +92,8 @@ class OfflineResult(BaseModel):
     startup_seconds: float
     generate_seconds: float
     spec: SpecStats
+    counters: dict[str, float] = {}
+    """Every ``vllm:*`` counter of the run (e.g. ``vllm:num_preemptions``)."""
     pid: int
 
     @property
@@ -113,6 +116,15 @@ def _spec_stats(llm, num_output_tokens: int) -> SpecStats:
         num_accepted_tokens=int(counters.get("num_accepted_tokens", 0)),
         num_output_tokens=num_output_tokens,
     )
+
+
+def _counters(llm) -> dict[str, float]:
+    """vLLM's counters of the run, summed over label sets."""
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if type(metric).__name__ == "Counter":
+            out[metric.name] = out.get(metric.name, 0.0) + float(metric.value)
+    return out
 
 
 def run_in_this_process(job: OfflineJob) -> OfflineResult:
@@ -138,7 +150,8 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
     )
     def params_for(seed):
         return SamplingParams(
-            max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=seed, n=job.n, stop=job.stop
+            max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=seed, n=job.n,
+            stop=job.stop, stop_token_ids=job.stop_token_ids,
         )
 
     if job.seed is not None and job.seed_per_prompt:
@@ -157,6 +170,7 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
         startup_seconds=startup,
         generate_seconds=seconds,
         spec=_spec_stats(llm, num_output_tokens),
+        counters=_counters(llm),
         pid=os.getpid(),
     )
 

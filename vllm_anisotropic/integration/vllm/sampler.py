@@ -53,6 +53,11 @@ class TreeRejectionSampler(nn.Module):
         self.runner = runner  # reads runner.tree_step (set in _prepare_inputs) and runner.drafter
         self.verifier = get_verifier(verifier)
         self.sampling_verifier = None if sampling_verifier == "none" else get_verifier(sampling_verifier)
+        # Uniforms of unseeded sampled trees. A generator of our own, seeded alike in every
+        # worker: under tensor parallelism each rank verifies the same trees with the same
+        # uniforms, so every rank's drafter sees the same accepted paths (rank 0's output is
+        # the one vLLM uses; a rank drafting a different next tree would verify wrong rows).
+        self.generator = torch.Generator(device="cpu").manual_seed(int(getattr(runner.model_config, "seed", 0) or 0))
 
     def forward(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata):
         step = self.runner.take_tree_step()
@@ -132,7 +137,7 @@ class TreeRejectionSampler(nn.Module):
         unseeded = [i for i in sampled if i not in generators]
         if unseeded:
             results.update(self._verify_rows(self.sampling_verifier, unseeded, walk, rows_of, logits,
-                                             _sampling_tensors(sampling_metadata, unseeded), None))
+                                             _sampling_tensors(sampling_metadata, unseeded), self.generator))
         for i in sampled:
             if i in generators:
                 results.update(self._verify_rows(self.sampling_verifier, [i], walk, rows_of, logits,
