@@ -257,3 +257,28 @@ def test_metrics_count_speculative_drafts(server, completions):
     drafts = _metric_total(text, "vllm:spec_decode_num_drafts")
     accepted = _metric_total(text, "vllm:spec_decode_num_accepted_tokens")
     assert drafts > 0 and accepted > 0, (drafts, accepted)
+
+
+def test_metrics_export_tree_counters_per_source(server, completions):
+    """``vllm_anisotropic:*`` counters (metrics.py) on the same ``/metrics``, consistent with
+    vLLM's own spec counters (the stats file is rewritten at most once a second)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        _, text = _get(f"{server[0]}/metrics")
+        accepted = _metric_total(text, "vllm:spec_decode_num_accepted_tokens")
+        ours = _metric_total(text, "vllm_anisotropic:tree_accepted_nodes")
+        if ours == accepted or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert ours == accepted > 0, (ours, accepted)
+    by_source = {
+        src: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm_anisotropic:tree_source_accepted_nodes_total{")
+        for src in ("spine", "branch")
+        if f'source="{src}"' in line
+    }
+    assert set(by_source) == {"spine", "branch"} and sum(by_source.values()) == ours, by_source
+    assert _metric_total(text, "vllm_anisotropic:tree_steps") > 0

@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "vllm_anisotropic.data.cli",
     "vllm_anisotropic.bench.demo",
     "vllm_anisotropic.bench.tau",
+    "vllm_anisotropic.bench.crosscheck",
     "vllm_anisotropic.integration.vllm.serve_cli",
 )
 
