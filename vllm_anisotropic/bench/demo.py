@@ -1,9 +1,11 @@
 """The main job: ``vllm-anisotropic demo``.
 
 Runs an offline ``LLM.generate`` batch in real vLLM on a real model over real benchmark
-prompts, twice, side by side: plain decoding and speculative decoding. Prints tokens/s of both,
-the speedup, tau (mean tokens per target forward pass) and whether the speculative outputs are
-token-identical to plain greedy decoding. Each run is its own process (see
+prompts, side by side: plain decoding, then each speculative method. Prints tokens/s, the
+speedup, tau (mean tokens per target forward pass; for tree methods exact, from the drafter's
+step counters: output tokens / (tree steps + one prefill pass per prompt)), the tree metrics
+(spine / branch acceptance, tree size, bypass rate) and how many outputs are token-identical
+to plain greedy decoding. Each run is its own process (see
 ``integration/vllm/offline.py``), so the numbers are measured in one invocation on one machine.
 
 Speculative methods available today (``--method``):
@@ -62,17 +64,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name or model directory")
-    p.add_argument("--dataset", default="humaneval")
-    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--dataset", default="humaneval", help="dataset name, or several comma-separated")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per dataset")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--method", choices=DEMO_METHODS, default="goose")
+    p.add_argument("--method", default="goose",
+                   help=f"speculative method, or several comma-separated, each run against the same plain run; valid: {', '.join(DEMO_METHODS)}")
     p.add_argument(
         "--num-speculative-tokens",
         type=int,
         default=None,
         help=f"draft tokens per step (default: the tree budget for goose, {DEFAULT_CHAIN_TOKENS} for chains)",
     )
-    p.add_argument("--out", type=Path, default=None, help="append a JSONL record here")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="engine dtype")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's concurrent-request cap (default: vLLM's)")
+    p.add_argument("--out", type=Path, default=None, help="append a JSONL record per method here")
     p.set_defaults(func=run)
 
 
@@ -87,60 +92,86 @@ def _resolve_model(name: str) -> Path:
 
 
 def build_prompts(model_dir: Path, dataset: str, limit: int) -> list[str]:
-    """Chat-formatted prompts for ``model_dir``'s tokenizer."""
+    """Chat-formatted prompts for ``model_dir``'s tokenizer (``dataset`` may be comma-separated;
+    ``limit`` prompts from each)."""
     from transformers import AutoTokenizer
 
     from vllm_anisotropic.data import format_prompt, load_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return [format_prompt(p, tokenizer, "chat") for p in load_dataset(dataset, limit=limit)]
+    return [
+        format_prompt(p, tokenizer, "chat") for d in dataset.split(",") for p in load_dataset(d.strip(), limit=limit)
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from vllm_anisotropic.integration.vllm.metrics import STATS_ENV
     from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
 
+    methods = [m.strip() for m in args.method.split(",") if m.strip()]
+    for m in methods:
+        if m not in DEMO_METHODS:
+            raise SystemExit(f"unknown method {m!r}; valid: {', '.join(DEMO_METHODS)}")
     model_dir = _resolve_model(args.model)
     prompts = build_prompts(model_dir, args.dataset, args.num_prompts)
-    spec_config = speculative_config_for(args.method, args.num_speculative_tokens)
-    base = OfflineJob(model=str(model_dir), prompts=prompts, max_tokens=args.max_tokens)
+    llm_kwargs = {"dtype": args.dtype}
+    if args.max_num_seqs:
+        llm_kwargs["max_num_seqs"] = args.max_num_seqs
+    base = OfflineJob(model=str(model_dir), prompts=prompts, max_tokens=args.max_tokens, llm_kwargs=llm_kwargs)
 
     logger.info("plain decoding: %d prompts x %d tokens (starting vLLM)", len(prompts), args.max_tokens)
     plain = run_offline_job(base)
-    logger.info("speculative decoding with %s (starting vLLM)", args.method)
-    spec = run_offline_job(base.model_copy(update={"speculative_config": spec_config}))
-
-    identical = sum(a == b for a, b in zip(plain.token_ids, spec.token_ids))
-    speedup = spec.tokens_per_second / plain.tokens_per_second
     lines = [
-        f"model {args.model}  dataset {args.dataset}  prompts {len(prompts)}  "
-        f"max_tokens {args.max_tokens}  greedy  ({platform.machine()} CPU, vLLM CPU build)",
+        f"model {args.model}  dataset {args.dataset}  prompts {len(prompts)}  max_tokens {args.max_tokens}  "
+        f"greedy  {args.dtype}  ({platform.machine()} CPU, vLLM CPU build)",
         f"plain     {plain.num_output_tokens:6d} tokens in {plain.generate_seconds:6.2f} s  "
         f"= {plain.tokens_per_second:7.1f} tokens/s",
-        f"{args.method:<9} {spec.num_output_tokens:6d} tokens in {spec.generate_seconds:6.2f} s  "
-        f"= {spec.tokens_per_second:7.1f} tokens/s   tau {spec.spec.tau:.2f}  "
-        f"draft acceptance {spec.spec.acceptance_rate:.2f}",
-        f"speedup {speedup:.2f}x vs plain decoding",
-        f"outputs identical to plain decoding: {'yes' if identical == len(prompts) else 'NO'} "
-        f"({identical}/{len(prompts)})",
     ]
+    all_identical = True
+    for method in methods:
+        spec_config = speculative_config_for(method, args.num_speculative_tokens)
+        logger.info("speculative decoding with %s (starting vLLM)", method)
+        with tempfile.TemporaryDirectory() as tmp:
+            stats_file = Path(tmp, "tree_stats.json")
+            spec = run_offline_job(base.model_copy(update={"speculative_config": spec_config}),
+                                   env={STATS_ENV: str(stats_file)})
+            tree = json.loads(stats_file.read_text()) if stats_file.exists() else None
+        identical = sum(a == b for a, b in zip(plain.token_ids, spec.token_ids))
+        all_identical &= identical == len(prompts)
+        speedup = spec.tokens_per_second / plain.tokens_per_second
+        # exact tau for tree methods: output tokens / target passes (tree steps + 1 prefill each)
+        tau = spec.num_output_tokens / (tree["steps"] + len(prompts)) if tree and tree.get("steps") else spec.spec.tau
+        lines.append(
+            f"{method:<9} {spec.num_output_tokens:6d} tokens in {spec.generate_seconds:6.2f} s  "
+            f"= {spec.tokens_per_second:7.1f} tokens/s   tau {tau:.2f}  speedup {speedup:.2f}x  "
+            f"identical {identical}/{len(prompts)}"
+        )
+        if tree and tree.get("verified_trees"):
+            lines.append(
+                f"          spine acceptance {_rate(tree['accepted_spine_nodes'], tree['spine_nodes'])}  "
+                f"branch acceptance {_rate(tree['accepted_branch_nodes'], tree['branch_nodes'])}  "
+                f"mean draft nodes {tree['draft_nodes'] / tree['verified_trees']:.1f}  "
+                f"bypass {_rate(tree['bypass_steps'], tree['steps'])}  plain steps {_rate(tree['plain_steps'], tree['steps'])}"
+            )
+        if args.out:
+            record = {
+                "model": args.model, "dataset": args.dataset, "num_prompts": len(prompts),
+                "max_tokens": args.max_tokens, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                "method": method, "speculative_config": spec_config,
+                "plain_tokens_per_s": plain.tokens_per_second, "spec_tokens_per_s": spec.tokens_per_second,
+                "speedup": speedup, "tau": tau, "tau_vllm_counters": spec.spec.tau,
+                "acceptance_rate": spec.spec.acceptance_rate, "identical": identical, "tree_metrics": tree,
+                "machine": platform.machine(),
+            }
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            with open(args.out, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+    lines.append(f"outputs identical to plain decoding: {'yes' if all_identical else 'NO'}")
     print("\n".join(lines))
-    if args.out:
-        record = {
-            "model": args.model,
-            "dataset": args.dataset,
-            "num_prompts": len(prompts),
-            "max_tokens": args.max_tokens,
-            "method": args.method,
-            "speculative_config": spec_config,
-            "plain_tokens_per_s": plain.tokens_per_second,
-            "spec_tokens_per_s": spec.tokens_per_second,
-            "speedup": speedup,
-            "tau": spec.spec.tau,
-            "acceptance_rate": spec.spec.acceptance_rate,
-            "identical": identical,
-            "machine": platform.machine(),
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-    return 0 if identical == len(prompts) else 1
+    return 0 if all_identical else 1
+
+
+def _rate(x: int, n: int) -> str:
+    return f"{x / n:.3f}" if n else "n/a"

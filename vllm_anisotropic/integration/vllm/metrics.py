@@ -68,6 +68,7 @@ class TreeMetrics:
     accepted_spine_nodes: int = 0
     accepted_branch_nodes: int = 0
     accepted_off_chain: int = 0  # accepted paths that are not nodes 1..a (KV re-run needed)
+    rerun_tokens: int = 0  # accepted tokens whose KV the scheduler re-runs (scheduler.py): a - c
     requests: dict[str, list[int]] = field(default_factory=dict)  # traces (TRACE_ENV only)
 
     def record(self, req_id: str, tree: DraftTree, accepted: Sequence[int], mode: str | None, trace: bool) -> None:
@@ -92,6 +93,10 @@ class TreeMetrics:
         self.accepted_spine_nodes += int(np.count_nonzero(acc_src == NodeSource.SPINE))
         self.accepted_branch_nodes += int(np.count_nonzero(acc_src == NodeSource.BRANCH))
         self.accepted_off_chain += int(list(accepted) != list(range(1, a + 1)))
+        in_place = 0  # leading accepted nodes 1, 2, ..., c: KV already at the right slots
+        while in_place < a and accepted[in_place] == in_place + 1:
+            in_place += 1
+        self.rerun_tokens += a - in_place
 
     @property
     def tau(self) -> float:
@@ -157,6 +162,7 @@ _COUNTERS = {
     "tree_verified_trees": ("verified_trees", "verified trees with at least one draft node"),
     "tree_draft_nodes": ("draft_nodes", "draft nodes verified (root excluded)"),
     "tree_accepted_nodes": ("accepted_nodes", "draft nodes accepted; tau = (steps + accepted) / steps"),
+    "tree_rerun_tokens": ("rerun_tokens", "accepted tokens re-run to rebuild their KV (off the first chain)"),
 }
 _BY_SOURCE = {
     "tree_source_draft_nodes": ({"spine": "spine_nodes", "branch": "branch_nodes"}, "draft nodes verified, by source"),
