@@ -282,3 +282,30 @@ def test_metrics_export_tree_counters_per_source(server, completions):
     }
     assert set(by_source) == {"spine", "branch"} and sum(by_source.values()) == ours, by_source
     assert _metric_total(text, "vllm_anisotropic:tree_steps") > 0
+
+
+def test_server_log_has_the_tree_metrics_line(server, completions):
+    """The worker's periodic summary (metrics.py, every 10 s while steps advance) in vLLM's log."""
+    deadline = time.monotonic() + 15
+    while "vllm-anisotropic tree metrics: steps" not in server[1].read_text(errors="replace"):
+        assert time.monotonic() < deadline, server[1].read_text(errors="replace")[-3000:]
+        time.sleep(1.0)
+
+
+def test_aborted_stream_drops_its_proposer_state(server, client, model_name, prompts, completions):
+    """A client that closes a stream mid-way aborts the request; the worker drops its proposer
+    state (vLLM reports it in the next step's finished ids). After three more sequential
+    requests at most the last one's state may still be pending (its drop rides on the next
+    step), so the live gauge must be <= 1: a leaked state would keep it >= 2."""
+    stream = client.completions.create(model=model_name, prompt=prompts[1], max_tokens=200, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    for p in prompts[:3]:
+        client.completions.create(model=model_name, prompt=p, max_tokens=4, temperature=0)
+    time.sleep(1.5)  # the stats file is rewritten at most once a second
+    _, text = _get(f"{server[0]}/metrics")
+    live = _metric_total(text, "vllm_anisotropic:tree_live_requests")
+    assert live <= 1, live

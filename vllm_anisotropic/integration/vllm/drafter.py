@@ -89,6 +89,7 @@ class TreeDrafter:
             state = self.states.get(req_id)
             if state is None:
                 state = self.states[req_id] = self.proposer.new_request()
+                self.metrics.live_requests = len(self.states)
             tree = state.propose(token_ids_cpu[i, :num_tokens])
             assert int(tree.tokens[0]) == int(token_ids_cpu[i, num_tokens - 1]), "root must be the last token"
             room = min(self.max_draft_tokens, self.max_model_len - num_tokens - 1)
@@ -130,6 +131,7 @@ class TreeDrafter:
         """The request finished or was aborted."""
         self.states.pop(req_id, None)
         self.trees.pop(req_id, None)
+        self.metrics.live_requests = len(self.states)
         self.sink.tick(force=True)
 
     def drop_tree(self, req_id: str) -> None:

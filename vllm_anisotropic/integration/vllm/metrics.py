@@ -69,6 +69,7 @@ class TreeMetrics:
     accepted_branch_nodes: int = 0
     accepted_off_chain: int = 0  # accepted paths that are not nodes 1..a (KV re-run needed)
     rerun_tokens: int = 0  # accepted tokens whose KV the scheduler re-runs (scheduler.py): a - c
+    live_requests: int = 0  # gauge: per-request proposer states alive (dropped on finish / abort)
     requests: dict[str, list[int]] = field(default_factory=dict)  # traces (TRACE_ENV only)
 
     def record(self, req_id: str, tree: DraftTree, accepted: Sequence[int], mode: str | None, trace: bool) -> None:
@@ -187,9 +188,12 @@ class TreeMetricsCollector:
             return {}
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         data = self.read()
+        live = GaugeMetricFamily("vllm_anisotropic:tree_live_requests", "requests holding proposer state in the worker")
+        live.add_metric([], float(data.get("live_requests", 0)))
+        yield live
         for name, (key, doc) in _COUNTERS.items():
             fam = CounterMetricFamily(f"vllm_anisotropic:{name}", doc)
             fam.add_metric([], float(data.get(key, 0)))

@@ -1,0 +1,60 @@
+"""Tree metrics (integration/vllm/metrics.py) without an engine: counting, the stats file and
+the Prometheus collector that reads it."""
+
+from __future__ import annotations
+
+import json
+
+from vllm_anisotropic.integration.vllm.metrics import (
+    STATS_ENV,
+    TRACE_ENV,
+    MetricsSink,
+    TreeMetrics,
+    TreeMetricsCollector,
+)
+from vllm_anisotropic.tree import DraftTree, NodeSource
+
+S, B = NodeSource.SPINE, NodeSource.BRANCH
+# root 5; spine 17 -> 9; branch 23 at the root, branch 4 under 17
+TREE = DraftTree(tokens=[5, 17, 9, 23, 4], parents=[-1, 0, 1, 0, 1], sources=[NodeSource.ROOT, S, S, B, B])
+
+
+def test_record_counts_sources_rerun_and_modes():
+    m = TreeMetrics()
+    m.record("a", TREE, [1, 2], "tree", trace=True)  # spine chain 1 -> 2: KV in place
+    m.record("a", TREE, [1, 4], "tree", trace=True)  # spine then branch: node 4 is re-run
+    m.record("b", TREE, [3], "bypass", trace=False)  # a branch off the first chain: re-run
+    m.record("b", DraftTree.chain([], root_token=7), [], "plain", trace=False)
+    assert (m.steps, m.plain_steps, m.bypass_steps, m.verified_trees) == (4, 1, 1, 3)
+    assert (m.spine_nodes, m.branch_nodes, m.draft_nodes) == (6, 6, 12)
+    assert (m.accepted_nodes, m.accepted_spine_nodes, m.accepted_branch_nodes) == (5, 3, 2)
+    assert m.accepted_off_chain == 2 and m.rerun_tokens == 2
+    assert m.requests == {"a": [2, 2]}
+    assert abs(m.tau - 9 / 4) < 1e-12
+    assert "tau 2.25" in m.summary_line() and "spine acceptance 0.500" in m.summary_line()
+
+
+def test_sink_writes_rank0_only_and_collector_exports(tmp_path, monkeypatch):
+    path = tmp_path / "stats.json"
+    monkeypatch.setenv(STATS_ENV, str(path))
+    monkeypatch.setenv(TRACE_ENV, "1")
+    m = TreeMetrics()
+    MetricsSink(m, rank=1).tick(force=True)
+    assert not path.exists()
+    sink = MetricsSink(m, rank=0)
+    assert sink.trace
+    m.record("r", TREE, [1, 4], "tree", trace=sink.trace)
+    sink.tick(force=True)
+    assert json.loads(path.read_text())["accepted_branch_nodes"] == 1
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in TreeMetricsCollector(str(path)).collect()
+        for s in fam.samples
+    }
+    assert samples[("vllm_anisotropic:tree_steps_total", ())] == 1
+    assert samples[("vllm_anisotropic:tree_source_accepted_nodes_total", (("source", "branch"),))] == 1
+    assert samples[("vllm_anisotropic:tree_source_accepted_nodes_total", (("source", "spine"),))] == 1
+    assert samples[("vllm_anisotropic:tree_rerun_tokens_total", ())] == 1
+    # a missing file reads as zeros (the API server may scrape before any worker wrote)
+    empty = {s.name: s.value for fam in TreeMetricsCollector(str(tmp_path / "none.json")).collect() for s in fam.samples}
+    assert empty["vllm_anisotropic:tree_steps_total"] == 0
