@@ -58,3 +58,21 @@ def test_sink_writes_rank0_only_and_collector_exports(tmp_path, monkeypatch):
     # a missing file reads as zeros (the API server may scrape before any worker wrote)
     empty = {s.name: s.value for fam in TreeMetricsCollector(str(tmp_path / "none.json")).collect() for s in fam.samples}
     assert empty["vllm_anisotropic:tree_steps_total"] == 0
+
+
+def test_our_env_vars_pass_vllm_strict_environment_validation(monkeypatch):
+    """With ``fail_on_environ_validation`` vLLM refuses unknown ``VLLM_*`` variables; the plugin
+    declares ours (the stats file variable is set by the plugin itself in every server)."""
+    from vllm.platforms import current_platform
+
+    from vllm_anisotropic.integration.vllm.plugin import OUR_ENV_VARS, register
+
+    register()
+    for name in OUR_ENV_VARS:
+        monkeypatch.setenv(name, "x")
+    current_platform.validate_environ(hard_fail=True)
+    monkeypatch.setenv("VLLM_ANISOTROPIC_NOT_OURS", "x")
+    import pytest
+
+    with pytest.raises(ValueError, match="VLLM_ANISOTROPIC_NOT_OURS"):
+        current_platform.validate_environ(hard_fail=True)

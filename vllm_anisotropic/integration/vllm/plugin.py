@@ -15,7 +15,9 @@ What it does today:
   temporary file unless ``VLLM_ANISOTROPIC_TREE_STATS`` is set; child processes inherit it)
   and registers the ``vllm_anisotropic:*`` Prometheus collector that reads it;
 - when ``VLLM_ANISOTROPIC_TRACE_REGISTER`` names a file, appends ``<pid>`` to it once per
-  process, so tests and users can check which processes loaded the plugin.
+  process, so tests and users can check which processes loaded the plugin;
+- declares our ``VLLM_ANISOTROPIC_*`` environment variables to ``vllm.envs`` (vLLM warns about,
+  or with ``fail_on_environ_validation`` refuses, unknown ``VLLM_*`` variables).
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ from vllm_anisotropic.integration.vllm.amx import request_amx_permission
 logger = logging.getLogger(__name__)
 
 TRACE_ENV = "VLLM_ANISOTROPIC_TRACE_REGISTER"
+# Every environment variable this package reads (README / docs name them).
+OUR_ENV_VARS = (
+    TRACE_ENV,
+    "VLLM_ANISOTROPIC_TREE_STATS",
+    "VLLM_ANISOTROPIC_TREE_TRACE",
+    "VLLM_ANISOTROPIC_CACHE",
+    "VLLM_ANISOTROPIC_QWEN",
+)
 
 # Process-local registration flag: the only module state, and it is per process by design.
 _registered_pid: int | None = None
@@ -43,6 +53,7 @@ def register() -> None:
     from vllm_anisotropic.integration.vllm.patches import apply
 
     apply()
+    _declare_env_vars()
     from vllm_anisotropic.integration.vllm.metrics import install_collector
 
     install_collector()
@@ -52,3 +63,10 @@ def register() -> None:
         with open(trace, "a", encoding="ascii") as f:
             f.write(f"{pid}\n")
     logger.debug("vllm-anisotropic registered in pid %d (amx permission: %s)", pid, amx)
+
+
+def _declare_env_vars() -> None:
+    import vllm.envs as envs
+
+    for name in OUR_ENV_VARS:
+        envs.environment_variables.setdefault(name, lambda name=name: os.environ.get(name))
