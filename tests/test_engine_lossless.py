@@ -1,10 +1,11 @@
 """GOOSE in real vLLM is lossless under the engine features that cut, pause or fork requests.
 
-One tiny-Llama workload (16 real prompts, 96 greedy tokens, float32) on a tight engine:
+One tiny-Llama workload (17 prompts, 96 greedy tokens, float32) on a tight engine:
 
 * a KV cache of ~2,300 tokens for 16 requests that need ~4,000 with their trees -> vLLM
   preempts requests (asserted through ``vllm:num_preemptions``) and re-runs them;
-* ``max_num_batched_tokens`` 256 -> long prompts (up to ~400 tokens) are prefilled in chunks;
+* ``max_num_batched_tokens`` 256 -> a 441-token prompt is prefilled in chunks (and shorter
+  ones whenever a step's budget runs out mid-prompt);
 * a stop string and a stop token id taken from the middle of plain vLLM's own outputs -> they
   land inside accepted tree paths, and vLLM must cut there exactly as in plain decoding.
 
@@ -32,13 +33,17 @@ def setup(tiny_prompts):
     from vllm_anisotropic.models import build_tiny_model
 
     model = str(build_tiny_model(block_std=0.1))
-    prompts = tiny_prompts + [p.text for p in load_dataset("mbpp", limit=4)]
-    base = OfflineJob(model=model, prompts=prompts, max_tokens=96, llm_kwargs=ENGINE)
-    free = run_offline_job(base)
-    # stops from plain outputs: request 1's text around token 20, request 3's token 30
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
+    # 16 real prompts (26-239 tokens) + one long prompt, which the 256-token step budget must
+    # prefill in chunks
+    long_prompt = "\n\n".join(tiny_prompts[:4])
+    assert len(tok.encode(long_prompt)) > ENGINE["max_num_batched_tokens"]
+    prompts = tiny_prompts + [p.text for p in load_dataset("mbpp", limit=4)] + [long_prompt]
+    base = OfflineJob(model=model, prompts=prompts, max_tokens=96, llm_kwargs=ENGINE)
+    free = run_offline_job(base)
+    # stops from plain outputs: request 1's text around token 20, request 3's token 30
     stop_text = tok.decode(free.token_ids[1][0][20:22])
     stop_id = free.token_ids[3][0][30]
     return base.model_copy(update={"stop": [stop_text], "stop_token_ids": [stop_id]})

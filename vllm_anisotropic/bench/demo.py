@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     base = OfflineJob(model=str(model_dir), prompts=prompts, max_tokens=args.max_tokens, llm_kwargs=llm_kwargs)
 
     logger.info("plain decoding: %d prompts x %d tokens (starting vLLM)", len(prompts), args.max_tokens)
-    plain = run_offline_job(base)
+    plain = run_offline_job(base, timeout=None)
     lines = [
         f"model {args.model}  dataset {args.dataset}  prompts {len(prompts)}  max_tokens {args.max_tokens}  "
         f"greedy  {args.dtype}  ({platform.machine()} CPU, vLLM CPU build)",
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         logger.info("speculative decoding with %s (starting vLLM)", method)
         with tempfile.TemporaryDirectory() as tmp:
             stats_file = Path(tmp, "tree_stats.json")
-            spec = run_offline_job(base.model_copy(update={"speculative_config": spec_config}),
+            spec = run_offline_job(base.model_copy(update={"speculative_config": spec_config}), timeout=None,
                                    env={STATS_ENV: str(stats_file)})
             tree = json.loads(stats_file.read_text()) if stats_file.exists() else None
         identical = sum(a == b for a, b in zip(plain.token_ids, spec.token_ids))

@@ -186,7 +186,7 @@ class OfflineJobFailed(RuntimeError):
 
 def run_offline_job(
     job: OfflineJob,
-    timeout: float = 900.0,
+    timeout: float | None = 900.0,
     env: dict[str, str] | None = None,
     log_path: Path | None = None,
 ) -> OfflineResult:
