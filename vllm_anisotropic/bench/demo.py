@@ -12,7 +12,6 @@ Speculative methods available today (``--method``):
 - ``goose`` (default): GOOSE tree speculative decoding through this plugin's front door,
   ``speculative_config={"method": "goose"}`` (tree drafting, tree attention, greedy tree walk;
   see docs/engine.md), paper defaults unless ``--num-speculative-tokens`` caps the tree;
-- ``goose-copy``: the same with ``kv_repair="copy"`` (accepted KV moved instead of re-run);
 - ``pld``: our prompt-lookup proposer plugged in through vLLM's ``custom_class`` method;
 - ``ngram``: vLLM's built-in n-gram proposer, for comparison.
 """
@@ -42,20 +41,19 @@ def speculative_config_for(method: str, num_speculative_tokens: int | None = Non
 
     configs = {
         "goose": {"method": "goose"},
-        "goose-copy": {"method": "goose", "kv_repair": "copy"},
         "pld": {"method": "custom_class", "model": PROMPT_LOOKUP_CLASS},
         "ngram": {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 5},
     }
     if method not in configs:
         raise ValueError(f"unknown method {method!r}; valid: {sorted(configs)}")
     if num_speculative_tokens is None:
-        if method.startswith("goose"):
+        if method == "goose":
             return dict(configs[method])
         num_speculative_tokens = DEFAULT_CHAIN_TOKENS
     return {**configs[method], "num_speculative_tokens": num_speculative_tokens}
 
 
-DEMO_METHODS = ("goose", "goose-copy", "pld", "ngram")
+DEMO_METHODS = ("goose", "pld", "ngram")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

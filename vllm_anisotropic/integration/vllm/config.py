@@ -73,13 +73,6 @@ class EngineTreeConfig(BaseModel):
     """Tree verifier for temperature-0 requests: the GOOSE greedy walk (papers/000 Alg. 3),
     which emits exactly plain greedy decoding's tokens."""
 
-    kv_repair: Literal["recompute", "copy"] = "recompute"
-    """How accepted nodes off the tree's first chain get their KV at the right slots:
-    ``recompute`` re-runs them as ordinary tokens next step (exact by construction; costs the
-    re-run query tokens), ``copy`` moves their KV rows (``kv_copy.py``; no re-run, exact up to
-    the float rounding of the tree rows' float32 attention). See docs/engine.md for the measured
-    comparison."""
-
     sampling_verifier: Literal["deterministic", "nss", "none"] = "deterministic"
     """Tree verifier for sampled requests (temperature > 0, with top-k / top-p): the trees
     have chosen, not sampled, children, so the verifiers for point-mass drafts apply:

@@ -70,8 +70,6 @@ class TreeStep:
 
     req_ids: list[str]
     trees: dict[int, DraftTree]
-    # batch row -> index of the tree's root among the step's query tokens (slot mapping index)
-    root_index: dict[int, int] = field(default_factory=dict)
 
 
 def chain_prefix(tree: DraftTree) -> int:
@@ -130,9 +128,6 @@ class TreeCPUModelRunner(CPUModelRunner):
         self._tree_plan: TreePlan | None = None
         # req_id -> accepted nodes whose KV is already in place (path 1 -> 2 -> ... -> c)
         self.kv_in_place: dict[str, int] = {}
-        # kv_repair="copy": (src, dst) query-token indices of this step's KV moves
-        self.kv_repair = engine.kv_repair
-        self.kv_moves: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ request lifecycle
     def _update_states(self, scheduler_output):
@@ -150,7 +145,6 @@ class TreeCPUModelRunner(CPUModelRunner):
         req_ids = list(self.input_batch.req_ids[:num_reqs])
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         trees: dict[int, DraftTree] = {}
-        root_index: dict[int, int] = {}
         plan = TreePlan([], [], [])
         query_end = self.query_start_loc.np[1 : num_reqs + 1]
         for i, req_id in enumerate(req_ids):
@@ -164,7 +158,6 @@ class TreeCPUModelRunner(CPUModelRunner):
                 continue
             end = int(query_end[i])
             root_row = end - n - 1
-            root_index[i] = root_row
             # positions of the node rows: root position + depth (rows counted from the end)
             depths = torch.from_numpy(tree.depths[1:]).to(self.positions.dtype)
             self.positions[end - n : end] = self.positions[root_row] + depths
@@ -176,7 +169,7 @@ class TreeCPUModelRunner(CPUModelRunner):
             plan.masks.append(tree.ancestor_mask[1:, 1:])
             plan.chain_prefix.append(prefix)
         if trees:
-            self._tree_step = TreeStep(req_ids, trees, root_index)
+            self._tree_step = TreeStep(req_ids, trees)
         if plan.req_index:
             self._tree_plan = plan
         return out
@@ -203,33 +196,12 @@ class TreeCPUModelRunner(CPUModelRunner):
 
     def sample_tokens(self, grammar_output):
         out = super().sample_tokens(grammar_output)
-        if self.kv_moves:
-            self._apply_kv_moves()
         # Tell the scheduler which accepted tokens need no re-run (scheduler.TreeScheduler);
         # an output without the attribute makes it re-run every accepted token (always safe).
         kv_in_place, self.kv_in_place = self.kv_in_place, {}
         if kv_in_place and hasattr(out, "sampled_token_ids"):
             out.kv_in_place = kv_in_place
         return out
-
-    def _apply_kv_moves(self) -> None:
-        """kv_repair="copy": move accepted nodes' KV into place in every attention layer."""
-        from vllm_anisotropic.integration.vllm.kv_copy import move_kv
-
-        moves, self.kv_moves = self.kv_moves, []
-        slot_mapping = self.input_batch.block_table[0].slot_mapping.gpu  # a CPU tensor on CPU
-        idx = torch.tensor(moves, dtype=torch.long)
-        src, dst = slot_mapping[idx[:, 0]].long(), slot_mapping[idx[:, 1]].long()
-        layers = self.compilation_config.static_forward_context.values()
-        caches = []
-        for layer in layers:
-            if not hasattr(layer, "isa"):
-                continue
-            kv = layer.kv_cache  # one tensor, or one per virtual engine in older layouts
-            caches.append((kv[0] if isinstance(kv, (list, tuple)) else kv, layer.isa))
-        if not caches:
-            raise RuntimeError("kv_repair='copy' found no CPU attention layer with a KV cache")
-        move_kv(caches, src, dst)
 
     # ------------------------------------------------------------------ drafting
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):

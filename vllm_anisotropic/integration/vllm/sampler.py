@@ -34,7 +34,6 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from vllm_anisotropic.integration.vllm.kv_copy import path_moves
 from vllm_anisotropic.tree import pack_trees
 from vllm_anisotropic.verifiers import SamplingTensors, get_verifier
 from vllm_anisotropic.verifiers.sampling import SAMPLING_EPS
@@ -100,10 +99,6 @@ class TreeRejectionSampler(nn.Module):
             in_place = 0
             while in_place < len(res.accepted) and res.accepted[in_place] == in_place + 1:
                 in_place += 1
-            if self.runner.kv_repair == "copy" and in_place < len(res.accepted):
-                # move the rest into place now (runner._apply_kv_moves): nothing to re-run
-                self.runner.kv_moves += path_moves(step.root_index[i], list(res.accepted))
-                in_place = len(res.accepted)
             if in_place:
                 self.runner.kv_in_place[step.req_ids[i]] = in_place
             self.runner.drafter.observe(step.req_ids[i], tree, res.accepted, logits[rows_of[i]])
