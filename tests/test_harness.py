@@ -75,3 +75,19 @@ def test_qwen2_arch_equality():
         ref = dec.greedy_decode(p, 32).tokens
         res = dec.generate(p, prop.new_request(), 32)
         assert res.tokens == ref
+
+
+def test_summary_counts_each_prompt_method_once_and_only_complete_prompts():
+    from vllm_anisotropic.bench.tau import complete_prompts, summarize
+
+    def rec(p, m, acc, steps=10):
+        s = {"num_steps": steps, "accepted": acc, "spine_accepted": 0, "spine_proposed": 0, "branch_accepted": acc,
+             "branch_proposed": 5 * steps, "bypass_steps": 0, "propose_ms_per_step": 1.0}
+        return {"dataset": "d", "prompt_index": p, "method": m, "summary": s, "identical_to_ar": True}
+
+    records = [rec(0, "ar", 0), rec(0, "tr", 10), rec(1, "ar", 0),  # prompt 1 partial in run A
+               rec(1, "ar", 0), rec(1, "tr", 20), rec(2, "ar", 0)]  # run B redoes prompt 1; prompt 2 partial
+    kept = complete_prompts(records)
+    assert sorted((r["prompt_index"], r["method"]) for r in kept) == [(0, "ar"), (0, "tr"), (1, "ar"), (1, "tr")]
+    out = summarize(kept)
+    assert out[("d", "ar")]["prompts"] == 2 and out[("d", "tr")]["tau"] == (20 + 30) / 20

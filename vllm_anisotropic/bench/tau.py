@@ -136,7 +136,10 @@ def build_proposers(methods: list[str], budget: int | None, extra: dict[str, dic
 # ---------------------------------------------------------------------- summary
 def complete_prompts(records: list[dict]) -> list[dict]:
     """Only the prompts that every method of their dataset finished (a run stopped early
-    leaves its last prompt partial), so that all methods average over the same prompts."""
+    leaves its last prompt partial), so that all methods average over the same prompts. A
+    (dataset, prompt, method) recorded twice (a stopped run's partial prompt redone by the next
+    run) counts once: the last record wins."""
+    records = list({(r["dataset"], r["prompt_index"], r["method"]): r for r in records}.values())
     methods = defaultdict(set)
     done = defaultdict(set)
     for r in records:
