@@ -126,7 +126,7 @@ class MetricsSink:
         self.trace = os.environ.get(TRACE_ENV, "") not in ("", "0")
         self.log_enabled = rank == 0
         self._last_write = 0.0
-        self._last_log = time.monotonic()
+        self._last_log = -LOG_INTERVAL_S  # the first verified step logs at once, then every 10 s
         self._last_logged_steps = 0
 
     def tick(self, force: bool = False) -> None:
