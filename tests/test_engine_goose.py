@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from vllm_anisotropic.integration.vllm.drafter import STATS_ENV
+from vllm_anisotropic.integration.vllm.metrics import STATS_ENV
 from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine

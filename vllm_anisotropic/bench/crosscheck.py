@@ -185,12 +185,10 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_anisotropic.bench.crosscheck")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(["crosscheck", *(argv if argv is not None else sys.argv[1:])])
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return int(args.func(args) or 0)
+    """``python -m vllm_anisotropic.bench.crosscheck`` = ``vllm-anisotropic crosscheck``."""
+    from vllm_anisotropic.cli import main as cli_main
+
+    return cli_main(["crosscheck", *(argv if argv is not None else sys.argv[1:])])
 
 
 if __name__ == "__main__":

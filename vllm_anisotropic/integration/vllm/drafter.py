@@ -30,14 +30,14 @@ import numpy as np
 import torch
 
 from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
-from vllm_anisotropic.integration.vllm.metrics import STATS_ENV, MetricsSink, TreeMetrics
+from vllm_anisotropic.integration.vllm.metrics import MetricsSink, TreeMetrics
 from vllm_anisotropic.proposers import get_proposer
 from vllm_anisotropic.proposers.base import RequestState
 from vllm_anisotropic.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TreeDrafter", "STATS_ENV"]
+__all__ = ["TreeDrafter"]
 
 
 class TreeDrafter:

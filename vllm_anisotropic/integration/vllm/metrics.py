@@ -40,7 +40,9 @@ import numpy as np
 
 from vllm_anisotropic.tree import DraftTree, NodeSource
 
-__all__ = ["STATS_ENV", "TRACE_ENV", "TreeMetrics", "MetricsSink", "ensure_stats_file", "install_collector"]
+__all__ = [
+    "STATS_ENV", "TRACE_ENV", "TreeMetrics", "MetricsSink", "ensure_stats_file", "install_collector", "kv_in_place",
+]
 
 STATS_ENV = "VLLM_ANISOTROPIC_TREE_STATS"
 TRACE_ENV = "VLLM_ANISOTROPIC_TREE_TRACE"
@@ -49,6 +51,16 @@ LOG_INTERVAL_S = 10.0
 
 # vLLM's handlers sit on the "vllm" logger: a child of it prints like vLLM's own lines.
 log = logging.getLogger("vllm.anisotropic")
+
+
+def kv_in_place(accepted: Sequence[int]) -> int:
+    """Length c of the accepted path's leading run ``1, 2, ..., c``: those nodes were computed
+    at slot and position root + k attending exactly their ancestors, so their KV is already
+    sequential decoding's; the scheduler re-runs only the rest. ``[1, 2, 5] -> 2``, ``[3] -> 0``."""
+    c = 0
+    while c < len(accepted) and accepted[c] == c + 1:
+        c += 1
+    return c
 
 
 @dataclass
@@ -93,10 +105,8 @@ class TreeMetrics:
         self.accepted_nodes += a
         self.accepted_spine_nodes += int(np.count_nonzero(acc_src == NodeSource.SPINE))
         self.accepted_branch_nodes += int(np.count_nonzero(acc_src == NodeSource.BRANCH))
-        self.accepted_off_chain += int(list(accepted) != list(range(1, a + 1)))
-        in_place = 0  # leading accepted nodes 1, 2, ..., c: KV already at the right slots
-        while in_place < a and accepted[in_place] == in_place + 1:
-            in_place += 1
+        in_place = kv_in_place(accepted)
+        self.accepted_off_chain += int(in_place != a)
         self.rerun_tokens += a - in_place
 
     @property

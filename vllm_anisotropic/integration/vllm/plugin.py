@@ -26,6 +26,8 @@ import logging
 import os
 
 from vllm_anisotropic.integration.vllm.amx import request_amx_permission
+from vllm_anisotropic.integration.vllm.metrics import STATS_ENV, install_collector
+from vllm_anisotropic.integration.vllm.metrics import TRACE_ENV as TREE_TRACE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +35,8 @@ TRACE_ENV = "VLLM_ANISOTROPIC_TRACE_REGISTER"
 # Every environment variable this package reads (README / docs name them).
 OUR_ENV_VARS = (
     TRACE_ENV,
-    "VLLM_ANISOTROPIC_TREE_STATS",
-    "VLLM_ANISOTROPIC_TREE_TRACE",
+    STATS_ENV,
+    TREE_TRACE_ENV,
     "VLLM_ANISOTROPIC_CACHE",
     "VLLM_ANISOTROPIC_QWEN",
 )
@@ -54,8 +56,6 @@ def register() -> None:
 
     apply()
     _declare_env_vars()
-    from vllm_anisotropic.integration.vllm.metrics import install_collector
-
     install_collector()
     _registered_pid = pid
     trace = os.environ.get(TRACE_ENV)

@@ -34,6 +34,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from vllm_anisotropic.integration.vllm.metrics import kv_in_place
 from vllm_anisotropic.tree import pack_trees
 from vllm_anisotropic.verifiers import SamplingTensors, get_verifier
 from vllm_anisotropic.verifiers.sampling import SAMPLING_EPS
@@ -94,11 +95,7 @@ class TreeRejectionSampler(nn.Module):
             tree = walk[i]
             tokens = res.emitted_tokens(tree)
             out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
-            # accepted path 1 -> 2 -> ... -> c: node k was computed at slot root + k, position
-            # root + k, attending exactly its ancestors -- vLLM's chain KV, already in place
-            in_place = 0
-            while in_place < len(res.accepted) and res.accepted[in_place] == in_place + 1:
-                in_place += 1
+            in_place = kv_in_place(res.accepted)  # accepted path 1 -> ... -> c: KV already right
             if in_place:
                 self.runner.kv_in_place[step.req_ids[i]] = in_place
             self.runner.drafter.observe(step.req_ids[i], tree, res.accepted, logits[rows_of[i]])
@@ -126,8 +123,9 @@ class TreeRejectionSampler(nn.Module):
         sampling verifier on the processed target law (temperature, top-k, top-p as vLLM's
         sampler applies them); a seeded request draws its uniforms from its own generator."""
         temperature = sampling_metadata.temperature
-        greedy = [i for i in sorted(walk) if temperature is None or float(temperature[i]) < SAMPLING_EPS]
-        sampled = [i for i in sorted(walk) if i not in set(greedy)]
+        greedy, sampled = [], []
+        for i in sorted(walk):
+            (greedy if temperature is None or float(temperature[i]) < SAMPLING_EPS else sampled).append(i)
         if sampled and self.sampling_verifier is None:
             raise RuntimeError(f"batch rows {sampled} sample with trees but no sampling verifier is configured")
         results = {}
