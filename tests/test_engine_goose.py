@@ -31,8 +31,9 @@ pytestmark = pytest.mark.engine
 ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 1024}
 TIGHT_ENGINE_KWARGS = {**ENGINE_KWARGS, "kv_cache_memory_bytes": 1_200_000, "max_num_batched_tokens": 256}
 MAX_TOKENS = 64
-# Every verified tree is a full 60-node tree: pruning (min score 0.01) and the linear bypass off.
-WIDE_GOOSE = {"method": "goose", "bypass": False, "min_branch_score": 0.0}
+# Every verified tree is a full 60-node tree: pruning (min score 0.01), the linear bypass and the
+# budget allocator off.
+WIDE_GOOSE = {"method": "goose", "bypass": False, "min_branch_score": 0.0, "allocator": "off"}
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.engine
 
 ENGINE = {"enforce_eager": True, "max_model_len": 1024, "dtype": "float32", "kv_cache_memory_bytes": 2_400_000,
           "max_num_batched_tokens": 256}
-WIDE_GOOSE = {"method": "goose", "bypass": False, "min_branch_score": 0.0}
+WIDE_GOOSE = {"method": "goose", "bypass": False, "min_branch_score": 0.0, "allocator": "off"}
 
 
 @pytest.fixture(scope="module")

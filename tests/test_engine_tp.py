@@ -26,7 +26,7 @@ pytestmark = pytest.mark.engine
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 TP2 = {"enforce_eager": True, "max_model_len": 1024, "dtype": "float32", "tensor_parallel_size": 2,
        "distributed_executor_backend": "mp"}
-WIDE_GOOSE = {"method": "goose", "bypass": False, "min_branch_score": 0.0}
+WIDE_GOOSE = {"method": "goose", "bypass": False, "min_branch_score": 0.0, "allocator": "off"}
 
 
 @pytest.fixture(scope="module")

@@ -425,3 +425,23 @@ def test_schema_rejects_bad_values(chart, values, field):
     report = helm.lint(CHART, values)
     assert report["errors"], "lint must fail on values the schema rejects"
     assert any(field in e for e in report["errors"])
+
+
+@pytest.mark.parametrize("method", ["goose", "pld", "token_recycling", "isotropic"])
+def test_rendered_speculative_config_passes_the_plugins_validator(chart, method):
+    """The chart's default GPU deployment starts: its rendered --speculative-config is accepted
+    by the plugin's own validator (the code path `vllm serve` runs at start-up), and it renders
+    no flag the CUDA path refuses (attention backend, CUDA-graph mode, async scheduling)."""
+    from vllm_anisotropic.integration.vllm.config import TreeSpecConfig, split_speculative_dict
+
+    docs = render(chart, {"speculative": {"method": method}})
+    spec = json.loads(speculative_arg(docs))
+    vllm_fields = {"method", "num_speculative_tokens", "model"}  # the SpeculativeConfig keys we pass
+    theirs, ours = split_speculative_dict(dict(spec), vllm_fields)
+    assert theirs == {"method": method}
+    tree = TreeSpecConfig.build(method, ours)
+    assert tree.method == method
+    args = container(docs)["args"]
+    for refused in ("--attention-backend", "--compilation-config", "-cc", "--async-scheduling"):
+        assert refused not in args
+    assert gpu_counts(docs) == (1, 1)  # the default is the GPU path

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vllm_anisotropic.integration.vllm.metrics import (
     STATS_ENV,
     TRACE_ENV,
@@ -76,3 +78,21 @@ def test_our_env_vars_pass_vllm_strict_environment_validation(monkeypatch):
 
     with pytest.raises(ValueError, match="VLLM_ANISOTROPIC_NOT_OURS"):
         current_platform.validate_environ(hard_fail=True)
+
+
+def test_collector_exports_the_budget_allocator_counters(tmp_path):
+    from vllm_anisotropic.integration.vllm.budget import BudgetMetrics
+
+    path = tmp_path / "stats.json"
+    b = BudgetMetrics(steps=10, steps_without_drafts=4, tree_rows=30, tree_rows_offered=300, cost_samples=8,
+                      cost_abs_rel_err=0.8, predicted_accepted=12.5, realized_accepted=11, last_budget=3)
+    (tmp_path / "stats.json.budget").write_text(json.dumps(b.__dict__))
+    samples = {s.name: s.value for fam in TreeMetricsCollector(str(path)).collect() for s in fam.samples}
+    assert samples["vllm_anisotropic:budget_steps_total"] == 10
+    assert samples["vllm_anisotropic:budget_steps_without_drafts_total"] == 4
+    assert samples["vllm_anisotropic:budget_tree_rows_total"] == 30
+    assert samples["vllm_anisotropic:budget_tree_rows_offered_total"] == 300
+    assert samples["vllm_anisotropic:budget_predicted_accepted_total"] == 12.5
+    assert samples["vllm_anisotropic:budget_realized_accepted_total"] == 11
+    assert samples["vllm_anisotropic:budget_cost_model_error"] == pytest.approx(0.1)
+    assert samples["vllm_anisotropic:budget_last_tree_rows"] == 3

@@ -17,8 +17,12 @@ COMMAND_MODULES = (
     "vllm_anisotropic.models.cli",
     "vllm_anisotropic.data.cli",
     "vllm_anisotropic.bench.demo",
+    "vllm_anisotropic.bench.sweep",
+    "vllm_anisotropic.bench.profile_host",
     "vllm_anisotropic.bench.tau",
     "vllm_anisotropic.bench.crosscheck",
+    "vllm_anisotropic.bench.tree_attention_check",
+    "vllm_anisotropic.bench.verify_cost",
     "vllm_anisotropic.integration.vllm.serve_cli",
 )
 

@@ -288,14 +288,28 @@ class DraftTree:
         if n < 1:
             raise ValueError("truncate keeps at least the root")
         n = min(int(n), self.num_nodes)
-        return DraftTree(
-            tokens=self.tokens[:n],
-            parents=self.parents[:n],
-            sources=self.sources[:n],
-            values=self.values[:n],
-            draft_probs=None if self.draft_probs is None else self.draft_probs[:n],
-            multiplicity=self.multiplicity[:n],
-        )
+        if n == self.num_nodes:
+            return self
+        # A prefix of a valid tree is valid (parents come first): no re-validation, and the
+        # prefix-closed caches (depths, ancestor masks) are sliced rather than rebuilt.
+        out = object.__new__(DraftTree)
+        fields = {
+            "tokens": self.tokens[:n],
+            "parents": self.parents[:n],
+            "sources": self.sources[:n],
+            "values": self.values[:n],
+            "draft_probs": None if self.draft_probs is None else self.draft_probs[:n],
+            "multiplicity": self.multiplicity[:n],
+            "_cache": {},
+        }
+        for name, value in fields.items():
+            object.__setattr__(out, name, value)
+        for key in ("depths", "abits"):
+            if key in self._cache:
+                out._cache[key] = self._cache[key][:n]
+        if "amask" in self._cache:
+            out._cache["amask"] = self._cache["amask"][:n, :n]
+        return out
 
     @staticmethod
     def chain(tokens, root_token: int = 0, source: NodeSource = NodeSource.SPINE, draft_probs=None) -> "DraftTree":

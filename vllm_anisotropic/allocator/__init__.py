@@ -1,0 +1,41 @@
+"""Budget-aware batch allocator (issue 10): how many draft nodes each request verifies per step.
+
+Scope: the core, which never imports vLLM: ``cost`` (step-latency model, fitted from a sweep
+and refined online), ``acceptance`` (node value -> calibrated P(on the accepted path), with
+ECHO's sparse gating), ``allocate`` (the per-step cut vector maximising expected tokens per
+second), ``tree_probs`` (DraftTree <-> flat arrays), ``config`` (the tunables). The engine hook
+that calls them at the scheduler step lives in ``integration.vllm``.
+
+Source: ECHO, arXiv 2604.09603 (Sec. 2 Eq. 2, Sec. 3.2, Alg. 1, Theorem 2).
+"""
+
+from .acceptance import AcceptanceModel
+from .allocate import (
+    Allocation,
+    StepCost,
+    allocate,
+    concave_slopes,
+    pad_probs,
+    request_caps,
+)
+from .config import AcceptanceConfig, CostModelConfig
+from .cost import CostModel, CostSample
+from .tree_probs import accepted_path_labels, cap_by_tree, cut_trees, tree_probs
+
+__all__ = [
+    "AcceptanceConfig",
+    "AcceptanceModel",
+    "Allocation",
+    "CostModel",
+    "CostModelConfig",
+    "CostSample",
+    "StepCost",
+    "accepted_path_labels",
+    "allocate",
+    "cap_by_tree",
+    "concave_slopes",
+    "cut_trees",
+    "pad_probs",
+    "request_caps",
+    "tree_probs",
+]

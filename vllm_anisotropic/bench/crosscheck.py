@@ -89,12 +89,16 @@ LLM_KWARGS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 2048}
 
 def run_engine(model_dir, prompts: list[list[int]], max_tokens: int, method: str, options: dict,
                llm_kwargs: dict | None = None):
-    """vLLM with ``speculative_config={"method": method, **options}``: (OfflineResult, traces)."""
+    """vLLM with ``speculative_config={"method": method, **options}``: (OfflineResult, traces).
+
+    The budget allocator is pinned off (unless ``options`` says otherwise): the harness verifies
+    whole trees, so an engine that cuts them would accept fewer tokens at some steps by design.
+    """
     from vllm_anisotropic.integration.vllm.metrics import STATS_ENV, TRACE_ENV
     from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
 
     job = OfflineJob(model=str(model_dir), prompt_token_ids=prompts, max_tokens=max_tokens,
-                     speculative_config={"method": method, **options}, llm_kwargs=llm_kwargs or LLM_KWARGS)
+                     speculative_config={"method": method, "allocator": "off", **options}, llm_kwargs=llm_kwargs or LLM_KWARGS)
     with tempfile.TemporaryDirectory() as tmp:
         stats_file = Path(tmp, "stats.json")
         result = run_offline_job(job, env={STATS_ENV: str(stats_file), TRACE_ENV: "1"})

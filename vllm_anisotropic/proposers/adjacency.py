@@ -33,6 +33,7 @@ table evicts the least recently used entry and reuses its row.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections import OrderedDict
 
@@ -42,7 +43,7 @@ import torch
 from vllm_anisotropic.proposers.base import RequestState
 from vllm_anisotropic.tree import DraftTree
 
-__all__ = ["AdjacencyTable", "topk_scores"]
+__all__ = ["AdjacencyTable", "TopKRows", "topk_scores"]
 
 _EMPTY = -1
 
@@ -63,6 +64,29 @@ def topk_scores(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     # CPU path (~100 ms for one 49k row in torch 2.13), softmax does not.
     probs, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
     return ids.to(torch.int32).cpu().numpy(), probs.cpu().numpy().astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKRows:
+    """``topk_scores`` of logits rows computed once for a whole step (one softmax + top-k + one
+    device-to-host copy for every verified row of the batch); passed where logits are accepted,
+    sliced per request like the logits it replaces."""
+
+    ids: np.ndarray  # [num_rows, k] int32
+    scores: np.ndarray  # [num_rows, k] float32
+    vocab_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.ids.shape[0]), self.vocab_size)
+
+    def __getitem__(self, rows) -> "TopKRows":
+        return TopKRows(self.ids[rows], self.scores[rows], self.vocab_size)
+
+    @staticmethod
+    def of(logits: torch.Tensor, k: int) -> "TopKRows":
+        ids, scores = topk_scores(logits, k)
+        return TopKRows(ids, scores, int(logits.shape[-1]))
 
 
 def _last_occurrence(keys: np.ndarray) -> np.ndarray:
@@ -205,15 +229,20 @@ class AdjacencyTable:
         self,
         prev_tokens,  # [num_tokens] int, -1 = none
         tokens,  # [num_tokens] int
-        logits: torch.Tensor,  # [num_tokens, vocab_size]
+        logits: torch.Tensor | TopKRows,  # [num_tokens, vocab_size], or their top-k
     ) -> None:
-        """One batched top-k over ``softmax(logits)`` rows, then ``update``."""
+        """One batched top-k over ``softmax(logits)`` rows (unless given), then ``update``."""
         if logits.shape[0] == 0:
             return
         if self.unigram_ids is None:
             self._allocate(int(logits.shape[-1]))
         assert logits.shape[-1] >= self.vocab_size, (logits.shape, self.vocab_size)
-        ids, scores = topk_scores(logits, self.top_k)
+        if isinstance(logits, TopKRows):
+            if logits.ids.shape[1] < min(self.top_k, logits.vocab_size):
+                raise ValueError(f"precomputed top-{logits.ids.shape[1]} rows, table keeps top-{self.top_k}")
+            ids, scores = logits.ids[:, : self.top_k], logits.scores[:, : self.top_k]
+        else:
+            ids, scores = topk_scores(logits, self.top_k)
         self.update(prev_tokens, tokens, ids, scores)
 
     def harvest_tree(self, tree, prev_root_token: int, logits: torch.Tensor) -> None:
@@ -247,6 +276,10 @@ class HarvestingState(RequestState):
 
     table: AdjacencyTable
     _prev_root: int = -1
+
+    @property
+    def harvest_top_k(self) -> int:
+        return self.table.top_k
 
     def observe(self, tree: DraftTree, accepted, logits: torch.Tensor | None) -> None:
         if logits is not None:

@@ -67,6 +67,10 @@ class RequestState(abc.ABC):
     @abc.abstractmethod
     def propose(self, context_tokens: np.ndarray) -> DraftTree: ...
 
+    # top-k of the target's softmax rows this state harvests (``adjacency.TopKRows`` may stand
+    # in for ``logits`` in ``observe``); None: it reads no logits
+    harvest_top_k: int | None = None
+
     def observe(self, tree: DraftTree, accepted: Sequence[int], logits: torch.Tensor | None) -> None:
         """Learn from a verified tree; default: nothing to learn."""
 

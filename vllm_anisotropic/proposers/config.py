@@ -12,9 +12,11 @@ ratio tiers p_s < 0.2 -> 0.15, < 0.4 -> 0.30, else 0.50, linear bypass threshold
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
+
+from vllm_anisotropic.config_base import StrictConfig
 
 __all__ = [
     "ProposerConfig",
@@ -26,25 +28,18 @@ __all__ = [
 ]
 
 
-class ProposerConfig(BaseModel):
-    """Base: frozen, attribute docstrings become field descriptions, unknown keys rejected."""
+NgramSizes = tuple[Annotated[int, Field(ge=1)], ...]
+"""n-gram lengths, each >= 1."""
 
-    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True, extra="forbid")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            unknown = sorted(set(data) - set(cls.model_fields))
-            if unknown:
-                raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; valid keys: {sorted(cls.model_fields)}")
-        return data
+class ProposerConfig(StrictConfig):
+    """Base of the proposer configs (``config_base.StrictConfig``)."""
 
 
 class PLDConfig(ProposerConfig):
     """Prompt Lookup Decoding: a linear chain copied from the latest n-gram match."""
 
-    ngram_sizes: tuple[int, ...] = Field(default=(3, 4, 5), min_length=1)
+    ngram_sizes: NgramSizes = Field(default=(3, 4, 5), min_length=1)
     """n-gram lengths tried, longest first (GOOSE Table 5: {3, 4, 5})."""
     max_continuation: int = Field(default=20, ge=1)
     """Maximum draft chain length copied after the match (GOOSE Table 5: 20)."""
@@ -75,7 +70,7 @@ class AdjacencyConfig(ProposerConfig):
 class GooseConfig(AdjacencyConfig):
     """GOOSE spine tree (papers/000 Algorithms 1-2, Appendix C.1) and its ablation switches."""
 
-    ngram_sizes: tuple[int, ...] = Field(default=(3, 4, 5), min_length=1)
+    ngram_sizes: NgramSizes = Field(default=(3, 4, 5), min_length=1)
     """Context-match n-gram lengths, longest first. Paper: {3, 4, 5}."""
     max_continuation: int = Field(default=20, ge=1)
     """Max spine (context-match continuation) length. Paper: 20."""
@@ -126,7 +121,7 @@ class IsotropicConfig(AdjacencyConfig):
     max_depth: int = Field(default=6, ge=1)
     """Depth cap D (same as GOOSE's branches). A full k-ary tree of B = 60 nodes stops at depth
     4 (k = 3) or 3 (k = 5); the cap only binds when pruning leaves nodes with < k candidates."""
-    ngram_sizes: tuple[int, ...] = Field(default=(3, 4, 5), min_length=1)
+    ngram_sizes: NgramSizes = Field(default=(3, 4, 5), min_length=1)
     """Context-match n-gram lengths (the match supplies the rank-0 child along its path)."""
     max_continuation: int = Field(default=20, ge=1)
     """Max context-match continuation."""

@@ -13,6 +13,11 @@ no softmax, no draft probabilities, no per-node processing of the vocabulary. Ha
 rows are widened to float32 before the argmax (``rows_argmax``: exact, and on CPU much faster
 than torch's bf16 argmax); one gather, one conversion and one reduction per depth step for
 the whole batch (few large ops: on a shared CPU every parallel region can stall).
+
+On a GPU (``dense=None`` and CUDA logits, or ``dense=True``) the walk instead takes one argmax
+over every node row of the batch and descends with fixed shapes (``descend_all``): no host
+synchronization until the caller reads the result, at the price of argmaxes of rows the walk
+never visits (cheap on a GPU, not on a CPU).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from vllm_anisotropic.verifiers.base import BatchVerifyResult
-from vllm_anisotropic.verifiers.topdown import TopDownVerifier, descend
+from vllm_anisotropic.verifiers.topdown import TopDownVerifier, descend, descend_all
 
 __all__ = ["GreedyVerifier", "rows_argmax"]
 
@@ -72,7 +77,30 @@ class GreedyVerifier(TopDownVerifier):
     def bonus_reference(self, target, u) -> int:
         return int(target)
 
+    # None: the sync-free dense walk on CUDA logits, the visited-rows walk elsewhere
+    dense: bool | None = None
+
     def _verify_batch(self, batch, target_logits, sampling, draft_probs, u) -> BatchVerifyResult:
+        dense = self.dense if self.dense is not None else target_logits.is_cuda
+        if dense:
+            return self._verify_batch_dense(batch, target_logits)
+        return self._verify_batch_sparse(batch, target_logits)
+
+    def _verify_batch_dense(self, batch, target_logits) -> BatchVerifyResult:
+        """Every node row's argmax at once, then ``max_depth + 1`` fixed-shape descents."""
+        device = target_logits.device
+        bsz = batch.batch_size
+        y_all = target_logits.argmax(dim=-1)  # [num_nodes]; half rows: exact, first index on ties
+        cur = batch.root_index.clone()
+        active = torch.ones(bsz, dtype=torch.bool, device=device)
+        num_acc = torch.zeros(bsz, dtype=torch.int64, device=device)
+        accepted = torch.full((bsz, max(batch.max_depth, 1)), -1, dtype=torch.int64, device=device)
+        bonus = torch.zeros(bsz, dtype=torch.int64, device=device)
+        for _ in range(batch.max_depth + 1):
+            descend_all(batch, batch.children[cur], y_all[cur], cur, accepted, num_acc, bonus, active)
+        return BatchVerifyResult(accepted=accepted, num_accepted=num_acc, bonus_tokens=bonus)
+
+    def _verify_batch_sparse(self, batch, target_logits) -> BatchVerifyResult:
         """The walk of ``TopDownVerifier._verify_batch`` specialised to temperature 0: per depth
         step one argmax per active tree, then descend to the first child (priority order) whose
         token is the argmax. Draft probabilities and uniforms are not read."""

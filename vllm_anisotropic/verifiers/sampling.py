@@ -55,7 +55,7 @@ class SamplingTensors:
     def from_params(params, batch_size: int, device="cpu") -> "SamplingTensors":
         """``params``: one ``TargetSampling`` for all requests, or a list of ``batch_size``."""
         if isinstance(params, SamplingTensors):
-            return params
+            return params.to(device)
         if isinstance(params, TargetSampling):
             params = [params] * batch_size
         if len(params) != batch_size:
@@ -65,6 +65,9 @@ class SamplingTensors:
             top_k=torch.tensor([s.top_k for s in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([s.top_p for s in params], dtype=torch.float32, device=device),
         )
+
+    def to(self, device) -> "SamplingTensors":
+        return SamplingTensors(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device))
 
     def index(self, rows: torch.Tensor) -> "SamplingTensors":
         return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows])

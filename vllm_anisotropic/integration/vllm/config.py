@@ -21,7 +21,8 @@ token_recycling    tr          ``proposers.config.TokenRecyclingConfig``
 isotropic          iso3        ``proposers.config.IsotropicConfig`` (``branching`` = k)
 =================  ==========  ====================================================
 
-plus the engine-side keys of ``EngineTreeConfig`` (``verifier``).
+plus the engine-side keys of ``EngineTreeConfig`` (``verifier``, ``sampling_verifier``,
+``allocator``, ``allocator_probe_every``, ``cost_model``, ``cost_model_online``).
 
 How tunables travel (vLLM's ``SpeculativeConfig`` is a pydantic dataclass with
 ``extra="forbid"``, so it cannot carry them): in the front-end process the plugin wraps
@@ -39,9 +40,10 @@ root) handed to vLLM per step; when omitted it defaults to ``budget - 1`` (59 fo
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vllm_anisotropic.proposers import PROPOSERS, proposer_config
 
@@ -81,6 +83,35 @@ class EngineTreeConfig(BaseModel):
     ``none``: sampled requests decode without trees. Requests with penalties, logit bias, bad
     words, min_p, min_tokens, structured output or logprobs always decode without trees
     (plain decoding through vLLM's sampler, lossless)."""
+
+    allocator: Literal["auto", "off"] = "auto"
+    """Budget-aware batch allocator (issue 10; ECHO, arXiv 2604.09603): ``auto`` cuts every
+    request's value-ordered draft list each step where the expected accepted tokens stop
+    paying for the step time a calibrated cost model predicts (0 drafts = plain decoding);
+    ``off`` verifies the proposer's whole tree (up to ``num_speculative_tokens``) every step."""
+
+    allocator_probe_every: int = Field(default=32, ge=0)
+    """While the allocator keeps no drafts, every this-many-th such step verifies one draft
+    node anyway, so the cost model keeps measuring what tree rows cost (0: never)."""
+
+    cost_model: str | None = None
+    """Path of a cost-model JSON (``allocator.CostModel.to_json``) to start from instead of
+    the start-up sweep of real forwards. Must name an existing file (checked at start-up)."""
+
+    cost_model_online: bool = True
+    """Refine the cost model from every measured step (false: keep the start-up fit or the
+    ``cost_model`` file as it is)."""
+
+    @field_validator("cost_model")
+    @classmethod
+    def _cost_model_is_a_file(cls, path: str | None) -> str | None:
+        # Refused here, in the front end, rather than as a FileNotFoundError in EngineCore.
+        if path and not os.path.isfile(path):
+            raise ValueError(
+                f"cost_model {path!r} is not a file; valid: the path of a cost-model JSON "
+                f"(allocator.CostModel.to_json), or leave cost_model unset for the start-up sweep"
+            )
+        return path
 
 
 def _valid_keys(method: str) -> list[str]:
@@ -138,6 +169,11 @@ class TreeSpecConfig(BaseModel):
     @classmethod
     def from_additional_config(cls, method: str, additional_config: dict | None) -> "TreeSpecConfig":
         stored = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+        if not isinstance(stored, dict) or not isinstance(stored.get("options", {}), dict):
+            raise ValueError(
+                f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a dict of tunables, e.g. "
+                f"{{'budget': 40}}, or {{'method': {method!r}, 'options': {{...}}}}; got {stored!r}"
+            )
         options = dict(stored.get("options", {})) if "options" in stored or "method" in stored else dict(stored)
         stored_method = stored.get("method", method)
         if stored_method != method:

@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, accepted_path_labels, tree_probs
 from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
 from vllm_anisotropic.integration.vllm.metrics import MetricsSink, TreeMetrics
 from vllm_anisotropic.proposers import get_proposer
@@ -37,7 +38,10 @@ from vllm_anisotropic.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TreeDrafter"]
+__all__ = ["TreeDrafter", "MAX_BACKOFF"]
+
+MAX_BACKOFF = 16  # most proposals a request skips in a row while the allocator cuts it to 0
+ACCEPTANCE_REFIT_EVERY = 16  # verified steps between refits of the acceptance model
 
 
 class TreeDrafter:
@@ -56,6 +60,16 @@ class TreeDrafter:
         self.max_model_len: int = int(vllm_config.model_config.max_model_len)
         self.states: dict[str, RequestState] = {}
         self.trees: dict[str, DraftTree] = {}
+        # budget allocator (budget.py): calibrated P(node on the accepted path) of each pending
+        # tree's draft list, learned from every verified tree; None when the allocator is off
+        self.acceptance = (AcceptanceModel(AcceptanceConfig(refit_every=ACCEPTANCE_REFIT_EVERY))
+                           if self.config.engine.allocator == "auto" else None)
+        self.probs: dict[str, list[float]] = {}
+        # backoff while the allocator keeps cutting a request's tree to nothing: after the
+        # k-th zero cut in a row the request skips min(2**(k-1), MAX_BACKOFF) proposals (no
+        # tree, no harvest: plain decoding at plain decoding's host cost), then offers again
+        self.zero_streak: dict[str, int] = {}
+        self.skip: dict[str, int] = {}
         # tree counters -> stats file (VLLM_ANISOTROPIC_TREE_STATS), /metrics and the log (metrics.py)
         self.metrics = TreeMetrics()
         self.sink = MetricsSink(self.metrics, rank=_tp_rank())
@@ -79,10 +93,16 @@ class TreeDrafter:
     ) -> list[list[int]]:
         """One draft list per batch row: ``tree.tokens[1:]`` of the request's new tree."""
         drafts: list[list[int]] = []
+        new: dict[str, DraftTree] = {}
         for i, req_id in enumerate(req_ids):
             num_tokens = int(num_tokens_no_spec[i])
             # no sampled token: a partial prefill chunk or a discarded request
             if not sampled_token_ids[i] or not eligible[i]:
+                self.trees.pop(req_id, None)
+                drafts.append([])
+                continue
+            if self.skip.get(req_id, 0) > 0:
+                self.skip[req_id] -= 1
                 self.trees.pop(req_id, None)
                 drafts.append([])
                 continue
@@ -95,7 +115,12 @@ class TreeDrafter:
             room = min(self.max_draft_tokens, self.max_model_len - num_tokens - 1)
             tree = tree.truncate(max(room, 0) + 1)
             self.trees[req_id] = tree
+            new[req_id] = tree
             drafts.append(tree.tokens[1:].tolist())
+        self.probs = {}
+        if self.acceptance is not None and new:
+            for req_id, p in zip(new, tree_probs(list(new.values()), self.acceptance)):
+                self.probs[req_id] = p.tolist()
         return drafts
 
     def take_tree(self, req_id: str, scheduled: Sequence[int]) -> DraftTree | None:
@@ -115,6 +140,12 @@ class TreeDrafter:
                 f"request {req_id}: scheduled drafts {list(scheduled)[:8]}... are not a prefix of the "
                 f"pending tree's draft list {tree.tokens[1:9].tolist()}..."
             )
+        if self.acceptance is not None and tree.num_nodes > 1:
+            if n == 0:
+                streak = self.zero_streak[req_id] = self.zero_streak.get(req_id, 0) + 1
+                self.skip[req_id] = min(2 ** (streak - 1), MAX_BACKOFF)
+            else:
+                self.zero_streak.pop(req_id, None)
         return tree.truncate(n + 1)
 
     def observe(self, req_id: str, tree: DraftTree, accepted: list[int], logits: torch.Tensor | None) -> None:
@@ -127,10 +158,50 @@ class TreeDrafter:
         self.metrics.record(req_id, tree, accepted, mode, trace=self.sink.trace)
         self.sink.tick()
 
+    def observe_batch(self, items, logits: torch.Tensor) -> None:
+        """``observe`` for every tree of a step, with one top-k over all their logits rows.
+
+        ``items``: ``(req_id, tree, accepted, rows)`` with ``rows`` the slice of ``logits``
+        holding the tree's ``num_nodes`` rows. The harvesting proposers read only the top-k of
+        each row: one softmax + top-k over the concatenated rows and one device-to-host copy
+        replace one per request (``adjacency.TopKRows``).
+        """
+        if self.acceptance is not None:
+            self._learn_acceptance(items)
+        ks = [st.harvest_top_k for st in (self.states.get(r) for r, *_ in items) if st is not None]
+        ks = [k for k in ks if k]
+        if not ks:
+            for req_id, tree, accepted, rows in items:
+                self.observe(req_id, tree, accepted, logits[rows])
+            return
+        from vllm_anisotropic.proposers.adjacency import TopKRows
+
+        index = torch.cat([torch.arange(r.start, r.stop) for *_, r in items]).to(logits.device)
+        top = TopKRows.of(logits.index_select(0, index), max(ks))
+        offset = 0
+        for req_id, tree, accepted, rows in items:
+            n = rows.stop - rows.start
+            self.observe(req_id, tree, accepted, top[offset : offset + n])
+            offset += n
+
+    def _learn_acceptance(self, items) -> None:
+        """One ``AcceptanceModel.update`` with every verified draft node of the step."""
+        trees = [(tree, accepted) for _, tree, accepted, _ in items if tree.num_nodes > 1]
+        if not trees:
+            return
+        self.acceptance.update(
+            np.concatenate([t.sources[1:] for t, _ in trees]),
+            np.concatenate([t.depths[1:] for t, _ in trees]),
+            np.concatenate([np.clip(t.values[1:], 0.0, 1.0) for t, _ in trees]),
+            np.concatenate([accepted_path_labels(t, a[-1] if len(a) else 0) for t, a in trees]),
+        )
+
     def drop(self, req_id: str) -> None:
         """The request finished or was aborted."""
         self.states.pop(req_id, None)
         self.trees.pop(req_id, None)
+        self.zero_streak.pop(req_id, None)
+        self.skip.pop(req_id, None)
         self.metrics.live_requests = len(self.states)
         self.sink.tick(force=True)
 

@@ -156,6 +156,12 @@ def write_json_atomic(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def budget_stats_path() -> str | None:
+    """The allocator's stats file (scheduler process): the tree stats file's name + ``.budget``."""
+    path = os.environ.get(STATS_ENV)
+    return f"{path}.budget" if path else None
+
+
 def ensure_stats_file() -> str:
     """The stats file path, creating a temporary one (and exporting it) when unset."""
     path = os.environ.get(STATS_ENV)
@@ -184,15 +190,27 @@ _BY_SOURCE = {
 }
 
 
+# the budget allocator's counters (scheduler process, ``budget.BudgetMetrics``)
+_BUDGET_COUNTERS = {
+    "budget_steps": ("steps", "decode steps in which the budget allocator cut draft lists"),
+    "budget_steps_without_drafts": ("steps_without_drafts", "of those, steps where it kept no draft at all"),
+    "budget_probe_steps": ("probe_steps", "steps that verified one node to keep the cost model measured"),
+    "budget_tree_rows": ("tree_rows", "draft nodes the allocator kept"),
+    "budget_tree_rows_offered": ("tree_rows_offered", "draft nodes the proposers offered"),
+    "budget_predicted_accepted": ("predicted_accepted", "accepted drafts the acceptance model predicted for the kept nodes"),
+    "budget_realized_accepted": ("realized_accepted", "accepted drafts in the same steps"),
+}
+
+
 class TreeMetricsCollector:
-    """prometheus_client collector over the stats file (read at scrape time)."""
+    """prometheus_client collector over the stats files (read at scrape time)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def read(self) -> dict:
+    def read(self, path: str | None = None) -> dict:
         try:
-            with open(self.path, encoding="utf-8") as f:
+            with open(path or self.path, encoding="utf-8") as f:
                 return json.load(f)
         except (OSError, ValueError):
             return {}
@@ -213,6 +231,19 @@ class TreeMetricsCollector:
             for source, key in keys.items():
                 fam.add_metric([source], float(data.get(key, 0)))
             yield fam
+        budget = self.read(f"{self.path}.budget")
+        for name, (key, doc) in _BUDGET_COUNTERS.items():
+            fam = CounterMetricFamily(f"vllm_anisotropic:{name}", doc)
+            fam.add_metric([], float(budget.get(key, 0)))
+            yield fam
+        samples = budget.get("cost_samples", 0)
+        err = GaugeMetricFamily("vllm_anisotropic:budget_cost_model_error",
+                                "mean |predicted - measured| / measured step time of the allocator's cost model")
+        err.add_metric([], float(budget.get("cost_abs_rel_err", 0.0)) / samples if samples else 0.0)
+        yield err
+        last = GaugeMetricFamily("vllm_anisotropic:budget_last_tree_rows", "draft nodes the allocator kept in the latest step")
+        last.add_metric([], float(budget.get("last_budget", 0)))
+        yield last
 
 
 _collector_pid: int | None = None

@@ -19,9 +19,11 @@ Patches (vLLM 0.32; file:line in shared/notes/vllm-0.32-spec-decode-map.md secti
    (see ``config.py``).
 4. ``VllmConfig.__post_init__``: refuses unsupported combinations with an error naming the
    problem (async scheduling, pipeline parallel, hybrid/Mamba models, fp8 KV cache, the V2
-   model runner, a non-CPU platform, a user-chosen worker/scheduler class) and installs our
-   worker class (which installs the runner, the tree attention backend and the tree
-   sampler) and scheduler class.
+   model runner, a platform other than CPU or CUDA, a user-chosen worker/scheduler class;
+   on CUDA also a non-FLASH_ATTN backend, full CUDA graphs, MLA, decode context parallelism,
+   dual-batch overlap), forces FLASH_ATTN and PIECEWISE CUDA graphs on CUDA
+   (``force_gpu_settings``) and installs our worker class (CPU or GPU; it installs the
+   runner, the tree attention backend and the tree sampler) and scheduler class.
 5. ``VllmConfig._get_v2_model_runner_unsupported_features``: lists our methods, so the V1
    runner is chosen wherever V2 would be the default.
 
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_VLLM = ("0.32.",)
 WORKER_CLS = "vllm_anisotropic.integration.vllm.worker.TreeCPUWorker"
+GPU_WORKER_CLS = "vllm_anisotropic.integration.vllm.worker.TreeGPUWorker"
 SCHEDULER_CLS = "vllm_anisotropic.integration.vllm.scheduler.TreeScheduler"
 _MARK = "_vllm_anisotropic_patched"
 
@@ -164,6 +167,11 @@ def _patch_create_speculative_config(engine_args_cls, supported: bool) -> None:
         else:
             tree = TreeSpecConfig.from_additional_config(method, additional)
         theirs.setdefault("method", method)
+        if tree.budget < 2 and "num_speculative_tokens" not in theirs:
+            raise UnsupportedConfigError(
+                f"budget {tree.budget} leaves no draft node (the budget counts the root); valid: budget >= 2, "
+                f"e.g. 4, or the method's default {TreeSpecConfig.build(method, {}).budget}"
+            )
         theirs.setdefault("num_speculative_tokens", tree.budget - 1)
         additional[ADDITIONAL_CONFIG_KEY] = tree.to_additional_config()
         self.additional_config = additional
@@ -182,10 +190,16 @@ def check_and_install(vllm_config) -> None:
     spec = vllm_config.speculative_config
     method = spec.method
     problems = []
-    if not current_platform.is_cpu():
+    on_gpu = current_platform.is_cuda()
+    if not (current_platform.is_cpu() or on_gpu):
         problems.append(
             f"platform {current_platform.device_name!r}: tree attention is implemented for "
-            f"vLLM's CPU backend only so far"
+            f"vLLM's CPU backend and for CUDA's FLASH_ATTN backend only"
+        )
+    if on_gpu:
+        problems += force_gpu_settings(
+            vllm_config.compilation_config, vllm_config.attention_config,
+            vllm_config.parallel_config, vllm_config.model_config,
         )
     if vllm_config.scheduler_config.async_scheduling:
         problems.append("async scheduling (drop --async-scheduling / async_scheduling=True)")
@@ -198,15 +212,16 @@ def check_and_install(vllm_config) -> None:
         problems.append("the V2 model runner (unset VLLM_USE_V2_MODEL_RUNNER or set it to 0)")
     kv_dtype = str(vllm_config.cache_config.cache_dtype)
     if kv_dtype not in ("auto", "bfloat16", "float16", "float32"):
-        problems.append(f"kv_cache_dtype {kv_dtype!r}")
+        problems.append(f"kv_cache_dtype {kv_dtype!r} (valid: 'auto', 'bfloat16', 'float16', 'float32')")
     worker_cls = vllm_config.parallel_config.worker_cls
-    if worker_cls not in ("auto", WORKER_CLS):
-        problems.append(f"a custom worker_cls {worker_cls!r}")
+    if worker_cls not in ("auto", WORKER_CLS, GPU_WORKER_CLS):
+        problems.append(f"a custom worker_cls {worker_cls!r} (valid: 'auto'; the plugin installs its tree worker)")
     sched_cls = vllm_config.scheduler_config.scheduler_cls
     if sched_cls not in (None, SCHEDULER_CLS) and not (
         isinstance(sched_cls, str) and sched_cls.endswith("sched.scheduler.Scheduler")
     ):
-        problems.append(f"a custom scheduler_cls {sched_cls!r}")
+        problems.append(f"a custom scheduler_cls {sched_cls!r} (leave scheduler_cls unset; the plugin installs "
+                        "its tree scheduler)")
     if problems:
         raise UnsupportedConfigError(
             f"speculative method {method!r} (vllm-anisotropic) does not support: " + "; ".join(problems)
@@ -219,8 +234,48 @@ def check_and_install(vllm_config) -> None:
     if isinstance(additional, dict):
         tree = TreeSpecConfig.from_additional_config(method, additional)
         additional[ADDITIONAL_CONFIG_KEY] = tree.to_additional_config()
-    vllm_config.parallel_config.worker_cls = WORKER_CLS
+    vllm_config.parallel_config.worker_cls = GPU_WORKER_CLS if on_gpu else WORKER_CLS
     vllm_config.scheduler_config.scheduler_cls = SCHEDULER_CLS
+
+
+def force_gpu_settings(compilation_config, attention_config, parallel_config, model_config) -> list[str]:
+    """CUDA: select FLASH_ATTN and PIECEWISE CUDA graphs; return what cannot be honoured.
+
+    * Attention backend: ``FLASH_ATTN`` (the only one with the tree split; FlashInfer is the
+      default on some GPUs). A user-chosen other backend is refused.
+    * CUDA graphs: ``PIECEWISE``. A FULL replay runs the attention captured in a dummy run,
+      without the step's tree plan, and would emit wrong tokens silently; in PIECEWISE mode
+      attention runs eagerly between the captured pieces (shared/notes, "CUDA graphs"). An
+      explicitly chosen mode with full graphs is refused; ``NONE`` is kept.
+    * Refused: MLA models, decode context parallelism, dual-batch overlap.
+    """
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    problems = []
+    backend = attention_config.backend
+    if backend is None or str(getattr(backend, "name", backend)).upper() in ("AUTO", "FLASH_ATTN"):
+        attention_config.backend = AttentionBackendEnum.FLASH_ATTN
+    else:
+        problems.append(
+            f"attention backend {getattr(backend, 'name', backend)!r} (tree attention runs on FLASH_ATTN; "
+            f"drop --attention-backend or choose FLASH_ATTN)"
+        )
+    mode = compilation_config.cudagraph_mode
+    if mode is None:
+        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    elif mode.has_full_cudagraphs():
+        problems.append(
+            f"cudagraph_mode {mode.name} (a full CUDA graph replays attention without the tree mask; "
+            f"use PIECEWISE or NONE, or leave it unset)"
+        )
+    if model_config is not None and getattr(model_config, "use_mla", False):
+        problems.append("MLA attention models")
+    if getattr(parallel_config, "decode_context_parallel_size", 1) > 1:
+        problems.append("decode context parallelism (decode_context_parallel_size > 1)")
+    if getattr(parallel_config, "enable_dbo", False):
+        problems.append("dual-batch overlap (enable_dbo)")
+    return problems
 
 
 def _patch_vllm_config(cls) -> None:

@@ -1,4 +1,8 @@
-"""The tree model runner: vLLM's V1 ``CPUModelRunner`` with draft trees instead of chains.
+"""The tree model runner: vLLM's V1 model runner with draft trees instead of chains.
+
+``TreeRunnerMixin`` holds the tree logic; ``TreeCPUModelRunner`` puts it on vLLM's
+``CPUModelRunner`` (tree attention: ``attention.py``), ``gpu_runner.TreeGPUModelRunner`` on
+``GPUModelRunner`` (tree attention: ``gpu_attention.py``).
 
 Scope: the per-step glue (shared/notes/vllm-0.32-spec-decode-map.md sections 2-3):
 
@@ -37,7 +41,7 @@ from vllm_anisotropic.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TreeCPUModelRunner", "TreeStep", "TreePlan", "tree_eligible"]
+__all__ = ["TreeRunnerMixin", "TreeCPUModelRunner", "TreeStep", "TreePlan", "tree_eligible", "scatter_tree_positions"]
 
 DRAFTER_CLS = f"{TreeDrafter.__module__}.{TreeDrafter.__qualname__}"
 _SAMPLING_EPS = 1e-5  # vLLM's greedy threshold (sampling_params._SAMPLING_EPS)
@@ -52,14 +56,17 @@ class TreePlan:
     may attend node j); the node rows are the last n_r query rows of request ``req_index[r]``.
     ``chain_prefix[r]``: c_r, the leading nodes 1..c_r that form a chain below the root; their
     rows are causal already (ancestors = every earlier node), so only rows c_r+1..n_r are
-    recomputed (missing entries: 0). ``cache`` holds gather indices built by the first layer
-    and reused by the others.
+    recomputed (missing entries: 0). ``query_end[r]``: end of request r's query rows;
+    ``seq_lens[r]``: its KV length after the step (the GPU plan needs both). ``cache`` holds
+    gather indices built by the first layer and reused by the others.
     """
 
     req_index: list[int]
     num_nodes: list[int]
     masks: list[np.ndarray]
     chain_prefix: list[int] = field(default_factory=list)
+    query_end: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
     cache: dict = field(default_factory=dict)
 
 
@@ -104,8 +111,19 @@ def tree_eligible(sampling_params, sampling_trees: bool = False) -> bool:
     )
 
 
-class TreeCPUModelRunner(CPUModelRunner):
-    """V1 CPU model runner with tree drafting, tree positions, tree attention and tree walk."""
+def scatter_tree_positions(positions: torch.Tensor, rows: np.ndarray, roots: np.ndarray, depths: np.ndarray) -> None:
+    """``positions[rows] = positions[roots] + depths`` for every node row of the batch, from one
+    host-to-device copy. Example: positions ``[9, 10, 11, 12, 13]``, rows ``[2, 3, 4]``, roots
+    ``[1, 1, 1]``, depths ``[1, 1, 2]`` -> ``[9, 10, 11, 11, 12]``."""
+    if rows.size == 0:
+        return
+    # [3, num_node_rows]: rows, root rows, depths
+    idx = torch.from_numpy(np.stack([rows, roots, depths]).astype(np.int64)).to(positions.device, non_blocking=True)
+    positions[idx[0]] = positions[idx[1]] + idx[2].to(positions.dtype)
+
+
+class TreeRunnerMixin:
+    """Tree drafting, tree positions, tree attention plan and tree walk for a V1 model runner."""
 
     def __init__(self, vllm_config, device) -> None:
         spec = vllm_config.speculative_config
@@ -147,6 +165,8 @@ class TreeCPUModelRunner(CPUModelRunner):
         trees: dict[int, DraftTree] = {}
         plan = TreePlan([], [], [])
         query_end = self.query_start_loc.np[1 : num_reqs + 1]
+        num_computed = self.input_batch.num_computed_tokens_cpu
+        rows, roots, depths = [], [], []
         for i, req_id in enumerate(req_ids):
             if req_id not in self.drafter.trees:
                 continue
@@ -157,10 +177,10 @@ class TreeCPUModelRunner(CPUModelRunner):
             if n == 0:
                 continue
             end = int(query_end[i])
-            root_row = end - n - 1
             # positions of the node rows: root position + depth (rows counted from the end)
-            depths = torch.from_numpy(tree.depths[1:]).to(self.positions.dtype)
-            self.positions[end - n : end] = self.positions[root_row] + depths
+            rows.append(np.arange(end - n, end))
+            roots.append(np.full(n, end - n - 1))
+            depths.append(tree.depths[1:])
             prefix = chain_prefix(tree)
             if prefix == n:  # a chain: vLLM's causal attention is already the tree mask
                 continue
@@ -168,15 +188,25 @@ class TreeCPUModelRunner(CPUModelRunner):
             plan.num_nodes.append(n)
             plan.masks.append(tree.ancestor_mask[1:, 1:])
             plan.chain_prefix.append(prefix)
+            plan.query_end.append(end)
+            plan.seq_lens.append(int(num_computed[i]) + int(num_scheduled_tokens[i]))
+        if rows:
+            scatter_tree_positions(self.positions, np.concatenate(rows), np.concatenate(roots), np.concatenate(depths))
         if trees:
             self._tree_step = TreeStep(req_ids, trees)
         if plan.req_index:
             self._tree_plan = plan
         return out
 
+    def _attention_plan(self, plan: TreePlan):
+        """What the attention override reads (``TreePlan`` on CPU; the GPU runner converts it)."""
+        return plan
+
     def _build_attention_metadata(self, *args, **kwargs):
         attn_metadata, common = super()._build_attention_metadata(*args, **kwargs)
         plan, self._tree_plan = self._tree_plan, None
+        if plan is not None:
+            plan = self._attention_plan(plan)
         per_layer = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
         for group in per_layer:
             for md in group.values():
@@ -194,8 +224,47 @@ class TreeCPUModelRunner(CPUModelRunner):
             harvest_plain(self, logits)  # no drafts anywhere this step: root rows only
         return out
 
+    def take_draft_token_ids(self):
+        out = super().take_draft_token_ids()
+        if out is not None and self.drafter.acceptance is not None:
+            # the allocator's input (budget.BatchBudget.on_draft_ids): travels with the pickled output
+            out.tree_probs = [self.drafter.probs.get(r) for r in out.req_ids]
+            # leading chain of each pending tree: cuts inside it need no masked tree attention
+            out.tree_chains = [chain_prefix(t) if (t := self.drafter.trees.get(r)) is not None else 0
+                               for r in out.req_ids]
+        return out
+
+    def calibrate_step_cost(self, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), repeats: int = 3) -> list:
+        """Time real forwards of ``q`` query tokens (vLLM's ``_dummy_run``: ``min(q, max_num_seqs)``
+        requests) for the allocator's cost model; the samples travel to the scheduler with the
+        next ``ModelRunnerOutput`` (``cost_calibration``)."""
+        import time
+
+        limit = min(self.scheduler_config.max_num_batched_tokens, max(sizes))
+        max_reqs = self.scheduler_config.max_num_seqs
+        samples = []
+        for q in sorted({min(s, limit) for s in sizes}):
+            times = []
+            for _ in range(repeats + 1):  # the first run warms the shape up
+                self._sync_device()
+                t0 = time.perf_counter()
+                self._dummy_run(q)
+                self._sync_device()
+                times.append(time.perf_counter() - t0)
+            samples.append((min(q, max_reqs), q, 0, 0, float(np.median(times[1:]))))
+        self._cost_calibration = samples
+        logger.info("vllm-anisotropic cost sweep: %s", [(q, round(s * 1e3, 2)) for _, q, _, _, s in samples])
+        return samples
+
+    def _sync_device(self) -> None:
+        if torch.cuda.is_available() and getattr(self.device, "type", "cpu") == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def sample_tokens(self, grammar_output):
         out = super().sample_tokens(grammar_output)
+        calibration = getattr(self, "_cost_calibration", None)
+        if calibration and hasattr(out, "sampled_token_ids"):
+            out.cost_calibration, self._cost_calibration = calibration, None
         # Tell the scheduler which accepted tokens need no re-run (scheduler.TreeScheduler);
         # an output without the attribute makes it re-run every accepted token (always safe).
         kv_in_place, self.kv_in_place = self.kv_in_place, {}
@@ -216,3 +285,7 @@ class TreeCPUModelRunner(CPUModelRunner):
             self.input_batch.num_tokens_no_spec,
             self.input_batch.token_ids_cpu,
         )
+
+
+class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
+    """V1 CPU model runner with tree drafting, tree positions, tree attention and tree walk."""

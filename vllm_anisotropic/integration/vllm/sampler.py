@@ -58,7 +58,9 @@ class TreeRejectionSampler(nn.Module):
         # worker: under tensor parallelism each rank verifies the same trees with the same
         # uniforms, so every rank's drafter sees the same accepted paths (rank 0's output is
         # the one vLLM uses; a rank drafting a different next tree would verify wrong rows).
-        self.generator = torch.Generator(device="cpu").manual_seed(int(getattr(runner.model_config, "seed", 0) or 0))
+        # On the runner's device: a CPU generator cannot draw CUDA uniforms.
+        device = getattr(runner, "device", "cpu")
+        self.generator = torch.Generator(device=device).manual_seed(int(getattr(runner.model_config, "seed", 0) or 0))
 
     def forward(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata):
         step = self.runner.take_tree_step()
@@ -91,17 +93,23 @@ class TreeRejectionSampler(nn.Module):
 
         rows_of = {i: slice(cu_sampled[i] - num_draft[i] - 1, cu_sampled[i]) for i in walk}
         results = self._verify(walk, rows_of, logits, sampling_metadata)
+        # emitted tokens of every tree row, written to the device in one copy
+        host = torch.full((batch_size, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
+        harvest = []
         for i, res in sorted(results.items()):
             tree = walk[i]
             tokens = res.emitted_tokens(tree)
-            out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+            host[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
             in_place = kv_in_place(res.accepted)  # accepted path 1 -> ... -> c: KV already right
             if in_place:
                 self.runner.kv_in_place[step.req_ids[i]] = in_place
-            self.runner.drafter.observe(step.req_ids[i], tree, res.accepted, logits[rows_of[i]])
+            harvest.append((step.req_ids[i], tree, res.accepted, rows_of[i]))
         for i, tree in step.trees.items():  # root-only trees: harvest the root row
             if tree.num_nodes == 1:
-                self.runner.drafter.observe(step.req_ids[i], tree, [], logits[cu_sampled[i] - 1 : cu_sampled[i]])
+                harvest.append((step.req_ids[i], tree, [], slice(cu_sampled[i] - 1, cu_sampled[i])))
+        rows = sorted(results)
+        out[rows] = host[rows].to(out.device)
+        self.runner.drafter.observe_batch(harvest, logits)
 
         logprobs = None
         if bonus_out.logprobs_tensors is not None:
@@ -123,9 +131,10 @@ class TreeRejectionSampler(nn.Module):
         sampling verifier on the processed target law (temperature, top-k, top-p as vLLM's
         sampler applies them); a seeded request draws its uniforms from its own generator."""
         temperature = sampling_metadata.temperature
+        temps = None if temperature is None else temperature.tolist()  # one device-to-host copy
         greedy, sampled = [], []
         for i in sorted(walk):
-            (greedy if temperature is None or float(temperature[i]) < SAMPLING_EPS else sampled).append(i)
+            (greedy if temps is None or temps[i] < SAMPLING_EPS else sampled).append(i)
         if sampled and self.sampling_verifier is None:
             raise RuntimeError(f"batch rows {sampled} sample with trees but no sampling verifier is configured")
         results = {}
@@ -156,8 +165,8 @@ class TreeRejectionSampler(nn.Module):
 
     def _harvest_roots(self, step, metadata, logits) -> None:
         cu_sampled = metadata.cu_num_sampled_tokens.tolist()
-        for i, tree in step.trees.items():
-            self.runner.drafter.observe(step.req_ids[i], tree, [], logits[cu_sampled[i] - 1 : cu_sampled[i]])
+        items = [(step.req_ids[i], tree, [], slice(cu_sampled[i] - 1, cu_sampled[i])) for i, tree in step.trees.items()]
+        self.runner.drafter.observe_batch(items, logits)
 
 
 def _sampling_tensors(md, rows: list[int]) -> SamplingTensors:
@@ -179,5 +188,4 @@ def harvest_plain(runner, logits: torch.Tensor) -> None:
     step = runner.take_tree_step()
     if step is None:
         return
-    for i, tree in step.trees.items():
-        runner.drafter.observe(step.req_ids[i], tree, [], logits[i : i + 1])
+    runner.drafter.observe_batch([(step.req_ids[i], tree, [], slice(i, i + 1)) for i, tree in step.trees.items()], logits)

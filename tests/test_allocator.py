@@ -1,0 +1,507 @@
+"""Budget allocator core: cost model, acceptance model, allocation (golden, brute force, properties)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_anisotropic.allocator import (
+    AcceptanceConfig,
+    AcceptanceModel,
+    CostModel,
+    CostModelConfig,
+    CostSample,
+    accepted_path_labels,
+    allocate,
+    cap_by_tree,
+    concave_slopes,
+    cut_trees,
+    pad_probs,
+    request_caps,
+    tree_probs,
+)
+from vllm_anisotropic.allocator.acceptance import histogram_auc, logit, sigmoid
+from vllm_anisotropic.allocator.cost import (
+    cost_features,
+    default_knots,
+    nnls,
+    query_segments,
+)
+from vllm_anisotropic.tree import DraftTree, NodeSource
+
+H100_COST = Path(__file__).resolve().parents[1] / "docs" / "measurements" / "h100" / "verify_cost.json"
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------------------------- helpers
+def true_rate(probs, cuts, cost, *, num_reqs=None, q0=None, ctx=None, base=None):
+    """(base + sum_i E_i(n_i)) / cost(...) computed naively for a cut vector."""
+    b = len(probs)
+    num = (b if base is None else base) + sum(float(np.sum(p[:n])) for p, n in zip(probs, cuts))
+    t = int(np.sum(cuts))
+    c = 0.0 if ctx is None else float(np.dot(cuts, ctx))
+    return num / cost.predict(b if num_reqs is None else num_reqs, (b if q0 is None else q0) + t, t, c)
+
+
+def brute_force(probs, cost, caps, budget, **kw):
+    """Best rate over every prefix-cut vector within the caps: (rate, cuts, min cost)."""
+    best, best_cuts, min_cost = -np.inf, None, np.inf
+    b = len(probs)
+    for cuts in itertools.product(*(range(int(c) + 1) for c in caps)):
+        if budget is not None and sum(cuts) > budget:
+            continue
+        r = true_rate(probs, cuts, cost, **kw)
+        t = sum(cuts)
+        ctx = kw.get("ctx")
+        sec = cost.predict(b, b + t, t, 0.0 if ctx is None else float(np.dot(cuts, ctx)))
+        min_cost = min(min_cost, sec)
+        if r > best:
+            best, best_cuts = r, cuts
+    return best, best_cuts, min_cost
+
+
+def hull_naive(p):
+    """Slopes of the least concave majorant of the cumulative sum, by an O(n^3) definition."""
+    s = np.concatenate([[0.0], np.cumsum(p)])
+    n = len(p)
+    h = np.array([max([s[k]] + [s[a] + (k - a) * (s[b] - s[a]) / (b - a) for a in range(k + 1) for b in range(k, n + 1) if b > a])
+                  for k in range(n + 1)])
+    return np.diff(h)
+
+
+class DoublingCost:
+    """A step that doubles in cost with every extra tree row (a steep verifier)."""
+
+    def predict(self, num_reqs, query_tokens, tree_rows, ctx_tokens=0.0):
+        return 1e-3 * np.power(2.0, np.asarray(tree_rows, np.float64))
+
+
+class FlatCost:
+    """A step whose cost does not depend on the tree (a memory-bound GPU in the limit)."""
+
+    def predict(self, num_reqs, query_tokens, tree_rows, ctx_tokens=0.0):
+        return np.full(np.shape(tree_rows), 4e-3) if np.ndim(tree_rows) else 4e-3
+
+
+probs_lists = st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=5), min_size=1, max_size=3)
+
+
+@st.composite
+def cost_models(draw):
+    """Random monotone piecewise-linear cost models, with the tree switch and the context term."""
+    extra = draw(st.lists(st.integers(1, 12), min_size=0, max_size=3, unique=True))
+    knots = np.array([0.0] + sorted(float(k) for k in extra))
+    coef = st.floats(0.0, 1.0)
+    return CostModel.from_coefficients(
+        knots, base=draw(st.floats(0.05, 1.0)), per_request=draw(coef) * 0.1,
+        slopes=[draw(coef) for _ in knots], tree_switch=draw(coef) * 0.5,
+        tree_switch_per_request=draw(coef) * 0.1, tree_row=draw(coef) * 0.2, tree_ctx=draw(coef) * 0.01,
+    )
+
+
+# ---------------------------------------------------------------------------------- cost model
+def test_cost_worked_examples():
+    assert query_segments([40, 100], np.array([0.0, 16, 64])).tolist() == [[16, 24, 0], [16, 48, 36]]
+    assert cost_features(2, 10, 8, 800, np.array([0.0, 4])).tolist() == [[1, 2, 4, 6, 1, 2, 8, 800, 1]]
+    assert cost_features(2, 10, 8, 800, np.array([0.0, 4]), engine_step=0).tolist() == [[1, 2, 4, 6, 1, 2, 8, 800, 0]]
+    assert default_knots(100).tolist() == [0, 2, 4, 8, 16, 32, 64]
+    assert nnls(np.eye(2), np.array([1.0, -1.0])).tolist() == [1.0, 0.0]
+    m = CostModel.linear(1.0, 0.5)
+    assert m.predict(3, 4, 2) == 3.0 and m.predict([1, 1], [0, 2], [0, 2]).tolist() == [1.0, 2.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000))
+def test_nnls_kkt(seed):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(rng.integers(3, 12), rng.integers(1, 6)))
+    b = rng.normal(size=a.shape[0])
+    x = nnls(a, b)
+    grad = a.T @ (b - a @ x)  # KKT: x >= 0, grad <= 0, grad == 0 where x > 0
+    assert np.all(x >= 0)
+    assert np.all(grad <= 1e-9)
+    assert np.allclose(grad[x > 0], 0.0, atol=1e-9)
+
+
+def _sweep(model: CostModel, rng, noise=0.0, n=None):
+    """A calibration sweep: batch x nodes x prefill x context, as the engine's would be."""
+    rows = []
+    for r, nodes, prefill, ctx in itertools.product([1, 2, 4, 8, 16, 32], [1, 2, 4, 8, 16, 32, 64], [0, 128], [256, 2048]):
+        t = r * (nodes - 1)
+        q = r + t + prefill
+        sec = model.predict(r, q, t, t * ctx) * (1 + noise * rng.normal())
+        rows.append(CostSample(r, q, t, t * ctx, sec))
+    if n is not None:
+        rows = [rows[i] for i in rng.choice(len(rows), n, replace=False)]
+    return rows
+
+
+TRUE_COST = CostModel.from_coefficients(
+    [0.0, 64.0, 512.0], base=2.5e-3, per_request=2e-5, slopes=[2e-6, 1e-5, 6e-5],
+    tree_switch=3e-4, tree_switch_per_request=2e-5, tree_row=1e-6, tree_ctx=2e-10,
+)
+
+
+def test_cost_fit_recovers_known_parameters():
+    rng = np.random.default_rng(0)
+    samples = _sweep(TRUE_COST, rng)
+    model = CostModel.fit(samples, knots=TRUE_COST.knots)
+    assert model.fit_error() < 1e-5
+    for name, true in TRUE_COST.coefficients.items():
+        assert model.coefficients[name] == pytest.approx(true, rel=1e-3), name
+    # with 2 % noise and default knots the predictions stay close to the truth
+    noisy = CostModel.fit(_sweep(TRUE_COST, rng, noise=0.02))
+    clean = _sweep(TRUE_COST, rng)
+    assert noisy.fit_error(clean) < 0.02
+    # determinism: the same samples give bit-identical coefficients
+    assert np.array_equal(CostModel.fit(samples).weights, CostModel.fit(samples).weights)
+
+
+def test_cost_online_update_tracks_drift():
+    rng = np.random.default_rng(1)
+    model = CostModel.fit(_sweep(TRUE_COST, rng))
+    drifted = CostModel(TRUE_COST.knots, TRUE_COST.weights * np.r_[1.3, 1, 1.6, 1.6, 1.6, 1, 1, 1, 1, 1])
+    probe = _sweep(drifted, rng)
+    before = model.fit_error(probe)
+    stream = [s for _ in range(4) for s in _sweep(drifted, rng, noise=0.01)]  # 672 steps
+    for k, i in enumerate(rng.permutation(len(stream))):  # steps at random operating points
+        model.update(stream[i])
+        if k == 167:
+            half_way = model.fit_error(probe)
+    # the sweep (168 samples) decays as forget**updates, down to a floor of 2 steps' weight
+    assert before > 0.2 and half_way < 0.15 and model.fit_error(probe) < 0.01
+    # a second drift inside the window (512 samples): old online samples fade as forget**age
+    again = CostModel(TRUE_COST.knots, TRUE_COST.weights * np.r_[1.0, 1, 1.0, 1.0, 1.0, 1, 1, 1, 1, 1] * 0.8)
+    probe2 = _sweep(again, rng)
+    stream2 = [s for _ in range(2) for s in _sweep(again, rng, noise=0.01)]
+    for i in rng.permutation(len(stream2)):
+        model.update(stream2[i])
+    assert model.fit_error(probe2) < 0.02
+
+
+def test_cost_fit_is_relative_a_stalled_step_pulls_little():
+    """Relative-error weights: one step that stalled 20x (outside the model) moves the fit by
+    little; with absolute errors the largest, stalled step would dominate."""
+    rng = np.random.default_rng(8)
+    samples = _sweep(TRUE_COST, rng)
+    big = max(range(len(samples)), key=lambda i: samples[i].seconds)
+    samples[big] = samples[big]._replace(seconds=samples[big].seconds * 20)
+    model = CostModel.fit(samples)
+    assert model.fit_error(_sweep(TRUE_COST, rng)) < 0.02
+    assert np.all(model.weights >= 0)
+
+
+def test_cost_online_window_is_bounded():
+    model = CostModel.linear(1e-3, 1e-5, CostModelConfig(window=16, refit_every=4))
+    for i in range(100):
+        model.update((1, 1 + i % 7, i % 7, 0, 1e-3 + 1e-5 * (1 + i % 7)))
+    assert len(model._online) == 16
+    assert model.predict(1, 4, 3) == pytest.approx(1e-3 + 4e-5, rel=1e-3)
+
+
+@pytest.mark.skipif(not H100_COST.exists(), reason="H100 verify-cost measurements not in this checkout")
+def test_cost_fit_h100_tables():
+    """docs/gpu.md Sec. 2: each (shape, context) table fits with < 4 % mean relative error."""
+    data = json.loads(H100_COST.read_text())
+    for arch in data["archs"].values():
+        rows = arch["graph_ms"]
+        for ctx in sorted({r["context"] for r in rows}):
+            s = [(r["batch"], r["batch"] * r["nodes"], r["batch"] * (r["nodes"] - 1), r["batch"] * (r["nodes"] - 1) * ctx, r["ms"] / 1e3)
+                 for r in rows if r["context"] == ctx]
+            assert CostModel.fit(s).fit_error() < 0.04
+
+
+def test_cost_json_roundtrip_identical():
+    rng = np.random.default_rng(2)
+    model = CostModel.fit(_sweep(TRUE_COST, rng, noise=0.01, n=60))
+    for s in _sweep(TRUE_COST, rng, noise=0.01, n=13):
+        model.update(s)
+    text = model.to_json()
+    again = CostModel.from_json(text)
+    r, t = rng.integers(1, 64, 500), rng.integers(0, 4000, 500)
+    args = (r, r + t + rng.integers(0, 300, 500), t, t * rng.integers(0, 4096, 500))
+    assert np.array_equal(model.predict(*args), again.predict(*args))
+    assert json.loads(text)["version"] == 2
+    extra = _sweep(TRUE_COST, rng, noise=0.01, n=11)
+    for s in extra:  # the online state travels too: both refit identically
+        model.update(s)
+        again.update(s)
+    assert np.array_equal(model.predict(*args), again.predict(*args))
+    with pytest.raises(ValueError):
+        CostModel.from_json(json.dumps({"format": "x", "version": 1}))
+
+
+@FAST
+@given(cost_models(), st.integers(1, 8), st.integers(0, 40), st.integers(0, 40), st.integers(0, 5000))
+def test_cost_monotone(model, r, q, t, c):
+    assert model.predict(r, q + 1, t, c) >= model.predict(r, q, t, c)
+    assert model.predict(r, q + 1, t + 1, c) >= model.predict(r, q, t, c)
+    assert model.predict(r + 1, q, t, c) >= model.predict(r, q, t, c)
+    assert model.predict(r, q, t, c + 1) >= model.predict(r, q, t, c)
+
+
+def test_cost_config_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="valid keys"):
+        CostModelConfig(windw=3)
+
+
+# ---------------------------------------------------------------------------------- acceptance
+def test_histogram_auc_examples():
+    assert histogram_auc(np.array([0.0, 1]), np.array([1.0, 0])) == 1.0
+    assert histogram_auc(np.array([1.0, 1]), np.array([1.0, 1])) == 0.5
+    assert np.isnan(histogram_auc(np.array([1.0, 1]), np.array([0.0, 0])))
+
+
+def test_acceptance_prior_is_the_value():
+    model = AcceptanceModel()
+    rng = np.random.default_rng(0)
+    v = rng.uniform(1e-6, 1 - 1e-6, 1000)
+    s = rng.integers(1, 4, 1000)
+    d = rng.integers(1, 20, 1000)
+    assert np.allclose(model.predict(s, d, v), v, atol=1e-12)
+    assert model.sweet_spot_depths() == []
+    with pytest.raises(ValueError):
+        model.predict([NodeSource.ROOT], [1], [0.5])
+    with pytest.raises(ValueError):
+        model.predict([NodeSource.SPINE], [0], [0.5])
+
+
+SYNTHETIC_TRUTH = {  # depth -> true P(on path | v)
+    1: lambda v: sigmoid(-1 + 0.6 * logit(v)),  # informative (AUC ~0.77): a sweet spot
+    2: lambda v: v,  # the proposer is calibrated (AUC 5/6): a sweet spot
+    3: lambda v: sigmoid(-0.85 + 0.2 * logit(v)),  # weakly informative (AUC ~0.6): flat
+    4: lambda v: np.full(np.shape(v), 0.3),  # uninformative (AUC 1/2): flat
+}
+
+
+def _synthetic_steps(model, rng, steps=100, n=2000):
+    for _ in range(steps):
+        v = rng.uniform(0, 1, n)
+        s = rng.integers(1, 3, n)
+        d = rng.integers(1, 5, n)
+        p = np.select([d == k for k in SYNTHETIC_TRUTH], [f(v) for f in SYNTHETIC_TRUTH.values()])
+        model.update(s, d, v, rng.random(n) < p)
+
+
+def test_acceptance_calibration_converges():
+    dense = AcceptanceModel(AcceptanceConfig(gating="dense"))
+    _synthetic_steps(dense, np.random.default_rng(3))
+    sparse = AcceptanceModel.from_json(dense.to_json().replace('"dense"', '"sparse"'))
+    grid = np.linspace(0.02, 0.98, 49)
+    for src in (NodeSource.SPINE, NodeSource.BRANCH):
+        s = np.full(grid.size, int(src))
+        for depth, truth in SYNTHETIC_TRUTH.items():
+            d = np.full(grid.size, depth)
+            assert np.max(np.abs(dense.predict(s, d, grid) - truth(grid))) < 0.02, (src, depth)
+            if depth in (1, 2, 4):  # sweet spots and the truly flat key: the truth too
+                assert np.max(np.abs(sparse.predict(s, d, grid) - truth(grid))) < 0.02, (src, depth)
+
+
+def test_acceptance_auc_and_sweet_spots():
+    model = AcceptanceModel()
+    _synthetic_steps(model, np.random.default_rng(4))
+    auc = model.auc_by_depth()
+    # labels ~ Bernoulli(v), v ~ U(0,1): AUC = P(v+ > v-) = int int_{x>y} 2x 2(1-y) dy dx = 5/6
+    assert auc[2] == pytest.approx(5 / 6, abs=0.01)
+    assert auc[4] == pytest.approx(0.5, abs=0.01)  # labels independent of v
+    assert 0.72 < auc[1] < 0.82 and 0.55 < auc[3] < 0.65
+    assert model.sweet_spot_depths() == [1, 2]
+    assert model.sweet_spot_depths(NodeSource.BRANCH) == [1, 2]
+    assert model.key_status()[int(NodeSource.SPINE), 1:5].tolist() == [2, 2, 1, 1]
+    # sparse gating: at the weak key the value is not resolved (one pooled rate); dense resolves it
+    v = np.array([0.05, 0.5, 0.95])
+    pooled = model.predict(np.ones(3, int), np.full(3, 3), v)
+    mean_rate = np.mean(SYNTHETIC_TRUTH[3](np.linspace(0, 1, 100_001)))
+    assert np.ptp(pooled) == 0.0 and pooled[0] == pytest.approx(mean_rate, abs=0.01)
+    dense = AcceptanceModel(AcceptanceConfig(gating="dense"))
+    _synthetic_steps(dense, np.random.default_rng(4))
+    assert np.ptp(dense.predict(np.ones(3, int), np.full(3, 3), v)) > 0.1
+
+
+def test_acceptance_json_roundtrip_identical():
+    model = AcceptanceModel(AcceptanceConfig(decay=0.99))
+    _synthetic_steps(model, np.random.default_rng(5), steps=20, n=500)
+    again = AcceptanceModel.from_json(model.to_json())
+    rng = np.random.default_rng(6)
+    args = (rng.integers(1, 4, 300), rng.integers(1, 12, 300), rng.uniform(0, 1, 300))
+    assert np.array_equal(model.predict(*args), again.predict(*args))
+    assert np.array_equal(model.auc(), again.auc(), equal_nan=True)
+
+
+# ---------------------------------------------------------------------------------- trees
+def test_cap_by_tree_worked_example():
+    out = cap_by_tree(np.array([1, 0.7, 0.5, 0.9]), np.array([-1, 0, 0, 1]), np.array([0, 1, 1, 2]))
+    assert np.allclose(out, [1, 0.7, 0.3, 0.7])
+
+
+@st.composite
+def value_ordered_trees(draw, max_nodes=12):
+    n = draw(st.integers(1, max_nodes))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    srcs = [NodeSource.ROOT] + [draw(st.sampled_from([NodeSource.SPINE, NodeSource.BRANCH])) for _ in range(n - 1)]
+    vals = [1.0] + [draw(st.floats(0.0, 1.0)) for _ in range(n - 1)]
+    return DraftTree(tokens=list(range(n)), parents=parents, sources=srcs, values=vals)
+
+
+@FAST
+@given(st.lists(value_ordered_trees(), min_size=1, max_size=4))
+def test_tree_probs_respect_the_tree(trees):
+    probs = tree_probs(trees, AcceptanceModel())
+    for t, p in zip(trees, probs):
+        assert p.shape == (t.num_nodes - 1,)
+        full = np.concatenate([[1.0], p])
+        assert np.all(full[1:] <= t.values[1:] + 1e-8)  # prior = value (logit clipped at 1e-9), only lowered
+        kids = np.bincount(t.parents[1:], weights=full[1:], minlength=t.num_nodes)
+        assert np.all(kids <= full + 1e-12)  # at most one child on the path, and only below its parent
+
+
+def test_labels_and_cuts():
+    t = DraftTree(tokens=[5, 6, 7, 8], parents=[-1, 0, 1, 0])
+    assert accepted_path_labels(t, 2).tolist() == [True, True, False]
+    assert accepted_path_labels(t, 0).tolist() == [False, False, False]
+    cut = cut_trees([t, t], [0, 2])
+    assert [c.num_nodes for c in cut] == [1, 3]
+
+
+# ---------------------------------------------------------------------------------- allocation
+def test_allocate_worked_example():
+    probs = [np.array([0.9, 0.5]), np.array([0.6])]
+    a = allocate(probs, CostModel.linear(1.0, 0.5), fixed_query_tokens=0)
+    assert a.cuts.tolist() == [0, 0] and a.rate == 2.0 and a.speedup == 1.0
+    b = allocate(probs, CostModel.linear(1.0, 0.05), fixed_query_tokens=0)
+    assert b.cuts.tolist() == [2, 1] and b.rate == pytest.approx(4.0 / 1.15)
+    assert request_caps([5, 3, 7], 4, [9, 9, 2]).tolist() == [4, 3, 2]
+    p, valid = pad_probs([np.array([0.9, 0.5]), np.array([0.6])], np.array([2, 0]))
+    assert p.tolist() == [[0.9, 0.5], [0.0, 0.0]] and valid.tolist() == [[True, True], [False, False]]
+
+
+def test_concave_slopes_examples():
+    p = np.array([[0.1, 0.9, 0.2], [0.9, 0.1, 0.0], [2.0, 1.0, 4.0]])
+    h = concave_slopes(p, np.array([[1, 1, 1], [1, 1, 0], [1, 1, 1]], bool))
+    assert np.allclose(h, [[0.5, 0.5, 0.2], [0.9, 0.1, 0.0], [7 / 3] * 3])
+
+
+@FAST
+@given(st.lists(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=7), min_size=1, max_size=4), st.data())
+def test_concave_slopes_match_naive_hull(rows, data):
+    caps = np.array([data.draw(st.integers(0, len(r))) for r in rows])
+    p, valid = pad_probs([np.array(r) for r in rows], caps)
+    h = concave_slopes(p, valid)
+    for i, c in enumerate(caps):
+        assert np.allclose(h[i, :c], hull_naive(p[i, :c]), atol=1e-12)
+        assert np.all(h[i, c:] == 0) and np.all(np.diff(h[i, :c]) <= 0)
+    assert h.shape == (len(rows), caps.max())  # padded to the largest cap
+
+
+@FAST
+@given(probs_lists, cost_models(), st.data())
+def test_allocate_caps_never_exceeded(rows, cost, data):
+    probs = [np.array(r) for r in rows]
+    b = len(probs)
+    max_per = data.draw(st.one_of(st.none(), st.integers(0, 5)))
+    headroom = data.draw(st.one_of(st.none(), st.lists(st.integers(-2, 5), min_size=b, max_size=b)))
+    budget = data.draw(st.one_of(st.none(), st.integers(0, 12)))
+    a = allocate(probs, cost, token_budget=budget, max_per_request=max_per, headroom=headroom)
+    assert a.cuts.dtype == np.int64 and a.cuts.shape == (b,) and np.all(a.cuts >= 0)
+    assert np.all(a.cuts <= [len(p) for p in probs])
+    if max_per is not None:
+        assert np.all(a.cuts <= max_per)
+    if headroom is not None:
+        assert np.all(a.cuts <= np.maximum(headroom, 0))
+    if budget is not None:
+        assert a.cuts.sum() <= budget
+    assert a.tree_rows == a.cuts.sum()
+    assert a.rate >= a.plain_rate  # T = 0 is always a candidate
+    assert a.rate == pytest.approx(true_rate(probs, a.cuts, cost), rel=1e-12)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(probs_lists, cost_models(), st.booleans(), st.data())
+def test_allocate_matches_brute_force(rows, cost, monotone, data):
+    """<= 3 requests x <= 5 nodes: every cut vector enumerated. Exact when every list is
+    non-increasing (hull gap 0); otherwise within the stated bound hull_gap / min cost."""
+    probs = [np.sort(np.array(r))[::-1] if monotone else np.array(r) for r in rows]
+    b = len(probs)
+    budget = data.draw(st.one_of(st.none(), st.integers(0, 10)))
+    max_per = data.draw(st.one_of(st.none(), st.integers(0, 5)))
+    ctx = np.array(data.draw(st.lists(st.sampled_from([0.0, 10.0, 100.0, 1000.0]), min_size=b, max_size=b)))
+    use_ctx = data.draw(st.booleans())
+    kw = {"ctx": ctx if use_ctx else None}
+    caps = request_caps([len(p) for p in probs], max_per)
+    a = allocate(probs, cost, token_budget=budget, max_per_request=max_per, ctx_lens=kw["ctx"])
+    opt, _, min_cost = brute_force(probs, cost, caps, budget, **kw)
+    got = true_rate(probs, a.cuts, cost, **kw)
+    assert got == pytest.approx(a.rate, rel=1e-12)
+    assert got <= opt * (1 + 1e-12)
+    assert a.rate_upper >= opt * (1 - 1e-9)
+    assert got >= opt - a.hull_gap / min_cost - 1e-9 * opt
+    if a.hull_gap == 0.0:
+        assert got == pytest.approx(opt, rel=1e-9)
+    if monotone:
+        assert a.hull_gap <= 1e-12
+
+
+@FAST
+@given(st.lists(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6), min_size=1, max_size=6))
+def test_no_drafts_when_verification_is_steep(rows):
+    a = allocate([np.array(r) for r in rows], DoublingCost())
+    assert a.tree_rows == 0 and np.all(a.cuts == 0) and a.speedup == 1.0
+
+
+@FAST
+@given(st.lists(st.lists(st.floats(1e-3, 1.0), min_size=0, max_size=8), min_size=1, max_size=6), st.integers(0, 6))
+def test_full_trees_when_verification_is_flat(rows, max_per):
+    probs = [np.array(r) for r in rows]
+    a = allocate(probs, FlatCost(), max_per_request=max_per)
+    assert a.cuts.tolist() == [min(len(p), max_per) for p in probs]
+    budget = max(int(a.cuts.sum()) - 2, 0)
+    assert allocate(probs, FlatCost(), max_per_request=max_per, token_budget=budget).tree_rows == budget
+
+
+def test_break_even_drafts_are_not_taken():
+    """rate(T=1) == rate(T=0) exactly (2 tokens for twice the time): plain decoding wins the tie."""
+    a = allocate([np.array([1.0, 1.0])], DoublingCost())
+    assert a.tree_rows == 0 and a.rate == 1000.0
+
+
+def test_budget_goes_to_the_confident_request():
+    """ECHO Theorem 2: with a binding budget, the nodes go where the marginal gain is largest."""
+    sure = np.array([0.95, 0.9, 0.85, 0.8])
+    unsure = np.array([0.3, 0.1, 0.05, 0.01])
+    a = allocate([unsure, sure], FlatCost(), token_budget=5)
+    assert a.cuts.tolist() == [1, 4]
+    # a linear CPU-like cost: drafts pay at one request, not with only weak drafts
+    cpu = CostModel.linear(0.1, 0.01)
+    assert allocate([sure], cpu).tree_rows == 4
+    assert allocate([unsure * 0.1], cpu).tree_rows == 0
+
+
+def test_context_term_moves_nodes_to_short_requests():
+    """Tree rows of a long request cost more (attention over its context): Dinkelbach's order
+    (gain - rate x ctx_weight x ctx) prefers the short request although its gains are lower."""
+    cost = CostModel.from_coefficients([0.0], base=1e-2, slopes=[1e-4], tree_ctx=1e-7)
+    probs = [np.full(5, 0.55), np.full(5, 0.5)]
+    ctx = np.array([30_000.0, 100.0])
+    a = allocate(probs, cost, ctx_lens=ctx, token_budget=5)
+    opt, opt_cuts, _ = brute_force(probs, cost, [5, 5], 5, ctx=ctx)
+    assert a.cuts.tolist() == list(opt_cuts) and a.cuts[1] > a.cuts[0]
+    assert a.rate == pytest.approx(opt, rel=1e-12)
+
+
+def test_allocate_speed_256_requests():
+    """256 requests x 64 nodes in a few milliseconds (vectorised; no per-node Python loop)."""
+    rng = np.random.default_rng(7)
+    probs = [np.clip(np.sort(rng.uniform(0, 1, 64))[::-1] * rng.uniform(0.2, 1) * rng.uniform(0.5, 1.5, 64), 0, 1)
+             for _ in range(256)]
+    allocate(probs, TRUE_COST)
+    start = time.perf_counter()
+    for _ in range(5):
+        allocate(probs, TRUE_COST, ctx_lens=rng.integers(100, 4000, 256), max_per_request=63, token_budget=8192)
+    assert (time.perf_counter() - start) / 5 < 0.1

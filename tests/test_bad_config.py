@@ -1,0 +1,151 @@
+"""Invalid speculative configurations are refused at start-up, naming the bad key or value and
+the valid ones (issue 14, item 9).
+
+Scope: one table of invalid ``speculative_config`` dicts, alone or with the engine flags,
+environment or ``additional_config`` they conflict with. Each row goes through the path that
+``LLM(...)`` and ``vllm serve`` take before any engine process exists:
+``EngineArgs(...).create_engine_config()`` with the plugin's patches installed
+(``patches.apply()``, what ``plugin.register()`` calls). That runs the plugin's
+``create_speculative_config`` wrapper (tunables -> ``TreeSpecConfig.build``), vLLM's own
+``SpeculativeConfig`` validation (with the plugin's ``__post_init__``), and
+``VllmConfig.__post_init__`` -> ``check_and_install`` (engine-flag conflicts). No engine,
+worker or weights: only the tiny model's HF config is read, so this is not an ``engine`` test.
+
+Each row lists substrings the error message must contain: the bad key or value AND at least
+one valid alternative (allowed values, range, type or the fix), so a row fails when a message
+stops naming what is valid.
+
+Not covered: the CUDA-only refusals of ``patches.force_gpu_settings`` (attention backend other
+than FLASH_ATTN, full CUDA graphs, MLA, decode context parallelism, dual-batch overlap), which
+``check_and_install`` reaches only on a CUDA platform.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+GOOSE = {"method": "goose"}
+KEY = "vllm_anisotropic"  # config.ADDITIONAL_CONFIG_KEY
+MISSING_COST_MODEL = "/nonexistent/vllm-anisotropic/cost.json"
+
+
+def row(id, spec, *expected, engine=None, env=None):
+    """One table row: ``speculative_config``, substrings of the error, extra ``EngineArgs``/env."""
+    return pytest.param(spec, engine or {}, env or {}, expected, id=id)
+
+
+BAD_CONFIGS = [
+    # --- unknown keys / methods
+    row("unknown_key", {**GOOSE, "bugdet": 40}, "'bugdet'", "'budget'", "'top_k'"),
+    row("unknown_key_additional_config", GOOSE, "'bugdet'", "'budget'",
+        engine={"additional_config": {KEY: {"bugdet": 30}}}),
+    row("unknown_method", {"method": "goosey"}, "'goosey'", "'goose', 'pld', 'token_recycling' or 'isotropic'"),
+    row("goose_key_for_token_recycling", {"method": "token_recycling", "spine_branch_ratio": 0.5},
+        "'spine_branch_ratio'", "'token_recycling'", "'rank_decay'"),
+    row("adjacency_key_for_pld", {"method": "pld", "top_k": 5}, "'top_k'", "'pld'", "'ngram_sizes'"),
+    row("token_recycling_key_for_isotropic", {"method": "isotropic", "rank_decay": 1.0},
+        "'rank_decay'", "'isotropic'", "'branching'"),
+    row("isotropic_key_for_goose", {**GOOSE, "branching": 3}, "'branching'", "'spine_branch_ratio'"),
+    # --- wrong types
+    row("budget_str", {**GOOSE, "budget": "forty"}, "budget", "'forty'", "valid integer"),
+    row("budget_fraction", {**GOOSE, "budget": 40.5}, "budget", "40.5", "valid integer"),
+    row("ratio_list", {**GOOSE, "spine_branch_ratio": [0.5]}, "spine_branch_ratio", "[0.5]", "valid number"),
+    row("ngram_sizes_str", {**GOOSE, "ngram_sizes": "345"}, "ngram_sizes", "'345'", "valid tuple"),
+    row("bigram_int", {**GOOSE, "bigram": 2}, "bigram", "input_value=2", "valid boolean"),
+    row("cost_model_online_str", {**GOOSE, "cost_model_online": "maybe"},
+        "cost_model_online", "'maybe'", "valid boolean"),
+    row("allocator_bool", {**GOOSE, "allocator": True}, "allocator", "input_value=True", "'auto' or 'off'"),
+    row("num_speculative_tokens_str", {**GOOSE, "num_speculative_tokens": "five"},
+        "num_speculative_tokens", "'five'", "valid integer"),
+    # --- out-of-range values
+    row("budget_zero", {**GOOSE, "budget": 0}, "budget", "input_value=0", "greater than or equal to 1"),
+    row("budget_negative", {"method": "pld", "budget": -5}, "budget", "input_value=-5", "greater than or equal to 1"),
+    row("top_k_zero", {"method": "token_recycling", "top_k": 0}, "top_k", "input_value=0", "greater than or equal to 1"),
+    row("max_depth_zero", {"method": "isotropic", "max_depth": 0}, "max_depth", "input_value=0",
+        "greater than or equal to 1"),
+    row("ratio_above_one", {**GOOSE, "spine_branch_ratio": 1.5}, "spine_branch_ratio", "1.5", "less than or equal to 1"),
+    row("ema_coef_zero", {**GOOSE, "ema_coef": 0}, "ema_coef", "input_value=0", "greater than 0"),
+    row("ngram_sizes_empty", {**GOOSE, "ngram_sizes": []}, "ngram_sizes", "input_value=[]", "at least 1 item"),
+    row("ngram_size_zero", {"method": "pld", "ngram_sizes": [0, 3]}, "ngram_sizes.0", "input_value=0",
+        "greater than or equal to 1"),
+    row("allocator_maybe", {**GOOSE, "allocator": "maybe"}, "allocator", "'maybe'", "'auto' or 'off'"),
+    row("probe_every_negative", {**GOOSE, "allocator_probe_every": -1}, "allocator_probe_every",
+        "input_value=-1", "greater than or equal to 0"),
+    row("verifier_unknown", {**GOOSE, "verifier": "specinfer"}, "verifier", "'specinfer'", "'greedy'"),
+    row("sampling_verifier_unknown", {**GOOSE, "sampling_verifier": "typical"}, "sampling_verifier", "'typical'",
+        "'deterministic', 'nss' or 'none'"),
+    row("bypass_signal_unknown", {**GOOSE, "bypass_signal": "length"}, "bypass_signal", "'length'",
+        "'draft_length' or 'match_length'"),
+    row("cost_model_missing", {**GOOSE, "cost_model": MISSING_COST_MODEL}, "cost_model",
+        repr(MISSING_COST_MODEL), "leave cost_model unset"),
+    row("num_speculative_tokens_zero", {**GOOSE, "num_speculative_tokens": 0}, "num_speculative_tokens",
+        "input_value=0", "greater than 0"),
+    row("num_speculative_tokens_negative", {**GOOSE, "num_speculative_tokens": -1}, "num_speculative_tokens",
+        "input_value=-1", "greater than 0"),
+    row("budget_one_leaves_no_drafts", {**GOOSE, "budget": 1}, "budget 1", "budget >= 2"),
+    # --- conflicting settings and engine flags
+    row("draft_model_given", {**GOOSE, "model": "some/draft"}, "'some/draft'", "takes no draft 'model'"),
+    row("tunables_twice", {**GOOSE, "budget": 40}, "speculative_config", f"additional_config['{KEY}']", "not both",
+        engine={"additional_config": {KEY: {"budget": 30}}}),
+    row("additional_config_other_method", GOOSE, "'pld'", "speculative_config selects 'goose'",
+        engine={"additional_config": {KEY: {"method": "pld", "options": {}}}}),
+    row("additional_config_not_a_dict", GOOSE, f"additional_config['{KEY}']", "'goose!'", "{'budget': 40}",
+        engine={"additional_config": {KEY: "goose!"}}),
+    row("spec_method_flag_and_method", GOOSE, "--spec-method", "--speculative-config['method']",
+        "mutually exclusive", engine={"spec_method": "pld"}),
+    row("async_scheduling", GOOSE, "async scheduling", "drop --async-scheduling", engine={"async_scheduling": True}),
+    row("pipeline_parallel", GOOSE, "pipeline_parallel_size > 1", engine={"pipeline_parallel_size": 2}),
+    row("v2_model_runner", GOOSE, "V2 model runner", "set it to 0", env={"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+    row("kv_cache_fp8", GOOSE, "kv_cache_dtype 'fp8'", "'auto'", engine={"kv_cache_dtype": "fp8"}),
+    row("custom_worker_cls", GOOSE, "'my.Worker'", "'auto'", engine={"worker_cls": "my.Worker"}),
+    row("custom_scheduler_cls", GOOSE, "'my.Scheduler'", "leave", engine={"scheduler_cls": "my.Scheduler"}),
+]
+
+
+@pytest.fixture(scope="module")
+def engine_args_cls():
+    from vllm_anisotropic.integration.vllm import patches
+
+    if not patches.apply():
+        pytest.skip(f"vLLM {patches.vllm_version()} is not {patches.SUPPORTED_VLLM[0]}x")
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs
+
+
+def test_table_is_large_enough():
+    assert len(BAD_CONFIGS) >= 24
+
+
+@pytest.mark.parametrize("spec, engine, env, expected", BAD_CONFIGS)
+def test_bad_config_refused_at_startup(engine_args_cls, tiny_model_dir, monkeypatch, spec, engine, env, expected):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = engine_args_cls(
+        model=str(tiny_model_dir),
+        speculative_config=copy.deepcopy(spec),
+        enforce_eager=True,
+        max_model_len=1024,
+        **copy.deepcopy(engine),
+    )
+    with pytest.raises(ValueError) as info:  # pydantic's ValidationError is a ValueError
+        args.create_engine_config()
+    message = str(info.value)
+    missing = [s for s in expected if s not in message]
+    assert not missing, f"message lacks {missing}:\n{message}"
+
+
+def test_valid_config_still_starts(engine_args_cls, tiny_model_dir, tmp_path):
+    """The control row: the same path accepts a valid config (and a cost_model file that exists)."""
+    from vllm_anisotropic.allocator import CostModel
+
+    path = tmp_path / "cost.json"
+    path.write_text(CostModel.linear(0.01, 1e-4).to_json())
+    spec = {**GOOSE, "budget": 40, "ngram_sizes": [4, 3], "cost_model": str(path)}
+    config = engine_args_cls(
+        model=str(tiny_model_dir), speculative_config=spec, enforce_eager=True, max_model_len=1024
+    ).create_engine_config()
+    assert config.speculative_config.num_speculative_tokens == 39
+    assert config.additional_config[KEY]["options"]["cost_model"] == str(path)

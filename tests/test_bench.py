@@ -1,0 +1,142 @@
+"""``vllm-anisotropic bench`` (``bench/sweep.py``): the closed loop keeps exactly the asked
+concurrency, the summary takes medians and compares with plain at the same concurrency, the
+plot is a real PNG, bad arguments are refused by name; and one bounded run in real vLLM (CPU
+build, tiny model, float32) whose GOOSE outputs equal plain decoding's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_anisotropic.bench import sweep
+from vllm_anisotropic.cli import main as cli_main
+
+
+class _Engine:
+    """Stand-in for ``LLMEngine``: each request finishes after a per-request number of steps
+    (later requests finish first, so outputs arrive out of order)."""
+
+    def __init__(self):
+        self.live: dict[str, int] = {}
+        self.max_live = 0
+        self.added: list[str] = []
+
+    def add_request(self, request_id, prompt, params):
+        self.live[request_id] = 1 + (len(prompt) % 3)
+        self.added.append(request_id)
+        self.max_live = max(self.max_live, len(self.live))
+
+    def step(self):
+        out = []
+        for rid in list(self.live):
+            self.live[rid] -= 1
+            if self.live[rid] == 0:
+                del self.live[rid]
+                out.append(SimpleNamespace(request_id=rid, finished=True,
+                                           outputs=[SimpleNamespace(token_ids=[int(rid.rsplit("-", 1)[1])] * 2)]))
+        return out[::-1]
+
+
+@pytest.mark.parametrize("concurrency", [1, 3, 16])
+def test_closed_loop_keeps_the_concurrency_and_the_prompt_order(concurrency):
+    engine = _Engine()
+    prompts = ["a" * (7 - i % 5) for i in range(10)]
+    outputs, seconds = sweep.closed_loop(engine, prompts, None, concurrency, "t")
+    assert engine.max_live == min(concurrency, len(prompts))  # never more, and filled up to c
+    assert outputs == [[i, i] for i in range(10)]  # outputs[i] belongs to prompt i
+    assert len(engine.added) == 10 and seconds >= 0
+
+
+def test_cells_get_disjoint_prompts_mixed_from_every_dataset():
+    sizes = sweep.cell_sizes([1, 8], repeats=2, per_cell=6)
+    assert sizes == [6, 16, 6, 16]  # at least twice the concurrency
+    data = [[f"h{i}" for i in range(40)], [f"g{i}" for i in range(40)], [f"m{i}" for i in range(5)]]
+    cells, warm = sweep.split_prompts(data, sizes, 4)
+    assert [len(c) for c in cells] == sizes and len(warm) == 4
+    everything = [p for c in cells for p in c] + warm
+    assert len(set(everything)) == len(everything)  # no prompt seen twice by one engine
+    assert cells[0] == ["h0", "g0", "m0", "h1", "g1", "m1"]  # round robin over the datasets
+    with pytest.raises(ValueError, match="hold 85 prompts"):
+        sweep.split_prompts(data, [40, 40], 8)
+
+
+def _rec(method, c, r, tps, tau=1.0, sha=("a", "b")):
+    return {"method": method, "concurrency": c, "repeat": r, "tokens_per_s": tps, "tau": tau, "output_sha1": list(sha)}
+
+
+def test_summary_takes_medians_and_compares_with_plain_at_the_same_concurrency():
+    records = [
+        _rec("plain", 1, 0, 10.0), _rec("plain", 1, 1, 12.0), _rec("plain", 1, 2, 100.0),  # median 12, not mean
+        _rec("plain", 8, 0, 40.0),
+        _rec("goose-auto", 1, 0, 18.0, 1.5), _rec("goose-auto", 1, 1, 24.0, 1.7, ("a", "x")), _rec("goose-auto", 1, 2, 30.0, 1.6),
+        _rec("goose-auto", 8, 0, 20.0, 1.2, ("x", "y")),
+        {"method": "suffix", "skipped": "no arctic_inference"},
+    ]
+    rows = {(r["method"], r.get("concurrency")): r for r in sweep.summarize(records)}
+    g1 = rows[("goose-auto", 1)]
+    assert (g1["median"], g1["min"], g1["max"], g1["tau"]) == (24.0, 18.0, 30.0, 1.6)
+    assert g1["speedup"] == pytest.approx(2.0) and g1["speedup_min"] == pytest.approx(1.5)
+    assert g1["identical"] == (2, 2)  # the first repeat's outputs against plain's first repeat
+    g8 = rows[("goose-auto", 8)]
+    assert g8["speedup"] == pytest.approx(0.5) and g8["identical"] == (0, 2)
+    assert rows[("plain", 1)]["speedup"] == pytest.approx(1.0)
+    assert rows[("suffix", None)]["skipped"] == "no arctic_inference"
+    table = sweep.format_table(sweep.summarize(records))
+    assert "| goose-auto | 8 | 20.0 (20.0..20.0) | **0.50x** (0.50..0.50) | 1.20 | 0/2 |" in table
+    assert "suffix: not run: no arctic_inference" in table
+    # methods listed in registry order, plain first
+    assert table.splitlines()[2].startswith("| plain | 1 |")
+
+
+def test_plot_is_a_png(tmp_path):
+    records = [_rec("plain", c, 0, 10.0 * c) for c in (1, 2, 4)] + [_rec("goose-b4", c, 0, 12.0 * c) for c in (1, 2, 4)]
+    path = tmp_path / "fig" / "bench.png"
+    sweep.plot(sweep.summarize(records), path, "test")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_summarize_mode_reads_records_and_draws(tmp_path, capsys):
+    out = tmp_path / "b.jsonl"
+    out.write_text("\n".join(json.dumps(_rec("plain", c, 0, 5.0)) for c in (1, 2)) + "\n")
+    assert cli_main(["bench", "--summarize", str(out), "--plot", str(tmp_path / "b.png")]) == 0
+    assert "| plain | 2 | 5.0 (5.0..5.0) | **1.00x**" in capsys.readouterr().out
+    assert (tmp_path / "b.png").exists()
+
+
+def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", "--methods", "plain,goose-b5", "--out", str(tmp_path / "x.jsonl")])
+    assert "goose-b5" in str(e.value) and "goose-b4" in str(e.value) and "tr-auto" in str(e.value)
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--concurrency", "1,0"])
+    assert "concurrencies must be >= 1" in capsys.readouterr().err
+
+
+def test_registry_is_what_the_issue_asks_for():
+    assert sweep.METHODS["goose-b60"] == {"method": "goose", "budget": 60, "allocator": "off"}
+    assert sweep.METHODS["goose-auto"] == {"method": "goose"}  # allocator on by default
+    assert sweep.METHODS["ngram3"]["num_speculative_tokens"] == 3 and sweep.METHODS["ngram5"]["num_speculative_tokens"] == 5
+    assert sweep.METHODS["plain"] is None
+
+
+@pytest.mark.engine
+def test_bench_runs_in_real_vllm_and_goose_outputs_equal_plain(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    rc = cli_main(["bench", "--model", str(tiny_model_dir), "--dataset", "humaneval", "--num-prompts", "3",
+                   "--max-tokens", "24", "--methods", "plain,goose-b8,goose-auto", "--concurrency", "1,3",
+                   "--repeats", "1", "--dtype", "float32", "--out", str(out)])
+    assert rc == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["method"], r["concurrency"]) for r in records] == [
+        (m, c) for m in ("plain", "goose-b8", "goose-auto") for c in (1, 3)]
+    assert all(r["output_tokens"] > 0 and r["tokens_per_s"] > 0 for r in records)
+    assert all(r["draft_tokens"] > 0 for r in records if r["method"] == "goose-b8")  # it did speculate
+    plain = {r["concurrency"]: r["output_sha1"] for r in records if r["method"] == "plain"}
+    for r in records:  # float32: every method, every concurrency, token-identical to plain
+        assert r["output_sha1"] == plain[r["concurrency"]], r["method"]
+    text = capsys.readouterr().out
+    assert "| goose-b8 | 3 |" in text and Path(out.with_suffix(".png")).exists()

@@ -1,0 +1,185 @@
+"""The allocator's scheduler hook (``integration/vllm/budget.py``) on stand-in requests: what it
+cuts, when it probes, what it learns from a step, and the drafter's backoff.
+
+What each test would catch: cuts applied to the wrong request or not as a prefix, caps from the
+wrong request field (tokens owed, headroom), a cost model never refined online or refined with
+the wrong step composition, realized acceptance counted for requests the allocator did not cut,
+a probe that never fires or fires while drafts are kept, a backoff that never ends.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vllm_anisotropic.allocator import CostModel
+from vllm_anisotropic.integration.vllm.budget import BatchBudget
+from vllm_anisotropic.integration.vllm.config import EngineTreeConfig
+
+
+class Req(SimpleNamespace):
+    pass
+
+
+def _budget(tmp_path=None, cost: CostModel | None = None, **engine):
+    sched = SimpleNamespace(max_num_batched_tokens=64)
+    model = SimpleNamespace(max_model_len=1000)
+    cfg = EngineTreeConfig(**engine)
+    if cost is not None:
+        path = tmp_path / "cost.json"
+        path.write_text(cost.to_json())
+        cfg = EngineTreeConfig(**{**engine, "cost_model": str(path)})
+    return BatchBudget(sched, model, 10, cfg, stats_path=None)
+
+
+def _req(rid, drafts, num_tokens=100, computed=99):
+    return Req(request_id=rid, spec_token_ids=list(range(1, drafts + 1)), num_tokens=num_tokens,
+               num_computed_tokens=computed)
+
+
+def _offer(budget, probs: dict):
+    budget.on_draft_ids(SimpleNamespace(req_ids=list(probs), tree_probs=list(probs.values())))
+
+
+def test_cuts_follow_the_cost_model(tmp_path):
+    # flat cost: every offered node (up to the per-request cap 10) is kept
+    flat = CostModel.from_coefficients([0.0], base=0.01)
+    b = _budget(tmp_path, flat, cost_model_online=False)
+    reqs = [_req("a", 12), _req("b", 3)]
+    _offer(b, {"a": [0.9] * 12, "b": [0.5, 0.4, 0.3]})
+    b.cut(reqs)
+    assert [len(r.spec_token_ids) for r in reqs] == [10, 3]
+    assert reqs[0].spec_token_ids == list(range(1, 11))  # a prefix
+    # steep cost: nothing is kept
+    steep = CostModel.from_coefficients([0.0], base=0.01, tree_row=1.0)
+    b = _budget(tmp_path, steep, cost_model_online=False, allocator_probe_every=0)
+    reqs = [_req("a", 12), _req("b", 3)]
+    _offer(b, {"a": [0.9] * 12, "b": [0.5, 0.4, 0.3]})
+    b.cut(reqs)
+    assert [len(r.spec_token_ids) for r in reqs] == [0, 0]
+    assert b.metrics.steps_without_drafts == 1
+
+
+def test_moderate_cost_keeps_the_likely_nodes(tmp_path):
+    # 2 base tokens / 0.02 s; a node of probability p costs 0.002 s: worth it iff p > ~0.1 x rate
+    cost = CostModel.from_coefficients([0.0], base=0.02, tree_row=0.002)
+    b = _budget(tmp_path, cost, cost_model_online=False)
+    reqs = [_req("a", 4), _req("b", 4)]
+    _offer(b, {"a": [0.95, 0.9, 0.05, 0.01], "b": [0.02, 0.01, 0.01, 0.01]})
+    b.cut(reqs)
+    assert [len(r.spec_token_ids) for r in reqs] == [2, 0]
+
+
+def test_caps_tokens_owed_and_headroom(tmp_path):
+    flat = CostModel.from_coefficients([0.0], base=0.01)
+    b = _budget(tmp_path, flat, cost_model_online=False)
+    # a owes 60 tokens (re-run + root): only 4 of the 64-token step budget remain
+    reqs = [_req("a", 8, num_tokens=160, computed=100), _req("b", 8, num_tokens=996, computed=995)]
+    _offer(b, {"a": [0.9] * 8, "b": [0.8] * 8})
+    b.cut(reqs)
+    assert len(reqs[1].spec_token_ids) <= 1000 - 996 - 1  # max_model_len headroom
+    assert sum(len(r.spec_token_ids) for r in reqs) <= 64 - 60 - 1
+
+
+def test_probe_every_nth_step_without_drafts(tmp_path):
+    steep = CostModel.from_coefficients([0.0], base=0.01, tree_row=1.0)
+    b = _budget(tmp_path, steep, cost_model_online=False, allocator_probe_every=3)
+    kept = []
+    for _ in range(6):
+        reqs = [_req("a", 4), _req("b", 4)]
+        _offer(b, {"a": [0.3, 0.2, 0.1, 0.1], "b": [0.6, 0.1, 0.1, 0.1]})
+        b.cut(reqs)
+        kept.append([len(r.spec_token_ids) for r in reqs])
+    # steps 3 and 6 probe the single most likely first node (request b's)
+    assert kept == [[0, 0], [0, 0], [0, 1], [0, 0], [0, 0], [0, 1]]
+    assert b.metrics.probe_steps == 2
+
+
+def test_off_cuts_nothing(tmp_path):
+    b = _budget(allocator="off")
+    reqs = [_req("a", 12)]
+    _offer(b, {"a": [0.01] * 12})
+    b.cut(reqs)
+    assert len(reqs[0].spec_token_ids) == 12
+
+
+def test_a_step_refines_the_cost_model_and_counts_acceptance(tmp_path):
+    b = _budget(tmp_path, CostModel.from_coefficients([0.0], base=0.01, tree_row=1e-4))
+    reqs = [_req("a", 4, computed=50), _req("b", 2, computed=70)]
+    _offer(b, {"a": [0.9, 0.8, 0.1, 0.1], "b": [0.7, 0.1]})
+    b.cut(reqs)
+    kept = {r.request_id: len(r.spec_token_ids) for r in reqs}
+    spec = {r.request_id: r.spec_token_ids for r in reqs if r.spec_token_ids}
+    out = SimpleNamespace(num_scheduled_tokens={"a": 1 + kept["a"], "b": 1 + kept["b"]},
+                          total_num_scheduled_tokens=2 + sum(kept.values()), scheduled_spec_decode_tokens=spec)
+    b.on_scheduled(out)
+    r, q, t, c, _ = b._step
+    assert (r, q, t) == (2, 2 + sum(kept.values()), sum(kept.values()))
+    assert c == kept["a"] * 50 + kept["b"] * 70
+    runner_out = SimpleNamespace(sampled_token_ids=[[5, 6, 7], [8]], req_id_to_index={"a": 0, "b": 1})
+    b.on_output(out, runner_out)
+    assert b.metrics.cost_samples == 1 and len(b.cost._online) == 1
+    assert b.metrics.realized_accepted == (2 if kept["a"] else 0)
+    want = sum(sum([0.9, 0.8, 0.1, 0.1][:kept["a"]]) for _ in [0]) + sum([0.7, 0.1][:kept["b"]])
+    assert b.metrics.predicted_accepted == pytest.approx(want)
+
+
+def test_calibration_arrives_with_the_first_output():
+    b = _budget()
+    assert not b.calibrated
+    sweep = [(q, q, 0, 0, 0.002 + 1e-4 * q) for q in (1, 2, 4, 8, 16, 32)]
+    b.on_output(SimpleNamespace(scheduled_spec_decode_tokens={}),
+                SimpleNamespace(cost_calibration=sweep, sampled_token_ids=[], req_id_to_index={}))
+    assert b.calibrated and b.cost.predict(16, 16, 0) == pytest.approx(0.002 + 1e-4 * 16, rel=0.05)
+
+
+def test_drafter_backoff_after_zero_cuts():
+    """The drafter skips 1, 2, 4, ... proposals after consecutive zero cuts, and resets."""
+    from vllm_anisotropic.integration.vllm.drafter import MAX_BACKOFF, TreeDrafter
+    from vllm_anisotropic.tree import DraftTree
+
+    d = object.__new__(TreeDrafter)
+    d.acceptance, d.trees, d.zero_streak, d.skip = object(), {}, {}, {}
+    tree = DraftTree(tokens=[1, 2, 3], parents=[-1, 0, 1])
+    skips = []
+    for _ in range(7):
+        d.trees["r"] = tree
+        d.take_tree("r", ())
+        skips.append(d.skip["r"])
+    assert skips == [1, 2, 4, 8, 16, 16, 16] and MAX_BACKOFF == 16
+    d.trees["r"] = tree
+    d.take_tree("r", [2])
+    assert "r" not in d.zero_streak
+    d.trees["r"] = tree
+    d.take_tree("r", ())
+    assert d.skip["r"] == 1
+
+
+def test_chains_are_kept_when_tree_attention_costs_more_than_branches_bring(tmp_path):
+    """A leading chain is verified by vLLM's causal attention: with a steep fixed cost of the
+    masked tree recompute the cut stays inside the chain (and the step's tree rows count only
+    the rows past it); with that cost gone the branches are kept too."""
+    probs = {"a": [0.9, 0.8, 0.7, 0.6, 0.5], "b": [0.9, 0.6, 0.5]}
+    offer = SimpleNamespace(req_ids=list(probs), tree_probs=list(probs.values()), tree_chains=[2, 1])
+    tree_cost = CostModel.from_coefficients([0.0], base=0.01, tree_switch=0.05)
+    b = _budget(tmp_path, tree_cost, cost_model_online=False)
+    reqs = [_req("a", 5), _req("b", 3)]
+    b.on_draft_ids(offer)
+    b.cut(reqs)
+    assert [len(r.spec_token_ids) for r in reqs] == [2, 1]
+    spec = {r.request_id: r.spec_token_ids for r in reqs}
+    b.on_scheduled(SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 2}, total_num_scheduled_tokens=5,
+                                   scheduled_spec_decode_tokens=spec))
+    assert b._step[:4] == (2, 5, 0, 0)  # chain rows are no tree rows
+    free = CostModel.from_coefficients([0.0], base=0.01)
+    b = _budget(tmp_path, free, cost_model_online=False)
+    reqs = [_req("a", 5), _req("b", 3)]
+    b.on_draft_ids(offer)
+    b.cut(reqs)
+    assert [len(r.spec_token_ids) for r in reqs] == [5, 3]
+    spec = {r.request_id: r.spec_token_ids for r in reqs}
+    b.on_scheduled(SimpleNamespace(num_scheduled_tokens={"a": 6, "b": 4}, total_num_scheduled_tokens=10,
+                                   scheduled_spec_decode_tokens=spec))
+    assert b._step[2] == (5 - 2) + (3 - 1)

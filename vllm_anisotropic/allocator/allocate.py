@@ -1,0 +1,323 @@
+"""Budget allocation: where to cut each request's value-ordered draft list, for the whole batch.
+
+Scope: one decision per engine step (the batch as ECHO's "super-tree"): given, per request, the
+calibrated probabilities of its draft nodes in the tree's value order, the step-cost model and
+the step's caps, return per-request cuts n_i (n_i = 0: plain decoding for that request) that
+maximise the expected tokens per second of the step. Pure numpy; no trees, no vLLM (the
+engine hook applies the cuts with ``DraftTree.truncate(1 + n_i)``).
+
+Source: ECHO (arXiv 2604.09603): the super-tree under a verification cap (Sec. 3.1, Eq. 4),
+Theorem 2 (Sec. 4 / App. A.3, marginal utility exchange) and Alg. 1 (Sec. 3.3, elastic budget
+scheduling). Dinkelbach (1967, Management Science 13(7)) for the ratio objective.
+
+Terms
+-----
+probs_i[k-1]
+    Calibrated P(node k of request i is on the accepted path), k = 1..L_i in value order
+    (root excluded). E_i(n) = sum_{k <= n} probs_i[k-1] is the expected number of accepted
+    draft tokens when the first n nodes are verified (linearity of expectation).
+cut n_i
+    Request i verifies its first n_i nodes (a prefix: value order keeps parents first, so
+    every prefix is a subtree).
+base tokens
+    Tokens the step yields with no drafts at all: one per decoding request (the bonus).
+rate
+    rate(n) = (base + sum_i E_i(n_i)) / cost(R, Q0 + T, T, C0 + sum_i n_i ctx_i), T = sum_i n_i.
+
+The algorithm
+-------------
+1. Caps: n_i <= c_i = min(L_i, max_per_request, headroom_i); sum_i n_i <= token_budget.
+2. Concave envelope per request: H_i = least concave majorant of k -> E_i(k) on 0..c_i. Its
+   slopes h_i[k] are non-increasing, and they are the antitonic (non-increasing) regression
+   of probs_i, computed for all rows at once by a parallel pool-adjacent-violators (rows
+   already non-increasing skip it).
+3. Order all nodes of all requests by h descending (ties: request, then k): for every total T,
+   the first T nodes of this order maximise sum_i H_i(n_i) subject to sum n_i = T (greedy on
+   concave separable functions; this is ECHO's Theorem 2 exchange argument made exhaustive:
+   no node outside the prefix has a larger marginal gain than one inside). Each request's
+   nodes appear in k order, so every prefix of the order is a vector of prefix cuts.
+4. Scan every T = 0 .. T_max (cumsum along the order; one vectorised cost-model call) and keep
+   the T with the best *true* rate (E, not H). T = 0 (no drafts anywhere) wins when drafts do
+   not pay; ties go to the smaller T.
+5. If the cost charges tree rows by their context (``cost.ctx_weight > 0`` and ``ctx_lens``
+   given), nodes of long requests cost more: Dinkelbach's iteration orders by
+   h_i[k] - r ctx_weight ctx_i with r the current best ratio, rescans, and repeats until r
+   stops improving (it is the exact maximiser of the relaxed ratio; usually 2-3 rounds).
+
+Optimality (proof sketch in the comments of ``_best_prefix``). Let delta = max_i max_k
+(H_i(k) - E_i(k)) >= 0, the hull gap (0 iff every E_i is concave, i.e. every probs_i is
+non-increasing, as value-ordered calibrated lists usually are). Then
+
+    rate_upper >= OPT >= rate >= OPT - delta / min_T cost(T)
+
+where OPT is the best rate over all prefix-cut vectors within the caps and rate_upper the
+optimum of the relaxation with H in place of E (returned, so every decision carries its own
+certificate). With delta = 0 the allocation is exactly optimal. Reason: at any T the greedy
+prefix takes every hull block whole except at most one (ties are broken so that blocks are
+contiguous in the order), so its true value is >= sum H - delta >= OPT(T) - delta.
+
+Relation to ECHO Alg. 1: ECHO extends depth globally across the confident requests (Phase 1)
+and spends what is left on width (Phase 2) under a fixed K_max. Here (a) value order already
+puts a request's deep spine before its wide branches, and the greedy takes nodes across
+requests by marginal gain, so "depth before width" and "reallocate from truncated to confident
+requests" both fall out of step 3; (b) the gate is the calibrated probability (sparse: only
+sweet-spot depths resolve the value, see ``acceptance.py``); (c) K_max is not a constant near
+the hardware's saturation point but the argmax of the rate over T, read off the cost model, so
+a memory-bound GPU gets large trees and a compute-bound batch (or a CPU) gets small ones or
+none.
+
+Worked example: probs [[0.9, 0.5], [0.6]], base 2 tokens, no fixed query tokens and a cost
+of 1 + 0.5 Q seconds (``CostModel.linear(1.0, 0.5)``, so cost(T) = 1 + 0.5 T). Order
+by gain: 0.9 (req 0), 0.6 (req 1), 0.5 (req 0). Rates: T=0: 2/1 = 2.0; T=1: 2.9/1.5 = 1.93;
+T=2: 3.5/2 = 1.75; T=3: 4.0/2.5 = 1.6 -> cuts [0, 0]. With 1 + 0.05 T: 2.0, 2.76, 3.18, 3.48
+-> cuts [2, 1].
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["Allocation", "StepCost", "allocate", "concave_slopes", "pad_probs", "request_caps"]
+
+logger = logging.getLogger(__name__)
+
+_DINKELBACH_ROUNDS = 30
+
+
+class StepCost(Protocol):
+    """What the allocator needs from a cost model (``cost.CostModel`` is one).
+
+    ``predict`` must broadcast over arrays; ``ctx_weight`` (optional attribute, seconds per
+    context token of a tree row) is only used to order nodes when ``ctx_lens`` is given.
+    """
+
+    def predict(self, num_reqs, query_tokens, tree_rows, ctx_tokens=0.0): ...
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The decision for one step, with its predicted value and its optimality certificate."""
+
+    # [batch_size] int64 draft nodes kept per request (0 = plain decoding)
+    cuts: np.ndarray
+    # T = sum(cuts): tree rows added to the step
+    tree_rows: int
+    # base + sum_i E_i(cuts_i): expected tokens the step yields
+    expected_tokens: float
+    # predicted step seconds
+    seconds: float
+    # expected_tokens / seconds
+    rate: float
+    # the rate with no drafts anywhere (T = 0)
+    plain_rate: float
+    # optimum of the concave-envelope relaxation: an upper bound on the optimal rate
+    rate_upper: float
+    # delta = max_i max_k (H_i(k) - E_i(k)); 0 => the allocation is exactly optimal
+    hull_gap: float
+
+    @property
+    def speedup(self) -> float:
+        """Predicted rate over plain decoding's (>= 1: T = 0 is always a candidate)."""
+        return self.rate / self.plain_rate
+
+
+def request_caps(lengths, max_per_request: int | None = None, headroom=None) -> np.ndarray:
+    """[batch_size] int64 per-request cap c_i = min(L_i, max_per_request, max(headroom_i, 0)).
+
+    ``headroom_i`` is how many draft tokens request i can still take without passing
+    ``max_model_len`` (the caller's ``max_model_len - num_tokens_i - 1``: the bonus token needs
+    a slot too). ``lengths [5, 3, 7], max 4, headroom [9, 9, 2] -> [4, 3, 2]``.
+    """
+    caps = np.asarray(lengths, np.int64).copy()
+    if max_per_request is not None:
+        caps = np.minimum(caps, max(int(max_per_request), 0))
+    if headroom is not None:
+        h = np.asarray(headroom, np.int64)
+        if h.shape != caps.shape:
+            raise ValueError(f"headroom needs one entry per request: {h.shape} vs {caps.shape}")
+        caps = np.minimum(caps, np.maximum(h, 0))
+    return caps
+
+
+def pad_probs(probs: Sequence[np.ndarray], caps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged lists cut to their caps -> ([batch_size, max_len] float64, [batch_size, max_len] bool).
+
+    Padding is 0 and ``valid[i, k] = k < caps[i]``.
+    ``probs [[.9,.5], [.6]], caps [2, 0] -> [[.9,.5], [0,0]], valid [[T,T], [F,F]]``.
+    """
+    width = int(caps.max(initial=0))
+    out = np.zeros((len(probs), width))
+    valid = np.arange(width)[None, :] < caps[:, None]
+    if width:
+        lens = np.minimum([len(p) for p in probs], width)
+        flat = np.concatenate([np.asarray(p, np.float64)[:n] for p, n in zip(probs, lens)])
+        full = np.arange(width)[None, :] < lens[:, None]
+        out[full] = flat  # row-major fill: the rows' leading entries
+        out[~valid] = 0.0
+    return out, valid
+
+
+def concave_slopes(p: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """[batch_size, max_len] slopes of the least concave majorant of each row's cumulative sum.
+
+    Equals the antitonic (non-increasing) regression of the row with unit weights: same total,
+    constant on blocks, the block value the mean of the row over the block. Computed by pool-
+    adjacent-violators in parallel: every round merges, in every row at once, each maximal run
+    of adjacent blocks whose means strictly increase (all of them must end in one block, so
+    pooling the run at once is what sequential PAVA would do), until no row has a violation.
+    Each round removes at least one block from every violating row: <= max_len rounds, a few in
+    practice. Padding (``~valid``) is returned as 0.
+    ``[0.1, 0.9, 0.2] -> [0.5, 0.5, 0.2]``; ``[0.9, 0.1] -> [0.9, 0.1]``; ``[2, 1, 4] -> [7/3] * 3``.
+    """
+    out = np.zeros(p.shape)
+    if p.shape[1] < 2:
+        return np.where(valid, p, 0.0)
+    rising = np.any((np.diff(p, axis=1) > 0) & valid[:, 1:], axis=1)  # [batch_size]
+    out[~rising] = np.where(valid[~rising], p[~rising], 0.0)
+    if not rising.any():
+        return out
+    sub_valid = valid[rising]
+    x = p[rising][sub_valid]  # [num_nodes] row-major values of the rows to regress
+    row = np.nonzero(sub_valid)[0]  # [num_nodes]
+    row_start = np.ones(x.size, bool)  # [num_nodes] first node of its row: rows never merge
+    row_start[1:] = row[1:] != row[:-1]
+    start = np.ones(x.size, bool)  # [num_nodes] a block starts here: every node, at first
+    while True:
+        first = np.flatnonzero(start)  # [num_blocks] first node of each block
+        block = np.cumsum(start) - 1  # [num_nodes] block id of each node
+        mean = np.add.reduceat(x, first) / np.diff(np.append(first, x.size))  # [num_blocks]
+        # block j+1 joins block j when in the same row and its mean is strictly larger
+        joins = (mean[1:] > mean[:-1]) & ~row_start[first[1:]]  # [num_blocks - 1]
+        if not joins.any():
+            break
+        start[first[1:][joins]] = False
+    h = np.zeros(sub_valid.shape)
+    h[sub_valid] = mean[block]
+    out[rising] = h
+    return out
+
+
+def allocate(
+    probs: Sequence[np.ndarray],
+    cost: StepCost,
+    *,
+    num_reqs: int | None = None,
+    fixed_query_tokens: int | None = None,
+    token_budget: int | None = None,
+    max_per_request: int | None = None,
+    headroom=None,
+    ctx_lens=None,
+    base_tokens: float | None = None,
+) -> Allocation:
+    """Per-request cuts maximising expected tokens per second of the step (module docstring).
+
+    Args:
+        probs: batch_size arrays, ``probs[i]`` [L_i] calibrated P(node k on the accepted path)
+            in value order (root excluded).
+        cost: the step-cost model (``predict(num_reqs, query_tokens, tree_rows, ctx_tokens)``).
+        num_reqs: requests in the step, decoding and prefilling (default: batch_size).
+        fixed_query_tokens: query rows already scheduled without any draft: roots, prefill
+            chunks, re-run tokens (default: batch_size, one root per request).
+        token_budget: tree rows the step may still add (vLLM's ``max_num_batched_tokens`` minus
+            what is scheduled); None = unlimited.
+        max_per_request: per-request cap (``num_speculative_tokens``); None = unlimited.
+        headroom: [batch_size] drafts each request can take before ``max_model_len``.
+        ctx_lens: [batch_size] context length of each request (tokens before its tree rows), for
+            the cost model's per-tree-row attention term; None = 0.
+        base_tokens: tokens the step yields with no drafts (default: batch_size).
+    """
+    batch = len(probs)
+    lengths = np.array([len(p) for p in probs], np.int64)
+    caps = request_caps(lengths, max_per_request, headroom)
+    num_reqs = batch if num_reqs is None else int(num_reqs)
+    q0 = batch if fixed_query_tokens is None else int(fixed_query_tokens)
+    base = float(batch if base_tokens is None else base_tokens)
+    ctx = np.zeros(batch) if ctx_lens is None else np.asarray(ctx_lens, np.float64)
+    if ctx.shape != (batch,):
+        raise ValueError(f"ctx_lens needs one entry per request, got shape {ctx.shape}")
+
+    p, valid = pad_probs(probs, caps)  # [batch_size, max_len]
+    if np.any(p[valid] < 0) or np.any(p[valid] > 1) or not np.all(np.isfinite(p)):
+        raise ValueError("probs must be probabilities in [0, 1]")
+    h = concave_slopes(p, valid)  # [batch_size, max_len]
+    # hull gap delta: max over requests and k of H_i(k) - E_i(k)
+    hull_gap = float(np.max(np.cumsum(h, axis=1) - np.cumsum(p, axis=1), initial=0.0))
+
+    rows = np.nonzero(valid)[0]  # [num_nodes] request of each candidate node, row-major (i, k)
+    gain = p[valid]  # [num_nodes] true marginal gains
+    slope = h[valid]  # [num_nodes] hull marginal gains
+    node_ctx = ctx[rows]  # [num_nodes]
+    t_max = rows.size if token_budget is None else min(rows.size, max(int(token_budget), 0))
+    totals = np.arange(t_max + 1)  # [t_max + 1] candidate T
+
+    def scan(order: np.ndarray):
+        """(true numerators, hull numerators, seconds), each [t_max + 1], for prefixes of ``order``."""
+        take = order[:t_max]
+        num = base + np.concatenate([[0.0], np.cumsum(gain[take])])
+        num_hull = base + np.concatenate([[0.0], np.cumsum(slope[take])])
+        c = np.concatenate([[0.0], np.cumsum(node_ctx[take])])
+        sec = np.asarray(cost.predict(num_reqs, q0 + totals, totals, c), np.float64).reshape(-1)
+        if sec.shape != totals.shape or np.any(~(sec > 0)):
+            raise ValueError("cost.predict must return positive seconds for every total")
+        return num, num_hull, sec
+
+    # stable sort of -slope: descending, ties in (request, k) order -> prefixes are prefix cuts
+    order = np.argsort(-slope, kind="stable")
+    num, num_hull, sec = scan(order)
+    best = _best_prefix(order, num, sec, None)
+    rate_upper = float(np.max(num_hull / sec))
+    w = float(getattr(cost, "ctx_weight", 0.0) or 0.0)
+    if w > 0 and ctx_lens is not None and np.ptp(ctx) > 0 and t_max > 0:
+        # Dinkelbach on the relaxed ratio: maximise N_H(n) - r D(n) by the greedy on
+        # h - r w ctx_i (still non-increasing within a request), then r <- N_H / D, until the
+        # maximum is 0 (r is then the relaxed optimum).
+        # Whatever round it stops at, F(r) = max_n N_H - r D bounds the relaxed optimum:
+        # OPT_H <= r + F(r) / min D (take n* = argmax N_H / D: N_H(n*) - r D(n*) <= F(r)).
+        r = rate_upper  # a feasible relaxed ratio (a prefix of the first order): a warm start
+        for _ in range(_DINKELBACH_ROUNDS):
+            order_r = np.argsort(-(slope - r * w * node_ctx), kind="stable")
+            num_r, num_hull_r, sec_r = scan(order_r)
+            best = _best_prefix(order_r, num_r, sec_r, best)
+            gap = num_hull_r - r * sec_r  # [t_max + 1]
+            t = int(np.argmax(gap))
+            rate_upper = r + max(float(gap[t]), 0.0) / float(sec_r.min())
+            if gap[t] <= 1e-12 * r * sec_r[t]:
+                break
+            r = float(num_hull_r[t] / sec_r[t])
+        else:
+            logger.debug("Dinkelbach stopped after %d rounds without converging", _DINKELBACH_ROUNDS)
+
+    cut_order, t, expected, seconds = best
+    cuts = np.bincount(rows[cut_order[:t]], minlength=batch).astype(np.int64)
+    return Allocation(
+        cuts=cuts,
+        tree_rows=t,
+        expected_tokens=expected,
+        seconds=seconds,
+        rate=expected / seconds,
+        plain_rate=float(num[0] / sec[0]),
+        rate_upper=float(max(rate_upper, expected / seconds)),
+        hull_gap=hull_gap,
+    )
+
+
+def _best_prefix(order: np.ndarray, num: np.ndarray, sec: np.ndarray, best):
+    """Keep the better of ``best`` and the best prefix of ``order``: (order, T, tokens, seconds).
+
+    Why the best prefix is within delta of the optimum at each T: the greedy prefix of length
+    T maximises sum_i H_i(n_i) under sum n_i = T (concave separable, exchange argument); H >= E,
+    so that maximum is >= OPT_E(T). Blocks of a hull (maximal runs of equal slope inside a
+    request) are contiguous in the stable order, so at most one block is cut inside, and the
+    true value loses at most H_i(n_i) - E_i(n_i) <= delta against the hull value. Dividing by
+    the same cost(T) and maximising over T gives rate >= OPT - delta / min_T cost(T).
+    """
+    rate = num / sec  # [t_max + 1]
+    t = int(np.argmax(rate))  # first maximum: the smallest T among ties (T = 0 first)
+    if best is None or rate[t] > best[2] / best[3]:
+        return order, t, float(num[t]), float(sec[t])
+    return best

@@ -1,0 +1,107 @@
+"""``vllm-anisotropic profile-host``: where a speculative step's host time goes, in real vLLM.
+
+Runs one offline batch with vLLM's engine core in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) under ``cProfile`` and prints, per step, the wall time
+and the cumulative time of the tree path's host work: the drafter (``propose_trees``), the
+allocator's cut (``BatchBudget.cut``), the tree bookkeeping of ``_prepare_inputs``
+(``take_tree``, positions), the attention plan, the tree walk (``TreeRejectionSampler``), the
+harvest (``observe_batch``) and the metrics -- each against the model forward. cProfile slows
+Python code more than the torch kernels it calls, so the shares are upper bounds; the totals
+printed without the profiler (``--no-profile``) are the honest step times.
+
+Example::
+
+    vllm-anisotropic profile-host --method goose --max-num-seqs 8 --num-prompts 8 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import time
+
+# (label, file suffix, function name): cumulative time of these frames, per step
+PHASES = (
+    ("propose (drafter)", "integration/vllm/drafter.py", "propose_trees"),
+    ("allocator cut", "integration/vllm/budget.py", "cut"),
+    ("allocator step bookkeeping", "integration/vllm/budget.py", "on_output"),
+    ("prepare inputs (tree part + vLLM)", "integration/vllm/runner.py", "_prepare_inputs"),
+    ("attention metadata", "integration/vllm/runner.py", "_build_attention_metadata"),
+    ("tree walk (sampler)", "integration/vllm/sampler.py", "forward"),
+    ("harvest + metrics", "integration/vllm/drafter.py", "observe_batch"),
+    ("plain-step harvest", "integration/vllm/sampler.py", "harvest_plain"),
+    ("tree attention incl. vLLM's (all layers)", "integration/vllm/attention.py", "forward"),
+    ("tree rows attention (all layers)", "integration/vllm/attention.py", "_tree_rows"),
+    ("scheduler.schedule", "integration/vllm/scheduler.py", "schedule"),
+    ("scheduler.update_from_output", "integration/vllm/scheduler.py", "update_from_output"),
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile-host", help="cProfile one offline batch in real vLLM: host time per step by phase",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dataset", default="humaneval")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--method", default="goose", help="a bench method name (vllm-anisotropic bench --help)")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--no-profile", action="store_true", help="time the batch without cProfile")
+    p.add_argument("--top", type=int, default=25, help="also print the top N functions by own time")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    from vllm_anisotropic.bench.demo import _resolve_model, build_prompts
+    from vllm_anisotropic.bench.sweep import METHODS
+    from vllm_anisotropic.integration.vllm.offline import CPU_LLM_DEFAULTS
+
+    if args.method not in METHODS:
+        raise SystemExit(f"unknown method {args.method!r}; valid: {', '.join(METHODS)}")
+    model_dir = _resolve_model(args.model)
+    prompts = build_prompts(model_dir, args.dataset, args.num_prompts)
+    llm = LLM(model=str(model_dir), speculative_config=METHODS[args.method], max_num_seqs=args.max_num_seqs,
+              **{**CPU_LLM_DEFAULTS, "dtype": args.dtype})
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
+    prof = None if args.no_profile else cProfile.Profile()
+    t0 = time.perf_counter()
+    if prof:
+        prof.enable()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if prof:
+        prof.disable()
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"{args.method} max_num_seqs {args.max_num_seqs}: {tokens} tokens in {seconds:.2f} s"
+          f"{' (under cProfile)' if prof else ''} = {tokens / seconds:.1f} tokens/s")
+    if prof is None:
+        return 0
+    stats = pstats.Stats(prof)
+
+    def cumulative(suffix: str, func: str) -> tuple[float, int]:
+        """Largest cumulative time (outermost frame) among matching functions, and its calls."""
+        hits = [(v[3], v[1]) for (file, _, name), v in stats.stats.items() if file.endswith(suffix) and name == func]
+        return max(hits) if hits else (0.0, 0)
+
+    step_s, n = cumulative("vllm/v1/worker/gpu_model_runner.py", "execute_model")
+    n = max(n, 1)
+    total_s = cumulative("vllm/v1/engine/core.py", "step")[0] or seconds
+    forward_s = cumulative("vllm/model_executor/models/llama.py", "forward")[0]
+    print(f"{n} model steps: {seconds / n * 1e3:.1f} ms/step wall, model forward {forward_s / n * 1e3:.1f} ms/step, "
+          f"everything else (host) {(total_s - forward_s) / n * 1e3:.1f} ms/step = {(total_s - forward_s) / total_s:.1%}")
+    print(f"{'phase':<42} {'ms/step':>8} {'share':>6}")
+    for label, suffix, func in PHASES:
+        total = cumulative(suffix, func)[0]
+        print(f"{label:<42} {total / n * 1e3:8.2f} {total / seconds:6.1%}")
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.top)
+    print(buf.getvalue())
+    return 0

