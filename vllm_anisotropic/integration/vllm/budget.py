@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from vllm_anisotropic.allocator import CostModel, CostSample, allocate
+from vllm_anisotropic.allocator import CostModel, CostSample, allocate, request_caps
 
 logger = logging.getLogger(__name__)
 log = logging.getLogger("vllm.anisotropic")
@@ -60,6 +60,8 @@ class BudgetMetrics:
     probe_steps: int = 0
     tree_rows: int = 0  # draft nodes kept by the allocator
     tree_rows_offered: int = 0  # draft nodes the proposers offered
+    tree_rows_within_caps: int = 0  # of those, what vLLM's caps allowed (token budget, k, max_model_len)
+    given_up_accepted: float = 0.0  # expected accepted drafts of the nodes within the per-request caps not kept
     predicted_accepted: float = 0.0  # sum of kept nodes' probabilities (steps that ran)
     realized_accepted: int = 0  # drafts actually accepted in those steps
     cost_samples: int = 0
@@ -168,6 +170,9 @@ class BatchBudget:
         m = self.metrics
         m.steps += 1
         m.tree_rows_offered += int(sum(len(p) for p in probs))
+        request_cap = request_caps([len(p) for p in probs], caps["max_per_request"], caps["headroom"])
+        m.tree_rows_within_caps += min(int(request_cap.sum()), caps["token_budget"])
+        m.given_up_accepted += float(sum(p[n:c].sum() for p, n, c in zip(probs, alloc.cuts, request_cap)))
         if cuts.sum() == 0:
             m.steps_without_drafts += 1
             if self.probe_every and m.steps_without_drafts % self.probe_every == 0:

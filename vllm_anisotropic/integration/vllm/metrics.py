@@ -197,6 +197,10 @@ _BUDGET_COUNTERS = {
     "budget_probe_steps": ("probe_steps", "steps that verified one node to keep the cost model measured"),
     "budget_tree_rows": ("tree_rows", "draft nodes the allocator kept"),
     "budget_tree_rows_offered": ("tree_rows_offered", "draft nodes the proposers offered"),
+    "budget_tree_rows_within_caps": ("tree_rows_within_caps",
+                                     "offered draft nodes within vLLM's caps (token budget, k, max_model_len)"),
+    "budget_given_up_accepted": ("given_up_accepted",
+                                 "expected accepted drafts of the nodes within vLLM's caps the allocator did not keep"),
     "budget_predicted_accepted": ("predicted_accepted", "accepted drafts the acceptance model predicted for the kept nodes"),
     "budget_realized_accepted": ("realized_accepted", "accepted drafts in the same steps"),
 }
