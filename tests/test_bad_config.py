@@ -73,6 +73,8 @@ BAD_CONFIGS = [
     row("allocator_maybe", {**GOOSE, "allocator": "maybe"}, "allocator", "'maybe'", "'auto' or 'off'"),
     row("probe_every_negative", {**GOOSE, "allocator_probe_every": -1}, "allocator_probe_every",
         "input_value=-1", "greater than or equal to 0"),
+    row("offer_factor_negative", {**GOOSE, "allocator_offer_factor": -0.5}, "allocator_offer_factor",
+        "input_value=-0.5", "greater than or equal to 0"),
     row("verifier_unknown", {**GOOSE, "verifier": "specinfer"}, "verifier", "'specinfer'", "'greedy'"),
     row("sampling_verifier_unknown", {**GOOSE, "sampling_verifier": "typical"}, "sampling_verifier", "'typical'",
         "'deterministic', 'nss' or 'none'"),

@@ -98,3 +98,25 @@ def test_isotropic_shape(seed, k, budget, spine_len):
             break
         chain.append(kids[0])
     assert [int(t.tokens[c]) for c in chain[1:]] == spine[: len(chain) - 1].tolist()
+
+
+@pytest.mark.parametrize("name", ["goose", "tr", "iso3", "pld"])
+def test_max_nodes_lowers_the_budget_of_one_call(name):
+    """``propose(context, max_nodes)``: the allocator's offer cap (drafter.TreeDrafter._offer).
+    A proposer that ignored it would build (and the engine would ship) its whole budget."""
+    prop = get_proposer(name, vocab_size=32)
+    logits = torch.arange(32, dtype=torch.float32).repeat(32, 1)  # every row: 31 > 30 > ...
+    if getattr(prop, "table", None) is not None:
+        prop.table.harvest(np.full(32, -1), np.arange(32), logits)
+    s = prop.new_request()
+    # a context whose 3-gram recurs: PLD / GOOSE find a 12-token continuation
+    context = np.array([5, 6, 7] + list(range(8, 20)) + [1, 5, 6, 7])
+    if name == "iso3":
+        s.table.harvest(np.full(32, -1), np.arange(32), logits)
+    full = s.propose(context)
+    assert full.num_nodes > 9, full.num_nodes  # the call below has something to cut
+    for max_nodes in (1, 2, 9):
+        t = s.propose(context, max_nodes=max_nodes)
+        assert 1 <= t.num_nodes <= max_nodes and t.tokens[0] == context[-1], (max_nodes, t.num_nodes)
+        assert (t.num_nodes == max_nodes) or name == "pld", (max_nodes, t.num_nodes)
+    assert s.propose(context, max_nodes=1000).num_nodes == full.num_nodes

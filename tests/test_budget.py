@@ -141,7 +141,7 @@ def test_drafter_backoff_after_zero_cuts():
     from vllm_anisotropic.tree import DraftTree
 
     d = object.__new__(TreeDrafter)
-    d.acceptance, d.trees, d.zero_streak, d.skip = object(), {}, {}, {}
+    d.acceptance, d.trees, d.zero_streak, d.skip, d.kept_mark = object(), {}, {}, {}, {}
     tree = DraftTree(tokens=[1, 2, 3], parents=[-1, 0, 1])
     skips = []
     for _ in range(7):
@@ -155,6 +155,29 @@ def test_drafter_backoff_after_zero_cuts():
     d.trees["r"] = tree
     d.take_tree("r", ())
     assert d.skip["r"] == 1
+
+
+def test_drafter_offers_what_the_allocator_has_been_keeping():
+    """The next tree's draft budget is max(8, factor x the decaying high-water mark of the
+    scheduled drafts), the proposer's own budget when that reaches the room left."""
+    from vllm_anisotropic.integration.vllm.drafter import OFFER_MIN_DRAFTS, TreeDrafter
+    from vllm_anisotropic.tree import DraftTree
+
+    d = object.__new__(TreeDrafter)
+    d.acceptance, d.trees, d.zero_streak, d.skip, d.kept_mark = object(), {}, {}, {}, {}
+    d.offer_factor = 4.0
+    tree = DraftTree.chain(list(range(2, 42)), root_token=1)  # 40 drafts
+    assert d._offer("r", room=59) is None  # no history: the proposer's budget
+    offers = []
+    for kept in (2, 5, 0, 0, 12):
+        d.trees["r"] = tree
+        d.take_tree("r", list(range(2, 2 + kept)))
+        offers.append(d._offer("r", room=59))
+    # marks 2, 5, 4, 3.2, 12 -> drafts 8, 20, 16, 13 (ceil 12.8), 48 -> nodes + 1
+    assert offers == [OFFER_MIN_DRAFTS + 1, 21, 17, 14, 49], offers
+    assert d._offer("r", room=40) is None  # 48 drafts >= the room: no cap
+    d.offer_factor = 0.0
+    assert d._offer("r", room=59) is None  # allocator_offer_factor 0: whole budget
 
 
 def test_chains_are_kept_when_tree_attention_costs_more_than_branches_bring(tmp_path):

@@ -26,6 +26,7 @@ suffix       vLLM's suffix decoding, k = 8 (needs ``arctic_inference``: installe
              recorded, when neither is there)
 goose-bN     GOOSE with a fixed budget of N tree nodes (N - 1 drafts), allocator off
 goose-auto   GOOSE with the budget allocator (the default ``{"method": "goose"}``)
+goose-auto-full  the same, every tree built at the whole budget (``allocator_offer_factor`` 0)
 tr-auto      token recycling with the budget allocator
 
 Example (the bounded run recorded in docs/allocator.md)::
@@ -73,6 +74,7 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "goose-b16": {"method": "goose", "budget": 16, "allocator": "off"},
     "goose-b60": {"method": "goose", "budget": 60, "allocator": "off"},
     "goose-auto": {"method": "goose"},
+    "goose-auto-full": {"method": "goose", "allocator_offer_factor": 0},
     "tr-auto": {"method": "token_recycling"},
 }
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)

@@ -4,9 +4,12 @@ Scope: the contract only. A ``Proposer`` holds configuration and anything shared
 requests (e.g. a hot-start adjacency table); ``Proposer.new_request()`` returns a per-request
 ``RequestState`` that drafts trees and learns from verification results:
 
-* ``state.propose(context_tokens) -> DraftTree`` -- ``context_tokens`` is every token the
-  request has (prompt + emitted output); its last token is the tree root (the last accepted
-  token, not yet run through the model). A root-only tree means "plain decoding this step".
+* ``state.propose(context_tokens, max_nodes=None) -> DraftTree`` -- ``context_tokens`` is every
+  token the request has (prompt + emitted output); its last token is the tree root (the last
+  accepted token, not yet run through the model). A root-only tree means "plain decoding this
+  step". ``max_nodes`` (root included) lowers the proposer's own budget for this call: the
+  engine's drafter passes it when the allocator has been keeping far fewer nodes than the
+  budget, so no time goes into building nodes that will be cut.
 * ``state.observe(tree, accepted, logits)`` -- after verification: ``accepted`` are the
   accepted node indices (root excluded, root->leaf order, ``VerifyResult.accepted``) and
   ``logits`` the target logits of every verified node, ``[num_nodes, vocab_size]`` (row i =
@@ -29,7 +32,7 @@ import torch
 
 from vllm_anisotropic.tree import DraftTree
 
-__all__ = ["ProposalMode", "ProposalInfo", "RequestState", "Proposer", "root_only"]
+__all__ = ["ProposalMode", "ProposalInfo", "RequestState", "Proposer", "node_budget", "root_only"]
 
 
 class ProposalMode(str, enum.Enum):
@@ -54,6 +57,14 @@ class ProposalInfo:
     spine_ratio: float = float("nan")
 
 
+def node_budget(budget: int, max_nodes: int | None) -> int:
+    """The node budget of one ``propose`` call: ``budget`` lowered to ``max_nodes`` (>= 1).
+
+    ``node_budget(60, None) -> 60``; ``node_budget(60, 9) -> 9``; ``node_budget(4, 9) -> 4``.
+    """
+    return int(budget) if max_nodes is None else max(1, min(int(budget), int(max_nodes)))
+
+
 def root_only(context_tokens) -> DraftTree:
     """The one-node tree of a plain decoding step (root = last context token)."""
     return DraftTree.chain([], root_token=int(context_tokens[-1]))
@@ -65,7 +76,7 @@ class RequestState(abc.ABC):
     last_info: ProposalInfo = ProposalInfo(ProposalMode.PLAIN)
 
     @abc.abstractmethod
-    def propose(self, context_tokens: np.ndarray) -> DraftTree: ...
+    def propose(self, context_tokens: np.ndarray, max_nodes: int | None = None) -> DraftTree: ...
 
     # top-k of the target's softmax rows this state harvests (``adjacency.TopKRows`` may stand
     # in for ``logits`` in ``observe``); None: it reads no logits

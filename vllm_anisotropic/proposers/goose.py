@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState
-from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer
+from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, node_budget
 from vllm_anisotropic.proposers.config import GooseConfig
 from vllm_anisotropic.proposers.context_match import ContextMatch, ContextMatcher
 from vllm_anisotropic.proposers.treebuild import TreeBuilder
@@ -231,15 +231,16 @@ class GooseState(HarvestingState):
         length = len(hit.draft) if cfg.bypass_signal == "draft_length" else hit.match_length
         return length >= cfg.bypass_min_length
 
-    def propose(self, context_tokens) -> DraftTree:
+    def propose(self, context_tokens, max_nodes: int | None = None) -> DraftTree:
         cfg = self.config
+        budget = node_budget(cfg.budget, max_nodes)
         context = np.asarray(context_tokens)
         root = int(context[-1])
         self._prev_root = int(context[-2]) if len(context) >= 2 else -1
         hit = _NO_MATCH
         if cfg.context_spine:
             self.matcher.sync(context)
-            hit = self.matcher.match(min(cfg.max_continuation, cfg.budget - 1))
+            hit = self.matcher.match(min(cfg.max_continuation, budget - 1))
         r = spine_ratio_tier(self.spine_acceptance, cfg.tier_thresholds, cfg.tier_ratios)
         info = dict(ngram=hit.ngram, match_length=hit.match_length, consensus=hit.consensus, spine_ratio=r)
         if self._is_bypass(hit):
@@ -251,7 +252,7 @@ class GooseState(HarvestingState):
             self._prev_root,
             hit.draft,
             self.table.successors,
-            budget=cfg.budget,
+            budget=budget,
             max_depth=cfg.max_depth,
             spine_ratio=r,
             spine_branch_ratio=cfg.spine_branch_ratio,

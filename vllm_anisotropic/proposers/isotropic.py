@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 
 from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState
-from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer
+from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, node_budget
 from vllm_anisotropic.proposers.config import IsotropicConfig
 from vllm_anisotropic.proposers.context_match import ContextMatcher
 from vllm_anisotropic.proposers.treebuild import TreeBuilder
@@ -80,7 +80,7 @@ class IsotropicState(HarvestingState):
         self._prev_root = -1
         self.last_info = ProposalInfo(ProposalMode.PLAIN)
 
-    def propose(self, context_tokens) -> DraftTree:
+    def propose(self, context_tokens, max_nodes: int | None = None) -> DraftTree:
         c = self.config
         context = np.asarray(context_tokens)
         self._prev_root = int(context[-2]) if len(context) >= 2 else -1
@@ -92,7 +92,7 @@ class IsotropicState(HarvestingState):
             hit.draft,
             self.table.successors,
             branching=c.branching,
-            budget=c.budget,
+            budget=node_budget(c.budget, max_nodes),
             max_depth=c.max_depth,
             min_branch_score=c.min_branch_score,
         )

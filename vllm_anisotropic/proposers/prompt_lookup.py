@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, RequestState, root_only
+from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, RequestState, node_budget, root_only
 from vllm_anisotropic.proposers.config import PLDConfig, ProposerConfig
 from vllm_anisotropic.proposers.context_match import ContextMatcher
 from vllm_anisotropic.tree import DraftTree, NodeSource
@@ -24,10 +24,10 @@ class PLDState(RequestState):
         self.matcher = ContextMatcher(config.ngram_sizes, config.max_continuation)
         self.last_info = ProposalInfo(ProposalMode.PLAIN)
 
-    def propose(self, context_tokens) -> DraftTree:
+    def propose(self, context_tokens, max_nodes: int | None = None) -> DraftTree:
         context = np.asarray(context_tokens)
         self.matcher.sync(context)
-        hit = self.matcher.match(min(self.config.max_continuation, self.config.budget - 1))
+        hit = self.matcher.match(min(self.config.max_continuation, node_budget(self.config.budget, max_nodes) - 1))
         if not hit.found:
             self.last_info = ProposalInfo(ProposalMode.PLAIN)
             return root_only(context)
@@ -52,7 +52,7 @@ class ARConfig(ProposerConfig):
 
 
 class _ARState(RequestState):
-    def propose(self, context_tokens) -> DraftTree:
+    def propose(self, context_tokens, max_nodes: int | None = None) -> DraftTree:
         return root_only(context_tokens)
 
 

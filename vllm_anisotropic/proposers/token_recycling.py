@@ -23,7 +23,7 @@ import heapq
 import numpy as np
 
 from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState
-from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer
+from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, node_budget
 from vllm_anisotropic.proposers.config import TokenRecyclingConfig
 from vllm_anisotropic.proposers.treebuild import TreeBuilder
 from vllm_anisotropic.tree import DraftTree, NodeSource
@@ -64,14 +64,16 @@ class TokenRecyclingState(HarvestingState):
         self._prev_root = -1
         self.last_info = ProposalInfo(ProposalMode.PLAIN)
 
-    def propose(self, context_tokens) -> DraftTree:
+    def propose(self, context_tokens, max_nodes: int | None = None) -> DraftTree:
         context = np.asarray(context_tokens)
         root = int(context[-1])
         self._prev_root = int(context[-2]) if len(context) >= 2 else -1
         builder = TreeBuilder(root)
         node_of = [0] + [-1] * (len(self.template) - 1)  # template slot -> builder node, -1 dropped
         rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for s, (parent, rank) in enumerate(self.template[1:], start=1):
+        # a prefix of the template is a template (parents come first): max_nodes slots of it
+        slots = self.template[1 : node_budget(len(self.template), max_nodes)]
+        for s, (parent, rank) in enumerate(slots, start=1):
             p = node_of[parent]
             if p < 0:
                 continue

@@ -22,7 +22,8 @@ isotropic          iso3        ``proposers.config.IsotropicConfig`` (``branching
 =================  ==========  ====================================================
 
 plus the engine-side keys of ``EngineTreeConfig`` (``verifier``, ``sampling_verifier``,
-``allocator``, ``allocator_probe_every``, ``cost_model``, ``cost_model_online``).
+``allocator``, ``allocator_probe_every``, ``allocator_offer_factor``, ``cost_model``,
+``cost_model_online``).
 
 How tunables travel (vLLM's ``SpeculativeConfig`` is a pydantic dataclass with
 ``extra="forbid"``, so it cannot carry them): in the front-end process the plugin wraps
@@ -93,6 +94,13 @@ class EngineTreeConfig(BaseModel):
     allocator_probe_every: int = Field(default=32, ge=0)
     """While the allocator keeps no drafts, every this-many-th such step verifies one draft
     node anyway, so the cost model keeps measuring what tree rows cost (0: never)."""
+
+    allocator_offer_factor: float = Field(default=4.0, ge=0.0)
+    """With the allocator on, each request's next tree is built with at most
+    max(8, this x the most draft nodes the allocator recently kept for it) drafts (a high-water
+    mark decaying 20 % a step), so no proposal time goes into nodes it would cut; the list can
+    grow by this factor every step when the allocator keeps all of it. 0: always build the
+    proposer's whole budget."""
 
     cost_model: str | None = None
     """Path of a cost-model JSON (``allocator.CostModel.to_json``) to start from instead of

@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["TreeDrafter", "MAX_BACKOFF"]
 
 MAX_BACKOFF = 16  # most proposals a request skips in a row while the allocator cuts it to 0
+OFFER_MIN_DRAFTS = 8  # the smallest draft list offered while the allocator keeps few nodes
+OFFER_MEMORY = 0.8  # per-step decay of a request's recent-kept high-water mark
 ACCEPTANCE_REFIT_EVERY = 16  # verified steps between refits of the acceptance model
 
 
@@ -70,6 +72,12 @@ class TreeDrafter:
         # tree, no harvest: plain decoding at plain decoding's host cost), then offers again
         self.zero_streak: dict[str, int] = {}
         self.skip: dict[str, int] = {}
+        # what the allocator has been keeping per request: a high-water mark of the scheduled
+        # draft counts that decays by OFFER_MEMORY a step. The next tree is built with at most
+        # max(OFFER_MIN_DRAFTS, allocator_offer_factor x mark) drafts: nodes the allocator would
+        # cut cost proposal time (the tree build, the probabilities) and buy nothing
+        self.offer_factor = float(self.config.engine.allocator_offer_factor) if self.acceptance is not None else 0.0
+        self.kept_mark: dict[str, float] = {}
         # tree counters -> stats file (VLLM_ANISOTROPIC_TREE_STATS), /metrics and the log (metrics.py)
         self.metrics = TreeMetrics()
         self.sink = MetricsSink(self.metrics, rank=_tp_rank())
@@ -110,9 +118,9 @@ class TreeDrafter:
             if state is None:
                 state = self.states[req_id] = self.proposer.new_request()
                 self.metrics.live_requests = len(self.states)
-            tree = state.propose(token_ids_cpu[i, :num_tokens])
-            assert int(tree.tokens[0]) == int(token_ids_cpu[i, num_tokens - 1]), "root must be the last token"
             room = min(self.max_draft_tokens, self.max_model_len - num_tokens - 1)
+            tree = state.propose(token_ids_cpu[i, :num_tokens], self._offer(req_id, room))
+            assert int(tree.tokens[0]) == int(token_ids_cpu[i, num_tokens - 1]), "root must be the last token"
             tree = tree.truncate(max(room, 0) + 1)
             self.trees[req_id] = tree
             new[req_id] = tree
@@ -122,6 +130,14 @@ class TreeDrafter:
             for req_id, p in zip(new, tree_probs(list(new.values()), self.acceptance)):
                 self.probs[req_id] = p.tolist()
         return drafts
+
+    def _offer(self, req_id: str, room: int) -> int | None:
+        """Node budget (root included) of ``req_id``'s next proposal; None = the proposer's own."""
+        mark = self.kept_mark.get(req_id)
+        if not self.offer_factor or mark is None:
+            return None
+        drafts = max(OFFER_MIN_DRAFTS, int(np.ceil(self.offer_factor * mark)))
+        return None if drafts >= room else drafts + 1
 
     def take_tree(self, req_id: str, scheduled: Sequence[int]) -> DraftTree | None:
         """The pending tree of ``req_id`` cut to the ``scheduled`` draft prefix, or None.
@@ -141,6 +157,7 @@ class TreeDrafter:
                 f"pending tree's draft list {tree.tokens[1:9].tolist()}..."
             )
         if self.acceptance is not None and tree.num_nodes > 1:
+            self.kept_mark[req_id] = max(float(n), OFFER_MEMORY * self.kept_mark.get(req_id, 0.0))
             if n == 0:
                 streak = self.zero_streak[req_id] = self.zero_streak.get(req_id, 0) + 1
                 self.skip[req_id] = min(2 ** (streak - 1), MAX_BACKOFF)
@@ -202,6 +219,7 @@ class TreeDrafter:
         self.trees.pop(req_id, None)
         self.zero_streak.pop(req_id, None)
         self.skip.pop(req_id, None)
+        self.kept_mark.pop(req_id, None)
         self.metrics.live_requests = len(self.states)
         self.sink.tick(force=True)
 
