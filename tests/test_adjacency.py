@@ -82,3 +82,36 @@ def test_memory_numbers():
         m = AdjacencyTable(vocab, 10).memory_bytes()
         assert abs(m["unigram"] / 1e6 - mb) < 0.01
         assert m["bigram_rows"] == 65536 * 10 * 8
+
+
+def test_tenants_never_read_each_others_tables():
+    """Issue 14 item 7: per-tenant tables (vLLM's cache_salt). What tenant "a" harvested shapes
+    a's drafts and nobody else's; requests without a salt share their own table; without
+    shared_table every request starts empty; the salted tables are bounded (LRU)."""
+    from vllm_anisotropic.proposers import get_proposer
+    from vllm_anisotropic.proposers.adjacency import TenantTables
+
+    logits = torch.arange(32, dtype=torch.float32).repeat(32, 1)  # every row: 31 > 30 > ...
+    context = np.array([1, 2])
+    for name in ("goose", "tr", "iso3"):
+        prop = get_proposer(name, vocab_size=32, bigram=False)
+        a1 = prop.new_request("a")
+        a1.table.harvest(np.full(32, -1), np.arange(32), logits)  # a's request learns
+        assert prop.new_request("a").propose(context).num_nodes > 1, name  # a's next request reads it
+        for other in ("b", None):
+            assert prop.new_request(other).propose(context).num_nodes == 1, (name, other)  # cold
+        prop.new_request(None).table.harvest(np.full(32, -1), np.arange(32), logits)
+        assert prop.new_request("c").propose(context).num_nodes == 1, name  # unsalted -> c: no
+        assert prop.new_request(None).propose(context).num_nodes > 1, name
+        private = get_proposer(name, vocab_size=32, bigram=False, shared_table=False)
+        r = private.new_request("a")
+        r.table.harvest(np.full(32, -1), np.arange(32), logits)
+        assert private.new_request("a").propose(context).num_nodes == 1, name
+
+    made = []
+    tables = TenantTables(lambda: made.append(object()) or made[-1], shared=True, max_tenants=2)
+    ta, tb = tables.for_request("a"), tables.for_request("b")
+    assert tables.for_request("a") is ta  # a is now the most recently used
+    tc = tables.for_request("c")  # evicts b, the least recently used
+    assert tables.num_tenants == 2 and tables.for_request("a") is ta and tables.for_request("c") is tc
+    assert tables.for_request("b") is not tb  # b starts cold

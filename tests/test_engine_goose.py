@@ -9,7 +9,8 @@ Engine runs (each a fresh process, vLLM's default multiprocess engine, ~30-60 s 
    256-token step budget: chunked prefills, trees cut to the scheduled prefix, requests
    waiting for KV): output token-identical to (1), vLLM's own spec counters give tau > 1, and
    the drafter's tree counters (``VLLM_ANISOTROPIC_TREE_STATS``) show branching trees and
-   accepted branch nodes;
+   accepted branch nodes; the prompts carry two tenants' ``cache_salt`` (and none), and the
+   worker holds one adjacency table per salt (the salt travels scheduler -> worker);
 3. GOOSE with the paper defaults and ``max_tokens=1``: the first token of (1).
 
 Config checks run in one subprocess without starting an engine.
@@ -61,6 +62,7 @@ def test_goose_trees_are_greedy_identical_with_tau_above_one(model_dir, prompts,
     job = OfflineJob(
         model=model_dir,
         prompts=prompts,
+        cache_salts=[("tenant-a", "tenant-b", None)[i % 3] for i in range(len(prompts))],
         max_tokens=MAX_TOKENS,
         speculative_config=WIDE_GOOSE,
         llm_kwargs=TIGHT_ENGINE_KWARGS,
@@ -79,6 +81,7 @@ def test_goose_trees_are_greedy_identical_with_tau_above_one(model_dir, prompts,
     assert stats["max_nodes"] > 30, stats
     assert stats["accepted_branch_nodes"] > 0, stats
     assert stats["accepted_nodes"] == spec.spec.num_accepted_tokens, (stats, spec.spec)
+    assert stats["tenant_tables"] == 2, stats  # one per salt; unsalted requests share the default
 
 
 def test_goose_defaults_max_tokens_one(model_dir, prompts, plain):

@@ -29,6 +29,13 @@ the key -> slot OrderedDict (measured ~150 bytes per entry in CPython: 9.7 MB at
 at most ~27 MB in all at V = 151,936 and ~19 MB at V = 49,152. Eviction is
 least-recently-used: a lookup hit or an overwrite refreshes an entry; inserting into a full
 table evicts the least recently used entry and reuses its row.
+
+Tenants (``TenantTables``): with ``shared_table`` every request of one tenant reads and feeds
+one table, the hot start of Token Recycling. A shared table is a side channel: what one
+request's text taught the table shapes another request's drafts, hence its acceptance and its
+latency. So tables are per tenant, the tenant being vLLM's ``cache_salt`` (the key vLLM already
+uses to keep tenants' prefix-cache blocks apart); requests without a salt share one table, as
+they share prefix-cache blocks. ``shared_table: false`` gives every request a table of its own.
 """
 
 from __future__ import annotations
@@ -43,9 +50,10 @@ import torch
 from vllm_anisotropic.proposers.base import RequestState
 from vllm_anisotropic.tree import DraftTree
 
-__all__ = ["AdjacencyTable", "TopKRows", "topk_scores"]
+__all__ = ["AdjacencyTable", "MAX_TENANT_TABLES", "TenantTables", "TopKRows", "topk_scores"]
 
 _EMPTY = -1
+MAX_TENANT_TABLES = 64  # salted tables kept per proposer (least recently used evicted)
 
 
 def topk_scores(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -288,3 +296,40 @@ class HarvestingState(RequestState):
     def observe_prefill(self, prompt_tokens, logits: torch.Tensor | None) -> None:
         if logits is not None:
             self.table.harvest_sequence(prompt_tokens, logits)
+
+
+class TenantTables:
+    """The adjacency tables of one harvesting proposer: one per tenant (module docstring).
+
+    ``for_request(tenant)``: with ``shared`` the tenant's table (created empty at its first
+    request; tenant None = requests without a ``cache_salt``), else a new empty table. At most
+    ``max_tenants`` salted tables are kept; the least recently used one is dropped (its tenant
+    starts cold again; requests already holding it keep it until they finish), which bounds
+    memory at ``max_tenants`` x ``AdjacencyTable.memory_bytes``.
+    ``tables.for_request("a") is tables.for_request("a") is not tables.for_request("b")``.
+    """
+
+    def __init__(self, make, shared: bool, max_tenants: int = MAX_TENANT_TABLES) -> None:
+        self.make = make  # () -> AdjacencyTable
+        self.shared = bool(shared)
+        self.max_tenants = int(max_tenants)
+        self.default: AdjacencyTable | None = make() if self.shared else None
+        self._salted: OrderedDict[str, AdjacencyTable] = OrderedDict()
+
+    def for_request(self, tenant: str | None = None) -> AdjacencyTable:
+        if not self.shared:
+            return self.make()
+        if tenant is None:
+            return self.default
+        table = self._salted.pop(tenant, None)
+        if table is None:
+            table = self.make()
+            while len(self._salted) >= self.max_tenants:
+                self._salted.popitem(last=False)
+        self._salted[tenant] = table  # most recently used last
+        return table
+
+    @property
+    def num_tenants(self) -> int:
+        """Salted tables held (the unsalted default not counted)."""
+        return len(self._salted)

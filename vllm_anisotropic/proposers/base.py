@@ -1,7 +1,8 @@
 """The proposer interface shared by GOOSE and every baseline.
 
 Scope: the contract only. A ``Proposer`` holds configuration and anything shared across
-requests (e.g. a hot-start adjacency table); ``Proposer.new_request()`` returns a per-request
+requests (e.g. a hot-start adjacency table, one per tenant); ``Proposer.new_request(tenant)``
+returns a per-request
 ``RequestState`` that drafts trees and learns from verification results:
 
 * ``state.propose(context_tokens, max_nodes=None) -> DraftTree`` -- ``context_tokens`` is every
@@ -95,4 +96,6 @@ class Proposer(abc.ABC):
     name: ClassVar[str]
 
     @abc.abstractmethod
-    def new_request(self) -> RequestState: ...
+    def new_request(self, tenant: str | None = None) -> RequestState:
+        """A new request's state. ``tenant``: vLLM's ``cache_salt`` of the request; a proposer
+        that learns across requests learns per tenant (``adjacency.TenantTables``)."""

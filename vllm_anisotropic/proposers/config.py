@@ -63,8 +63,9 @@ class AdjacencyConfig(ProposerConfig):
     min_branch_score: float = Field(default=0.01, ge=0.0, le=1.0)
     """Successors with a score (softmax probability) below this are pruned. Paper: 0.01."""
     shared_table: bool = True
-    """One adjacency table per proposer, inherited across requests (TR's hot start); False
-    gives every request an empty table of its own."""
+    """One adjacency table per tenant, inherited across that tenant's requests (TR's hot start);
+    a tenant is vLLM's ``cache_salt`` (requests without one share a table). False gives every
+    request an empty table of its own (no learning across requests at all)."""
 
 
 class GooseConfig(AdjacencyConfig):

@@ -57,7 +57,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState, TenantTables
 from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, node_budget
 from vllm_anisotropic.proposers.config import GooseConfig
 from vllm_anisotropic.proposers.context_match import ContextMatch, ContextMatcher
@@ -285,11 +285,16 @@ class GooseProposer(Proposer):
     def __init__(self, config: GooseConfig | None = None, vocab_size: int | None = None) -> None:
         self.config = config or GooseConfig()
         self.vocab_size = vocab_size
-        self.table = self._new_table() if self.config.shared_table else None
+        self.tables = TenantTables(self._new_table, self.config.shared_table)
 
     def _new_table(self) -> AdjacencyTable:
         c = self.config
         return AdjacencyTable(self.vocab_size, c.top_k, bigram=c.bigram, bigram_capacity=c.bigram_capacity)
 
-    def new_request(self) -> GooseState:
-        return GooseState(self.config, self.table if self.table is not None else self._new_table())
+    def new_request(self, tenant: str | None = None) -> GooseState:
+        return GooseState(self.config, self.tables.for_request(tenant))
+
+    @property
+    def table(self) -> AdjacencyTable | None:
+        """The table of requests without a tenant (None without ``shared_table``)."""
+        return self.tables.default

@@ -16,7 +16,7 @@ from collections import deque
 
 import numpy as np
 
-from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState, TenantTables
 from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, node_budget
 from vllm_anisotropic.proposers.config import IsotropicConfig
 from vllm_anisotropic.proposers.context_match import ContextMatcher
@@ -108,11 +108,16 @@ class IsotropicProposer(Proposer):
     def __init__(self, config: IsotropicConfig | None = None, vocab_size: int | None = None) -> None:
         self.config = c = config or IsotropicConfig()
         self.vocab_size = vocab_size
-        self.table = self._new_table() if c.shared_table else None
+        self.tables = TenantTables(self._new_table, c.shared_table)
 
     def _new_table(self) -> AdjacencyTable:
         c = self.config
         return AdjacencyTable(self.vocab_size, c.top_k, bigram=c.bigram, bigram_capacity=c.bigram_capacity)
 
-    def new_request(self) -> IsotropicState:
-        return IsotropicState(self.config, self.table if self.table is not None else self._new_table())
+    def new_request(self, tenant: str | None = None) -> IsotropicState:
+        return IsotropicState(self.config, self.tables.for_request(tenant))
+
+    @property
+    def table(self) -> AdjacencyTable | None:
+        """The table of requests without a tenant (None without ``shared_table``)."""
+        return self.tables.default

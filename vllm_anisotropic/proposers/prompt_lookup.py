@@ -43,7 +43,7 @@ class PLDProposer(Proposer):
     def __init__(self, config: PLDConfig | None = None, vocab_size: int | None = None) -> None:
         self.config = config or PLDConfig()
 
-    def new_request(self) -> PLDState:
+    def new_request(self, tenant: str | None = None) -> PLDState:
         return PLDState(self.config)
 
 
@@ -62,5 +62,5 @@ class ARProposer(Proposer):
     def __init__(self, config: ARConfig | None = None, vocab_size: int | None = None) -> None:
         self.config = config or ARConfig()
 
-    def new_request(self) -> RequestState:
+    def new_request(self, tenant: str | None = None) -> RequestState:
         return _ARState()

@@ -22,7 +22,7 @@ import heapq
 
 import numpy as np
 
-from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState, TenantTables
 from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, node_budget
 from vllm_anisotropic.proposers.config import TokenRecyclingConfig
 from vllm_anisotropic.proposers.treebuild import TreeBuilder
@@ -96,11 +96,16 @@ class TokenRecyclingProposer(Proposer):
         self.config = c = config or TokenRecyclingConfig()
         self.vocab_size = vocab_size
         self.template = static_template(c.budget, c.max_depth, c.top_k, c.rank_decay)
-        self.table = self._new_table() if c.shared_table else None
+        self.tables = TenantTables(self._new_table, c.shared_table)
 
     def _new_table(self) -> AdjacencyTable:
         c = self.config
         return AdjacencyTable(self.vocab_size, c.top_k, bigram=c.bigram, bigram_capacity=c.bigram_capacity)
 
-    def new_request(self) -> TokenRecyclingState:
-        return TokenRecyclingState(self.config, self.table if self.table is not None else self._new_table(), self.template)
+    def new_request(self, tenant: str | None = None) -> TokenRecyclingState:
+        return TokenRecyclingState(self.config, self.tables.for_request(tenant), self.template)
+
+    @property
+    def table(self) -> AdjacencyTable | None:
+        """The table of requests without a tenant (None without ``shared_table``)."""
+        return self.tables.default

@@ -12,7 +12,8 @@ Scope: bookkeeping between vLLM's flat draft lists and our ``DraftTree``s. The t
 3. ``observe`` after verification: the logits of every verified node (root included) go to
    the proposer state (adjacency-table harvest, spine-acceptance EMA).
 
-State lives per request (``Proposer.new_request()``), created at the first proposal and
+State lives per request (``Proposer.new_request(tenant)``, the tenant being the request's
+``cache_salt``), created at the first proposal and
 dropped when the request finishes or is aborted (``drop``); a preempted request keeps its
 proposer state but loses its pending tree (``drop_tree``).
 
@@ -61,6 +62,9 @@ class TreeDrafter:
         self.max_draft_tokens: int = int(spec.num_speculative_tokens)
         self.max_model_len: int = int(vllm_config.model_config.max_model_len)
         self.states: dict[str, RequestState] = {}
+        # req_id -> vLLM cache_salt of requests that have one (scheduler.TreeScheduler.schedule):
+        # the tenant whose adjacency table the request reads and feeds
+        self.tenants: dict[str, str] = {}
         self.trees: dict[str, DraftTree] = {}
         # budget allocator (budget.py): calibrated P(node on the accepted path) of each pending
         # tree's draft list, learned from every verified tree; None when the allocator is off
@@ -116,8 +120,9 @@ class TreeDrafter:
                 continue
             state = self.states.get(req_id)
             if state is None:
-                state = self.states[req_id] = self.proposer.new_request()
+                state = self.states[req_id] = self.proposer.new_request(self.tenants.get(req_id))
                 self.metrics.live_requests = len(self.states)
+                self.metrics.tenant_tables = getattr(getattr(self.proposer, "tables", None), "num_tenants", 0)
             room = min(self.max_draft_tokens, self.max_model_len - num_tokens - 1)
             tree = state.propose(token_ids_cpu[i, :num_tokens], self._offer(req_id, room))
             assert int(tree.tokens[0]) == int(token_ids_cpu[i, num_tokens - 1]), "root must be the last token"
@@ -216,6 +221,7 @@ class TreeDrafter:
     def drop(self, req_id: str) -> None:
         """The request finished or was aborted."""
         self.states.pop(req_id, None)
+        self.tenants.pop(req_id, None)
         self.trees.pop(req_id, None)
         self.zero_streak.pop(req_id, None)
         self.skip.pop(req_id, None)

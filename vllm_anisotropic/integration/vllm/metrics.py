@@ -82,6 +82,7 @@ class TreeMetrics:
     accepted_off_chain: int = 0  # accepted paths that are not nodes 1..a (KV re-run needed)
     rerun_tokens: int = 0  # accepted tokens whose KV the scheduler re-runs (scheduler.py): a - c
     live_requests: int = 0  # gauge: per-request proposer states alive (dropped on finish / abort)
+    tenant_tables: int = 0  # gauge: adjacency tables of cache_salt tenants held (adjacency.TenantTables)
     requests: dict[str, list[int]] = field(default_factory=dict)  # traces (TRACE_ENV only)
 
     def record(self, req_id: str, tree: DraftTree, accepted: Sequence[int], mode: str | None, trace: bool) -> None:
@@ -226,6 +227,10 @@ class TreeMetricsCollector:
         live = GaugeMetricFamily("vllm_anisotropic:tree_live_requests", "requests holding proposer state in the worker")
         live.add_metric([], float(data.get("live_requests", 0)))
         yield live
+        tenants = GaugeMetricFamily("vllm_anisotropic:tree_tenant_tables",
+                                    "adjacency tables of cache_salt tenants held in the worker")
+        tenants.add_metric([], float(data.get("tenant_tables", 0)))
+        yield tenants
         for name, (key, doc) in _COUNTERS.items():
             fam = CounterMetricFamily(f"vllm_anisotropic:{name}", doc)
             fam.add_metric([], float(data.get(key, 0)))

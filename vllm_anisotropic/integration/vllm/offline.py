@@ -45,6 +45,8 @@ class OfflineJob(BaseModel):
     """Text prompts (already chat-formatted). Exactly one of prompts / prompt_token_ids."""
     prompt_token_ids: list[list[int]] | None = None
     """Token-id prompts."""
+    cache_salts: list[str | None] | None = None
+    """Per-prompt vLLM ``cache_salt`` (the tenant of prefix caching and of the adjacency tables)."""
     max_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -127,6 +129,15 @@ def _counters(llm) -> dict[str, float]:
     return out
 
 
+def _salted(prompt, salt):
+    """``prompt`` (text or ``TokensPrompt``) with vLLM's ``cache_salt`` (None: unchanged)."""
+    if salt is None:
+        return prompt
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "cache_salt": salt}
+    return {**prompt, "cache_salt": salt}
+
+
 def run_in_this_process(job: OfflineJob) -> OfflineResult:
     """Build the engine, generate, collect outputs and counters. Imports vLLM."""
     from vllm import LLM, SamplingParams
@@ -148,6 +159,10 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
         if job.prompts is not None
         else [TokensPrompt(prompt_token_ids=ids) for ids in job.prompt_token_ids]
     )
+    if job.cache_salts is not None:
+        if len(job.cache_salts) != len(prompts):
+            raise ValueError(f"cache_salts needs one entry per prompt: {len(job.cache_salts)} vs {len(prompts)}")
+        prompts = [_salted(p, salt) for p, salt in zip(prompts, job.cache_salts)]
     def params_for(seed):
         return SamplingParams(
             max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=seed, n=job.n,
@@ -219,3 +234,4 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+

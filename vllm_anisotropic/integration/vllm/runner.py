@@ -149,6 +149,7 @@ class TreeRunnerMixin:
 
     # ------------------------------------------------------------------ request lifecycle
     def _update_states(self, scheduler_output):
+        self.drafter.tenants.update(getattr(scheduler_output, "tree_tenants", None) or {})
         for req_id in scheduler_output.finished_req_ids:
             self.drafter.drop(req_id)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():

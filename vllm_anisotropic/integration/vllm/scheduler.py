@@ -52,6 +52,11 @@ class TreeScheduler(Scheduler):
         self.budget.cut(self.running)
         out = super().schedule(*args, **kwargs)
         self.budget.on_scheduled(out)
+        # the tenant (cache_salt) of each new request, for the worker's per-tenant adjacency
+        # tables (proposers.adjacency.TenantTables): vLLM's NewRequestData does not carry it.
+        # An extra attribute, pickled with the output to every worker like kv_in_place.
+        out.tree_tenants = {r.req_id: self.requests[r.req_id].cache_salt for r in out.scheduled_new_reqs
+                            if r.req_id in self.requests and self.requests[r.req_id].cache_salt is not None}
         return out
 
     def update_draft_token_ids(self, draft_token_ids, *args, **kwargs):
