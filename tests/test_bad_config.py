@@ -31,6 +31,12 @@ KEY = "vllm_anisotropic"  # config.ADDITIONAL_CONFIG_KEY
 MISSING_COST_MODEL = "/nonexistent/vllm-anisotropic/cost.json"
 
 
+def _kv_transfer():
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+
+
 def row(id, spec, *expected, engine=None, env=None):
     """One table row: ``speculative_config``, substrings of the error, extra ``EngineArgs``/env."""
     return pytest.param(spec, engine or {}, env or {}, expected, id=id)
@@ -103,6 +109,7 @@ BAD_CONFIGS = [
     row("kv_cache_fp8", GOOSE, "kv_cache_dtype 'fp8'", "'auto'", engine={"kv_cache_dtype": "fp8"}),
     row("custom_worker_cls", GOOSE, "'my.Worker'", "'auto'", engine={"worker_cls": "my.Worker"}),
     row("custom_scheduler_cls", GOOSE, "'my.Scheduler'", "leave", engine={"scheduler_cls": "my.Scheduler"}),
+    row("kv_connector", GOOSE, "KV connectors", "kv_transfer_config", engine={"kv_transfer_config": _kv_transfer()}),
 ]
 
 

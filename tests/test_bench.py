@@ -127,12 +127,12 @@ def test_registry_is_what_the_issue_asks_for():
 def test_bench_runs_in_real_vllm_and_goose_outputs_equal_plain(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
     rc = cli_main(["bench", "--model", str(tiny_model_dir), "--dataset", "humaneval", "--num-prompts", "3",
-                   "--max-tokens", "24", "--methods", "plain,goose-b8,goose-auto", "--concurrency", "1,3",
+                   "--max-tokens", "24", "--methods", "plain,goose-b8", "--concurrency", "1,3",
                    "--repeats", "1", "--dtype", "float32", "--out", str(out)])
     assert rc == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["method"], r["concurrency"]) for r in records] == [
-        (m, c) for m in ("plain", "goose-b8", "goose-auto") for c in (1, 3)]
+        (m, c) for m in ("plain", "goose-b8") for c in (1, 3)]  # (goose-auto: test_engine_allocator.py)
     assert all(r["output_tokens"] > 0 and r["tokens_per_s"] > 0 for r in records)
     assert all(r["draft_tokens"] > 0 for r in records if r["method"] == "goose-b8")  # it did speculate
     plain = {r["concurrency"]: r["output_sha1"] for r in records if r["method"] == "plain"}
@@ -140,3 +140,19 @@ def test_bench_runs_in_real_vllm_and_goose_outputs_equal_plain(tiny_model_dir, t
         assert r["output_sha1"] == plain[r["concurrency"]], r["method"]
     text = capsys.readouterr().out
     assert "| goose-b8 | 3 |" in text and Path(out.with_suffix(".png")).exists()
+
+
+def test_divergences_and_their_margins():
+    """The demo's bf16 report: the first differing token of each output and, from a plain
+    prefill's top logprobs there, the rank of the speculative token and the logprob gap."""
+    from vllm_anisotropic.bench.demo import Divergence, divergences, margin_report
+
+    plain = [[[1, 2, 3]], [[4, 5, 6]], [[7, 8]]]
+    spec = [[[1, 2, 3]], [[4, 9, 6]], [[7, 5]]]
+    found = divergences("goose", plain, spec)
+    assert found == [Divergence("goose", 1, 1, 5, 9), Divergence("goose", 2, 1, 8, 5)]
+    lines = margin_report(found, [[{5: -0.70, 9: -0.72, 11: -3.0}], [{8: -0.1, 3: -4.0}]])
+    assert lines[0].startswith("divergences: 2 outputs; the speculative token is among the recomputed top 2 in 1/2")
+    assert "median 0.020 max 0.020" in lines[0]
+    assert "prompt 1: first difference at output token 1, plain 5 vs 9 (rank 2" in lines[1] and "gap 0.020" in lines[1]
+    assert "(rank >5 in the recomputed distribution, logprob gap n/a)" in lines[2]

@@ -23,6 +23,7 @@ Speculative methods available today (``--method``):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import platform
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         f"= {plain.tokens_per_second:7.1f} tokens/s",
     ]
     all_identical = True
+    divergent: list[Divergence] = []
     for method in methods:
         spec_config = speculative_config_for(method, args.num_speculative_tokens)
         logger.info("speculative decoding with %s (starting vLLM)", method)
@@ -147,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             budget = json.loads(budget_file.read_text()) if budget_file.exists() else None
         identical = sum(a == b for a, b in zip(plain.token_ids, spec.token_ids))
         all_identical &= identical == len(prompts)
+        divergent += divergences(method, plain.token_ids, spec.token_ids)
         speedup = spec.tokens_per_second / plain.tokens_per_second
         # exact tau for tree methods: output tokens / target passes (tree steps + 1 prefill each)
         tau = spec.num_output_tokens / (tree["steps"] + len(prompts)) if tree and tree.get("steps") else spec.spec.tau
@@ -192,8 +195,67 @@ def run(args: argparse.Namespace) -> int:
             "plain step can pick different tokens where the top two logits are nearly tied; vLLM's own ngram "
             "shows the same. The exactness check is --dtype float32; see docs/engine.md.)"
         )
+    if divergent and args.dtype != "float32":
+        logger.info("measuring the margins of %d divergences (starting vLLM)", len(divergent))
+        probe = base.model_copy(update={
+            "prompts": None, "max_tokens": 1, "logprobs": MARGIN_TOP,
+            "prompt_token_ids": [plain.prompt_token_ids[d.prompt] + plain.token_ids[d.prompt][0][: d.position]
+                                 for d in divergent],
+        })
+        lines += margin_report(divergent, run_offline_job(probe, timeout=None).logprobs)
     print("\n".join(lines))
     return 0 if all_identical else 1
+
+
+MARGIN_TOP = 5  # top logprobs read at each first differing position
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """A speculative output that differs from plain decoding's: where first, and which tokens."""
+
+    method: str
+    prompt: int
+    position: int  # index of the first differing output token
+    plain_token: int
+    spec_token: int
+
+
+def divergences(method: str, plain: list[list[list[int]]], spec: list[list[list[int]]]) -> list[Divergence]:
+    """The first difference of each prompt's first completion where both sides have a token.
+    ``plain [[[1, 2, 3]]], spec [[[1, 5, 3]]] -> [Divergence(method, 0, 1, 2, 5)]``."""
+    out = []
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        a, b = a[0], b[0]
+        d = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if d is not None:
+            out.append(Divergence(method, i, d, int(a[d]), int(b[d])))
+    return out
+
+
+def margin_report(divergent: list[Divergence], logprobs: list[list[dict[int, float]]]) -> list[str]:
+    """Lines saying, for every divergence, how far apart plain decoding's token and the
+    speculative one were in the target's own distribution at that position (recomputed by a
+    plain prefill of prompt + common prefix): a near-tie (rounding) or not (a bug)."""
+    gaps, lines = [], []
+    for d, lp in zip(divergent, logprobs):
+        top = lp[0] if lp else {}
+        ranked = sorted(top, key=top.get, reverse=True)
+        rank = ranked.index(d.spec_token) + 1 if d.spec_token in top else None
+        gap = top[d.plain_token] - top[d.spec_token] if rank and d.plain_token in top else None
+        gaps.append(gap)
+        lines.append(
+            f"    {d.method} prompt {d.prompt}: first difference at output token {d.position}, plain {d.plain_token} "
+            f"vs {d.spec_token} (rank {rank or f'>{MARGIN_TOP}'} in the recomputed distribution, logprob gap "
+            f"{'n/a' if gap is None else f'{gap:.3f}'})"
+        )
+    known = sorted(abs(g) for g in gaps if g is not None)
+    head = (f"divergences: {len(divergent)} outputs; the speculative token is among the recomputed top 2 in "
+            f"{sum(1 for line in lines if '(rank 1 ' in line or '(rank 2 ' in line)}/{len(divergent)}")
+    if known:
+        head += f", |logprob gap| median {known[len(known) // 2]:.3f} max {known[-1]:.3f} nats"
+    return [head + " (near-ties: bf16 rounding, not a bug; a large gap would be)"] + lines
+
 
 
 def _rate(x: int, n: int) -> str:

@@ -56,6 +56,9 @@ class OfflineJob(BaseModel):
     n: int = Field(1, ge=1)
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
+    logprobs: int | None = Field(None, ge=0)
+    """Top logprobs per generated token (``SamplingParams.logprobs``); kept for the first
+    completion of each prompt in ``OfflineResult.logprobs``."""
     speculative_config: dict[str, Any] | None = None
     """Passed verbatim to ``LLM(speculative_config=...)``; None = plain decoding."""
     llm_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -97,6 +100,11 @@ class OfflineResult(BaseModel):
     counters: dict[str, float] = {}
     """Every ``vllm:*`` counter of the run (e.g. ``vllm:num_preemptions``)."""
     pid: int
+    prompt_token_ids: list[list[int]] = []
+    """The prompts as vLLM tokenized them."""
+    logprobs: list[list[dict[int, float]]] | None = None
+    """With ``OfflineJob.logprobs``: ``[num_prompts][num_output_tokens]`` token id -> logprob of
+    the first completion's top tokens (the sampled one included)."""
 
     @property
     def num_output_tokens(self) -> int:
@@ -166,7 +174,7 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
     def params_for(seed):
         return SamplingParams(
             max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=seed, n=job.n,
-            stop=job.stop, stop_token_ids=job.stop_token_ids,
+            stop=job.stop, stop_token_ids=job.stop_token_ids, logprobs=job.logprobs,
         )
 
     if job.seed is not None and job.seed_per_prompt:
@@ -187,6 +195,11 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
         spec=_spec_stats(llm, num_output_tokens),
         counters=_counters(llm),
         pid=os.getpid(),
+        prompt_token_ids=[list(o.prompt_token_ids or []) for o in outputs],
+        logprobs=None if job.logprobs is None else [
+            [{int(t): float(lp.logprob) for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])]
+            for o in outputs
+        ],
     )
 
 

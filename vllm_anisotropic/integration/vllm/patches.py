@@ -208,6 +208,10 @@ def check_and_install(vllm_config) -> None:
     model_config = vllm_config.model_config
     if model_config is not None and getattr(model_config, "is_hybrid", False):
         problems.append("hybrid (Mamba / linear-attention) models: their state cannot roll back a tree")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        # a connector saves / loads KV by block as vLLM commits it; accepted tree tokens sit
+        # at the wrong slots until re-run (scheduler.py), so a connector could ship stale KV
+        problems.append("KV connectors (kv_transfer_config; valid: unset)")
     if envs.VLLM_USE_V2_MODEL_RUNNER:
         problems.append("the V2 model runner (unset VLLM_USE_V2_MODEL_RUNNER or set it to 0)")
     kv_dtype = str(vllm_config.cache_config.cache_dtype)

@@ -1,0 +1,96 @@
+"""Prefix caching after tree acceptance (issue 14, item 6), in real vLLM (CPU build, float32).
+
+Accepted tree tokens sit at the wrong KV slots until they are re-run (scheduler.py). vLLM 0.32
+registers a block for prefix caching when it schedules the tokens that fill it, capped at the
+request's committed tokens (``KVCacheManager.allocate_slots``), i.e. after our rollback of the
+previous step: a block holding not-yet-re-run accepted tokens is never registered. A request
+that *finishes* on a step that accepted drafts is never scheduled again, so the blocks its last
+accepted tokens sit in are never registered either.
+
+The test: one engine, two rounds. Round 1 generates from each prompt with a different
+``max_tokens`` (so requests end at assorted points, some on steps that accepted drafts: checked
+through the per-request acceptance trace). Round 2, in the same engine, sends each round-1 prompt
++ its output as a new prompt, which hits the blocks round 1 left in the prefix cache (checked
+through ``vllm:prefix_cache_hits``). Every round-2 output must equal plain vLLM's for the same
+prompt, with plain vLLM run the same way (two rounds in one engine, prefix caching on).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_anisotropic.integration.vllm.metrics import STATS_ENV, TRACE_ENV
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = [9, 14, 19, 26, 33, 41, 50, 60]
+ROUND2_TOKENS = 24
+WIDE_GOOSE = {"method": "goose", "bypass": False, "min_branch_score": 0.0, "allocator": "off"}
+
+TWO_ROUNDS = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_anisotropic.integration.vllm.offline import _counters
+
+model, spec, max_tokens, round2_tokens, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+prompts = json.loads(sys.stdin.read())
+llm = LLM(model=model, speculative_config=spec, enforce_eager=True, max_model_len=1024, dtype="float32",
+          block_size=32, enable_prefix_caching=True, seed=0, kv_cache_memory_bytes=64 << 20,
+          disable_log_stats=False)
+first = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                     [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens], use_tqdm=False)
+round1 = [list(o.outputs[0].token_ids) for o in first]
+hits_before = _counters(llm).get("vllm:prefix_cache_hits", 0.0)
+second = llm.generate([TokensPrompt(prompt_token_ids=p + r) for p, r in zip(prompts, round1)],
+                      SamplingParams(max_tokens=round2_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+round2 = [list(o.outputs[0].token_ids) for o in second]
+hits = _counters(llm).get("vllm:prefix_cache_hits", 0.0) - hits_before
+json.dump({"round1": round1, "round2": round2, "round2_prefix_cache_hits": hits}, open(out, "w"))
+"""
+
+
+def _two_rounds(model_dir, prompts, spec, tmp_path, name, env=None):
+    out = tmp_path / f"{name}.json"
+    log = tmp_path / f"{name}.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(
+            [sys.executable, "-c", TWO_ROUNDS, model_dir, json.dumps(spec), json.dumps(MAX_TOKENS),
+             str(ROUND2_TOKENS), str(out)],
+            input=json.dumps(prompts), text=True, stdout=f, stderr=subprocess.STDOUT, timeout=900,
+            env={**__import__("os").environ, **(env or {})},
+        )
+    assert proc.returncode == 0 and out.exists(), log.read_text(errors="replace")[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_prompts):
+    from transformers import AutoTokenizer
+
+    from vllm_anisotropic.models import build_tiny_model
+
+    model = str(build_tiny_model(block_std=0.1))
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = [tok.encode(p) for p in tiny_prompts[: len(MAX_TOKENS)]]
+    return model, prompts
+
+
+def test_blocks_cached_after_tree_acceptance_serve_a_later_request_exactly(setup, tmp_path):
+    model, prompts = setup
+    plain = _two_rounds(model, prompts, None, tmp_path, "plain")
+    stats = tmp_path / "tree_stats.json"
+    goose = _two_rounds(model, prompts, WIDE_GOOSE, tmp_path, "goose", env={STATS_ENV: str(stats), TRACE_ENV: "1"})
+    assert goose["round1"] == plain["round1"]
+    # the second round really read blocks the first round cached (prompt + output blocks)
+    assert goose["round2_prefix_cache_hits"] > sum(len(p) for p in prompts) // 2, goose["round2_prefix_cache_hits"]
+    # some round-1 requests ended on a step that accepted drafts (the case under test)
+    trace = json.loads(stats.read_text())["requests"]
+    ended_in_acceptance = [r for r, steps in trace.items() if steps and steps[-1] > 0]
+    assert ended_in_acceptance, trace
+    for i, (a, b) in enumerate(zip(plain["round2"], goose["round2"])):
+        assert a == b, f"prompt {i}: plain {a} vs goose {b}"
