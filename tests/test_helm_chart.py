@@ -205,10 +205,10 @@ def test_no_gpu_mode_renders_no_gpu_resource(chart):
 def test_custom_goose_options_merge_into_one_json(chart):
     values = {
         "speculative": {
-            "options": {"goose": {"budget": 120, "verifier": "specinfer", "top_k": 16}}
+            "options": {"goose": {"budget": 120, "min_branch_score": 0.05, "top_k": 16}}
         }
     }
-    expected = {**GOOSE_DEFAULTS, "budget": 120, "verifier": "specinfer", "top_k": 16}
+    expected = {**GOOSE_DEFAULTS, "budget": 120, "min_branch_score": 0.05, "top_k": 16}
     raw = speculative_arg(render(chart, values))
     assert raw == go_json(expected)
     assert json.loads(raw) == expected
@@ -244,9 +244,10 @@ def test_json_survives_awkward_characters(chart):
     """Quotes, apostrophes, spaces, backslashes, braces, HTML and non-ASCII pass
     through the args list unharmed (no shell; Go may \\u-escape <, >, &)."""
     nasty = "a b'c\"d\\e{f}<g>&h $(rm -rf /) ü"
-    values = {"speculative": {"options": {"goose": {"verifier": nasty}}}}
+    # cost_model is a free-form path (the plugin checks the file exists when vLLM starts)
+    values = {"speculative": {"options": {"goose": {"cost_model": nasty}}}}
     raw = speculative_arg(render(chart, values))
-    assert json.loads(raw) == {**GOOSE_DEFAULTS, "verifier": nasty}
+    assert json.loads(raw) == {**GOOSE_DEFAULTS, "cost_model": nasty}
 
 
 def test_speculative_disabled_is_a_baseline(chart):
@@ -445,3 +446,44 @@ def test_rendered_speculative_config_passes_the_plugins_validator(chart, method)
     for refused in ("--attention-backend", "--compilation-config", "-cc", "--async-scheduling"):
         assert refused not in args
     assert gpu_counts(docs) == (1, 1)  # the default is the GPU path
+
+
+def _plugin_field(method: str, key: str):
+    """The pydantic field behind option ``key`` of tree method ``method`` (None: not a key)."""
+    from vllm_anisotropic.integration.vllm.config import TREE_METHODS, EngineTreeConfig
+    from vllm_anisotropic.proposers import PROPOSERS
+
+    for cls in (PROPOSERS[TREE_METHODS[method]][1], EngineTreeConfig):
+        if key in cls.model_fields:
+            return cls.model_fields[key]
+    return None
+
+
+@pytest.mark.parametrize("method", ["goose", "pld", "token_recycling", "isotropic"])
+def test_schema_options_match_the_plugins_config_classes(method):
+    """Issue 14 item 5: every option the chart's schema describes for a tree method is a key the
+    plugin accepts, with the same allowed values: a Literal is the schema's enum, and numeric
+    bounds are the schema's minimum / maximum. (The schema once accepted ``verifier: specinfer``,
+    which the plugin refuses at start-up.)"""
+    from typing import Literal, get_args, get_origin
+
+    import annotated_types
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    options = schema["properties"]["speculative"]["properties"]["options"]["properties"][method]["properties"]
+    checked = 0
+    for key, prop in options.items():
+        if key == "method":
+            assert prop is False  # the method is chosen by speculative.method only
+            continue
+        field = _plugin_field(method, key)
+        assert field is not None, f"schema option {method}.{key} is not a plugin key"
+        if get_origin(field.annotation) is Literal:
+            assert sorted(prop.get("enum", [])) == sorted(get_args(field.annotation)), (method, key, prop)
+        bounds = {"minimum": (annotated_types.Ge, "ge"), "exclusiveMinimum": (annotated_types.Gt, "gt"),
+                  "maximum": (annotated_types.Le, "le"), "exclusiveMaximum": (annotated_types.Lt, "lt")}
+        for name, (kind, attr) in bounds.items():
+            plugin = [getattr(m, attr) for m in field.metadata if isinstance(m, kind)]
+            assert prop.get(name) == (plugin[0] if plugin else None), (method, key, name, prop, plugin)
+        checked += 1
+    assert checked or method in ("pld", "token_recycling", "isotropic")
