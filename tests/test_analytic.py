@@ -1,4 +1,4 @@
-"""Analytic acceptance rates (papers/002 App. C), branching laws (App. D) and expected block
+"""Analytic acceptance rates (arXiv 2602.16994 App. C), branching laws (App. D) and expected block
 efficiency (Eq. 1-3): checked against exact enumeration and Monte Carlo of the fast samplers."""
 
 import itertools

@@ -5,8 +5,8 @@ ancestor masks, first-child / next-sibling links, priority-ordered child tables)
 packing of many trees into one flat batch (``TreeBatch``). No sampling, no vLLM.
 
 Sources: draft trees as in SpecInfer (Miao et al. 2024, arXiv 2305.09781) and the GOOSE spine
-tree (papers/000, Sec. 4 and Algorithm 3: nodes tagged by source, spine before branch); the
-multiset child lists of i.i.d. multi-path trees follow Definition 3.1 of papers/002
+tree (arXiv 2604.02047, Sec. 4 and Algorithm 3: nodes tagged by source, spine before branch); the
+multiset child lists of i.i.d. multi-path trees follow Definition 3.1 of arXiv 2602.16994
 (Thomas et al., "Dynamic Delayed Tree Expansion").
 
 Terms
@@ -25,7 +25,7 @@ draft distribution (``draft_probs``)
     logits): **row i is q(. | path to node i), the distribution the children of node i were
     sampled from.** Rows of leaves are unused. Deterministic trees (GOOSE, top-k) have none.
 multiplicity
-    Number of i.i.d. draft paths through a node (Definition 3.1 of papers/002: the child list
+    Number of i.i.d. draft paths through a node (Definition 3.1 of arXiv 2602.16994: the child list
     of a node is a multiset). 1 everywhere for unmerged trees; a trie that merged K i.i.d.
     paths stores the counts here, so the child multiset of node c is every child j repeated
     ``multiplicity[j]`` times.
@@ -47,7 +47,7 @@ __all__ = ["NodeSource", "DraftTree", "TreeBatch", "pack_trees", "SOURCE_PRIORIT
 
 
 class NodeSource(enum.IntEnum):
-    """Where a node's token came from (GOOSE papers/000 Sec. 4: PLD spine vs TR branch)."""
+    """Where a node's token came from (GOOSE arXiv 2604.02047 Sec. 4: PLD spine vs TR branch)."""
 
     ROOT = 0  # the last accepted token, not a draft
     SPINE = 1  # context match (prompt-lookup n-gram copy): the deep, reliable chain

@@ -1,7 +1,7 @@
 """Exact tau harness: a tree speculative-decoding loop over a Hugging Face causal LM.
 
 Scope: batch size 1, greedy (temperature 0) decoding with any ``proposers`` method, verified
-by the greedy walk of ``verifiers.greedy`` (GOOSE papers/000 Algorithm 3). It measures tau, the
+by the greedy walk of ``verifiers.greedy`` (GOOSE arXiv 2604.02047 Algorithm 3). It measures tau, the
 number of tokens emitted per target forward call (accepted drafts + 1 bonus), per step and per
 source, and checks that the output equals plain greedy decoding. It does not model serving
 cost (no batching, no CUDA graphs); use vLLM for throughput.

@@ -7,9 +7,9 @@ per-step records) and prints a summary table per dataset:
 
 tau        sum over steps of (accepted + 1) / number of steps (micro-average over prompts)
 p_s, p_t   acceptance rate of SPINE (context-match) and BRANCH (adjacency) draft tokens:
-           accepted / proposed, over all steps (GOOSE papers/000 Sec. 3 / Fig. 5)
-synergy    tau_goose / max(tau_pld, tau_tr) (papers/000 Sec. 5.4)
-vs iso3    tau_goose / tau_iso3 - 1 (papers/000 Table 1)
+           accepted / proposed, over all steps (GOOSE arXiv 2604.02047 Sec. 3 / Fig. 5)
+synergy    tau_goose / max(tau_pld, tau_tr) (arXiv 2604.02047 Sec. 5.4)
+vs iso3    tau_goose / tau_iso3 - 1 (arXiv 2604.02047 Table 1)
 ms/step    proposer time per step (propose + observe/harvest), milliseconds
 
 Example::

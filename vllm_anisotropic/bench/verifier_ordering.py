@@ -1,11 +1,11 @@
-"""Block efficiency of every draft-model verifier on i.i.d. trees (papers/002 Sec. 4, Table 2).
+"""Block efficiency of every draft-model verifier on i.i.d. trees (arXiv 2602.16994 Sec. 4, Table 2).
 
 ``python -m vllm_anisotropic.bench.verifier_ordering [--out table.md]`` writes a markdown table
 of E[tau + 1] (mean emitted tokens per verification) for K in 1..4 i.i.d. paths of length
 L in 1..8, on synthetic p/q tables (``verifiers.toy``, V = 32) whose divergence grows with
 depth (draft = (1 - lam_d) target + lam_d noise, lam_d = 0.2 + 0.1 d). Each cell averages the
 same ``--trees`` sampled trees (common random trees across verifiers) verified by the fast
-implementations at temperature 1. Expected (papers/002): Traversal on top, NSS at the bottom.
+implementations at temperature 1. Expected (arXiv 2602.16994): Traversal on top, NSS at the bottom.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ ar                         plain decoding (root-only trees)                     
 pld                        Prompt Lookup Decoding chain (Saxena 2023)           prompt_lookup
 tr                         Token Recycling: unigram matrix + static BFS tree    token_recycling
 iso3, iso5                 Isotropic(k): k-ary BFS tree, GOOSE's sources        isotropic
-goose                      GOOSE spine tree (papers/000 Alg. 1-2)               goose
+goose                      GOOSE spine tree (arXiv 2604.02047 Alg. 1-2)               goose
 goose-no-spine-branches    ablation: all branch budget at the root              goose
 goose-unigram              ablation: no bigram tier                             goose
 goose-no-bypass            ablation: never verify the spine alone               goose

@@ -5,7 +5,7 @@ Scope: storage, lookup and batched harvest of successor lists. No tree building,
 Sources: Token Recycling (Luo et al., ACL 2025, arXiv 2408.08696): an adjacency matrix with one
 row of top-k candidate next tokens per vocabulary token, overwritten with the newest top-k of
 every forward pass (draft tokens included) and inherited across queries ("hot start"). GOOSE
-(papers/000 Sec. 4.1 and Appendix C.1) extends it to two tiers: a dense unigram table
+(arXiv 2604.02047 Sec. 4.1 and Appendix C.1) extends it to two tiers: a dense unigram table
 ``[vocab_size, K]`` of token ids and logit-derived scores, and a bigram table keyed by the last
 two tokens ``(t_{i-1}, t_i)``; logits of every verified node, rejected branches included, and of
 the prefill are harvested with one batched top-k.

@@ -3,7 +3,7 @@
 Scope: one config model per proposer family; an unknown key is an error naming the valid keys
 (the vLLM integration reads these from ``--speculative-config``). No algorithm here.
 
-Defaults follow GOOSE papers/000 Table 5 and Sec. 5.1: node budget B = 60 (nodes *including*
+Defaults follow GOOSE arXiv 2604.02047 Table 5 and Sec. 5.1: node budget B = 60 (nodes *including*
 the root, so at most 59 draft tokens), max branch depth D = 6, adjacency top-K = 10,
 spine-branch ratio rho = 0.5, min branch score 0.01, n-gram lengths {3, 4, 5}, spine
 continuation 20, EMA coefficient 0.3 (initial spine acceptance 0.3, Algorithm 2 line 3), spine
@@ -69,7 +69,7 @@ class AdjacencyConfig(ProposerConfig):
 
 
 class GooseConfig(AdjacencyConfig):
-    """GOOSE spine tree (papers/000 Algorithms 1-2, Appendix C.1) and its ablation switches."""
+    """GOOSE spine tree (arXiv 2604.02047 Algorithms 1-2, Appendix C.1) and its ablation switches."""
 
     ngram_sizes: NgramSizes = Field(default=(3, 4, 5), min_length=1)
     """Context-match n-gram lengths, longest first. Paper: {3, 4, 5}."""

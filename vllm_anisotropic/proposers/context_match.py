@@ -4,7 +4,7 @@ Scope: an index over every token a request has (prompt + accepted output) answer
 the last n tokens occur before, and what followed?" for several n at once, longest n first. No
 tree building, no adjacency table, no vLLM.
 
-Source: ContextMatch of GOOSE (papers/000 Appendix B.2, Algorithm 2 line 5; Table 5: n-gram
+Source: ContextMatch of GOOSE (arXiv 2604.02047 Appendix B.2, Algorithm 2 line 5; Table 5: n-gram
 lengths {3, 4, 5}, spine continuation up to 20 tokens, bypass threshold 8). The match rule is
 that of Prompt Lookup Decoding (Saxena 2023; ``proposers.pld.propose_prompt_lookup`` is the
 stateless oracle this index must agree with).
@@ -21,7 +21,7 @@ draft (continuation)
     ``tokens[f : f + max_continuation]``, never empty when a match exists.
 consensus
     At least two n-gram lengths have a match whose first draft token equals the first token of
-    the chosen (longest-n) draft (papers/000 Sec. 4.3: ">= 2 lengths agree on the first token").
+    the chosen (longest-n) draft (arXiv 2604.02047 Sec. 4.3: ">= 2 lengths agree on the first token").
 match length
     How far the match extends backwards: the number of trailing context tokens equal to the
     tokens ending at ``f - 1`` (>= n, capped at ``max_match_length``). GOOSE's "long match"

@@ -2,10 +2,10 @@
 
 Scope: drafting only (tree construction from a context match and an adjacency table, the
 spine-acceptance EMA and the routing of Algorithm 2). Verification is the greedy walk of
-``verifiers.greedy`` (papers/000 Algorithm 3); the model forward lives in the caller.
+``verifiers.greedy`` (arXiv 2604.02047 Algorithm 3); the model forward lives in the caller.
 
 Source: GOOSE, "Anisotropic Speculation Trees for Training-Free Speculative Decoding"
-(papers/000): Algorithm 1 (BuildSpineTree), Algorithm 2 (decoding loop and routing),
+(arXiv 2604.02047): Algorithm 1 (BuildSpineTree), Algorithm 2 (decoding loop and routing),
 Sec. 4.3 (confidence adaptation), Appendix B.1 (duplicates), C.1 (score-modulated branch width,
 pruning below 0.01), Table 5 (hyperparameters; see ``config.GooseConfig``).
 

@@ -1,6 +1,6 @@
 """Isotropic(k) baseline: a uniform k-ary tree from GOOSE's sources under the same budget.
 
-Scope: the topology control of GOOSE papers/000 Sec. 5.3 / Table 1: "a uniform-rate k-ary tree
+Scope: the topology control of GOOSE arXiv 2604.02047 Sec. 5.3 / Table 1: "a uniform-rate k-ary tree
 with k in {3, 5} and the same node budget, derived from Sequoia's framework but using GOOSE's
 draft source". Under one uniform acceptance rate the best tree is balanced: we fill it
 breadth-first, each node taking up to k children, until B nodes. A node's candidate children

@@ -1,7 +1,7 @@
 """Prompt Lookup Decoding (PLD): a linear draft copied from an earlier n-gram match.
 
 Source: Saxena 2023, "Prompt Lookup Decoding" (the baseline the GOOSE paper calls PLD,
-arXiv 2510.xxxx Table 2). The last ``n`` context tokens are searched for earlier in the context
+GOOSE arXiv 2604.02047 Sec. 5.1). The last ``n`` context tokens are searched for earlier in the context
 (prompt + generated tokens), longest ``n`` first; the tokens that followed the most recent
 earlier occurrence are the draft.
 

@@ -1,7 +1,7 @@
 """PLD baseline and plain autoregressive decoding behind the proposer interface.
 
 Scope: ``PLDProposer`` drafts one linear chain: the continuation of the longest-n context match
-(Saxena 2023, "Prompt Lookup Decoding"; GOOSE papers/000 Sec. 5.1 baseline), built on the
+(Saxena 2023, "Prompt Lookup Decoding"; GOOSE arXiv 2604.02047 Sec. 5.1 baseline), built on the
 incremental ``ContextMatcher`` (whose stateless oracle is ``proposers.pld``). ``ARProposer``
 drafts nothing: every step verifies the root alone, i.e. plain greedy decoding (tau = 1).
 """

@@ -1,6 +1,6 @@
 """Token Recycling (TR) baseline: adjacency matrix + static breadth-first draft tree.
 
-Scope: drafting for the TR baseline of GOOSE's evaluation (papers/000 Sec. 5.1: "TR using its
+Scope: drafting for the TR baseline of GOOSE's evaluation (arXiv 2604.02047 Sec. 5.1: "TR using its
 default imbalanced BFS tree with unigram adjacency"). Facts from Luo et al., "Turning Trash into
 Treasure: Accelerating Inference of Large Language Models with Token Recycling" (ACL 2025,
 arXiv 2408.08696): one row of top-k candidate next tokens per vocabulary token, overwritten by

@@ -6,9 +6,9 @@ accepted node path and a bonus token. Algorithms (one module each):
 ==============  ===========================================  =========================
 name            algorithm                                    trees
 ==============  ===========================================  =========================
-greedy          GOOSE unified greedy walk (papers/000 Alg 3)   any, temperature 0
+greedy          GOOSE unified greedy walk (arXiv 2604.02047 Alg 3)   any, temperature 0
 deterministic   one-hot SpecInfer (point-mass drafts)           any (GOOSE / top-k)
-nss             NSS (papers/002 Alg 1)                          any
+nss             NSS (arXiv 2602.16994 Alg 1)                          any
 naive           speculative sampling, single path (Alg 2)       draft-model (q)
 naive_tree      NaiveTree (Alg 2 on the multiset)               draft-model (q)
 spectr          SpecTr K-SEQ, rho* by bisection (Alg 3)         draft-model (q)

@@ -1,11 +1,11 @@
 """Analytic acceptance rates, branching probabilities, exact output laws and expected block
-efficiency of the verifiers (papers/002 Sec. 5, Appendix C and D, Eq. 1-3).
+efficiency of the verifiers (arXiv 2602.16994 Sec. 5, Appendix C and D, Eq. 1-3).
 
 Scope: closed-form / exact computations on small vocabularies, in float64, with plain Python
 control flow. Used by tests (exactness proofs, Monte Carlo checks of the samplers) and by the
 delayed-tree selector (expected block efficiency from per-node branching probabilities).
 
-Terms (papers/002):
+Terms (arXiv 2602.16994):
 
 acceptance rate (Def. 5.1)
     alpha(f_{p,q,k}) = P(f(X_1..X_k) in {X_1..X_k}) for X_i ~ q i.i.d.
@@ -88,7 +88,7 @@ def _specinfer_law(p, q, xs: list[int]) -> torch.Tensor:
 
 
 def _khisti_law(p, q, xs: list[int]) -> torch.Tensor:
-    # papers/002 Algorithm 15: sum_x pi_x NAIVE_BRANCHING(p, r, [x]), pi_x = P(tournament
+    # arXiv 2602.16994 Algorithm 15: sum_x pi_x NAIVE_BRANCHING(p, r, [x]), pi_x = P(tournament
     # winner = x). The tournament is sequential, so pi averages over the uniformly random
     # order of the multiset the driver presents; the stages (and r) depend on p, q, k only.
     stages = khisti_importance_law(p.unsqueeze(0), q.unsqueeze(0), len(xs))
@@ -149,7 +149,7 @@ def solver_output_law(name: str, p: torch.Tensor, q: torch.Tensor | None, xs: li
 
 
 def branching_probabilities(name: str, p, q, xs: list[int]) -> dict[int, float]:
-    """B(f_{p,q,k}, xs, t) for every distinct draft token t (papers/002 Def. 5.3, Appendix D)."""
+    """B(f_{p,q,k}, xs, t) for every distinct draft token t (arXiv 2602.16994 Def. 5.3, Appendix D)."""
     law = solver_output_law(name, p, q, xs)
     if name == "naive":  # single path: only the (uniformly chosen) first draft is descended into
         return {t: float(_single_path_accept(p, q, xs, t)) for t in set(xs)}
@@ -163,9 +163,9 @@ def _single_path_accept(p, q, xs, t) -> float:
 
 
 def acceptance_rate(name: str, p: torch.Tensor, q: torch.Tensor, k: int) -> float:
-    """alpha(f_{p,q,k}) by the closed forms of papers/002 Appendix C (Algorithms 6-10).
+    """alpha(f_{p,q,k}) by the closed forms of arXiv 2602.16994 Appendix C (Algorithms 6-10).
 
-    For "khisti" this returns the papers/002 Algorithm 10 *lower bound* sum_x min(p, r)
+    For "khisti" this returns the arXiv 2602.16994 Algorithm 10 *lower bound* sum_x min(p, r)
     (residual hits on the non-selected drafts are not counted).
     """
     p = p.to(torch.float64)
@@ -303,6 +303,6 @@ def _block_law(tree, p_rows, q_rows, out) -> None:
 
 
 def expected_block_efficiency(name: str, tree: DraftTree, p_rows, q_rows=None) -> float:
-    """E[tau + 1 | T] (papers/002 Eq. 2-3): expected number of emitted tokens for this tree."""
+    """E[tau + 1 | T] (arXiv 2602.16994 Eq. 2-3): expected number of emitted tokens for this tree."""
     law = output_distribution(name, tree, p_rows, q_rows)
     return sum(len(s) * w for s, w in law.items())

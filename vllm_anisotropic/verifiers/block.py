@@ -1,5 +1,5 @@
 """Block Verification of a single draft path (Sun et al. 2024, arXiv 2403.10444;
-papers/002 Sec. 3.1).
+arXiv 2602.16994 Sec. 3.1).
 
 Scope: single-path verification; on a tree it verifies the *first-child chain* (following
 the first child in priority order from the root), which must be a path sampled from q

@@ -2,7 +2,7 @@
 
 Scope: temperature > 0 verification of trees whose children are *chosen*, not sampled
 (no draft distribution). Each child token x is a point-mass draft q = delta_x. Running
-SpecInfer's residual rule (Miao et al. 2024, arXiv 2305.09781; papers/002 Algorithm 4) with
+SpecInfer's residual rule (Miao et al. 2024, arXiv 2305.09781; arXiv 2602.16994 Algorithm 4) with
 one-hot drafts, children tried in priority order (SPINE first, ``tree.SOURCE_PRIORITY``):
 
     accept child x with prob  min(1, p_cur(x) / q(x)) = p_cur(x)

@@ -1,4 +1,4 @@
-"""Unified greedy walk with source priority (GOOSE, papers/000 Algorithm 3; papers/001 B.3).
+"""Unified greedy walk with source priority (GOOSE, arXiv 2604.02047 Algorithm 3 and Appendix B.3).
 
 Scope: temperature-0 verification of any tree (spine trees, top-k trees, draft-model trees).
 At each node the walk follows the child whose token equals the target's argmax, checking

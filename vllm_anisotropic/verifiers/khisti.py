@@ -1,5 +1,5 @@
 """Khisti et al. importance-weighted multi-draft verification (ICLR 2025, arXiv 2410.18234,
-Sec. 3 canonical decomposition, Sec. 4 / Appendix I truncated LP; papers/002 Algorithm 5).
+Sec. 3 canonical decomposition, Sec. 4 / Appendix I truncated LP; arXiv 2602.16994 Algorithm 5).
 
 Scope: the OTLP solver at one node with drafts X_1..X_k ~ q i.i.d. (shuffled multiset,
 ``topdown.py``), in three steps:
@@ -36,8 +36,8 @@ acceptance. Ordered draws (i, j) and (j, i) share one weight theta_ij: the LP ob
 depends on their sum, so this loses nothing.
 
 Source note: the ranking key p - q1 q2, the 0/1 weights outside Omega_1 and the sequential
-stages for k > 2 follow the papers/002 authors' Khisti baseline (their reading of Khisti
-Appendix I and of papers/002 Algorithms 5, 10, 15); the LP itself is Khisti's.
+stages for k > 2 follow the arXiv 2602.16994 authors' Khisti baseline (their reading of Khisti
+Appendix I and of arXiv 2602.16994 Algorithms 5, 10, 15); the LP itself is Khisti's.
 
 Terms: *winner* the current tournament survivor, *challenger* the next draft, *stage* one
 pairwise selection with its law. Uniforms per depth step (S = max child-multiset size):
@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 # s, the LP-truncation threshold (Khisti et al. Sec. 5 ablation over s in {5, 10, 15}: s = 5 gave
-# the best token rate; also the papers/002 authors' default)
+# the best token rate; also the arXiv 2602.16994 authors' default)
 LP_TRUNCATION = 5
 
 

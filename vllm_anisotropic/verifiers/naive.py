@@ -1,12 +1,12 @@
 """Naive speculative sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023) as an
-OTLP solver (papers/002 Algorithm 2), single-path (``naive``) and multi-path (``naive_tree``).
+OTLP solver (arXiv 2602.16994 Algorithm 2), single-path (``naive``) and multi-path (``naive_tree``).
 
 Scope: at a node with i.i.d. drafts X_1..X_k ~ q (shuffled multiset, ``topdown.py``):
 
     accept X_1 with prob  min(1, p(X_1) / q(X_1))
     else  y ~ p_res = norm(max(0, p - q))            (the residual)
 
-``naive`` descends only into X_1 (the single path); ``naive_tree`` (papers/002 Sec. 3.2,
+``naive`` descends only into X_1 (the single path); ``naive_tree`` (arXiv 2602.16994 Sec. 3.2,
 "NaiveTree") also descends when the residual sample equals another draft X_2..X_k.
 Lossless: P(y) = min(p, q)(y) + (1 - sum min(p, q)) * p_res(y) = p(y).
 Uniforms per depth step: column S (accept), column 3S (residual).

@@ -1,5 +1,5 @@
 """NSS: sample from the target, descend if the sample is a child (Miao et al. 2024,
-arXiv 2305.09781 "naive sampling"; papers/002 Algorithm 1, footnote 3).
+arXiv 2305.09781 "naive sampling"; arXiv 2602.16994 Algorithm 1, footnote 3).
 
 Scope: the OTLP solver that ignores the drafts: y ~ p. Valid for every tree (draft-model or
 deterministic) since it never reads q. Lossless trivially (the output is a p-sample).

@@ -1,4 +1,4 @@
-"""SpecInfer multi-draft verification (Miao et al. 2024, arXiv 2305.09781; papers/002 Algorithm 4).
+"""SpecInfer multi-draft verification (Miao et al. 2024, arXiv 2305.09781; arXiv 2602.16994 Algorithm 4).
 
 Scope: the OTLP solver with a residual update after every rejected draft. At a node with
 i.i.d. drafts X_1..X_k ~ q, taken in uniformly random order (the shuffled multiset of

@@ -1,16 +1,16 @@
-"""SpecTr's K-SEQ OTLP solver (Sun et al. 2023, arXiv 2310.15141; papers/002 Algorithm 3).
+"""SpecTr's K-SEQ OTLP solver (Sun et al. 2023, arXiv 2310.15141; arXiv 2602.16994 Algorithm 3).
 
 Scope: multi-draft verification by rho-weighted sequential acceptance and one final residual.
 For drafts X_1..X_k ~ q i.i.d. (shuffled multiset, ``topdown.py``):
 
-    beta(rho)  = sum_x min(p(x) / rho, q(x))                       (papers/002 Eq. 6)
+    beta(rho)  = sum_x min(p(x) / rho, q(x))                       (arXiv 2602.16994 Eq. 6)
     p_acc(rho) = 1 - (1 - beta(rho))^k                              (Eq. 7)
     rho*       = root of p_acc(rho) - rho * beta(rho) on [1, k]     (decreasing: bisection)
     accept X_i (first i) with prob  min(1, p(X_i) / (rho* q(X_i)))
     else       y ~ norm(max(0, p - min(p / rho*, q) * gamma)),  gamma = p_acc / beta
 
 Bisection returns the *upper* end of the final bracket: every rho in [rho*, k] keeps the
-solver exact (papers/002 B.3), since then gamma <= rho and min(p/rho, q) * gamma <= p, so the
+solver exact (arXiv 2602.16994 B.3), since then gamma <= rho and min(p/rho, q) * gamma <= p, so the
 residual is p minus an exact sub-measure. Uniforms per depth step: column S + i (round i),
 column 3S (residual).
 """

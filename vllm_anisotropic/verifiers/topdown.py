@@ -1,4 +1,4 @@
-"""Top-down tree traversal driven by a per-node OTLP solver (papers/002 Sec. 3.2, Appendix B).
+"""Top-down tree traversal driven by a per-node OTLP solver (arXiv 2602.16994 Sec. 3.2, Appendix B).
 
 Scope: the shared driver of every top-down verifier (greedy walk, deterministic sampler, NSS,
 Naive, NaiveTree, SpecTr, SpecInfer, Khisti). Each algorithm module supplies one ``solve``:
@@ -6,7 +6,7 @@ given p (and q) at the current node and its child multiset, output one token y. 
 descends to the first child (priority order) whose token is y, or stops and emits y as the
 bonus/correction token. A node without children emits y ~ p (the bonus).
 
-Losslessness (papers/002 Sec. 3.2): if, conditioned on the current node, the solver's output
+Losslessness (arXiv 2602.16994 Sec. 3.2): if, conditioned on the current node, the solver's output
 follows p(. | node), the emitted sequence follows the target model. For draft-model trees the
 solver must see the child multiset as i.i.d. draws in random order; a merged trie stores a
 multiset, so the driver *shuffles* it with uniform keys (a uniformly random order of an

@@ -3,8 +3,8 @@
 Scope: a model is a fixed table prefix -> distribution over V tokens (a stable hash of the
 prefix seeds the row), so the target's sequential law is known exactly. A draft model mixes
 the target with an independent table, the mixing weight growing with depth (draft/target
-divergence grows deeper in the tree, papers/002 Figure 1). Tree samplers build chains,
-i.i.d. multi-path trees, delayed trees (papers/002 Def. 5.2) and deterministic top-k trees;
+divergence grows deeper in the tree, arXiv 2602.16994 Figure 1). Tree samplers build chains,
+i.i.d. multi-path trees, delayed trees (arXiv 2602.16994 Def. 5.2) and deterministic top-k trees;
 ``enumerate_*`` list every draft tree with its exact probability.
 """
 
@@ -68,7 +68,7 @@ def tree_rows(tree: DraftTree, prefix: tuple, target: TableModel, draft: DraftTa
 
 
 def sample_iid_paths(draft: DraftTable, prefix: tuple, k: int, l1: int, l2: int, rng: np.random.Generator):
-    """Delayed tree (papers/002 Def. 5.2): a trunk of l1 tokens ~ q, then k i.i.d. branches of
+    """Delayed tree (arXiv 2602.16994 Def. 5.2): a trunk of l1 tokens ~ q, then k i.i.d. branches of
     l2 tokens. l1 = 0 gives the i.i.d. multi-path tree, k = 1 a chain. Returns token paths."""
     v = draft.target.vocab_size
     trunk: list[int] = []

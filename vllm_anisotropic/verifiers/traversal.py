@@ -1,5 +1,5 @@
 """Traversal Verification: bottom-up, sequence-level verification of i.i.d. draft trees
-(Weng et al. 2025, arXiv 2505.12398; papers/002 Sec. 3.2). On a single path it is Block
+(Weng et al. 2025, arXiv 2505.12398; arXiv 2602.16994 Sec. 3.2). On a single path it is Block
 Verification (Sun et al. 2024, arXiv 2403.10444).
 
 Scope: exact (lossless) verification of trees whose sibling subtrees are independent draws

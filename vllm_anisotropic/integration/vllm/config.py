@@ -73,7 +73,7 @@ class EngineTreeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, use_attribute_docstrings=True, extra="forbid")
 
     verifier: Literal["greedy"] = "greedy"
-    """Tree verifier for temperature-0 requests: the GOOSE greedy walk (papers/000 Alg. 3),
+    """Tree verifier for temperature-0 requests: the GOOSE greedy walk (arXiv 2604.02047 Alg. 3),
     which emits exactly plain greedy decoding's tokens."""
 
     sampling_verifier: Literal["deterministic", "nss", "none"] = "deterministic"

@@ -3,7 +3,7 @@
 Scope: the ``runner.rejection_sampler`` call contract of vLLM 0.32
 (``forward(metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput``, see
 ``v1/sample/rejection_sampler.py``) for batches that contain draft trees; greedy verification is
-``verifiers.get_verifier("greedy")`` (GOOSE, papers/000 Algorithm 3: walk from the root, at each
+``verifiers.get_verifier("greedy")`` (GOOSE, arXiv 2604.02047 Algorithm 3: walk from the root, at each
 node descend to the child -- SPINE children first -- whose token is the target's argmax; the
 argmax at the last accepted node is the bonus token).
 
