@@ -370,3 +370,19 @@ def test_golden_bypass_threshold_and_chain_values():
     chain = spine_chain(7, np.array([1, 2]), 0.0)  # p_s clamped to 1e-3
     assert chain.values.tolist() == pytest.approx([1.0, 1e-3, 1e-6], rel=1e-12)
     assert chain.sources.tolist() == [NodeSource.ROOT, NodeSource.SPINE, NodeSource.SPINE]
+
+
+def test_allocation_filter_and_chain_edges():
+    """Edges found by mutation testing (docs/testing.md): Algorithm 1 line 10 at m = 1
+    (H(1) = 1: a_1 = total) and on empty / non-positive input; C.1's threshold keeps a score of
+    exactly 0.01 ("below 0.01 pruned") and never keeps a zero score; p_s is clamped to [1e-3, 1]."""
+    assert harmonic_allocation(1, 1) == [1] and harmonic_allocation(5, 1) == [5]
+    assert harmonic_allocation(3, 0) == [] and harmonic_allocation(3, -1) == []
+    assert harmonic_allocation(-5, 3) == [0, 0, 0]
+    rows = {0: [(1, 0.5), (2, 0.01), (3, 0.0099)]}
+    tree = build_spine_tree(0, -1, np.zeros(0, np.int64), table_fn(rows), budget=10, min_branch_score=0.01)
+    assert sorted(tree.tokens[1:].tolist()) == [1, 2]
+    rows = {0: [(1, 0.5), (2, 0.0)]}
+    tree = build_spine_tree(0, -1, np.zeros(0, np.int64), table_fn(rows), budget=10, min_branch_score=0.0)
+    assert tree.tokens.tolist() == [0, 1]
+    assert spine_chain(7, np.array([1, 2]), 1.5).values.tolist() == [1.0, 1.0, 1.0]
