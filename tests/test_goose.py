@@ -386,3 +386,31 @@ def test_allocation_filter_and_chain_edges():
     tree = build_spine_tree(0, -1, np.zeros(0, np.int64), table_fn(rows), budget=10, min_branch_score=0.0)
     assert tree.tokens.tolist() == [0, 1]
     assert spine_chain(7, np.array([1, 2]), 1.5).values.tolist() == [1.0, 1.0, 1.0]
+    # build_spine_tree clamps p_s the same way for the spine values
+    fn = table_fn({})
+    low = build_spine_tree(0, -1, np.array([1, 2]), fn, budget=10, spine_ratio=0.5, spine_acceptance=0.0)
+    assert low.values.tolist() == pytest.approx([1.0, 1e-3, 1e-6], rel=1e-12)
+    high = build_spine_tree(0, -1, np.array([1, 2]), fn, budget=10, spine_ratio=0.5, spine_acceptance=1.5)
+    assert high.values.tolist() == [1.0, 1.0, 1.0]
+    # spine_branches=False: b_sigma = 0 even when b_s = 1 (a_1 = b_sigma / H(1) would be > 0)
+    rows = {0: [(1, 0.6), (5, 0.3)], 1: [(6, 0.5)]}
+    tree = build_spine_tree(0, -1, np.array([1]), table_fn(rows), budget=10, spine_ratio=0.5, spine_branches=False)
+    assert tree.tokens.tolist() == [0, 1, 5] and tree.parents.tolist() == [-1, 0, 0]
+
+
+def test_bigram_keys_of_every_lookup():
+    """Appendix C.1 bigram tier: every lookup is keyed by (previous token, token) on the path:
+    the root by (context token before it, root), spine d_1 by (root, d_1), a branch node by
+    (its parent's token, its token). The table below answers 'wrong' for any other key."""
+    rows = {(9, 0): [(1, 0.9), (2, 0.6)], (0, 1): [(7, 0.5)], (0, 2): [(3, 0.5)], (2, 3): [(4, 0.5)]}
+
+    def succ(prev, tok):
+        # 99: a wrong key was used for a token that has rows; other tokens have none
+        r = rows.get((int(prev), int(tok)), [(99, 0.99)] if int(tok) in (0, 1, 2, 3) else [])
+        return np.array([t for t, _ in r], np.int64), np.array([s for _, s in r], np.float64)
+
+    tree = build_spine_tree(0, 9, np.array([1]), succ, budget=8, spine_ratio=0.5)
+    assert 99 not in tree.tokens.tolist()
+    assert sorted(tree.tokens.tolist()) == [0, 1, 2, 3, 4, 7]
+    tr = build_spine_tree(0, 9, np.zeros(0, np.int64), succ, budget=8)  # node 1 is a root branch
+    assert 99 not in tr.tokens.tolist()
