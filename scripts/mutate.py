@@ -103,12 +103,12 @@ CORE: list[dict] = [
             "_last_occurrence", "AdjacencyTable.successors", "AdjacencyTable.update", "AdjacencyTable._put_bigram",
             "AdjacencyTable.harvest", "AdjacencyTable.harvest_tree", "AdjacencyTable.harvest_sequence",
         ],
-        tests=["tests/test_adjacency.py", "tests/test_goose.py"],
+        tests=["tests/test_mutants_adjacency.py", "tests/test_adjacency.py", "tests/test_goose.py"],
     ),
     dict(
         target="vllm_anisotropic/proposers/context_match.py",
         functions=["ContextMatcher.extend", "ContextMatcher.sync", "ContextMatcher.lookup", "ContextMatcher.match"],
-        tests=["tests/test_context_match.py", "tests/test_goose.py"],
+        tests=["tests/test_mutants_adjacency.py", "tests/test_context_match.py", "tests/test_goose.py"],
     ),
     dict(target="vllm_anisotropic/verifiers/greedy.py", functions=["rows_argmax", "GreedyVerifier._verify_batch_sparse"], tests=_VERIFIER_TESTS),
     dict(target="vllm_anisotropic/verifiers/topdown.py", functions=["descend"], tests=_VERIFIER_TESTS),
@@ -123,7 +123,7 @@ CORE: list[dict] = [
     dict(
         target="vllm_anisotropic/tree.py",
         functions=["DraftTree.truncate", "pack_trees"],
-        tests=["tests/test_tree.py", "tests/test_verifier_reference.py"],
+        tests=["tests/test_mutants_tree.py", "tests/test_tree.py", "tests/test_verifier_reference.py"],
     ),
 ]
 PRESETS = {"core": CORE}

@@ -1,0 +1,135 @@
+"""Adjacency-table harvest and context matcher: golden cases for the edges that
+``scripts/mutate.py`` found untested (docs/testing.md). Hand-built inputs, exact outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable, TopKRows, _last_occurrence
+from vllm_anisotropic.proposers.context_match import ContextMatcher
+from vllm_anisotropic.tree import DraftTree
+
+
+def _rows(*ids):
+    """[n, k] int32 successor rows and scores 0.5, 0.25, ... (best first)."""
+    a = np.array(ids, np.int32)
+    return a, np.tile((0.5 ** np.arange(1, a.shape[1] + 1)).astype(np.float32), (a.shape[0], 1))
+
+
+# ------------------------------------------------------------------------ adjacency harvest
+def test_last_occurrence_golden():
+    assert _last_occurrence(np.array([4, 7, 4])).tolist() == [2, 1]
+    assert _last_occurrence(np.array([5, 5, 5])).tolist() == [2]
+    assert _last_occurrence(np.array([3, 1, 2])).tolist() == [1, 2, 0]
+
+
+def test_update_last_duplicate_wins_and_narrow_rows():
+    """Duplicate keys in one call: the last row wins in both tiers. Rows narrower than top_k
+    leave the rest empty (-1), which lookups drop. prev 0 is a real token (bigram used)."""
+    t = AdjacencyTable(10, top_k=3)
+    ids, sc = _rows([1, 2], [3, 4], [5, 6])
+    t.update([0, 0, 0], [7, 7, 7], ids, sc)
+    assert t.successors(0, 7)[0].tolist() == [5, 6]  # bigram (0, 7): the last row
+    assert t.successors(-1, 7)[0].tolist() == [5, 6]  # unigram 7: the last row
+    assert t.successors(-1, 7)[1].tolist() == pytest.approx([0.5, 0.25])
+    assert t.num_harvested == 3 and len(t) == 1
+    t.update([2, -1], [7, 8], *_rows([9, 9], [8, 1]))
+    assert t.successors(2, 7)[0].tolist() == [9, 9] and t.successors(0, 7)[0].tolist() == [5, 6]
+    assert t.successors(1, 8)[0].tolist() == [8, 1] and len(t) == 2  # -1: no bigram entry for 8
+    assert t.successors(0, 10)[0].size == 0 and t.successors(0, -1)[0].size == 0  # out of range
+    t.update([], [], np.zeros((0, 3), np.int32), np.zeros((0, 3), np.float32))
+    assert t.num_harvested == 5
+
+
+def test_bigram_overwrite_refreshes_and_keeps_its_slot():
+    t = AdjacencyTable(10, top_k=2, bigram_capacity=2)
+    t.update([1], [2], *_rows([3, 4]))
+    t.update([2], [3], *_rows([5, 6]))
+    t.update([1], [2], *_rows([7, 8]))  # overwrite: refreshes (1, 2), same slot
+    assert t._bigram_slots[1 * 10 + 2] == 0
+    t.update([4], [5], *_rows([9, 1]))  # full: evicts (2, 3), the least recently used
+    assert set(t._bigram_slots) == {1 * 10 + 2, 4 * 10 + 5}
+    assert t.successors(1, 2)[0].tolist() == [7, 8] and t.successors(4, 5)[0].tolist() == [9, 1]
+    assert t._bigram_slots[4 * 10 + 5] == 1  # reused the evicted row
+    unigram_only = AdjacencyTable(10, top_k=2, bigram=False)
+    unigram_only.update([1], [2], *_rows([3, 4]))
+    assert len(unigram_only) == 0 and unigram_only.successors(1, 2)[0].tolist() == [3, 4]
+
+
+def test_harvest_sequence_keys_and_chunks():
+    """Row j follows tokens[j], keyed (tokens[j-1], tokens[j]); row 0 has no previous token.
+    Chunking (here 2 rows at a time) must not change any key."""
+    vocab = 12
+    tokens = [3, 5, 3, 6, 5]
+    logits = torch.full((5, vocab), -5.0)
+    for j in range(5):
+        logits[j, j] = 5.0  # row j's best successor is token j
+    full = AdjacencyTable(vocab, top_k=1)
+    full.harvest_sequence(tokens, logits)
+    chunked = AdjacencyTable(vocab, top_k=1)
+    chunked.harvest_sequence(tokens, logits, chunk=2)
+    for t in (full, chunked):
+        assert t.successors(-1, 3)[0].tolist() == [2]  # unigram 3: the last row for 3 (row 2)
+        assert t.successors(5, 3)[0].tolist() == [2] and t.successors(3, 5)[0].tolist() == [1]
+        assert t.successors(3, 6)[0].tolist() == [3] and t.successors(6, 5)[0].tolist() == [4]
+        assert set(t._bigram_slots) == {3 * vocab + 5, 5 * vocab + 3, 3 * vocab + 6, 6 * vocab + 5}
+        assert t.num_harvested == 5
+
+
+def test_harvest_topk_rows_and_tree_root_key():
+    vocab = 8
+    logits = torch.arange(vocab, dtype=torch.float32).flip(0).repeat(3, 1)  # best: 0, 1, 2, ...
+    rows = TopKRows.of(logits, 4)
+    t = AdjacencyTable(vocab, top_k=2)
+    t.harvest([-1, 1, 2], [1, 2, 3], rows)  # precomputed top-4 cut to the table's top-2
+    assert t.successors(-1, 1)[0].tolist() == [0, 1] and t.successors(1, 2)[0].tolist() == [0, 1]
+    with pytest.raises(ValueError):
+        AdjacencyTable(vocab, top_k=5).harvest([-1], [1], TopKRows.of(logits[:1], 4))
+    t.harvest([], [], logits[:0])  # nothing to harvest
+    assert t.num_harvested == 3
+    tree = DraftTree(tokens=[4, 5], parents=[-1, 0])
+    t2 = AdjacencyTable(vocab, top_k=1)
+    t2.harvest_tree(tree, 0, logits[:2])  # root keyed (0, 4): prev token 0 is a real token
+    assert set(t2._bigram_slots) == {0 * vocab + 4, 4 * vocab + 5}
+
+
+# ------------------------------------------------------------------------ context matcher
+def test_match_length_backward_extension_and_cap():
+    """Match length = trailing context tokens equal to those before the follow position, capped
+    at max_match_length; stops at the context start."""
+    m = ContextMatcher((2,), max_continuation=4, max_match_length=32)
+    m.sync([1, 2, 3, 4, 9, 1, 2, 3, 4])
+    hit = m.match()
+    assert (hit.ngram, hit.position, hit.match_length) == (2, 4, 4)  # 1 2 3 4 matched, then start
+    assert hit.draft.tolist() == [9, 1, 2, 3]
+    capped = ContextMatcher((2,), max_match_length=3)
+    capped.sync([1, 2, 3, 4, 9, 1, 2, 3, 4])
+    assert capped.match().match_length == 3
+    m.sync([7, 1, 2, 3, 4, 9, 8, 1, 2, 3, 4])  # rollback (different boundary token): 7 vs 8 stop
+    assert m.match().match_length == 4 and m.match().position == 5
+
+
+def test_lookup_needs_an_earlier_occurrence_and_limits():
+    m = ContextMatcher((3,), max_continuation=5)
+    m.sync([1, 2, 3])
+    assert m.lookup(3) == -1  # the suffix itself is not an earlier occurrence
+    m.sync([1, 2, 3, 1, 2, 3])
+    assert m.lookup(3) == 3 and m.match(0).ngram == 0 and m.match(1).draft.tolist() == [1]
+    assert m.match(2).draft.tolist() == [1, 2] and m.match().draft.tolist() == [1, 2, 3]
+    assert len(m) == 6 and m.tokens == [1, 2, 3, 1, 2, 3]
+
+
+def test_sync_appends_only_the_tail_and_consensus_needs_two():
+    m = ContextMatcher((2, 3), max_continuation=3)
+    m.sync([5, 6, 7, 5, 6])
+    assert m._index[2] == {(5, 6): 2, (6, 7): 3, (7, 5): 4} and m._index[3] == {(5, 6, 7): 3, (6, 7, 5): 4}
+    hit = m.match()
+    assert hit.ngram == 2 and hit.draft.tolist() == [7, 5, 6] and not hit.consensus  # only n = 2 hits
+    m.sync([5, 6, 7, 5, 6, 7])
+    assert m._index[2][(5, 6)] == 5 and m._index[3][(6, 7, 5)] == 4
+    hit = m.match()
+    assert hit.ngram == 3 and hit.draft.tolist() == [5, 6, 7] and hit.consensus  # n = 2 and 3 agree on 5
+    m.sync([5, 6, 7, 5, 6, 7])  # same context: nothing re-indexed
+    assert m._index[2][(5, 6)] == 5
