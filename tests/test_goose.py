@@ -414,3 +414,17 @@ def test_bigram_keys_of_every_lookup():
     assert sorted(tree.tokens.tolist()) == [0, 1, 2, 3, 4, 7]
     tr = build_spine_tree(0, 9, np.zeros(0, np.int64), succ, budget=8)  # node 1 is a root branch
     assert 99 not in tr.tokens.tolist()
+
+
+def test_first_level_fills_the_budget_exactly_and_ties_expand_in_build_order(monkeypatch):
+    """(1) B = 6, spine (5,), r = 0.5: b_s = 1, b_r = ceil(4 * 0.5) = 2, b_sigma = 2, a_1 = 2:
+    the first level alone spends all 5 draft slots (root: 1, 2; d_1: 8, 9).
+    (2) Equal heap keys expand in push order: root children 1 and 2 both at 0.5, each with one
+    candidate at score 0.4 (key 0.2); with one slot left, 1's candidate 3 is taken (pushed first)."""
+    rows = {0: [(5, 0.9), (1, 0.3), (2, 0.2)], 5: [(8, 0.5), (9, 0.4)]}
+    tree = build_spine_tree(0, -1, np.array([5]), table_fn(rows), budget=6, spine_ratio=0.5, spine_acceptance=0.8)
+    assert sorted(tree.tokens.tolist()) == [0, 1, 2, 5, 8, 9]
+    logs = _recording_builder(monkeypatch)
+    rows = {0: [(1, 0.5), (2, 0.5)], 1: [(3, 0.4)], 2: [(4, 0.4)]}
+    build_spine_tree(0, -1, np.zeros(0, np.int64), table_fn(rows), budget=4)
+    assert [(p, t) for p, t, _ in logs[0]] == [(0, 1), (0, 2), (1, 3)]
