@@ -428,3 +428,27 @@ def test_first_level_fills_the_budget_exactly_and_ties_expand_in_build_order(mon
     rows = {0: [(1, 0.5), (2, 0.5)], 1: [(3, 0.4)], 2: [(4, 0.4)]}
     build_spine_tree(0, -1, np.zeros(0, np.int64), table_fn(rows), budget=4)
     assert [(p, t) for p, t, _ in logs[0]] == [(0, 1), (0, 2), (1, 3)]
+
+
+def test_next_candidate_rank_and_repush_ties(monkeypatch):
+    """(1) A node's candidates are taken in rank order, each once: root -> 1 (0.9); 1's row
+    [2 (0.5), 3 (0.3), 4 (0.1)] -> 2, 3, 4. (2) A re-pushed candidate ties with a later-pushed
+    one: 1 (0.8) -> 2 at 0.8 * 0.5 = 0.4, then 1's next candidate 3 (key 0.8 * 0.25 = 0.2) is
+    re-pushed before 2's candidate 4 (key 0.4 * 0.5 = 0.2): with one slot left, 3 is taken."""
+    logs = _recording_builder(monkeypatch)
+    rows = {0: [(1, 0.9)], 1: [(2, 0.5), (3, 0.3), (4, 0.1)]}
+    build_spine_tree(0, -1, np.zeros(0, np.int64), table_fn(rows), budget=8)
+    assert [(p, t) for p, t, _ in logs[0]] == [(0, 1), (1, 2), (1, 3), (1, 4)]
+    rows = {0: [(1, 0.8)], 1: [(2, 0.5), (3, 0.25)], 2: [(4, 0.5)]}
+    build_spine_tree(0, -1, np.zeros(0, np.int64), table_fn(rows), budget=4)
+    assert [(p, t) for p, t, _ in logs[1]] == [(0, 1), (1, 2), (1, 3)]
+
+
+def test_propose_keys_the_root_by_the_token_before_it():
+    """GooseState.propose: the root's successors come from bigram (context[-2], root); a
+    one-token context has no previous token (unigram row)."""
+    for context, want in (([5, 7, 8], 20), ([7, 8], 20), ([8], 30), ([9, 8], 30)):
+        s = _state("goose-no-spine")
+        s.table.update([7, -1], [8, 8], np.array([[20], [30]], np.int32), np.array([[0.5], [0.5]], np.float32))
+        tree = s.propose(np.array(context))
+        assert [int(tree.tokens[k]) for k in tree.children_lists()[0]] == [want], context
