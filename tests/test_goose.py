@@ -449,6 +449,15 @@ def test_propose_keys_the_root_by_the_token_before_it():
     one-token context has no previous token (unigram row)."""
     for context, want in (([5, 7, 8], 20), ([7, 8], 20), ([8], 30), ([9, 8], 30)):
         s = _state("goose-no-spine")
-        s.table.update([7, -1], [8, 8], np.array([[20], [30]], np.int32), np.array([[0.5], [0.5]], np.float32))
+        # bigram (7, 8) -> 20, unigram 8 -> 30; decoy bigram (1, 8) -> 40 (no previous token is -1, not 1)
+        s.table.update([7, 1, -1], [8, 8, 8], np.array([[20], [40], [30]], np.int32), np.full((3, 1), 0.5, np.float32))
         tree = s.propose(np.array(context))
         assert [int(tree.tokens[k]) for k in tree.children_lists()[0]] == [want], context
+
+
+def test_bypass_chain_is_cut_to_the_call_budget():
+    """max_nodes = 5: the match is asked for at most B - 1 = 4 tokens; the consensus bypass
+    verifies exactly those 4 (a 14-token repeat would give 20)."""
+    s = _state()
+    tree = s.propose(np.array(REPEAT + [1] + REPEAT[:5]), max_nodes=5)
+    assert s.last_info.mode == ProposalMode.BYPASS and tree.tokens.tolist() == [14, 15, 16, 17, 18]
