@@ -453,6 +453,7 @@ def test_propose_keys_the_root_by_the_token_before_it():
         s.table.update([7, 1, -1], [8, 8, 8], np.array([[20], [40], [30]], np.int32), np.full((3, 1), 0.5, np.float32))
         tree = s.propose(np.array(context))
         assert [int(tree.tokens[k]) for k in tree.children_lists()[0]] == [want], context
+        assert tree.num_nodes == 2 and s.last_info.mode == ProposalMode.TREE  # one draft node is a tree
 
 
 def test_bypass_chain_is_cut_to_the_call_budget():
