@@ -43,6 +43,7 @@ def test_pack_trees_shapes_flags_and_positions():
     assert b.depths.tolist() == [0, 1, 1, 2, 0] and b.max_depth == 2
     assert b.children.shape == (5, 2) and b.children[0].tolist() == [1, 2]  # widest node: 2 children
     assert b.slots.shape == (5, 3) and b.slots[0].tolist() == [1, 2, 2]  # 1 once, 2 twice
+    assert b.slots[1].tolist() == [3, -1, -1] and b.children[2].tolist() == [-1, -1]  # -1 padded
     assert b.parents.tolist() == [-1, 0, 0, 1, -1] and b.root_index.tolist() == [0, 4]
     assert not b.unmerged
     assert pack_trees([DraftTree(tokens=[1, 2], parents=[-1, 0]), DraftTree(tokens=[3], parents=[-1])]).unmerged
@@ -60,5 +61,6 @@ def test_pack_trees_ancestor_bits_up_to_64_nodes():
     b64 = pack_trees([chain(64), chain(2)])
     assert b64.ancestor_bits is not None and int(b64.ancestor_bits[63]) == -1  # all 64 bits set
     assert pack_trees([chain(65)]).ancestor_bits is None
+    assert pack_trees([chain(2), chain(65)]).ancestor_bits is None  # any tree over 64 nodes
     assert pack_trees([chain(3), chain(2)]).ancestor_bits.tolist() == [1, 3, 7, 1, 3]
     assert np.array_equal(pack_trees([chain(3)]).children.numpy(), [[1], [2], [-1]])
