@@ -41,6 +41,8 @@ def test_update_last_duplicate_wins_and_narrow_rows():
     assert t.successors(0, 10)[0].size == 0 and t.successors(0, -1)[0].size == 0  # out of range
     t.update([], [], np.zeros((0, 3), np.int32), np.zeros((0, 3), np.float32))
     assert t.num_harvested == 5
+    t.update([-1], [0], *_rows([1, 2, 3, 4, 5]))  # wider than top_k: the first 3 kept; token 0 is a key
+    assert t.successors(-1, 0)[0].tolist() == [1, 2, 3] and t.successors(4, 0)[0].tolist() == [1, 2, 3]
 
 
 def test_bigram_overwrite_refreshes_and_keeps_its_slot():
@@ -91,8 +93,11 @@ def test_harvest_topk_rows_and_tree_root_key():
     assert t.num_harvested == 3
     tree = DraftTree(tokens=[4, 5], parents=[-1, 0])
     t2 = AdjacencyTable(vocab, top_k=1)
-    t2.harvest_tree(tree, 0, logits[:2])  # root keyed (0, 4): prev token 0 is a real token
-    assert set(t2._bigram_slots) == {0 * vocab + 4, 4 * vocab + 5}
+    t2.harvest_tree(tree, 3, logits[:2])  # root keyed (3, 4)
+    assert set(t2._bigram_slots) == {3 * vocab + 4, 4 * vocab + 5}
+    t3 = AdjacencyTable(vocab, top_k=2)
+    t3.harvest([0], [1], TopKRows.of(logits[:1], 2))  # exactly top_k precomputed columns; prev 0
+    assert t3.successors(0, 1)[0].tolist() == [0, 1] and len(t3) == 1
 
 
 # ------------------------------------------------------------------------ context matcher
