@@ -169,3 +169,21 @@ def test_block_and_traversal_sample_the_exact_law(name, k):
     seqs = Counter(tuple(tree.tokens[acc[i, : num[i]]].tolist()) + (int(res.bonus_tokens[i]),) for i in range(m))
     worst = max(abs(seqs.get(key, 0) / m - law.get(key, 0.0)) for key in set(law) | set(seqs))
     assert worst < 0.015, worst  # std <= 0.0036
+
+
+# ------------------------------------------------------------------------ greedy walk
+def test_greedy_walk_output_layout_and_root_only_tree():
+    """accepted is [batch_size, max_depth], -1 padded; a root-only tree (the only node of the
+    batch) emits the argmax as its bonus token."""
+    from vllm_anisotropic.tree import DraftTree
+
+    greedy = get_verifier("greedy", torch.float64)
+    one = DraftTree(tokens=[3], parents=[-1])
+    r = greedy.verify_batch(pack_trees([one]), torch.tensor([[0.0, 2.0, 1.0]], dtype=torch.float64))
+    assert r.bonus_tokens.tolist() == [1] and r.num_accepted.tolist() == [0] and r.accepted.tolist() == [[-1]]
+    # root 0 -> 1 (argmax after the root is 1: accepted), 0 -> 2; second tree: root only
+    t = DraftTree(tokens=[0, 1, 2], parents=[-1, 0, 0])
+    logits = torch.tensor([[0, 5, 1.0], [4, 0, 0], [0, 0, 3], [0, 1, 0]], dtype=torch.float64)
+    r = greedy.verify_batch(pack_trees([t, one]), logits)
+    assert r.accepted.shape == (2, 1) and r.accepted.tolist() == [[1], [-1]]
+    assert r.num_accepted.tolist() == [1, 0] and r.bonus_tokens.tolist() == [0, 1]
