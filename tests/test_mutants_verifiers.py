@@ -187,3 +187,13 @@ def test_greedy_walk_output_layout_and_root_only_tree():
     r = greedy.verify_batch(pack_trees([t, one]), logits)
     assert r.accepted.shape == (2, 1) and r.accepted.tolist() == [[1], [-1]]
     assert r.num_accepted.tolist() == [1, 0] and r.bonus_tokens.tolist() == [0, 1]
+
+
+def test_spectr_round_i_reads_column_s_plus_i():
+    """SpecTr round i tests rho* U < p(x) / q(x) with U = u[:, S + i] (uniform layout of
+    topdown.py). xs = [3, 2], S = 2, rho* in [1, 2]: round 0 (3: p/q = .4) rejects at U = .999;
+    round 1 (2: p/q = .5, so accept iff U < .5 / rho* >= .25) accepts at U = .1. The shuffle-key
+    column 1 is set to .999, so reading it instead would reject and sample the residual at 0."""
+    u = _u([{1: 0.999, 2: 0.999, 3: 0.1, 6: 0.0}], 2)
+    p, q = _rows(1)
+    assert get_verifier("spectr", torch.float64).solve(p, q, torch.tensor([[3, 2]]), u).tolist() == [2]
