@@ -197,3 +197,37 @@ def test_spectr_round_i_reads_column_s_plus_i():
     u = _u([{1: 0.999, 2: 0.999, 3: 0.1, 6: 0.0}], 2)
     p, q = _rows(1)
     assert get_verifier("spectr", torch.float64).solve(p, q, torch.tensor([[3, 2]]), u).tolist() == [2]
+
+
+def test_khisti_fast_solve_equals_reference_row_by_row():
+    """The Khisti tournament reads column 2S + i for stage i (challenger X_{i+1}); the fast
+    solve, on one row at a time and on all rows at once, makes the reference's decisions."""
+    g = torch.Generator().manual_seed(11)
+    k, n = 3, 40
+    xs = torch.multinomial(Q.float(), n * k, replacement=True, generator=g).reshape(n, k)
+    u = torch.rand((n, 3 * k + 2), generator=g, dtype=torch.float64)
+    v = get_verifier("khisti", torch.float64)
+    ref = [v.solve_reference(P, Q, xs[i].tolist(), u[i], k) for i in range(n)]
+    p, q = _rows(n)
+    assert v.solve(p, q, xs, u).tolist() == ref
+    assert [int(v.solve(p[i : i + 1], q[i : i + 1], xs[i : i + 1], u[i : i + 1])[0]) for i in range(n)] == ref
+
+
+def test_block_weights_golden():
+    """Block Verification weights on the chain root -> 1 -> 1 -> 0 (V = 3; rows p_i, q_i):
+    w_1 = min(1, p_0(1)/q_0(1)) = min(1, .6/.3) = 1 (clamped), w_2 = min(1, 1 * .25/.5) = .5,
+    w_3 = min(1, .5 * .8/.1) = 1. h_0 = 1; D_1 = sum (w_1 p_1 - q_1)_+ = .3, h_1 = .3/(.3 + 1 - 1)
+    = 1; D_2 = sum (.5 p_2 - q_2)_+ = .4 - .1 = .3, h_2 = .3/(.3 + 1 - .5) = .375; h_3 = w_3 = 1."""
+    from vllm_anisotropic.tree import DraftTree
+    from vllm_anisotropic.verifiers.block import first_child_chain
+    from vllm_anisotropic.verifiers.sampling import SamplingTensors
+
+    p = torch.tensor([[0.2, 0.6, 0.2], [0.5, 0.25, 0.25], [0.8, 0.1, 0.1], [0.3, 0.3, 0.4]], dtype=torch.float64)
+    q = torch.tensor([[0.3, 0.3, 0.4], [0.2, 0.5, 0.3], [0.1, 0.45, 0.45], [1 / 3] * 3], dtype=torch.float64)
+    batch = pack_trees([DraftTree(tokens=[2, 1, 1, 0], parents=[-1, 0, 1, 2])])
+    chain, length = first_child_chain(batch)
+    v = get_verifier("block", torch.float64)
+    _, _, w, h, m = v._weights(chain, length, batch, p.log(), SamplingTensors.from_params(TargetSampling(1.0), 1), q)
+    assert w[0].tolist() == pytest.approx([1.0, 1.0, 0.5, 1.0], abs=1e-12)
+    assert h[0].tolist() == pytest.approx([1.0, 1.0, 0.375, 1.0], abs=1e-12)
+    assert m[0, 2].tolist() == pytest.approx([0.3, 0.0, 0.0], abs=1e-12)  # (w_2 p_2 - q_2)_+
