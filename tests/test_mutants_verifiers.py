@@ -201,16 +201,21 @@ def test_spectr_round_i_reads_column_s_plus_i():
 
 def test_khisti_fast_solve_equals_reference_row_by_row():
     """The Khisti tournament reads column 2S + i for stage i (challenger X_{i+1}); the fast
-    solve, on one row at a time and on all rows at once, makes the reference's decisions."""
+    solve, on one row at a time and on all rows at once, makes the reference's decisions.
+    p = [.3, .3, .4], q = [.34, .33, .33]: the truncated LP's pairwise weights are fractional
+    here (e.g. theta = .33 and .85 in the first stage), so the stage uniforms matter."""
+    p1 = torch.tensor([0.3, 0.3, 0.4], dtype=torch.float64)
+    q1 = torch.tensor([0.34, 0.33, 0.33], dtype=torch.float64)
     g = torch.Generator().manual_seed(11)
-    k, n = 3, 40
-    xs = torch.multinomial(Q.float(), n * k, replacement=True, generator=g).reshape(n, k)
-    u = torch.rand((n, 3 * k + 2), generator=g, dtype=torch.float64)
     v = get_verifier("khisti", torch.float64)
-    ref = [v.solve_reference(P, Q, xs[i].tolist(), u[i], k) for i in range(n)]
-    p, q = _rows(n)
-    assert v.solve(p, q, xs, u).tolist() == ref
-    assert [int(v.solve(p[i : i + 1], q[i : i + 1], xs[i : i + 1], u[i : i + 1])[0]) for i in range(n)] == ref
+    for k in (2, 3):
+        n = 40
+        xs = torch.multinomial(q1.float(), n * k, replacement=True, generator=g).reshape(n, k)
+        u = torch.rand((n, 3 * k + 2), generator=g, dtype=torch.float64)
+        ref = [v.solve_reference(p1, q1, xs[i].tolist(), u[i], k) for i in range(n)]
+        p, q = p1.repeat(n, 1), q1.repeat(n, 1)
+        assert v.solve(p, q, xs, u).tolist() == ref
+        assert [int(v.solve(p[i : i + 1], q[i : i + 1], xs[i : i + 1], u[i : i + 1])[0]) for i in range(n)] == ref
 
 
 def test_block_weights_golden():
