@@ -39,6 +39,7 @@ def test_update_last_duplicate_wins_and_narrow_rows():
     assert t.successors(2, 7)[0].tolist() == [9, 9] and t.successors(0, 7)[0].tolist() == [5, 6]
     assert t.successors(1, 8)[0].tolist() == [8, 1] and len(t) == 2  # -1: no bigram entry for 8
     assert t.successors(0, 10)[0].size == 0 and t.successors(0, -1)[0].size == 0  # out of range
+    assert t.successors(0, 10)[1].size == 0 and AdjacencyTable(None).successors(0, 1)[1].size == 0
     t.update([], [], np.zeros((0, 3), np.int32), np.zeros((0, 3), np.float32))
     assert t.num_harvested == 5
     t.update([-1], [0], *_rows([1, 2, 3, 4, 5]))  # wider than top_k: the first 3 kept; token 0 is a key
@@ -91,6 +92,9 @@ def test_harvest_topk_rows_and_tree_root_key():
         AdjacencyTable(vocab, top_k=5).harvest([-1], [1], TopKRows.of(logits[:1], 4))
     t.harvest([], [], logits[:0])  # nothing to harvest
     assert t.num_harvested == 3
+    lazy = AdjacencyTable(None, top_k=2)
+    lazy.harvest([], [], torch.zeros(0, 30))  # an empty harvest allocates nothing
+    assert lazy.vocab_size is None and lazy.unigram_ids is None
     tree = DraftTree(tokens=[4, 5], parents=[-1, 0])
     t2 = AdjacencyTable(vocab, top_k=1)
     t2.harvest_tree(tree, 3, logits[:2])  # root keyed (3, 4)
