@@ -43,6 +43,14 @@ The algorithm
    given), nodes of long requests cost more: Dinkelbach's iteration orders by
    h_i[k] - r ctx_weight ctx_i with r the current best ratio, rescans, and repeats until r
    stops improving (it is the exact maximiser of the relaxed ratio; usually 2-3 rounds).
+6. If the cost charges each request that speculates (``cost.spec_request_weight`` b_D > 0:
+   host work per request with drafts, see ``cost.py``), spreading one node over each of eight
+   requests costs 8 b_D more than eight nodes of one request. Dinkelbach's iteration on the
+   true ratio orders by the concave hull of each row with its first node's gain lowered by
+   r b_D (the first node is bundled with the followers that pay for it), rescans with the
+   speculating requests D(T) counted in the cost, and repeats while the rate improves. This
+   step is a heuristic (the fixed cost makes the problem a knapsack with setup costs); the
+   certificate below stays valid because it bounds the cost from below without the D terms.
 
 Optimality (proof sketch in the comments of ``_best_prefix``). Let delta = max_i max_k
 (H_i(k) - E_i(k)) >= 0, the hull gap (0 iff every E_i is concave, i.e. every probs_i is
@@ -52,7 +60,9 @@ non-increasing, as value-ordered calibrated lists usually are). Then
 
 where OPT is the best rate over all prefix-cut vectors within the caps and rate_upper the
 optimum of the relaxation with H in place of E (returned, so every decision carries its own
-certificate). With delta = 0 the allocation is exactly optimal. Reason: at any T the greedy
+certificate). With delta = 0 and no per-request cost (b_D = b_spec = 0) the allocation is
+exactly optimal; with them, rate_upper is the relaxation's optimum with the cost's D terms
+dropped (still >= OPT) and the lower bound does not hold (step 6). Reason: at any T the greedy
 prefix takes every hull block whole except at most one (ties are broken so that blocks are
 contiguous in the order), so its true value is >= sum H - delta >= OPT(T) - delta.
 
@@ -93,10 +103,12 @@ class StepCost(Protocol):
     """What the allocator needs from a cost model (``cost.CostModel`` is one).
 
     ``predict`` must broadcast over arrays; ``ctx_weight`` (optional attribute, seconds per
-    context token of a tree row) is only used to order nodes when ``ctx_lens`` is given.
+    context token of a tree row) is only used to order nodes when ``ctx_lens`` is given;
+    ``spec_request_weight`` (optional, seconds per request with drafts) bundles a request's first
+    node with that fixed cost when ordering nodes (step 6 of the module docstring).
     """
 
-    def predict(self, num_reqs, query_tokens, tree_rows, ctx_tokens=0.0): ...
+    def predict(self, num_reqs, query_tokens, tree_rows, ctx_tokens=0.0, spec_reqs=None): ...
 
 
 @dataclass(frozen=True)
@@ -248,7 +260,8 @@ def allocate(
     # hull gap delta: max over requests and k of H_i(k) - E_i(k)
     hull_gap = float(np.max(np.cumsum(h, axis=1) - np.cumsum(p, axis=1), initial=0.0))
 
-    rows = np.nonzero(valid)[0]  # [num_nodes] request of each candidate node, row-major (i, k)
+    rows, ks = np.nonzero(valid)  # [num_nodes] request and index k of each candidate node, row-major
+    first = ks == 0  # [num_nodes] a request's first node: taking it makes the request speculate
     gain = p[valid]  # [num_nodes] true marginal gains
     slope = h[valid]  # [num_nodes] hull marginal gains
     node_ctx = ctx[rows]  # [num_nodes]
@@ -256,21 +269,25 @@ def allocate(
     totals = np.arange(t_max + 1)  # [t_max + 1] candidate T
 
     def scan(order: np.ndarray):
-        """(true numerators, hull numerators, seconds), each [t_max + 1], for prefixes of ``order``."""
+        """(true numerators, hull numerators, seconds, seconds without the speculating-request
+        terms), each [t_max + 1], for the prefixes of ``order``. The last is a lower bound on
+        the seconds of any allocation with that T and context (the cost is monotone in D)."""
         take = order[:t_max]
         num = base + np.concatenate([[0.0], np.cumsum(gain[take])])
         num_hull = base + np.concatenate([[0.0], np.cumsum(slope[take])])
         c = np.concatenate([[0.0], np.cumsum(node_ctx[take])])
-        sec = np.asarray(cost.predict(num_reqs, q0 + totals, totals, c), np.float64).reshape(-1)
-        if sec.shape != totals.shape or np.any(~(sec > 0)):
+        d = np.concatenate([[0], np.cumsum(first[take])])  # requests with drafts in the prefix
+        sec = np.asarray(cost.predict(num_reqs, q0 + totals, totals, c, d), np.float64).reshape(-1)
+        sec_low = np.asarray(cost.predict(num_reqs, q0 + totals, totals, c, np.zeros_like(d)), np.float64).reshape(-1)
+        if sec.shape != totals.shape or np.any(~(sec > 0)) or sec_low.shape != totals.shape or np.any(~(sec_low > 0)):
             raise ValueError("cost.predict must return positive seconds for every total")
-        return num, num_hull, sec
+        return num, num_hull, sec, sec_low
 
     # stable sort of -slope: descending, ties in (request, k) order -> prefixes are prefix cuts
     order = np.argsort(-slope, kind="stable")
-    num, num_hull, sec = scan(order)
+    num, num_hull, sec, sec_low = scan(order)
     best = _best_prefix(order, num, sec, None)
-    rate_upper = float(np.max(num_hull / sec))
+    rate_upper = float(np.max(num_hull / sec_low))
     w = float(getattr(cost, "ctx_weight", 0.0) or 0.0)
     if w > 0 and ctx_lens is not None and np.ptp(ctx) > 0 and t_max > 0:
         # Dinkelbach on the relaxed ratio: maximise N_H(n) - r D(n) by the greedy on
@@ -281,16 +298,32 @@ def allocate(
         r = rate_upper  # a feasible relaxed ratio (a prefix of the first order): a warm start
         for _ in range(_DINKELBACH_ROUNDS):
             order_r = np.argsort(-(slope - r * w * node_ctx), kind="stable")
-            num_r, num_hull_r, sec_r = scan(order_r)
+            num_r, num_hull_r, sec_r, low_r = scan(order_r)
             best = _best_prefix(order_r, num_r, sec_r, best)
-            gap = num_hull_r - r * sec_r  # [t_max + 1]
+            gap = num_hull_r - r * low_r  # [t_max + 1]
             t = int(np.argmax(gap))
-            rate_upper = r + max(float(gap[t]), 0.0) / float(sec_r.min())
-            if gap[t] <= 1e-12 * r * sec_r[t]:
+            rate_upper = r + max(float(gap[t]), 0.0) / float(low_r.min())
+            if gap[t] <= 1e-12 * r * low_r[t]:
                 break
-            r = float(num_hull_r[t] / sec_r[t])
+            r = float(num_hull_r[t] / low_r[t])
         else:
             logger.debug("Dinkelbach stopped after %d rounds without converging", _DINKELBACH_ROUNDS)
+    b_d = float(getattr(cost, "spec_request_weight", 0.0) or 0.0)
+    if b_d > 0 and t_max > 0:
+        # Step 6: a request's first node also costs b_D. Dinkelbach on the true ratio with that
+        # cost in the node keys: the first node's gain minus r b_D, the row's concave hull (the
+        # first node is bundled with as many followers as pay for it), minus r w ctx_i.
+        for _ in range(_DINKELBACH_ROUNDS):
+            r = best[2] / best[3]
+            adjusted = p.copy()
+            adjusted[:, 0] -= r * b_d
+            keys = concave_slopes(adjusted, valid)[valid] - r * w * node_ctx
+            order_r = np.argsort(-keys, kind="stable")
+            num_r, _, sec_r, _ = scan(order_r)
+            found = _best_prefix(order_r, num_r, sec_r, best)
+            if found is best:
+                break
+            best = found
 
     cut_order, t, expected, seconds = best
     cuts = np.bincount(rows[cut_order[:t]], minlength=batch).astype(np.int64)

@@ -21,6 +21,11 @@ tree_rows (T)
 ctx_tokens (C)
     Sum over tree rows of the context each attends to (its request's length). The CPU path
     recomputes tree rows with a masked SDPA over the request's KV, so this is a real cost there.
+spec_reqs (D)
+    Requests with at least one draft verified in the step (chain or tree). Each costs host work
+    a plain row does not: its tree is cut, packed and walked, its verified rows harvested, its
+    next tree drafted and scored; and the step takes vLLM's speculative path (per-draft logits
+    rows, the rejection sampler) once any request has drafts.
 
 The form (all coefficients >= 0, fitted by non-negative least squares)::
 
@@ -28,12 +33,13 @@ The form (all coefficients >= 0, fitted by non-negative least squares)::
             + sum_j s_j seg_j(Q)                  # piecewise linear in Q, knots k_0=0 < k_1 < ...
             + b_on [T > 0] + b_onR R [T > 0]      # the switch to the tree path (H100: 1 -> 2 rows)
             + b_T T + b_C C                       # extra work per tree row (masked recompute)
+            + b_spec [D > 0] + b_D D              # the speculative path, per speculating request
             + b_S S                               # S = 1 for a whole engine step, 0 for a bare forward
 
     seg_j(Q) = clip(Q - k_j, 0, k_{j+1} - k_j)    (the last segment is unbounded)
 
 so the Q part is continuous, piecewise linear with slope s_j on [k_j, k_{j+1}], and, since every
-coefficient is >= 0, the prediction is non-decreasing in R, Q, T and C. Worked example:
+coefficient is >= 0, the prediction is non-decreasing in R, Q, T, C and D. Worked example:
 knots [0, 16, 64], Q = 40 -> seg = [16, 24, 0]; Q = 100 -> seg = [16, 48, 36].
 
 Why this form (the data it has to fit):
@@ -96,7 +102,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COST_MODEL_FORMAT = "vllm_anisotropic.allocator.CostModel"
-COST_MODEL_VERSION = 2
+COST_MODEL_VERSION = 3
+_COLUMNS = 6  # a sample row: R, Q, T, C, D, seconds
 
 
 class CostSample(NamedTuple):
@@ -106,6 +113,7 @@ class CostSample(NamedTuple):
     query_tokens: int
     tree_rows: int
     ctx_tokens: int
+    spec_reqs: int
     seconds: float
 
 
@@ -137,23 +145,27 @@ def query_segments(query_tokens, knots: np.ndarray) -> np.ndarray:
 def feature_names(knots: np.ndarray) -> list[str]:
     """Names of the columns of ``cost_features`` (also the JSON keys of the coefficients)."""
     segs = [f"q_slope[{float(k):g}]" for k in knots]
-    return ["base", "per_request", *segs, "tree_switch", "tree_switch_per_request", "tree_row", "tree_ctx", "step_overhead"]
+    return ["base", "per_request", *segs, "tree_switch", "tree_switch_per_request", "tree_row", "tree_ctx",
+            "spec_switch", "spec_request", "step_overhead"]
 
 
-def cost_features(num_reqs, query_tokens, tree_rows, ctx_tokens, knots: np.ndarray, engine_step=1.0) -> np.ndarray:
+def cost_features(num_reqs, query_tokens, tree_rows, ctx_tokens, spec_reqs, knots: np.ndarray,
+                  engine_step=1.0) -> np.ndarray:
     """[num_samples, num_features] design matrix of the cost form (module docstring).
 
-    Columns: 1, R, seg_0(Q) .. seg_m(Q), [T>0], R [T>0], T, C, S (1 for a whole engine step,
-    0 for a bare calibration forward). Arguments broadcast.
-    ``R=2, Q=10, T=8, C=800, knots [0,4] -> [1, 2, 4, 6, 1, 2, 8, 800, 1]``.
+    Columns: 1, R, seg_0(Q) .. seg_m(Q), [T>0], R [T>0], T, C, [D>0], D, S (1 for a whole
+    engine step, 0 for a bare calibration forward). Arguments broadcast.
+    ``R=2, Q=10, T=8, C=800, D=2, knots [0,4] -> [1, 2, 4, 6, 1, 2, 8, 800, 1, 2, 1]``.
     """
-    r, q, t, c, e = np.broadcast_arrays(
+    r, q, t, c, d, e = np.broadcast_arrays(
         np.asarray(num_reqs, np.float64), np.asarray(query_tokens, np.float64),
-        np.asarray(tree_rows, np.float64), np.asarray(ctx_tokens, np.float64), np.asarray(engine_step, np.float64),
+        np.asarray(tree_rows, np.float64), np.asarray(ctx_tokens, np.float64),
+        np.asarray(spec_reqs, np.float64), np.asarray(engine_step, np.float64),
     )
-    r, q, t, c, e = (x.reshape(-1) for x in (r, q, t, c, e))
+    r, q, t, c, d, e = (x.reshape(-1) for x in (r, q, t, c, d, e))
     on = (t > 0).astype(np.float64)
-    return np.column_stack([np.ones_like(r), r, query_segments(q, knots), on, r * on, t, c, e])
+    spec = (d > 0).astype(np.float64)
+    return np.column_stack([np.ones_like(r), r, query_segments(q, knots), on, r * on, t, c, spec, d, e])
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
@@ -196,13 +208,13 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
 
 
 class CostModel:
-    """Predicts one step's seconds from (R, Q, T, C); fitted by ``fit``, refined by ``update``.
+    """Predicts one step's seconds from (R, Q, T, C, D); fitted by ``fit``, refined by ``update``.
 
     Example::
 
         model = CostModel.fit(samples)                  # a calibration sweep (CostSample rows)
-        model.predict(8, 8 + 40, 40, 40 * 512)          # 8 requests, 40 tree rows
-        model.update(CostSample(8, 48, 40, 20480, 0.0123))   # a measured step
+        model.predict(8, 8 + 40, 40, 40 * 512, 8)       # 8 requests, 40 tree rows, all speculating
+        model.update(CostSample(8, 48, 40, 20480, 8, 0.0123))   # a measured step
         CostModel.from_json(model.to_json())            # identical predictions
     """
 
@@ -224,9 +236,10 @@ class CostModel:
             raise ValueError(f"weights must have {len(feature_names(self.knots))} entries (one per feature)")
         if np.any(self.weights < 0) or not np.all(np.isfinite(self.weights)):
             raise ValueError("weights must be finite and >= 0 (the model is monotone by construction)")
-        # [num_calibration, 5] rows (R, Q, T, C, seconds) of the sweep the model was fitted on
-        self.calibration = np.zeros((0, 5)) if calibration is None else np.asarray(calibration, np.float64).reshape(-1, 5)
-        self._online: deque[tuple[float, float, float, float, float]] = deque(maxlen=self.config.window)
+        # [num_calibration, 6] rows (R, Q, T, C, D, seconds) of the sweep the model was fitted on
+        self.calibration = (np.zeros((0, _COLUMNS)) if calibration is None
+                            else np.asarray(calibration, np.float64).reshape(-1, _COLUMNS))
+        self._online: deque[tuple[float, ...]] = deque(maxlen=self.config.window)
         self._updates = 0  # online samples seen since the calibration fit
         self._since_refit = 0
 
@@ -241,23 +254,25 @@ class CostModel:
     @classmethod
     def from_coefficients(cls, knots, config: CostModelConfig | None = None, **coef: float) -> CostModel:
         """Build from named coefficients: ``base``, ``per_request``, ``slopes`` (one per knot),
-        ``tree_switch``, ``tree_switch_per_request``, ``tree_row``, ``tree_ctx``; missing = 0."""
+        ``tree_switch``, ``tree_switch_per_request``, ``tree_row``, ``tree_ctx``, ``spec_switch``,
+        ``spec_request``, ``step_overhead``; missing = 0."""
         knots = np.asarray(knots, np.float64)
         slopes = np.asarray(coef.pop("slopes", np.zeros(len(knots))), np.float64)
         if slopes.shape != knots.shape:
             raise ValueError("slopes needs one entry per knot")
-        names = ["base", "per_request", "tree_switch", "tree_switch_per_request", "tree_row", "tree_ctx", "step_overhead"]
+        names = ["base", "per_request", "tree_switch", "tree_switch_per_request", "tree_row", "tree_ctx",
+                 "spec_switch", "spec_request", "step_overhead"]
         unknown = sorted(set(coef) - set(names))
         if unknown:
             raise ValueError(f"unknown coefficient(s) {unknown}; valid: {sorted(names + ['slopes'])}")
         v = {k: float(coef.get(k, 0.0)) for k in names}
         w = [v["base"], v["per_request"], *slopes, v["tree_switch"], v["tree_switch_per_request"], v["tree_row"],
-             v["tree_ctx"], v["step_overhead"]]
+             v["tree_ctx"], v["spec_switch"], v["spec_request"], v["step_overhead"]]
         return cls(knots, w, config)
 
     @classmethod
     def fit(cls, samples, knots=None, config: CostModelConfig | None = None) -> CostModel:
-        """Fit on a calibration sweep: rows (num_reqs, query_tokens, tree_rows, ctx_tokens, seconds).
+        """Fit on a calibration sweep: rows (num_reqs, query_tokens, tree_rows, ctx_tokens, spec_reqs, seconds).
 
         Knots default to ``default_knots(max Q of the sweep)``. The sweep should vary the tree
         rows at a fixed number of requests *and* include steps with prefill tokens, or T and
@@ -281,29 +296,39 @@ class CostModel:
     @property
     def ctx_weight(self) -> float:
         """Seconds per context token of a tree row (b_C): the allocator's per-node linear cost."""
-        return float(self.weights[-2])
+        return float(self.weights[self.knots.size + 5])
 
-    def predict(self, num_reqs, query_tokens, tree_rows, ctx_tokens=0.0):
+    @property
+    def spec_request_weight(self) -> float:
+        """Seconds per speculating request (b_D): the fixed host cost of giving a request drafts."""
+        return float(self.weights[self.knots.size + 7])
+
+    def predict(self, num_reqs, query_tokens, tree_rows, ctx_tokens=0.0, spec_reqs=None):
         """Seconds of a step (float for scalar inputs, else an array of the broadcast shape).
+
+        ``spec_reqs`` (D) defaults to ``min(R, T)``: every tree row's request speculates, as many
+        requests as there are rows (exact for the calibration sweep's D = 0 at T = 0).
 
         Evaluated without the design matrix (the allocator calls this on every candidate total
         of a step): the Q part is ``np.interp`` over its values at the knots,
         f(k_j) = sum_{l < j} s_l (k_{l+1} - k_l), extended past the last knot with its slope.
         Equal to ``cost_features(...) @ weights`` up to rounding.
         """
-        r, q, t, c = np.broadcast_arrays(
+        if spec_reqs is None:
+            spec_reqs = np.minimum(np.asarray(num_reqs, np.float64), np.asarray(tree_rows, np.float64))
+        r, q, t, c, d = np.broadcast_arrays(
             np.asarray(num_reqs, np.float64), np.asarray(query_tokens, np.float64),
-            np.asarray(tree_rows, np.float64), np.asarray(ctx_tokens, np.float64),
+            np.asarray(tree_rows, np.float64), np.asarray(ctx_tokens, np.float64), np.asarray(spec_reqs, np.float64),
         )
         m = self.knots.size
         w = self.weights
         slopes = w[2: 2 + m]
-        b_on, b_on_r, b_t, b_c, b_step = w[2 + m:]
+        b_on, b_on_r, b_t, b_c, b_spec, b_d, b_step = w[2 + m:]
         at_knots = np.concatenate([[0.0], np.cumsum(slopes[:-1] * np.diff(self.knots))])  # [num_knots] f(k_j)
         top = self.knots[-1]
         f_q = np.interp(np.minimum(q, top), self.knots, at_knots) + slopes[-1] * np.maximum(q - top, 0.0)
         on = t > 0
-        out = w[0] + w[1] * r + f_q + on * (b_on + b_on_r * r) + b_t * t + b_c * c + b_step
+        out = w[0] + w[1] * r + f_q + on * (b_on + b_on_r * r) + b_t * t + b_c * c + (d > 0) * b_spec + b_d * d + b_step
         return float(out) if out.ndim == 0 else out
 
     def fit_error(self, samples=None) -> float:
@@ -316,15 +341,16 @@ class CostModel:
             step = np.ones(len(data))  # given samples are engine steps, as predict() assumes
         if data.shape[0] == 0:
             return float("nan")
-        pred = cost_features(data[:, 0], data[:, 1], data[:, 2], data[:, 3], self.knots, step) @ self.weights
-        return float(np.mean(np.abs(pred - data[:, 4]) / data[:, 4]))
+        pred = cost_features(*data[:, :5].T, self.knots, step) @ self.weights
+        return float(np.mean(np.abs(pred - data[:, 5]) / data[:, 5]))
 
     # ------------------------------------------------------------------ online refinement
     def update(self, sample) -> None:
-        """Add one measured step (a ``CostSample`` or 5-tuple); refit every ``refit_every`` calls."""
+        """Add one measured step (a ``CostSample`` or 6-tuple); refit every ``refit_every`` calls."""
         row = tuple(float(x) for x in sample)
-        if len(row) != 5 or not row[4] > 0 or not np.all(np.isfinite(row)):
-            raise ValueError(f"a cost sample is (num_reqs, query_tokens, tree_rows, ctx_tokens, seconds > 0), got {sample}")
+        if len(row) != _COLUMNS or not row[5] > 0 or not np.all(np.isfinite(row)):
+            raise ValueError("a cost sample is (num_reqs, query_tokens, tree_rows, ctx_tokens, spec_reqs, seconds > 0), "
+                             f"got {sample}")
         self._online.append(row)  # type: ignore[arg-type]
         self._updates += 1
         self._since_refit += 1
@@ -339,10 +365,10 @@ class CostModel:
             self.weights = _weighted_fit(data, w, self.knots, self.config.ridge, step)
 
     def _retained(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """([num_samples, 5] rows, [num_samples] weights, [num_samples] engine-step flags):
+        """([num_samples, 6] rows, [num_samples] weights, [num_samples] engine-step flags):
         calibration forwards (flag 0) then online engine steps (flag 1), oldest first."""
         cfg = self.config
-        online = np.asarray(self._online, np.float64).reshape(-1, 5)
+        online = np.asarray(self._online, np.float64).reshape(-1, _COLUMNS)
         age = np.arange(len(online) - 1, -1, -1, dtype=np.float64)  # newest has age 0
         w_online = cfg.forget**age
         n_cal = max(len(self.calibration), 1)
@@ -375,7 +401,7 @@ class CostModel:
         if sorted(d["coefficients"]) != sorted(names):
             raise ValueError(f"coefficients must be exactly {names}")
         model = cls(knots, [d["coefficients"][k] for k in names], CostModelConfig(**d["config"]),
-                    calibration=np.asarray(d["calibration"], np.float64).reshape(-1, 5))
+                    calibration=np.asarray(d["calibration"], np.float64).reshape(-1, _COLUMNS))
         model._online.extend(tuple(r) for r in d["online"])
         model._updates = int(d["updates"])
         model._since_refit = int(d["since_refit"])
@@ -383,23 +409,25 @@ class CostModel:
 
 
 def _as_samples(samples) -> np.ndarray:
-    """[num_samples, 5] float64 rows (R, Q, T, C, seconds), validated."""
-    data = np.asarray([tuple(s) for s in samples], np.float64).reshape(-1, 5)
-    if np.any(data[:, 4] <= 0) or not np.all(np.isfinite(data)):
+    """[num_samples, 6] float64 rows (R, Q, T, C, D, seconds), validated."""
+    data = np.asarray([tuple(s) for s in samples], np.float64).reshape(-1, _COLUMNS)
+    if np.any(data[:, 5] <= 0) or not np.all(np.isfinite(data)):
         raise ValueError("every sample needs finite values and seconds > 0")
     if np.any(data[:, 2] > data[:, 1]):
         raise ValueError("tree_rows cannot exceed query_tokens (tree rows are query rows)")
+    if np.any(data[:, 4] > data[:, 0]):
+        raise ValueError("spec_reqs cannot exceed num_reqs (speculating requests are requests)")
     return data
 
 
 def _weighted_fit(data: np.ndarray, weight: np.ndarray, knots: np.ndarray, ridge: float, engine_step) -> np.ndarray:
     """Coefficients >= 0 minimising sum_s weight_s ((pred_s - y_s) / y_s)^2 + ridge ||w * scale||^2.
 
-    ``data`` [num_samples, 5], ``weight`` [num_samples]. Columns are scaled to unit max so the
+    ``data`` [num_samples, 6], ``weight`` [num_samples]. Columns are scaled to unit max so the
     ridge and the NNLS tolerance see comparable numbers; all-zero columns keep weight 0.
     """
-    x = cost_features(data[:, 0], data[:, 1], data[:, 2], data[:, 3], knots, engine_step)  # [num_samples, num_features]
-    y = data[:, 4]
+    x = cost_features(*data[:, :5].T, knots, engine_step)  # [num_samples, num_features]
+    y = data[:, 5]
     row = np.sqrt(weight) / y  # relative error: divide each row by its own seconds
     scale = np.abs(x).max(axis=0)
     live = scale > 0

@@ -21,7 +21,9 @@ import cProfile
 import io
 import os
 import pstats
+import tempfile
 import time
+from pathlib import Path
 
 # (label, file suffix, function name): cumulative time of these frames, per step
 PHASES = (
@@ -60,14 +62,15 @@ def run(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
     from vllm_anisotropic.bench.demo import _resolve_model, build_prompts
-    from vllm_anisotropic.bench.sweep import METHODS
+    from vllm_anisotropic.bench.sweep import METHODS, resolve_config
     from vllm_anisotropic.integration.vllm.offline import CPU_LLM_DEFAULTS
 
     if args.method not in METHODS:
         raise SystemExit(f"unknown method {args.method!r}; valid: {', '.join(METHODS)}")
     model_dir = _resolve_model(args.model)
     prompts = build_prompts(model_dir, args.dataset, args.num_prompts)
-    llm = LLM(model=str(model_dir), speculative_config=METHODS[args.method], max_num_seqs=args.max_num_seqs,
+    spec_dir = tempfile.mkdtemp(prefix="vllm-anisotropic-profile-")
+    llm = LLM(model=str(model_dir), speculative_config=resolve_config(args.method, Path(spec_dir)), max_num_seqs=args.max_num_seqs,
               **{**CPU_LLM_DEFAULTS, "dtype": args.dtype})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up

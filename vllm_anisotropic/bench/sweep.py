@@ -27,6 +27,8 @@ suffix       vLLM's suffix decoding, k = 8 (needs ``arctic_inference``: installe
 goose-bN     GOOSE with a fixed budget of N tree nodes (N - 1 drafts), allocator off
 goose-auto   GOOSE with the budget allocator (the default ``{"method": "goose"}``)
 goose-auto-full  the same, every tree built at the whole budget (``allocator_offer_factor`` 0)
+goose-never  GOOSE whose allocator never keeps a draft (a steep cost-model file, no probes): the
+             tree path's own cost when it decodes plainly (the floor the allocator falls back to)
 tr-auto      token recycling with the budget allocator
 
 Example (the bounded run recorded in docs/allocator.md)::
@@ -75,12 +77,26 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "goose-b60": {"method": "goose", "budget": 60, "allocator": "off"},
     "goose-auto": {"method": "goose"},
     "goose-auto-full": {"method": "goose", "allocator_offer_factor": 0},
+    "goose-never": {"method": "goose", "cost_model": "<steep>", "cost_model_online": False, "allocator_probe_every": 0},
     "tr-auto": {"method": "token_recycling"},
 }
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 
 
 SUFFIX_DIR = Path(__file__).resolve().parents[2] / ".suffix"  # scripts/build_suffix.sh
+
+
+def resolve_config(method: str, tmp_dir: Path) -> dict[str, Any] | None:
+    """``METHODS[method]`` with its ``"<steep>"`` cost model written to ``tmp_dir``: every query
+    token and tree row costs 1 s, so the allocator keeps no draft in any step."""
+    spec = METHODS[method]
+    if spec is None or spec.get("cost_model") != "<steep>":
+        return spec
+    from vllm_anisotropic.allocator import CostModel
+
+    path = Path(tmp_dir, "steep_cost_model.json")
+    path.write_text(CostModel.from_coefficients([0.0], slopes=[1.0], tree_row=1.0).to_json())
+    return {**spec, "cost_model": str(path)}
 
 
 def unavailable_reason(method: str) -> str | None:
@@ -404,12 +420,12 @@ def run(args: argparse.Namespace) -> int:
             with open(args.out, "a", encoding="utf-8") as f:
                 f.write(json.dumps({**base, "method": method, "skipped": why}) + "\n")
             continue
-        job = SweepJob(model=str(model_dir), method=method, speculative_config=METHODS[method],
-                       cell_prompts=cell_prompts, warmup_prompts=warmup,
-                       max_tokens=args.max_tokens, concurrency=args.concurrency, repeats=args.repeats,
-                       llm_kwargs={"dtype": args.dtype}, record_base=base)
         logger.info("%s: starting vLLM", method)
         with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-bench-") as tmp:
+            job = SweepJob(model=str(model_dir), method=method, speculative_config=resolve_config(method, Path(tmp)),
+                           cell_prompts=cell_prompts, warmup_prompts=warmup,
+                           max_tokens=args.max_tokens, concurrency=args.concurrency, repeats=args.repeats,
+                           llm_kwargs={"dtype": args.dtype}, record_base=base)
             job_file = Path(tmp, "job.json")
             job_file.write_text(job.model_dump_json())
             env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),

@@ -20,10 +20,11 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    verifies the single most likely node instead, so the tree-row terms of the cost model stay
    measured (the cost of a probe is one query row).
 3. ``on_scheduled``: the step's composition (requests, query tokens, tree rows, context tokens
-   of the tree rows) and the time the step starts.
-4. ``on_output``: the step's wall time (``update_from_output`` - end of ``schedule``: forward,
-   sampling, verification and the next proposals) refines the cost model online; the worker's
-   start-up sweep (``cost_calibration`` on the first ``ModelRunnerOutput``) fits it first.
+   of the tree rows, requests with drafts).
+4. ``on_output``: the step's wall time (``update_from_output`` - start of ``cut``: the cut,
+   vLLM's scheduling, forward, sampling, verification and the next proposals) refines the cost
+   model online; the worker's start-up sweep (``cost_calibration`` on the first
+   ``ModelRunnerOutput``) fits it first.
    Predicted vs realized accepted drafts feed the metrics.
 
 Cost-model start: a linear prior (``PRIOR_BASE_S`` + ``PRIOR_PER_TOKEN_S`` per query token)
@@ -86,8 +87,14 @@ class _ChainCost:
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
 
-    def predict(self, num_reqs, query_tokens, tree_rows, ctx_tokens=0):
-        return self.cost.predict(num_reqs, query_tokens, np.zeros_like(np.asarray(tree_rows)), 0)
+    @property
+    def spec_request_weight(self) -> float:
+        return self.cost.spec_request_weight
+
+    def predict(self, num_reqs, query_tokens, tree_rows, ctx_tokens=0, spec_reqs=None):
+        if spec_reqs is None:
+            spec_reqs = np.minimum(np.asarray(num_reqs), np.asarray(tree_rows))
+        return self.cost.predict(num_reqs, query_tokens, np.zeros_like(np.asarray(tree_rows)), 0, spec_reqs)
 
 
 class BatchBudget:
@@ -114,7 +121,8 @@ class BatchBudget:
         self.stats_path = stats_path
         self._kept: dict[str, float] = {}  # req_id -> predicted accepted of the kept prefix
         self._ctx: dict[str, int] = {}  # req_id -> context length at the cut
-        self._step: tuple | None = None  # (R, Q, T, C, t0) of the step in flight
+        self._step: tuple | None = None  # (R, Q, T, C, D, t0) of the step in flight
+        self._t_cut = time.perf_counter()  # start of the latest cut
         self._last_log = -LOG_INTERVAL_S
         self._last_write = -WRITE_INTERVAL_S
 
@@ -135,6 +143,7 @@ class BatchBudget:
     # ------------------------------------------------------------------ 2
     def cut(self, running) -> None:
         """Cut ``request.spec_token_ids`` of the running requests (see module docstring)."""
+        self._t_cut = time.perf_counter()  # the step's time starts here: the cut is part of its cost
         self._kept, self._ctx = {}, {}
         live = {r.request_id for r in running}
         for req_id in [r for r in self.probs if r not in live]:
@@ -200,7 +209,8 @@ class BatchBudget:
         beyond = {rid: max(len(v) - self.chains.get(rid, 0), 0) for rid, v in spec.items()}
         rows = sum(beyond.values())
         ctx = sum(n * self._ctx.get(rid, 0) for rid, n in beyond.items())
-        self._step = (len(num), scheduler_output.total_num_scheduled_tokens, rows, ctx, time.perf_counter())
+        speculating = sum(1 for v in spec.values() if v)
+        self._step = (len(num), scheduler_output.total_num_scheduled_tokens, rows, ctx, speculating, self._t_cut)
 
     # ------------------------------------------------------------------ 4
     def on_output(self, scheduler_output, model_runner_output) -> None:
@@ -214,14 +224,14 @@ class BatchBudget:
         step, self._step = self._step, None
         m = self.metrics
         if step is not None:
-            r, q, t, c, t0 = step
+            r, q, t, c, d, t0 = step
             seconds = now - t0
             if seconds > 0:
-                predicted = float(self.cost.predict(r, q, t, c))
+                predicted = float(self.cost.predict(r, q, t, c, d))
                 m.cost_samples += 1
                 m.cost_abs_rel_err += abs(predicted - seconds) / seconds
                 if self.online:
-                    self.cost.update(CostSample(r, q, t, c, seconds))
+                    self.cost.update(CostSample(r, q, t, c, d, seconds))
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():

@@ -252,9 +252,9 @@ class TreeRunnerMixin:
                 self._dummy_run(q)
                 self._sync_device()
                 times.append(time.perf_counter() - t0)
-            samples.append((min(q, max_reqs), q, 0, 0, float(np.median(times[1:]))))
+            samples.append((min(q, max_reqs), q, 0, 0, 0, float(np.median(times[1:]))))
         self._cost_calibration = samples
-        logger.info("vllm-anisotropic cost sweep: %s", [(q, round(s * 1e3, 2)) for _, q, _, _, s in samples])
+        logger.info("vllm-anisotropic cost sweep: %s", [(q, round(s * 1e3, 2)) for _, q, _, _, _, s in samples])
         return samples
 
     def _sync_device(self) -> None:
