@@ -107,16 +107,18 @@ def test_off_cuts_nothing(tmp_path):
 
 def test_a_step_refines_the_cost_model_and_counts_acceptance(tmp_path):
     b = _budget(tmp_path, CostModel.from_coefficients([0.0], base=0.01, tree_row=1e-4))
-    reqs = [_req("a", 4, computed=50), _req("b", 2, computed=70)]
+    reqs = [_req("a", 4, num_tokens=51, computed=50), _req("b", 2, num_tokens=71, computed=70)]
     _offer(b, {"a": [0.9, 0.8, 0.1, 0.1], "b": [0.7, 0.1]})
     b.cut(reqs)
     kept = {r.request_id: len(r.spec_token_ids) for r in reqs}
+    assert kept["a"] >= 2  # cheap tree rows: the confident nodes are kept
     spec = {r.request_id: r.spec_token_ids for r in reqs if r.spec_token_ids}
     out = SimpleNamespace(num_scheduled_tokens={"a": 1 + kept["a"], "b": 1 + kept["b"]},
                           total_num_scheduled_tokens=2 + sum(kept.values()), scheduled_spec_decode_tokens=spec)
     b.on_scheduled(out)
-    r, q, t, c, _ = b._step
+    r, q, t, c, d, _ = b._step
     assert (r, q, t) == (2, 2 + sum(kept.values()), sum(kept.values()))
+    assert d == sum(1 for n in kept.values() if n) >= 1  # requests that speculate
     assert c == kept["a"] * 50 + kept["b"] * 70
     runner_out = SimpleNamespace(sampled_token_ids=[[5, 6, 7], [8]], req_id_to_index={"a": 0, "b": 1})
     b.on_output(out, runner_out)
@@ -129,7 +131,7 @@ def test_a_step_refines_the_cost_model_and_counts_acceptance(tmp_path):
 def test_calibration_arrives_with_the_first_output():
     b = _budget()
     assert not b.calibrated
-    sweep = [(q, q, 0, 0, 0.002 + 1e-4 * q) for q in (1, 2, 4, 8, 16, 32)]
+    sweep = [(q, q, 0, 0, 0, 0.002 + 1e-4 * q) for q in (1, 2, 4, 8, 16, 32)]
     b.on_output(SimpleNamespace(scheduled_spec_decode_tokens={}),
                 SimpleNamespace(cost_calibration=sweep, sampled_token_ids=[], req_id_to_index={}))
     assert b.calibrated and b.cost.predict(16, 16, 0) == pytest.approx(0.002 + 1e-4 * 16, rel=0.05)
