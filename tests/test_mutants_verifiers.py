@@ -236,3 +236,23 @@ def test_block_weights_golden():
     assert w[0].tolist() == pytest.approx([1.0, 1.0, 0.5, 1.0], abs=1e-12)
     assert h[0].tolist() == pytest.approx([1.0, 1.0, 0.375, 1.0], abs=1e-12)
     assert m[0, 2].tolist() == pytest.approx([0.3, 0.0, 0.0], abs=1e-12)  # (w_2 p_2 - q_2)_+
+
+
+@pytest.mark.parametrize("name", ["traversal", "block"])
+def test_chain_with_ratio_above_one_samples_the_exact_law(name):
+    """The rows of test_block_weights_golden on the chain root -> 1 -> 1 -> 1: p_0(1)/q_0(1) = 2,
+    so the sequence weight is clamped at 1 (alpha = min(1, alpha p/q)): alpha = 1, .5, then
+    .5 * .1/.45 = 1/9 at the leaf; unclamped it would be 2, 1, 2/9 (accepting too often)."""
+    from vllm_anisotropic.tree import DraftTree
+
+    p = torch.tensor([[0.2, 0.6, 0.2], [0.5, 0.25, 0.25], [0.8, 0.1, 0.1], [0.3, 0.3, 0.4]], dtype=torch.float64)
+    q = torch.tensor([[0.3, 0.3, 0.4], [0.2, 0.5, 0.3], [0.1, 0.45, 0.45], [1 / 3] * 3], dtype=torch.float64)
+    tree = DraftTree(tokens=[2, 1, 1, 1], parents=[-1, 0, 1, 2])
+    law = output_distribution(name, tree, p, q)
+    m = 20_000
+    res = get_verifier(name, torch.float64).verify_batch(
+        pack_trees([tree]).repeat(m), p.log().repeat(m, 1), TargetSampling(1.0), torch.Generator().manual_seed(9), q.repeat(m, 1))
+    acc, num = res.accepted.numpy(), res.num_accepted.numpy()
+    seqs = Counter(tuple(tree.tokens[acc[i, : num[i]]].tolist()) + (int(res.bonus_tokens[i]),) for i in range(m))
+    worst = max(abs(seqs.get(key, 0) / m - law.get(key, 0.0)) for key in set(law) | set(seqs))
+    assert worst < 0.015, worst
