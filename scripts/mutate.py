@@ -471,7 +471,8 @@ def run_target(spec: dict, work: Path, args) -> TargetReport:
         key = lambda m: (m["id"], m["node"], m["op"], m["arg"], m["line"])  # noqa: E731
         if [key(m) for m in previous["mutants"]] != [key(asdict(m)) for m in mutants]:
             raise SystemExit(f"{name}: the mutant list differs from the --rerun-survivors report (source changed?)")
-        carried = {m["id"]: m for m in previous["mutants"] if m["status"] != "survived"}
+        # only real kills are carried over: survivors and timeouts (perhaps a slow machine) run again
+        carried = {m["id"]: m for m in previous["mutants"] if m["status"] == "killed"}
     copy_target = work / target.relative_to(root)
     log = work.parent / "pytest.log"
     pytest_args = PYTEST_FLAGS + tests

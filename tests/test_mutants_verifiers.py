@@ -256,3 +256,23 @@ def test_chain_with_ratio_above_one_samples_the_exact_law(name):
     seqs = Counter(tuple(tree.tokens[acc[i, : num[i]]].tolist()) + (int(res.bonus_tokens[i]),) for i in range(m))
     worst = max(abs(seqs.get(key, 0) / m - law.get(key, 0.0)) for key in set(law) | set(seqs))
     assert worst < 0.015, worst
+
+
+def test_traversal_second_child_sees_the_normalised_residual():
+    """Root with leaves 1 and 0 (in that order), p_0 = [.6, .1, .3], q_0 = [.2, .5, .3]: child 1
+    (alpha .2) rejected leaves m = (p_0 - q_0)_+ = [.4, 0, 0], D = .4, root state p = m / D =
+    [1, 0, 0], alpha 1; child 0 then enters with alpha min(1, 1 / .2) = 1 (unnormalised m * D
+    would give .8)."""
+    from vllm_anisotropic.tree import DraftTree
+
+    p = torch.tensor([[0.6, 0.1, 0.3], [0.2, 0.3, 0.5], [0.5, 0.4, 0.1]], dtype=torch.float64)
+    q = torch.tensor([[0.2, 0.5, 0.3], [1 / 3] * 3, [1 / 3] * 3], dtype=torch.float64)
+    tree = DraftTree(tokens=[2, 1, 0], parents=[-1, 0, 0])
+    law = output_distribution("traversal", tree, p, q)
+    m = 20_000
+    res = get_verifier("traversal", torch.float64).verify_batch(
+        pack_trees([tree]).repeat(m), p.log().repeat(m, 1), TargetSampling(1.0), torch.Generator().manual_seed(2), q.repeat(m, 1))
+    acc, num = res.accepted.numpy(), res.num_accepted.numpy()
+    seqs = Counter(tuple(tree.tokens[acc[i, : num[i]]].tolist()) + (int(res.bonus_tokens[i]),) for i in range(m))
+    worst = max(abs(seqs.get(key, 0) / m - law.get(key, 0.0)) for key in set(law) | set(seqs))
+    assert worst < 0.015, worst
