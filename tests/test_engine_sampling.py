@@ -2,14 +2,19 @@
 
 Engine runs (real vLLM CPU build, tiny Llama whose text is not a pure cycle): the same prompt
 N times with per-request seeds, temperature 0.7, top-p 0.9, ``max_tokens`` 24; once plain, once
-with GOOSE trees verified by the default sampling verifier (one-hot SpecInfer). Both runs are
-seeded, so the outcome is deterministic in CI.
+with GOOSE trees verified by the default sampling verifier (one-hot SpecInfer). The two sides
+draw from *independent* seeds (plain 1000 + i, trees 1,000,000 + i): with shared seeds a
+verifier that replayed plain decoding's random stream would match it token for token without
+having the right law. Each run is seeded, so the outcome is deterministic in CI.
 
-Statistical test, per output position t: the two-sample Pearson chi-square of the token counts
-(a 2 x k contingency table, tokens with a pooled expected count < 5 merged into one cell),
-mapped to a standard normal by the Wilson-Hilferty transform; every position must have z < 4
-(false-alarm rate ~3e-5 per position if the laws are equal). The spec run must actually
-accept drafts (else the check is vacuous) and produce many distinct continuations.
+Statistical test: the two-sample Pearson chi-square of the token counts (a 2 x k contingency
+table, outcomes with a pooled expected count < 5 merged into one cell), mapped to a standard
+normal by the Wilson-Hilferty transform, per output position t and jointly over the first 3
+tokens (the law of the triple, not only its marginals); every one of those 25 tests must have
+z < 4 (false-alarm rate ~3e-5 each, ~8e-4 for the family if the laws are equal). The spec run
+must actually accept drafts (else the check is vacuous) and produce many distinct
+continuations. Power: plain decoding at temperature 0.8 instead of 0.7 fails the same family
+of tests (``test_the_law_test_detects_a_temperature_change``).
 
 ``n > 1`` (vLLM forks a request into n children sharing its parameters; with a seed they share
 it and are identical, so the law test above uses n = 1): an unseeded n = 2 run with trees must
@@ -72,18 +77,42 @@ def test_sampled_tokens_follow_plain_vllm_law(tiny_prompts):
     job = OfflineJob(model=model, prompts=[tiny_prompts[0]] * N, max_tokens=MAX_TOKENS, temperature=0.7,
                      top_p=0.9, seed=1000, seed_per_prompt=True, llm_kwargs=ENGINE)
     plain = run_offline_job(job)
-    spec = run_offline_job(job.model_copy(update={"speculative_config": {"method": "goose"}}))
+    spec = run_offline_job(job.model_copy(update={"speculative_config": {"method": "goose"}, "seed": 1_000_000}))
     assert spec.spec.num_accepted_tokens > 100, spec.spec  # trees were verified and accepted
     outs_plain = [r[0] for r in plain.token_ids]
     outs_spec = [r[0] for r in spec.token_ids]
     assert len({tuple(o) for o in outs_spec}) > N // 4  # sampling, not a deterministic walk
+    assert sum(a == b for a, b in zip(outs_plain, outs_spec)) < N // 2  # the seeds are independent
+    zs = law_z(outs_plain, outs_spec)
+    print(f"spec counters {spec.spec}, tau {spec.spec.tau:.2f}, distinct outputs {len({tuple(o) for o in outs_spec})}/{N}, "
+          f"z per position {zs[:-1]}, joint z of the first 3 tokens {zs[-1]}")
+    assert max(zs) < 4.0, zs
+
+
+def law_z(outs_a, outs_b) -> list[float]:
+    """z of each output position, then of the first-3-token triple (the 25 tests above)."""
     zs = []
     for t in range(MAX_TOKENS):
-        a = Counter(o[t] for o in outs_plain if len(o) > t)
-        b = Counter(o[t] for o in outs_spec if len(o) > t)
+        a = Counter(o[t] for o in outs_a if len(o) > t)
+        b = Counter(o[t] for o in outs_b if len(o) > t)
         zs.append(round(two_sample_z(a, b), 2))
-    print(f"spec counters {spec.spec}, tau {spec.spec.tau:.2f}, distinct outputs {len({tuple(o) for o in outs_spec})}/{N}, z per position {zs}")
-    assert max(zs) < 4.0, zs
+    zs.append(round(two_sample_z(Counter(tuple(o[:3]) for o in outs_a), Counter(tuple(o[:3]) for o in outs_b)), 2))
+    return zs
+
+
+def test_the_law_test_detects_a_temperature_change(tiny_prompts):
+    """Power of the family above at N = 400: plain decoding at temperature 0.8 against 0.7
+    (independent seeds) must fail it, or the test could not tell a wrong law from the right one."""
+    from vllm_anisotropic.models import build_tiny_model
+
+    model = str(build_tiny_model(block_std=0.1, lm_head_alpha=0.25))
+    job = OfflineJob(model=model, prompts=[tiny_prompts[0]] * N, max_tokens=MAX_TOKENS, temperature=0.7,
+                     top_p=0.9, seed=1000, seed_per_prompt=True, llm_kwargs=ENGINE)
+    a = run_offline_job(job)
+    b = run_offline_job(job.model_copy(update={"temperature": 0.8, "seed": 1_000_000}))
+    zs = law_z([r[0] for r in a.token_ids], [r[0] for r in b.token_ids])
+    print(f"T 0.7 vs 0.8: z per position {zs[:-1]}, joint {zs[-1]}")
+    assert max(zs) >= 4.0, zs
 
 
 def test_n2_sampled_children_with_trees(tiny_prompts):
