@@ -142,3 +142,29 @@ def test_sync_appends_only_the_tail_and_consensus_needs_two():
     assert hit.ngram == 3 and hit.draft.tolist() == [5, 6, 7] and hit.consensus  # n = 2 and 3 agree on 5
     m.sync([5, 6, 7, 5, 6, 7])  # same context: nothing re-indexed
     assert m._index[2][(5, 6)] == 5
+
+
+def test_sync_rebuilds_when_the_boundary_token_changed():
+    """After any sync the index equals a fresh matcher's on the same context: a boundary
+    token that changed (here the last indexed one) forces a rebuild even when the token before
+    it, or the new token, happens to equal some indexed token."""
+    for old, new in (([1, 2, 2], [1, 2, 5, 1, 2]), ([1, 5, 2], [1, 5, 5, 1, 5])):
+        m = ContextMatcher((2,), max_continuation=4)
+        m.sync(old)
+        m.sync(new)
+        fresh = ContextMatcher((2,), max_continuation=4)
+        fresh.sync(new)
+        assert m.tokens == new and m._index == fresh._index
+        assert m.match().draft.tolist() == fresh.match().draft.tolist()
+
+
+def test_lookup_at_length_n_plus_one_and_match_length_at_the_start():
+    """[7, 7, 7, 7], n = 3: the suffix (7, 7, 7) also ends at position 2 (follow position 3 =
+    L - 1), an earlier occurrence. [5, 5, 5], n = 2: f = 2, the backward extension stops at the
+    context start (match length 2; indexing before it would wrap around to the suffix)."""
+    m = ContextMatcher((3,))
+    m.sync([7, 7, 7, 7])
+    assert m.lookup(3) == 3 and m.match().draft.tolist() == [7]
+    m2 = ContextMatcher((2,))
+    m2.sync([5, 5, 5])
+    assert m2.match().position == 2 and m2.match().match_length == 2
