@@ -27,6 +27,10 @@ Patches (vLLM 0.32; file:line in shared/notes/vllm-0.32-spec-decode-map.md secti
 5. ``VllmConfig._get_v2_model_runner_unsupported_features``: lists our methods, so the V1
    runner is chosen wherever V2 would be the default.
 
+The subclasses those classes install override private vLLM methods; ``vllm_surface.py`` lists
+every such name (with the parameters passed through) and every step-object field they read,
+and patch 4 refuses to start, naming each mismatch, when the installed vLLM differs.
+
 On a vLLM version other than ``SUPPORTED_VLLM``, only patch 3 is installed, and it raises a
 clear error when one of our methods is requested; plain vLLM use is untouched.
 """
@@ -230,6 +234,10 @@ def check_and_install(vllm_config) -> None:
         raise UnsupportedConfigError(
             f"speculative method {method!r} (vllm-anisotropic) does not support: " + "; ".join(problems)
         )
+    # the private vLLM names the tree worker, runner, scheduler, sampler and attention rely on
+    from vllm_anisotropic.integration.vllm.vllm_surface import check_vllm_surface
+
+    check_vllm_surface("cuda" if on_gpu else "cpu")
     # The tunables normally arrive through create_speculative_config; a SpeculativeConfig
     # built by hand gets the defaults (or whatever additional_config holds), validated here.
     from vllm_anisotropic.integration.vllm.config import ADDITIONAL_CONFIG_KEY, TreeSpecConfig

@@ -135,6 +135,9 @@ class TreeRunnerMixin:
             super().__init__(vllm_config, device)
         finally:
             spec.method, spec.model = method, model
+        from vllm_anisotropic.integration.vllm.vllm_surface import check_runner
+
+        check_runner(self)
         if self.uses_mrope:
             raise NotImplementedError("vllm-anisotropic tree decoding does not support M-RoPE models yet")
         assert isinstance(self.drafter, TreeDrafter), type(self.drafter)

@@ -1,0 +1,202 @@
+"""The private vLLM surface vllm-anisotropic relies on, checked before an engine starts.
+
+Scope: every vLLM name the adapter overrides, calls or reads that is not public API -- the
+methods the tree runner, worker, scheduler, sampler and attention subclasses override (with
+the leading parameters they pass through), the dataclass fields they read from vLLM's step
+objects, and the attributes the tree runner reads from a constructed model runner. The
+overrides themselves stay in the subclasses (``runner.py``, ``worker.py``, ``scheduler.py``,
+``sampler.py``, ``attention.py``) and the front-door patches in ``patches.py``; this module is
+the one list of what they assume, so a vLLM release that renames, removes or re-orders any of
+it is refused at start-up with every mismatch named, instead of failing mid-step or, worse,
+silently skipping an override (a renamed ``_prepare_inputs`` would leave tree positions
+unscattered: wrong tokens, no error).
+
+``check_vllm_surface()`` runs in ``patches.check_and_install`` (every engine configuration with
+a tree method, in the process that builds it); ``check_runner(runner)`` runs in the tree
+runner's ``__init__`` (attributes exist only on a constructed runner). Both raise
+``VllmSurfaceError``. Written against vLLM 0.32 (``patches.SUPPORTED_VLLM``); file:line
+references in shared/notes/vllm-0.32-spec-decode-map.md.
+
+Example of the error::
+
+    VllmSurfaceError: vLLM 0.33.0 does not have the surface vllm-anisotropic 0.32 relies on:
+      vllm.v1.worker.cpu_model_runner:CPUModelRunner._prepare_inputs: expected parameters
+      ('self', 'scheduler_output', 'num_scheduled_tokens'), found ('self', 'scheduler_output')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+
+__all__ = ["VllmSurfaceError", "check_runner", "check_vllm_surface", "surface_problems",
+           "RUNNER_METHODS", "METHODS", "FIELDS", "CLASS_ATTRIBUTES", "RUNNER_ATTRIBUTES"]
+
+# modules that exist only for (or only import on) one platform
+_CPU_ONLY = ("vllm.v1.worker.cpu_", "vllm.v1.attention.backends.cpu_attn")
+
+# runner.TreeRunnerMixin: method -> the leading parameter names our override passes through;
+# checked on the platform's runner class (CPUModelRunner derives from GPUModelRunner)
+RUNNER_METHODS: dict[str, tuple[str, ...]] = {
+    "__init__": ("self", "vllm_config", "device"),
+    "_update_states": ("self", "scheduler_output"),
+    "_prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
+    "_build_attention_metadata": ("self",),
+    "_sample": ("self", "logits", "spec_decode_metadata"),
+    "take_draft_token_ids": ("self",),
+    "sample_tokens": ("self", "grammar_output"),
+    "propose_draft_token_ids": ("self", "scheduler_output", "sampled_token_ids"),
+    "_dummy_run": ("self", "num_tokens"),
+}
+RUNNER_CLASS = {"cpu": "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
+                "cuda": "vllm.v1.worker.gpu_model_runner:GPUModelRunner"}
+
+# "module:Class.method" -> the leading parameter names our override or call passes
+METHODS: dict[str, tuple[str, ...]] = {
+    # worker.TreeCPUWorker / TreeGPUWorker
+    "vllm.v1.worker.cpu_worker:CPUWorker.init_device": ("self",),
+    "vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model": ("self",),
+    "vllm.v1.worker.gpu_worker:Worker._make_model_runner": ("self",),
+    "vllm.v1.worker.gpu_worker:Worker.load_model": ("self",),
+    # scheduler.TreeScheduler
+    "vllm.v1.core.sched.scheduler:Scheduler.__init__": ("self", "vllm_config"),
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule": ("self",),
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": ("self", "scheduler_output", "model_runner_output"),
+    "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids": ("self", "draft_token_ids"),
+    # sampler.TreeRejectionSampler replaces the runner's rejection sampler, same call
+    "vllm.v1.sample.rejection_sampler:RejectionSampler.forward": ("self", "metadata", "draft_probs", "logits", "sampling_metadata"),
+    # attention.TreeCPUAttentionImpl
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward": (
+        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
+}
+
+# "module:Class" -> dataclass fields read from vLLM's step objects
+FIELDS: dict[str, tuple[str, ...]] = {
+    "vllm.v1.core.sched.output:SchedulerOutput": (
+        "scheduled_new_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_spec_decode_tokens",
+        "finished_req_ids", "preempted_req_ids"),
+    "vllm.v1.outputs:ModelRunnerOutput": ("req_id_to_index", "sampled_token_ids"),
+    "vllm.v1.outputs:DraftTokenIds": ("req_ids", "draft_token_ids"),
+    "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("num_draft_tokens", "cu_num_sampled_tokens", "bonus_logits_indices"),
+    "vllm.v1.sample.metadata:SamplingMetadata": ("temperature", "top_k", "top_p", "generators"),
+}
+
+# "module:Class" -> attributes read: class-level (methods, properties) or assigned as
+# ``self.<name> =`` in the class's ``__init__`` / ``__post_init__``
+CLASS_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("max_spec_len",),
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend": ("get_impl_cls",),
+}
+
+# attributes the tree runner reads from a constructed model runner (dotted: nested)
+RUNNER_ATTRIBUTES: tuple[str, ...] = (
+    "drafter", "rejection_sampler", "rejection_sampler.sampler", "input_batch", "input_batch.req_ids",
+    "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu", "input_batch.num_tokens_no_spec",
+    "input_batch.token_ids_cpu", "query_start_loc", "positions", "requests", "uses_mrope", "scheduler_config",
+    "model_config",
+)
+
+
+class VllmSurfaceError(RuntimeError):
+    """The installed vLLM lacks (or changed) a private name vllm-anisotropic relies on."""
+
+
+def _resolve(path: str):
+    """``"pkg.mod:Class.attr"`` -> the object, or raise AttributeError / ImportError."""
+    module, _, qualname = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _leading_parameters(fn, count: int) -> tuple[str, ...]:
+    return tuple(list(inspect.signature(fn).parameters)[:count])
+
+
+def _assigned_in_init(cls, name: str) -> bool:
+    """True if ``cls.__init__`` or ``cls.__post_init__`` assigns ``self.<name>``."""
+    for init in ("__post_init__", "__init__"):
+        fn = cls.__dict__.get(init)
+        if fn is None:
+            continue
+        try:
+            if f"self.{name} =" in inspect.getsource(fn):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+def surface_problems(platform: str = "cpu") -> list[str]:
+    """Every mismatch between the installed vLLM and RUNNER_METHODS (on the ``platform``'s
+    runner, ``"cpu"`` or ``"cuda"``), METHODS, FIELDS and CLASS_ATTRIBUTES (CPU-only modules
+    are skipped on ``"cuda"``)."""
+    problems = []
+    methods = {f"{RUNNER_CLASS[platform]}.{name}": params for name, params in RUNNER_METHODS.items()}
+    methods.update(METHODS)
+    if platform != "cpu":
+        methods = {p: v for p, v in methods.items() if not p.startswith(_CPU_ONLY)}
+    for path, expected in methods.items():
+        try:
+            found = _leading_parameters(_resolve(path), len(expected))
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{path}: missing ({e})")
+            continue
+        if found != expected:
+            problems.append(f"{path}: expected parameters {expected}, found {found}")
+    for path, names in FIELDS.items():
+        try:
+            cls = _resolve(path)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{path}: missing ({e})")
+            continue
+        have = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        missing = [n for n in names if n not in have]
+        if missing:
+            problems.append(f"{path}: missing dataclass field(s) {missing}")
+    for path, names in CLASS_ATTRIBUTES.items():
+        if platform != "cpu" and path.startswith(_CPU_ONLY):
+            continue
+        try:
+            cls = _resolve(path)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{path}: missing ({e})")
+            continue
+        missing = [n for n in names if not hasattr(cls, n) and not _assigned_in_init(cls, n)]
+        if missing:
+            problems.append(f"{path}: missing attribute(s) {missing}")
+    return problems
+
+
+def _raise(problems: list[str]) -> None:
+    from vllm_anisotropic.integration.vllm.patches import SUPPORTED_VLLM, vllm_version
+
+    raise VllmSurfaceError(
+        f"vLLM {vllm_version()} does not have the surface vllm-anisotropic relies on (written for vLLM "
+        f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)}):\n  " + "\n  ".join(problems))
+
+
+@functools.lru_cache(maxsize=2)
+def check_vllm_surface(platform: str = "cpu") -> None:
+    """Raise ``VllmSurfaceError`` naming every mismatch (checked once per process and platform)."""
+    problems = surface_problems(platform)
+    if problems:
+        _raise(problems)
+
+
+def check_runner(runner) -> None:
+    """Raise ``VllmSurfaceError`` if a constructed model runner lacks an attribute the tree
+    runner reads (RUNNER_ATTRIBUTES)."""
+    missing = []
+    for dotted in RUNNER_ATTRIBUTES:
+        obj = runner
+        for part in dotted.split("."):
+            if not hasattr(obj, part):
+                missing.append(dotted)
+                break
+            obj = getattr(obj, part)
+    if missing:
+        _raise([f"{type(runner).__name__}: missing attribute(s) {missing}"])
