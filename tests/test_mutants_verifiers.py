@@ -253,9 +253,13 @@ def test_chain_with_ratio_above_one_samples_the_exact_law(name):
     res = get_verifier(name, torch.float64).verify_batch(
         pack_trees([tree]).repeat(m), p.log().repeat(m, 1), TargetSampling(1.0), torch.Generator().manual_seed(9), q.repeat(m, 1))
     acc, num = res.accepted.numpy(), res.num_accepted.numpy()
+    assert res.accepted.shape == (m, 3) and all((acc[i, num[i] :] == -1).all() for i in range(m))  # -1 padded
     seqs = Counter(tuple(tree.tokens[acc[i, : num[i]]].tolist()) + (int(res.bonus_tokens[i]),) for i in range(m))
     worst = max(abs(seqs.get(key, 0) / m - law.get(key, 0.0)) for key in set(law) | set(seqs))
     assert worst < 0.015, worst
+    root_only = get_verifier(name, torch.float64).verify_batch(
+        pack_trees([DraftTree(tokens=[2], parents=[-1])] * 2), p[:1].log().repeat(2, 1), TargetSampling(1.0), None, q[:1].repeat(2, 1))
+    assert root_only.accepted.tolist() == [[-1], [-1]] and root_only.num_accepted.tolist() == [0, 0]
 
 
 def test_traversal_second_child_sees_the_normalised_residual():
@@ -276,3 +280,16 @@ def test_traversal_second_child_sees_the_normalised_residual():
     seqs = Counter(tuple(tree.tokens[acc[i, : num[i]]].tolist()) + (int(res.bonus_tokens[i]),) for i in range(m))
     worst = max(abs(seqs.get(key, 0) / m - law.get(key, 0.0)) for key in set(law) | set(seqs))
     assert worst < 0.015, worst
+
+
+def test_specinfer_round_columns_and_padded_rows():
+    """p = [.5, .35, .15], q = [.2, .3, .5], xs = [2, 1] (S = 2): round 0 rejects 2 (p/q = .3) at
+    u[:, 2] = .9; p_1 = norm(max(0, p - q)) = [.3, .05, 0] / .35 = [6/7, 1/7, 0]; round 1 accepts 1
+    (p_1/q = (1/7)/.3 = .476) at u[:, 3] = .2 (column 1, set to .9, is a shuffle key). A row
+    with one child (xs = [2, -1]) rejected at round 0 samples p_1 at u[:, 6]: .86 -> 1 (cdf 6/7 =
+    .857); the padding slot must not apply a second residual update."""
+    p1 = torch.tensor([0.5, 0.35, 0.15], dtype=torch.float64)
+    q1 = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    u = _u([{1: 0.9, 2: 0.9, 3: 0.2}, {2: 0.9, 3: 0.0, 6: 0.86}], 2)
+    y = get_verifier("specinfer", torch.float64).solve(p1.repeat(2, 1), q1.repeat(2, 1), torch.tensor([[2, 1], [2, -1]]), u)
+    assert y.tolist() == [1, 1]
