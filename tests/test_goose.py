@@ -462,3 +462,18 @@ def test_bypass_chain_is_cut_to_the_call_budget():
     s = _state()
     tree = s.propose(np.array(REPEAT + [1] + REPEAT[:5]), max_nodes=5)
     assert s.last_info.mode == ProposalMode.BYPASS and tree.tokens.tolist() == [14, 15, 16, 17, 18]
+
+
+def test_repush_key_uses_the_next_candidates_score(monkeypatch):
+    """Root row [1 (0.8), 9 (0.5)], B = 6 (5 drafts, b_r = 3): heap 1 -> 2 at 0.8 * 0.5 = 0.40, 9 -> 7
+    at 0.5 * 0.7 = 0.35. Pop 0.40 (add 2); 1's next candidate 3 is re-pushed at 0.8 * 0.4 = 0.32
+    (its own score, not another rank's). Pop 0.35 (add 7; 7 -> 8 queued at 0.35 * 0.5 = 0.175).
+    Pop 0.32: add 3, the fifth draft. A branch node's candidates exclude nothing (token 1 is a
+    legal successor of 9 -> ... nodes: checked with 8 -> 1 below)."""
+    logs = _recording_builder(monkeypatch)
+    rows = {0: [(1, 0.8), (9, 0.5)], 1: [(2, 0.5), (3, 0.4), (4, 0.1)], 9: [(7, 0.7)], 7: [(8, 0.5)], 8: [(1, 0.9)]}
+    build_spine_tree(0, -1, np.zeros(0, np.int64), table_fn(rows), budget=6)
+    assert [(p, t) for p, t, _ in logs[0]] == [(0, 1), (0, 9), (1, 2), (9, 7), (1, 3)]
+    tree = build_spine_tree(0, -1, np.zeros(0, np.int64), table_fn(rows), budget=20)
+    # everything fits: 1 + {1, 9} + {2, 3, 4} + 7 + 8 + 1 (under 8) + its {2, 3, 4} = 12 nodes
+    assert (8, 1) in [(p, t) for p, t, _ in logs[1]] and tree.num_nodes == 12
