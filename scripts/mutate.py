@@ -39,8 +39,9 @@ Operators (one mutant each; ``op`` names in the report)::
     return     ``return x`` -> ``return None``
     slice      a non-constant bound b -> b + 1, b - 1
 
-Not mutated: the values of dim= / keepdim= / axis=, docstrings, ``assert`` statements (checks, not algorithm), annotations,
-f-strings, default argument values, decorators, code outside the named functions.
+Not mutated: the values of ``dim=`` / ``keepdim=`` / ``axis=``, docstrings, ``assert``
+statements (checks, not algorithm), annotations, f-strings, default argument values,
+decorators, code outside the named functions.
 
 Determinism: mutants are numbered in source order (line, column, operator) and the same
 source gives the same list; hypothesis tests here run with ``derandomize=True``.
@@ -54,6 +55,12 @@ Usage::
     python scripts/mutate.py --preset core --json docs/measurements/mutation/after.json
     python scripts/mutate.py --preset core --only goose.py --ids 3,17   # re-run two mutants
     python scripts/mutate.py --preset core --only goose.py --list       # list, run nothing
+    python scripts/mutate.py --preset core --only goose.py --show 17    # print a mutant
+    # after adding tests only: re-run the survivors / timeouts of a report, carry its kills
+    python scripts/mutate.py --preset core --rerun-survivors before.json --full goose.py
+
+Exit status 0 when the run completed (whatever the kill rate); the report and docs/testing.md
+say how to read it.
 """
 
 from __future__ import annotations
