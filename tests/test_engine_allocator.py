@@ -13,6 +13,7 @@ import json
 import pytest
 
 from vllm_anisotropic.allocator import CostModel
+from vllm_anisotropic.bench.sweep import resolve_config
 from vllm_anisotropic.integration.vllm.metrics import STATS_ENV
 from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
 
@@ -61,11 +62,11 @@ def test_allocator_is_on_by_default_and_lossless(model_dir, prompts, plain, tmp_
 
 
 def test_steep_cost_model_means_plain_decoding(model_dir, prompts, plain, tmp_path):
-    steep = tmp_path / "steep.json"
-    # every query token costs 1 s and a step costs nothing else: a draft (P(accepted) < 1) can
-    # only lower tokens per second, chains included (their rows cost query tokens, not tree rows)
-    steep.write_text(CostModel.from_coefficients([0.0], slopes=[1.0], tree_row=1.0).to_json())
-    spec = {"method": "goose", "cost_model": str(steep), "cost_model_online": False, "allocator_probe_every": 0}
+    # bench method goose-never: every query token costs 1 s and a step costs nothing else, so a
+    # draft (P(accepted) < 1) can only lower tokens per second, chains included (their rows cost
+    # query tokens, not tree rows); online refinement and probes off
+    spec = resolve_config("goose-never", tmp_path)
+    assert spec["cost_model_online"] is False and spec["allocator_probe_every"] == 0
     res, tree, budget = _run(model_dir, prompts, spec, tmp_path, "steep")
     assert res.token_ids == plain.token_ids
     assert res.spec.num_draft_tokens == 0, res.spec  # vLLM scheduled no draft at all

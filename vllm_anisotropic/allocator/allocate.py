@@ -277,11 +277,12 @@ def allocate(
         num_hull = base + np.concatenate([[0.0], np.cumsum(slope[take])])
         c = np.concatenate([[0.0], np.cumsum(node_ctx[take])])
         d = np.concatenate([[0], np.cumsum(first[take])])  # requests with drafts in the prefix
-        sec = np.asarray(cost.predict(num_reqs, q0 + totals, totals, c, d), np.float64).reshape(-1)
-        sec_low = np.asarray(cost.predict(num_reqs, q0 + totals, totals, c, np.zeros_like(d)), np.float64).reshape(-1)
-        if sec.shape != totals.shape or np.any(~(sec > 0)) or sec_low.shape != totals.shape or np.any(~(sec_low > 0)):
+        # one cost call for both: with D, then with D = 0
+        both = np.asarray(cost.predict(num_reqs, np.tile(q0 + totals, 2), np.tile(totals, 2), np.tile(c, 2),
+                                       np.concatenate([d, np.zeros_like(d)])), np.float64).reshape(-1)
+        if both.shape != (2 * totals.size,) or np.any(~(both > 0)):
             raise ValueError("cost.predict must return positive seconds for every total")
-        return num, num_hull, sec, sec_low
+        return num, num_hull, both[: totals.size], both[totals.size:]
 
     # stable sort of -slope: descending, ties in (request, k) order -> prefixes are prefix cuts
     order = np.argsort(-slope, kind="stable")

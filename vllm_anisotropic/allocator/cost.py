@@ -104,6 +104,9 @@ logger = logging.getLogger(__name__)
 COST_MODEL_FORMAT = "vllm_anisotropic.allocator.CostModel"
 COST_MODEL_VERSION = 3
 _COLUMNS = 6  # a sample row: R, Q, T, C, D, seconds
+# the named coefficients after the Q slopes, in column order (``cost_features``)
+_TAIL = ("tree_switch", "tree_switch_per_request", "tree_row", "tree_ctx", "spec_switch", "spec_request",
+         "step_overhead")
 
 
 class CostSample(NamedTuple):
@@ -145,8 +148,7 @@ def query_segments(query_tokens, knots: np.ndarray) -> np.ndarray:
 def feature_names(knots: np.ndarray) -> list[str]:
     """Names of the columns of ``cost_features`` (also the JSON keys of the coefficients)."""
     segs = [f"q_slope[{float(k):g}]" for k in knots]
-    return ["base", "per_request", *segs, "tree_switch", "tree_switch_per_request", "tree_row", "tree_ctx",
-            "spec_switch", "spec_request", "step_overhead"]
+    return ["base", "per_request", *segs, *_TAIL]
 
 
 def cost_features(num_reqs, query_tokens, tree_rows, ctx_tokens, spec_reqs, knots: np.ndarray,
@@ -260,14 +262,12 @@ class CostModel:
         slopes = np.asarray(coef.pop("slopes", np.zeros(len(knots))), np.float64)
         if slopes.shape != knots.shape:
             raise ValueError("slopes needs one entry per knot")
-        names = ["base", "per_request", "tree_switch", "tree_switch_per_request", "tree_row", "tree_ctx",
-                 "spec_switch", "spec_request", "step_overhead"]
+        names = ["base", "per_request", *_TAIL]
         unknown = sorted(set(coef) - set(names))
         if unknown:
             raise ValueError(f"unknown coefficient(s) {unknown}; valid: {sorted(names + ['slopes'])}")
         v = {k: float(coef.get(k, 0.0)) for k in names}
-        w = [v["base"], v["per_request"], *slopes, v["tree_switch"], v["tree_switch_per_request"], v["tree_row"],
-             v["tree_ctx"], v["spec_switch"], v["spec_request"], v["step_overhead"]]
+        w = [v["base"], v["per_request"], *slopes, *(v[k] for k in _TAIL)]
         return cls(knots, w, config)
 
     @classmethod
@@ -296,12 +296,16 @@ class CostModel:
     @property
     def ctx_weight(self) -> float:
         """Seconds per context token of a tree row (b_C): the allocator's per-node linear cost."""
-        return float(self.weights[self.knots.size + 5])
+        return self._coefficient("tree_ctx")
 
     @property
     def spec_request_weight(self) -> float:
         """Seconds per speculating request (b_D): the fixed host cost of giving a request drafts."""
-        return float(self.weights[self.knots.size + 7])
+        return self._coefficient("spec_request")
+
+    def _coefficient(self, name: str) -> float:
+        """One of the named coefficients after the Q slopes (``_TAIL``)."""
+        return float(self.weights[2 + self.knots.size + _TAIL.index(name)])
 
     def predict(self, num_reqs, query_tokens, tree_rows, ctx_tokens=0.0, spec_reqs=None):
         """Seconds of a step (float for scalar inputs, else an array of the broadcast shape).
