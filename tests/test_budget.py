@@ -26,6 +26,7 @@ class Req(SimpleNamespace):
 def _budget(tmp_path=None, cost: CostModel | None = None, **engine):
     sched = SimpleNamespace(max_num_batched_tokens=64)
     model = SimpleNamespace(max_model_len=1000)
+    engine.setdefault("allocator_gate", False)  # the gate has its own tests below
     cfg = EngineTreeConfig(**engine)
     if cost is not None:
         path = tmp_path / "cost.json"
@@ -36,7 +37,7 @@ def _budget(tmp_path=None, cost: CostModel | None = None, **engine):
 
 def _req(rid, drafts, num_tokens=100, computed=99):
     return Req(request_id=rid, spec_token_ids=list(range(1, drafts + 1)), num_tokens=num_tokens,
-               num_computed_tokens=computed)
+               num_computed_tokens=computed, num_prompt_tokens=10)
 
 
 def _offer(budget, probs: dict):
@@ -114,9 +115,11 @@ def test_a_step_refines_the_cost_model_and_counts_acceptance(tmp_path):
     assert kept["a"] >= 2  # cheap tree rows: the confident nodes are kept
     spec = {r.request_id: r.spec_token_ids for r in reqs if r.spec_token_ids}
     out = SimpleNamespace(num_scheduled_tokens={"a": 1 + kept["a"], "b": 1 + kept["b"]},
-                          total_num_scheduled_tokens=2 + sum(kept.values()), scheduled_spec_decode_tokens=spec)
+                          total_num_scheduled_tokens=2 + sum(kept.values()), scheduled_spec_decode_tokens=spec,
+                          scheduled_new_reqs=[])
     b.on_scheduled(out)
-    r, q, t, c, d, _ = b._step
+    r, q, t, c, d, _, arm = b._step
+    assert arm is True  # a decode step with drafts: the gate's speculative arm
     assert (r, q, t) == (2, 2 + sum(kept.values()), sum(kept.values()))
     assert d == sum(1 for n in kept.values() if n) >= 1  # requests that speculate
     assert c == kept["a"] * 50 + kept["b"] * 70
@@ -196,7 +199,7 @@ def test_chains_are_kept_when_tree_attention_costs_more_than_branches_bring(tmp_
     assert [len(r.spec_token_ids) for r in reqs] == [2, 1]
     spec = {r.request_id: r.spec_token_ids for r in reqs}
     b.on_scheduled(SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 2}, total_num_scheduled_tokens=5,
-                                   scheduled_spec_decode_tokens=spec))
+                                   scheduled_spec_decode_tokens=spec, scheduled_new_reqs=[]))
     assert b._step[:4] == (2, 5, 0, 0)  # chain rows are no tree rows
     free = CostModel.from_coefficients([0.0], base=0.01)
     b = _budget(tmp_path, free, cost_model_online=False)
@@ -206,5 +209,5 @@ def test_chains_are_kept_when_tree_attention_costs_more_than_branches_bring(tmp_
     assert [len(r.spec_token_ids) for r in reqs] == [5, 3]
     spec = {r.request_id: r.spec_token_ids for r in reqs}
     b.on_scheduled(SimpleNamespace(num_scheduled_tokens={"a": 6, "b": 4}, total_num_scheduled_tokens=10,
-                                   scheduled_spec_decode_tokens=spec))
+                                   scheduled_spec_decode_tokens=spec, scheduled_new_reqs=[]))
     assert b._step[2] == (5 - 2) + (3 - 1)

@@ -59,6 +59,11 @@ def test_allocator_is_on_by_default_and_lossless(model_dir, prompts, plain, tmp_
     assert budget["tree_rows"] <= budget["tree_rows_offered"]
     # the realized accepted drafts are the drafter's own count of the steps the allocator cut
     assert budget["realized_accepted"] <= tree["accepted_nodes"]
+    # the measured gate is on by default: it saw decode steps in both arms (its warm-up makes
+    # every other decision plain) and counted the steps it made plain
+    gate = budget["gate"]
+    assert sum(g["plain_steps"] for g in gate.values()) > 0 and sum(g["spec_steps"] for g in gate.values()) > 0, gate
+    assert 0 < budget["gate_plain_steps"] <= budget["steps_without_drafts"], budget
 
 
 def test_steep_cost_model_means_plain_decoding(model_dir, prompts, plain, tmp_path):
@@ -77,7 +82,8 @@ def test_steep_cost_model_means_plain_decoding(model_dir, prompts, plain, tmp_pa
 def test_flat_cost_model_keeps_whole_trees(model_dir, prompts, plain, tmp_path):
     flat = tmp_path / "flat.json"
     flat.write_text(CostModel.from_coefficients([0.0], base=0.01).to_json())
-    spec = {"method": "goose", "cost_model": str(flat), "cost_model_online": False}
+    # the allocator alone (the measured gate would make some steps plain)
+    spec = {"method": "goose", "cost_model": str(flat), "cost_model_online": False, "allocator_gate": False}
     res, tree, budget = _run(model_dir, prompts, spec, tmp_path, "flat")
     assert res.token_ids == plain.token_ids
     # every node within vLLM's caps that can change the expected tokens is kept: the allocator may

@@ -3,7 +3,8 @@
 Scope: the core, which never imports vLLM: ``cost`` (step-latency model, fitted from a sweep
 and refined online), ``acceptance`` (node value -> calibrated P(on the accepted path), with
 ECHO's sparse gating), ``allocate`` (the per-step cut vector maximising expected tokens per
-second), ``tree_probs`` (DraftTree <-> flat arrays), ``config`` (the tunables). The engine hook
+second), ``gate`` (speculate at a batch size only where it measured faster than plain),
+``tree_probs`` (DraftTree <-> flat arrays), ``config`` (the tunables). The engine hook
 that calls them at the scheduler step lives in ``integration.vllm``.
 
 Source: ECHO, arXiv 2604.09603 (Sec. 2 Eq. 2, Sec. 3.2, Alg. 1, Theorem 2).
@@ -18,8 +19,9 @@ from .allocate import (
     pad_probs,
     request_caps,
 )
-from .config import AcceptanceConfig, CostModelConfig
+from .config import AcceptanceConfig, CostModelConfig, GateConfig
 from .cost import CostModel, CostSample
+from .gate import SpeculationGate
 from .tree_probs import accepted_path_labels, cap_by_tree, cut_trees, tree_probs
 
 __all__ = [
@@ -29,6 +31,8 @@ __all__ = [
     "CostModel",
     "CostModelConfig",
     "CostSample",
+    "GateConfig",
+    "SpeculationGate",
     "StepCost",
     "accepted_path_labels",
     "allocate",

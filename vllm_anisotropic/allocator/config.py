@@ -17,7 +17,7 @@ from pydantic import Field
 
 from vllm_anisotropic.config_base import StrictConfig
 
-__all__ = ["AcceptanceConfig", "AllocatorModelConfig", "CostModelConfig", "GatingMode"]
+__all__ = ["AcceptanceConfig", "AllocatorModelConfig", "CostModelConfig", "GateConfig", "GatingMode"]
 
 GatingMode = Literal["sparse", "dense"]
 
@@ -83,3 +83,19 @@ class AcceptanceConfig(AllocatorModelConfig):
     min_class_count: float = Field(default=50.0, ge=1.0)
     """Accepted and rejected (decayed) counts a key needs before its AUC decides anything; below,
     the key is *warming up* and uses the prior-shrunk Platt fit."""
+
+
+class GateConfig(AllocatorModelConfig):
+    """The measured per-batch-size gate (``gate.SpeculationGate``). All values are ours."""
+
+    min_steps: int = Field(default=12, ge=1)
+    """Decode steps each arm needs at a batch size before the rates decide anything; the plain
+    arm's warm-up (every other decision plain) lasts ~2x this many decisions per bucket."""
+    explore_every: int = Field(default=32, ge=2)
+    """Every this-many-th decision at a batch size takes the arm the gate would not: what
+    keeping the other arm measured costs (~1/32 of the difference)."""
+    decay: float = Field(default=0.995, gt=0.0, le=1.0)
+    """Decay of both arms' sums per decode step at the batch size (memory ~ 1 / (1 - decay) =
+    200 steps, of which ~6 are the other arm's exploration steps)."""
+    exact_buckets: int = Field(default=8, ge=1)
+    """Batch sizes up to this have their own bucket; larger ones share power-of-two buckets."""

@@ -27,6 +27,7 @@ suffix       vLLM's suffix decoding, k = 8 (needs ``arctic_inference``: installe
 goose-bN     GOOSE with a fixed budget of N tree nodes (N - 1 drafts), allocator off
 goose-auto   GOOSE with the budget allocator (the default ``{"method": "goose"}``)
 goose-auto-full  the same, every tree built at the whole budget (``allocator_offer_factor`` 0)
+goose-nogate the allocator's prediction alone, without the measured gate (``allocator_gate`` false)
 goose-never  GOOSE whose allocator never keeps a draft (a steep cost-model file, no probes): the
              tree path's own cost when it decodes plainly (the floor the allocator falls back to)
 tr-auto      token recycling with the budget allocator
@@ -77,6 +78,7 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "goose-b60": {"method": "goose", "budget": 60, "allocator": "off"},
     "goose-auto": {"method": "goose"},
     "goose-auto-full": {"method": "goose", "allocator_offer_factor": 0},
+    "goose-nogate": {"method": "goose", "allocator_gate": False},
     "goose-never": {"method": "goose", "cost_model": "<steep>", "cost_model_online": False, "allocator_probe_every": 0},
     "tr-auto": {"method": "token_recycling"},
 }

@@ -18,13 +18,17 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    that request). A prefix of a value-ordered list is a subtree, so the worker verifies the
    tree ``truncate(1 + n_i)``. Every ``probe_every``-th step that would verify no draft at all
    verifies the single most likely node instead, so the tree-row terms of the cost model stay
-   measured (the cost of a probe is one query row).
+   measured (the cost of a probe is one query row). Before all that, the measured gate
+   (``allocator.SpeculationGate``) may decide the step is plain: at this batch size, decode
+   steps with drafts have delivered fewer tokens per second than steps without.
 3. ``on_scheduled``: the step's composition (requests, query tokens, tree rows, context tokens
    of the tree rows, requests with drafts).
 4. ``on_output``: the step's wall time (``update_from_output`` - start of ``cut``: the cut,
    vLLM's scheduling, forward, sampling, verification and the next proposals) refines the cost
    model online; the worker's start-up sweep (``cost_calibration`` on the first
-   ``ModelRunnerOutput``) fits it first.
+   ``ModelRunnerOutput``) fits it first. Decode steps (no prompt tokens) also feed the gate:
+   their emitted tokens and time, in the plain or the speculative arm (drafts verified, or
+   accepted tokens re-run).
    Predicted vs realized accepted drafts feed the metrics.
 
 Cost-model start: a linear prior (``PRIOR_BASE_S`` + ``PRIOR_PER_TOKEN_S`` per query token)
@@ -39,7 +43,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from vllm_anisotropic.allocator import CostModel, CostSample, allocate, request_caps
+from vllm_anisotropic.allocator import CostModel, CostSample, GateConfig, SpeculationGate, allocate, request_caps
 
 logger = logging.getLogger(__name__)
 log = logging.getLogger("vllm.anisotropic")
@@ -59,6 +63,7 @@ class BudgetMetrics:
     steps: int = 0  # decode steps where at least one request had drafts to cut
     steps_without_drafts: int = 0  # of which: the allocator kept no draft at all
     probe_steps: int = 0
+    gate_plain_steps: int = 0  # of the steps without drafts: those the measured gate made plain
     tree_rows: int = 0  # draft nodes kept by the allocator
     tree_rows_offered: int = 0  # draft nodes the proposers offered
     tree_rows_within_caps: int = 0  # of those, what vLLM's caps allowed (token budget, k, max_model_len)
@@ -76,7 +81,7 @@ class BudgetMetrics:
         return (
             f"vllm-anisotropic budget: steps {self.steps}, mean tree rows {self.tree_rows / steps:.1f} "
             f"of {self.tree_rows_offered / steps:.1f} offered, steps without drafts "
-            f"{self.steps_without_drafts / steps:.2f}, accepted predicted {self.predicted_accepted:.0f} "
+            f"{self.steps_without_drafts / steps:.2f} (gate {self.gate_plain_steps / steps:.2f}), accepted predicted {self.predicted_accepted:.0f} "
             f"realized {self.realized_accepted}, cost model error {err:.3f}"
         )
 
@@ -104,6 +109,8 @@ class BatchBudget:
                  stats_path: str | None = None) -> None:
         self.enabled = engine_config.allocator == "auto"
         self.probe_every = int(engine_config.allocator_probe_every)
+        self.gate = (SpeculationGate(GateConfig(explore_every=int(engine_config.allocator_gate_explore_every)))
+                     if self.enabled and engine_config.allocator_gate else None)
         self.online = bool(engine_config.cost_model_online)
         self.max_batched = int(scheduler_config.max_num_batched_tokens)
         self.max_model_len = int(model_config.max_model_len)
@@ -121,7 +128,8 @@ class BatchBudget:
         self.stats_path = stats_path
         self._kept: dict[str, float] = {}  # req_id -> predicted accepted of the kept prefix
         self._ctx: dict[str, int] = {}  # req_id -> context length at the cut
-        self._step: tuple | None = None  # (R, Q, T, C, D, t0) of the step in flight
+        self._step: tuple | None = None  # (R, Q, T, C, D, t0, arm) of the step in flight
+        self._decoding: dict[str, int] = {}  # req_id -> accepted tokens it re-runs, of requests past their prompt
         self._t_cut = time.perf_counter()  # start of the latest cut
         self._last_log = -LOG_INTERVAL_S
         self._last_write = -WRITE_INTERVAL_S
@@ -145,6 +153,10 @@ class BatchBudget:
         """Cut ``request.spec_token_ids`` of the running requests (see module docstring)."""
         self._t_cut = time.perf_counter()  # the step's time starts here: the cut is part of its cost
         self._kept, self._ctx = {}, {}
+        # decode requests (past their prompt) and the accepted tree tokens each re-runs
+        # (owed tokens beyond the new root): the gate's arms (step 4)
+        self._decoding = {r.request_id: r.num_tokens - r.num_computed_tokens - 1 for r in running
+                          if r.num_computed_tokens >= r.num_prompt_tokens}
         live = {r.request_id for r in running}
         for req_id in [r for r in self.probs if r not in live]:
             del self.probs[req_id]
@@ -161,6 +173,9 @@ class BatchBudget:
                     reqs.append(r)
                     probs.append(np.clip(p, 0.0, 1.0))
         if not reqs:
+            return
+        if self.gate is not None and not self.gate.allows(len(running)):
+            self._gate_plain(reqs, probs)
             return
         ctx = np.array([r.num_computed_tokens for r in reqs], np.float64)
         caps = dict(num_reqs=len(running), fixed_query_tokens=max(owed, len(running)),
@@ -197,6 +212,18 @@ class BatchBudget:
                 self._kept[r.request_id] = float(p[: int(n)].sum())
                 self._ctx[r.request_id] = int(c)
 
+    def _gate_plain(self, reqs, probs) -> None:
+        """The gate made this step plain: no drafts, no probe, no allocation."""
+        m = self.metrics
+        m.steps += 1
+        m.steps_without_drafts += 1
+        m.gate_plain_steps += 1
+        m.tree_rows_offered += int(sum(len(p) for p in probs))
+        m.last_budget = 0
+        m.last_predicted_speedup = 1.0
+        for r in reqs:
+            r.spec_token_ids = []
+
     # ------------------------------------------------------------------ 3
     def on_scheduled(self, scheduler_output) -> None:
         num = scheduler_output.num_scheduled_tokens
@@ -210,7 +237,10 @@ class BatchBudget:
         rows = sum(beyond.values())
         ctx = sum(n * self._ctx.get(rid, 0) for rid, n in beyond.items())
         speculating = sum(1 for v in spec.values() if v)
-        self._step = (len(num), scheduler_output.total_num_scheduled_tokens, rows, ctx, speculating, self._t_cut)
+        # the gate's arm: None (prompt tokens in the step), plain, or speculative (drafts, re-runs)
+        decode = not scheduler_output.scheduled_new_reqs and all(rid in self._decoding for rid in num)
+        arm = (speculating > 0 or any(self._decoding[rid] > 0 for rid in num)) if decode else None
+        self._step = (len(num), scheduler_output.total_num_scheduled_tokens, rows, ctx, speculating, self._t_cut, arm)
 
     # ------------------------------------------------------------------ 4
     def on_output(self, scheduler_output, model_runner_output) -> None:
@@ -224,7 +254,7 @@ class BatchBudget:
         step, self._step = self._step, None
         m = self.metrics
         if step is not None:
-            r, q, t, c, d, t0 = step
+            r, q, t, c, d, t0, arm = step
             seconds = now - t0
             if seconds > 0:
                 predicted = float(self.cost.predict(r, q, t, c, d))
@@ -234,6 +264,10 @@ class BatchBudget:
                     self.cost.update(CostSample(r, q, t, c, d, seconds))
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
+        if step is not None and arm is not None and self.gate is not None and sampled:
+            rows = [index.get(rid) for rid in scheduler_output.num_scheduled_tokens]
+            tokens = sum(len(sampled[i]) for i in rows if i is not None and i < len(sampled))
+            self.gate.observe(r, arm, tokens, seconds)
         for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             i = index.get(rid)
             if not drafts or i is None or rid not in self._kept or i >= len(sampled):
@@ -251,7 +285,10 @@ class BatchBudget:
             from vllm_anisotropic.integration.vllm.metrics import write_json_atomic
 
             self._last_write = now
-            write_json_atomic(self.stats_path, asdict(self.metrics))
+            stats = asdict(self.metrics)
+            if self.gate is not None:
+                stats["gate"] = {str(k): v for k, v in self.gate.rates().items()}
+            write_json_atomic(self.stats_path, stats)
         if self.enabled and self.metrics.steps and now - self._last_log >= LOG_INTERVAL_S:
             self._last_log = now
             log.info(self.metrics.summary_line())

@@ -22,7 +22,8 @@ isotropic          iso3        ``proposers.config.IsotropicConfig`` (``branching
 =================  ==========  ====================================================
 
 plus the engine-side keys of ``EngineTreeConfig`` (``verifier``, ``sampling_verifier``,
-``allocator``, ``allocator_probe_every``, ``allocator_offer_factor``, ``cost_model``,
+``allocator``, ``allocator_probe_every``, ``allocator_gate``, ``allocator_gate_explore_every``,
+``allocator_offer_factor``, ``cost_model``,
 ``cost_model_online``).
 
 How tunables travel (vLLM's ``SpeculativeConfig`` is a pydantic dataclass with
@@ -94,6 +95,16 @@ class EngineTreeConfig(BaseModel):
     allocator_probe_every: int = Field(default=32, ge=0)
     """While the allocator keeps no drafts, every this-many-th such step verifies one draft
     node anyway, so the cost model keeps measuring what tree rows cost (0: never)."""
+
+    allocator_gate: bool = True
+    """With the allocator on, speculate at a batch size only while decode steps with drafts
+    have measured more tokens per second than plain decode steps at that batch size
+    (``allocator.SpeculationGate``; docs/allocator.md). false: the allocator's prediction alone
+    decides."""
+
+    allocator_gate_explore_every: int = Field(default=32, ge=2)
+    """Every this-many-th step at a batch size, the gate takes the arm it would not (so a
+    closed gate can re-open and an open one can close): costs ~1/this of the difference."""
 
     allocator_offer_factor: float = Field(default=4.0, ge=0.0)
     """With the allocator on, each request's next tree is built with at most

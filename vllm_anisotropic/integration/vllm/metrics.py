@@ -196,6 +196,8 @@ _BUDGET_COUNTERS = {
     "budget_steps": ("steps", "decode steps in which the budget allocator cut draft lists"),
     "budget_steps_without_drafts": ("steps_without_drafts", "of those, steps where it kept no draft at all"),
     "budget_probe_steps": ("probe_steps", "steps that verified one node to keep the cost model measured"),
+    "budget_gate_plain_steps": ("gate_plain_steps",
+                                "steps the measured gate decoded plainly (speculation measured slower at that batch size)"),
     "budget_tree_rows": ("tree_rows", "draft nodes the allocator kept"),
     "budget_tree_rows_offered": ("tree_rows_offered", "draft nodes the proposers offered"),
     "budget_tree_rows_within_caps": ("tree_rows_within_caps",

@@ -1,0 +1,152 @@
+"""The measured gate (``allocator/gate.py``) and its scheduler hook (``integration/vllm/budget.py``).
+
+What each test would catch: a reversed comparison (exploiting the slower arm), rates computed
+upside down (seconds per token), an exploration that never or always happens, a warm-up that
+never measures the plain arm, old data that never fades (a closed gate that cannot re-open),
+arms mixed across batch sizes, and in the hook: prefill steps counted as decode steps,
+re-run steps counted as plain, the wrong token count, a closed gate that still keeps drafts or
+probes.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_anisotropic.allocator import GateConfig, SpeculationGate
+from vllm_anisotropic.allocator.gate import bucket
+from vllm_anisotropic.integration.vllm.budget import BatchBudget
+from vllm_anisotropic.integration.vllm.config import EngineTreeConfig
+
+
+def test_bucket_worked_example():
+    assert [bucket(r, 8) for r in (0, 1, 5, 8, 9, 16, 17, 32, 33)] == [1, 1, 5, 8, 16, 16, 32, 32, 64]
+
+
+def _run(gate, num_reqs, plain_rate, spec_rate, decisions, tokens=8):
+    """Drive ``decisions`` steps: the gate decides, the step is measured at the arm's rate."""
+    out = []
+    for _ in range(decisions):
+        allowed = gate.allows(num_reqs)
+        out.append(allowed)
+        rate = spec_rate if allowed else plain_rate
+        gate.observe(num_reqs, allowed, tokens, tokens / rate)
+    return out
+
+
+def test_docstring_example_warm_up_then_exploit_then_explore():
+    gate = SpeculationGate(GateConfig(min_steps=2, explore_every=4))
+    assert _run(gate, 8, plain_rate=100.0, spec_rate=80.0, decisions=8) == [True, False, True, False,
+                                                                           False, False, False, True]
+
+
+@pytest.mark.parametrize("plain_rate, spec_rate", [(100.0, 80.0), (100.0, 125.0)])
+def test_exploits_the_faster_arm_and_explores_the_other_every_nth_step(plain_rate, spec_rate):
+    gate = SpeculationGate(GateConfig(min_steps=12, explore_every=32))
+    decisions = _run(gate, 4, plain_rate, spec_rate, 24 + 320)
+    warm, rest = decisions[:24], decisions[24:]
+    assert warm == [True, False] * 12
+    faster = spec_rate > plain_rate
+    assert sum(d == faster for d in rest) == 320 - 10  # decisions 32, 64, ..., 320 explore
+    assert [i + 25 for i, d in enumerate(rest) if d != faster] == list(range(32, 345, 32))
+    rates = gate.rates()[4]
+    assert rates["plain_rate"] == pytest.approx(plain_rate) and rates["spec_rate"] == pytest.approx(spec_rate)
+
+
+def test_a_closed_gate_reopens_when_speculation_starts_paying():
+    gate = SpeculationGate(GateConfig(min_steps=12, explore_every=32))
+    before = _run(gate, 8, 100.0, 80.0, 200)
+    assert [i + 1 for i, d in enumerate(before[24:], 24) if d] == [32, 64, 96, 128, 160, 192]  # closed but exploring
+    # the text changes: speculation now delivers 150 tokens/s; the exploration steps see it
+    after = _run(gate, 8, 100.0, 150.0, 600)
+    first_open = next(i for i, d in enumerate(after) if d and (i + 201) % 32)
+    assert first_open < 400  # old slow steps fade with the plain steps too (decay 0.995)
+    assert all(after[-60:][i] or (i + 741) % 32 == 0 for i in range(60))  # open since
+
+
+def test_batch_sizes_are_separate():
+    gate = SpeculationGate(GateConfig(min_steps=4, explore_every=32))
+    _run(gate, 1, 100.0, 130.0, 40)  # speculation pays alone
+    _run(gate, 8, 100.0, 70.0, 40)  # and loses at eight requests
+    assert gate.allows(1) and not gate.allows(8)
+    assert set(gate.rates()) == {1, 8}
+
+
+# ---------------------------------------------------------------- the scheduler hook
+
+
+def _budget(**engine):
+    cfg = EngineTreeConfig(cost_model_online=False, allocator_probe_every=1, **engine)
+    return BatchBudget(SimpleNamespace(max_num_batched_tokens=256), SimpleNamespace(max_model_len=1000), 10, cfg)
+
+
+def _req(rid, drafts, rerun=0, prompt=10):
+    return SimpleNamespace(request_id=rid, spec_token_ids=list(range(1, drafts + 1)), num_tokens=100,
+                           num_computed_tokens=99 - rerun, num_prompt_tokens=prompt)
+
+
+def _step(b, reqs, sampled, new_reqs=()):
+    """One scheduler step after ``cut``: what vLLM scheduled and what the runner sampled."""
+    spec = {r.request_id: r.spec_token_ids for r in reqs if r.spec_token_ids}
+    num = {r.request_id: r.num_tokens - r.num_computed_tokens + len(r.spec_token_ids) for r in reqs}
+    out = SimpleNamespace(num_scheduled_tokens=num, total_num_scheduled_tokens=sum(num.values()),
+                          scheduled_spec_decode_tokens=spec, scheduled_new_reqs=list(new_reqs))
+    b.on_scheduled(out)
+    b.on_output(out, SimpleNamespace(sampled_token_ids=sampled, req_id_to_index={r.request_id: i for i, r in enumerate(reqs)}))
+
+
+def _offer(b, probs):
+    b.on_draft_ids(SimpleNamespace(req_ids=list(probs), tree_probs=list(probs.values())))
+
+
+def test_hook_sorts_decode_steps_into_arms_and_counts_emitted_tokens():
+    b = _budget()
+    arms = b.gate._bucket(2).arms
+    # a decode step with drafts kept: speculative arm, 3 + 1 tokens emitted
+    reqs = [_req("a", 2), _req("b", 0)]
+    _offer(b, {"a": [0.99, 0.99]})
+    b.cut(reqs)
+    assert reqs[0].spec_token_ids  # warm-up's first decision lets the allocator decide
+    _step(b, reqs, [[1, 2, 3], [4]])
+    assert (arms[1].count, arms[1].tokens, arms[0].count) == (1, 4, 0)
+    # no drafts, but "a" re-runs 2 accepted tree tokens: speculation's cost, speculative arm
+    reqs = [_req("a", 0, rerun=2), _req("b", 0)]
+    b.cut(reqs)
+    _step(b, reqs, [[5], [6]])
+    assert (arms[1].count, arms[0].count) == (2, 0)
+    # plain decode step
+    reqs = [_req("a", 0), _req("b", 0)]
+    b.cut(reqs)
+    _step(b, reqs, [[7], [8]])
+    assert (arms[0].count, arms[0].tokens) == (1, 2)
+    # a request still in its prompt, or a new request scheduled: no arm
+    reqs = [_req("a", 0), SimpleNamespace(request_id="c", spec_token_ids=[], num_tokens=100, num_computed_tokens=50,
+                                          num_prompt_tokens=100)]
+    b.cut(reqs)
+    _step(b, reqs, [[9], []])
+    reqs = [_req("a", 0)]
+    b.cut(reqs)
+    _step(b, reqs, [[9]], new_reqs=[SimpleNamespace(req_id="d")])
+    assert (arms[0].count, arms[1].count, b.gate._bucket(1).arms[0].count) == (1, 2, 0)
+
+
+def test_closed_gate_keeps_no_drafts_and_no_probe():
+    b = _budget()
+    for _ in range(200):  # measured: plain 400 tokens/s, speculative 100 at two requests
+        b.gate.observe(2, False, 2, 0.005)
+        b.gate.observe(2, True, 3, 0.03)
+    closed = 0
+    for _ in range(32):
+        reqs = [_req("a", 3), _req("b", 3)]
+        _offer(b, {"a": [0.99] * 3, "b": [0.99] * 3})
+        b.cut(reqs)
+        closed += not any(r.spec_token_ids for r in reqs)
+    assert closed == 31  # decision 32 explores: the allocator decides (and keeps the drafts)
+    assert b.metrics.gate_plain_steps == 31 and b.metrics.probe_steps == 0
+    # gate off: the allocator (flat prior cost, confident nodes) keeps drafts every step
+    b = _budget(allocator_gate=False)
+    reqs = [_req("a", 3), _req("b", 3)]
+    _offer(b, {"a": [0.99] * 3, "b": [0.99] * 3})
+    b.cut(reqs)
+    assert all(r.spec_token_ids for r in reqs) and b.gate is None

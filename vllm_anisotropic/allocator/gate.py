@@ -1,0 +1,139 @@
+"""The measured gate: speculate at a batch size only where speculation has measured faster.
+
+Scope: one guard on top of ``allocate``. The allocator's decision is a prediction (a cost
+model times an acceptance model); where either is wrong at some batch size, speculation can
+lose to plain decoding step after step without anything noticing. The gate measures the
+outcome instead: per batch size R (number of scheduled requests), the realized tokens per
+second of *decode steps* in two arms,
+
+    plain:       no request verified a draft and none re-ran accepted tree tokens
+    speculative: some request verified drafts, or re-ran tokens accepted the step before
+
+(re-run tokens are speculation's cost, so they count against it), and lets the allocator keep
+drafts at R only while the speculative arm's rate is at least the plain arm's. Steps with
+prompt tokens (prefill chunks, new or resumed requests) belong to neither arm.
+
+    rate(arm, R) = sum_s w_s tokens_s / sum_s w_s seconds_s
+
+with w_s = decay ** (decode steps at R since s), counted over both arms: the arm the gate
+exploits follows the latest ~1 / (1 - decay) steps, and the other arm's old steps fade at the
+same pace, so its few recent exploration steps soon outweigh them.
+
+Decisions per bucket of R (``bucket``: exact up to ``exact_buckets``, then powers of two):
+
+1. warm-up, until the plain arm has ``min_steps`` steps: every other decision is plain (the
+   allocator alone may never choose plain where it believes speculation pays); then until
+   the speculative arm has ``min_steps``: the allocator decides;
+2. then exploit the arm with the higher rate, and every ``explore_every``-th decision take the
+   other one, so a closed gate re-opens when speculation starts paying (longer context,
+   different text) and an open one notices when it stops.
+
+Example (min_steps 2, explore_every 4): decisions 1..4 allow, plain, allow, plain (warm-up);
+measured plain 100 tokens/s, speculative 80 -> decisions 5, 6, 7 plain, 8 allow (explore).
+
+A decision here never looks at a step's own samples (only at past steps' times and token
+counts), so it cannot bias the verifiers' output law. The cost of the gate where speculation
+does pay: the warm-up's plain steps (``min_steps`` per bucket, once) and one plain step in
+``explore_every`` afterwards (~1/32 of the gain).
+
+This is the "measured per-concurrency gate" of docs/allocator.md; ECHO (arXiv 2604.09603)
+has no such guard: its cost model is a fixed profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import GateConfig
+
+__all__ = ["SpeculationGate", "GateArm", "bucket"]
+
+PLAIN, SPEC = 0, 1
+
+
+def bucket(num_reqs: int, exact_buckets: int) -> int:
+    """Batch-size bucket: R itself up to ``exact_buckets``, then the next power of two.
+
+    Example (exact_buckets 8): 1..8 -> 1..8, 9..16 -> 16, 17..32 -> 32, 33 -> 64."""
+    r = max(int(num_reqs), 1)
+    if r <= exact_buckets:
+        return r
+    return 1 << (r - 1).bit_length()
+
+
+@dataclass
+class GateArm:
+    """One arm in one bucket: steps observed, and decayed sums of weight, tokens and seconds."""
+
+    count: int = 0
+    weight: float = 0.0
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def fade(self, decay: float) -> None:
+        self.weight *= decay
+        self.tokens *= decay
+        self.seconds *= decay
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.count += 1
+        self.weight += 1.0
+        self.tokens += tokens
+        self.seconds += seconds
+
+
+@dataclass
+class _Bucket:
+    arms: tuple[GateArm, GateArm] = field(default_factory=lambda: (GateArm(), GateArm()))
+    decisions: int = 0
+
+
+class SpeculationGate:
+    """Per-batch-size choice between plain and speculative steps, from measured step rates."""
+
+    def __init__(self, config: GateConfig | None = None) -> None:
+        self.config = config or GateConfig()
+        self._buckets: dict[int, _Bucket] = {}
+
+    def _bucket(self, num_reqs: int) -> _Bucket:
+        key = bucket(num_reqs, self.config.exact_buckets)
+        b = self._buckets.get(key)
+        if b is None:
+            b = self._buckets[key] = _Bucket()
+        return b
+
+    def allows(self, num_reqs: int) -> bool:
+        """May the allocator keep drafts in this step of ``num_reqs`` requests? (Counts a decision.)"""
+        c = self.config
+        b = self._bucket(num_reqs)
+        b.decisions += 1
+        plain, spec = b.arms
+        if plain.count < c.min_steps:
+            return b.decisions % 2 == 1  # warm-up: alternate, speculative first
+        if spec.count < c.min_steps:
+            return True
+        explore = b.decisions % c.explore_every == 0
+        return (spec.rate >= plain.rate) != explore
+
+    def observe(self, num_reqs: int, speculative: bool, tokens: int, seconds: float) -> None:
+        """One decode step: its requests, arm, emitted tokens and wall seconds."""
+        if seconds <= 0:
+            return
+        arms = self._bucket(num_reqs).arms
+        for arm in arms:
+            arm.fade(self.config.decay)
+        arms[SPEC if speculative else PLAIN].add(tokens, seconds)
+
+    def rates(self) -> dict[int, dict[str, float]]:
+        """Per bucket: each arm's rate (tokens/s), steps and decayed weight, and the decisions made."""
+        return {
+            key: {"plain_rate": b.arms[PLAIN].rate, "plain_steps": b.arms[PLAIN].count,
+                  "plain_weight": b.arms[PLAIN].weight, "spec_rate": b.arms[SPEC].rate,
+                  "spec_steps": b.arms[SPEC].count, "spec_weight": b.arms[SPEC].weight,
+                  "decisions": b.decisions}
+            for key, b in sorted(self._buckets.items())
+        }
