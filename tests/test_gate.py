@@ -150,3 +150,19 @@ def test_closed_gate_keeps_no_drafts_and_no_probe():
     _offer(b, {"a": [0.99] * 3, "b": [0.99] * 3})
     b.cut(reqs)
     assert all(r.spec_token_ids for r in reqs) and b.gate is None
+
+
+def test_one_stall_from_outside_does_not_decide_an_arm():
+    # speculation pays (125 vs 100 tokens/s), but one speculative step of the warm-up stalls
+    # for 50x its time (another process took the cores): clipped at 3x the recent median
+    gate = SpeculationGate()
+    _run(gate, 1, 100.0, 125.0, 20)
+    gate.observe(1, True, 8, 50 * 8 / 125.0)
+    assert _run(gate, 1, 100.0, 125.0, 40)[-30:].count(True) >= 29
+    rates = gate.rates()[1]
+    assert rates["spec_rate"] > rates["plain_rate"], rates
+    # unclipped, the same stall outweighs the arm's dozen steps
+    gate = SpeculationGate(GateConfig(clip=1e9))
+    _run(gate, 1, 100.0, 125.0, 20)
+    gate.observe(1, True, 8, 50 * 8 / 125.0)
+    assert _run(gate, 1, 100.0, 125.0, 40)[-30:].count(True) <= 1

@@ -88,7 +88,7 @@ class AcceptanceConfig(AllocatorModelConfig):
 class GateConfig(AllocatorModelConfig):
     """The measured per-batch-size gate (``gate.SpeculationGate``). All values are ours."""
 
-    min_steps: int = Field(default=12, ge=1)
+    min_steps: int = Field(default=16, ge=1)
     """Decode steps each arm needs at a batch size before the rates decide anything; the plain
     arm's warm-up (every other decision plain) lasts ~2x this many decisions per bucket."""
     explore_every: int = Field(default=32, ge=2)
@@ -97,5 +97,10 @@ class GateConfig(AllocatorModelConfig):
     decay: float = Field(default=0.995, gt=0.0, le=1.0)
     """Decay of both arms' sums per decode step at the batch size (memory ~ 1 / (1 - decay) =
     200 steps, of which ~6 are the other arm's exploration steps)."""
+    clip: float = Field(default=3.0, gt=1.0)
+    """A step's seconds count at most this many times the median of its bucket's recent steps
+    (stalls from outside the engine; genuinely slower steps stay below ~3x)."""
+    window: int = Field(default=64, ge=4)
+    """Recent steps per bucket whose median sets the clip (clipping starts after window / 4)."""
     exact_buckets: int = Field(default=8, ge=1)
     """Batch sizes up to this have their own bucket; larger ones share power-of-two buckets."""

@@ -15,7 +15,12 @@ prompt tokens (prefill chunks, new or resumed requests) belong to neither arm.
 
     rate(arm, R) = sum_s w_s tokens_s / sum_s w_s seconds_s
 
-with w_s = decay ** (decode steps at R since s), counted over both arms: the arm the gate
+with w_s = decay ** (decode steps at R since s), counted over both arms, and each step's
+seconds clipped at ``clip`` x the median of the bucket's last ``window`` steps (both arms): a
+stall from outside (another process, a page fault storm) can take 50x a step's time, and one
+such step among the sixteen of an arm's warm-up would decide the arm (clipped, it moves the
+arm's rate by <= 1/8); a step that is genuinely slower (tree rows, re-runs: ~2.5x a plain step
+at eight requests, measured) is kept whole. Then the arm the gate
 exploits follows the latest ~1 / (1 - decay) steps, and the other arm's old steps fade at the
 same pace, so its few recent exploration steps soon outweigh them.
 
@@ -42,7 +47,10 @@ has no such guard: its cost model is a fixed profile.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .config import GateConfig
 
@@ -90,6 +98,7 @@ class GateArm:
 class _Bucket:
     arms: tuple[GateArm, GateArm] = field(default_factory=lambda: (GateArm(), GateArm()))
     decisions: int = 0
+    recent: deque = field(default_factory=deque)  # seconds of the latest steps, both arms
 
 
 class SpeculationGate:
@@ -123,10 +132,15 @@ class SpeculationGate:
         """One decode step: its requests, arm, emitted tokens and wall seconds."""
         if seconds <= 0:
             return
-        arms = self._bucket(num_reqs).arms
-        for arm in arms:
-            arm.fade(self.config.decay)
-        arms[SPEC if speculative else PLAIN].add(tokens, seconds)
+        c = self.config
+        b = self._bucket(num_reqs)
+        clipped = min(seconds, c.clip * float(np.median(b.recent))) if len(b.recent) >= c.window // 4 else seconds
+        b.recent.append(seconds)
+        if len(b.recent) > c.window:
+            b.recent.popleft()
+        for arm in b.arms:
+            arm.fade(c.decay)
+        b.arms[SPEC if speculative else PLAIN].add(tokens, clipped)
 
     def rates(self) -> dict[int, dict[str, float]]:
         """Per bucket: each arm's rate (tokens/s), steps and decayed weight, and the decisions made."""
