@@ -176,6 +176,14 @@ def run(args: argparse.Namespace) -> int:
                 f"accepted {budget['realized_accepted']} (predicted {budget['predicted_accepted']:.0f}), "
                 f"cost model error {err:.0%}"
             )
+            gate = budget.get("gate") or {}
+            if gate:
+                # per batch size: what the measured gate saw in each arm (tokens/s of decode steps)
+                lines.append("          measured gate (tokens/s, plain vs speculative decode steps): " + ", ".join(
+                    f"{r} req {g['plain_rate']:.0f} vs {g['spec_rate']:.0f}"
+                    f"{' (plain)' if g['spec_rate'] < g['plain_rate'] else ''}"
+                    for r, g in sorted(gate.items(), key=lambda kv: int(kv[0])) if g["plain_steps"] and g["spec_steps"])
+                    + f"; {budget.get('gate_plain_steps', 0) / steps:.0%} of steps made plain by it")
         if args.out:
             record = {
                 "model": args.model, "dataset": args.dataset, "num_prompts": len(prompts),

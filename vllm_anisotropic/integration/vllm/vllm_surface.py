@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import re
 
 __all__ = ["VllmSurfaceError", "check_runner", "check_vllm_surface", "surface_problems",
            "RUNNER_METHODS", "METHODS", "FIELDS", "CLASS_ATTRIBUTES", "RUNNER_ATTRIBUTES"]
@@ -88,6 +89,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
 CLASS_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("max_spec_len",),
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend": ("get_impl_cls",),
+    # budget.BatchBudget.cut and scheduler.TreeScheduler read the scheduler's running requests
+    "vllm.v1.request:Request": ("request_id", "spec_token_ids", "num_tokens", "num_computed_tokens",
+                                "num_prompt_tokens", "cache_salt"),
 }
 
 # attributes the tree runner reads from a constructed model runner (dotted: nested)
@@ -123,7 +127,8 @@ def _assigned_in_init(cls, name: str) -> bool:
         if fn is None:
             continue
         try:
-            if f"self.{name} =" in inspect.getsource(fn):
+            # "self.x = ..." or annotated "self.x: T = ..." (not "self.x == ...")
+            if re.search(rf"self\.{re.escape(name)}\s*(?::[^=\n]*)?=(?!=)", inspect.getsource(fn)):
                 return True
         except (OSError, TypeError):
             continue
