@@ -228,7 +228,19 @@ class TreeRunnerMixin:
             harvest_plain(self, logits)  # no drafts anywhere this step: root rows only
         return out
 
+    def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        """vLLM skips the drafter for the whole batch when any request is within
+        ``num_speculative_tokens`` of ``max_model_len`` (its drafters run a forward of that many
+        tokens), and then schedules ``num_speculative_tokens`` *zero* drafts for every request:
+        no trees, verified by vLLM's chain sampler. The tree drafter runs no forward and sizes
+        each tree to its own request's room (``TreeDrafter.propose_trees``), so it always fits."""
+        return common_attn_metadata is not None
+
     def take_draft_token_ids(self):
+        if torch.is_tensor(getattr(self, "_draft_token_ids", None)):
+            # vLLM's "zero out draft tokens" path ran (it sets a tensor; the tree drafter returns
+            # lists): those are not drafts of any tree, so schedule none
+            self._draft_token_ids = [[] for _ in self.input_batch.req_ids]
         out = super().take_draft_token_ids()
         if out is not None and self.drafter.acceptance is not None:
             # the allocator's input (budget.BatchBudget.on_draft_ids): travels with the pickled output

@@ -47,6 +47,7 @@ RUNNER_METHODS: dict[str, tuple[str, ...]] = {
     "_build_attention_metadata": ("self",),
     "_sample": ("self", "logits", "spec_decode_metadata"),
     "take_draft_token_ids": ("self",),
+    "_input_fits_in_drafter": ("self", "common_attn_metadata"),
     "sample_tokens": ("self", "grammar_output"),
     "propose_draft_token_ids": ("self", "scheduler_output", "sampled_token_ids"),
     "_dummy_run": ("self", "num_tokens"),
@@ -99,7 +100,7 @@ RUNNER_ATTRIBUTES: tuple[str, ...] = (
     "drafter", "rejection_sampler", "rejection_sampler.sampler", "input_batch", "input_batch.req_ids",
     "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu", "input_batch.num_tokens_no_spec",
     "input_batch.token_ids_cpu", "query_start_loc", "positions", "requests", "uses_mrope", "scheduler_config",
-    "model_config",
+    "model_config", "_draft_token_ids",
 )
 
 
