@@ -22,6 +22,30 @@ from vllm_anisotropic.integration.vllm.config import EngineTreeConfig
 
 def test_bucket_worked_example():
     assert [bucket(r, 8) for r in (0, 1, 5, 8, 9, 16, 17, 32, 33)] == [1, 1, 5, 8, 16, 16, 32, 32, 64]
+    assert [bucket(r, 6) for r in (6, 7)] == [6, 8]  # the last exact bucket is exact
+
+
+def test_rates_and_decisions_are_reported_and_empty_arms_read_zero():
+    gate = SpeculationGate()
+    gate.observe(3, False, 3, 0.03)
+    gate.observe(3, True, 5, 0.0)  # no measurable time: ignored
+    assert gate.rates() == {3: {"plain_rate": pytest.approx(100.0), "plain_steps": 1, "spec_rate": 0.0,
+                                "spec_steps": 0, "decisions": 0}}
+    gate.allows(3)
+    gate.allows(3)
+    assert gate.rates()[3]["decisions"] == 2
+
+
+def test_allocator_decides_while_the_speculative_arm_warms_up():
+    # the allocator keeps choosing no drafts (every step plain) after the plain warm-up: the gate
+    # must leave it free (it has no evidence against speculation), not force plain
+    gate = SpeculationGate(GateConfig(min_steps=4, explore_every=32))
+    decisions = []
+    for _ in range(40):
+        decisions.append(gate.allows(2))
+        gate.observe(2, False, 2, 0.02)  # plain whatever was allowed
+    assert decisions[:4] == [True, False] * 2 and all(decisions[4:])
+
 
 
 def _run(gate, num_reqs, plain_rate, spec_rate, decisions, tokens=8):

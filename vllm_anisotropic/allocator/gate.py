@@ -71,10 +71,9 @@ def bucket(num_reqs: int, exact_buckets: int) -> int:
 
 @dataclass
 class GateArm:
-    """One arm in one bucket: steps observed, and decayed sums of weight, tokens and seconds."""
+    """One arm in one bucket: steps observed, and decayed sums of tokens and seconds."""
 
     count: int = 0
-    weight: float = 0.0
     tokens: float = 0.0
     seconds: float = 0.0
 
@@ -83,13 +82,11 @@ class GateArm:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def fade(self, decay: float) -> None:
-        self.weight *= decay
         self.tokens *= decay
         self.seconds *= decay
 
     def add(self, tokens: float, seconds: float) -> None:
         self.count += 1
-        self.weight += 1.0
         self.tokens += tokens
         self.seconds += seconds
 
@@ -98,7 +95,7 @@ class GateArm:
 class _Bucket:
     arms: tuple[GateArm, GateArm] = field(default_factory=lambda: (GateArm(), GateArm()))
     decisions: int = 0
-    recent: deque = field(default_factory=deque)  # seconds of the latest steps, both arms
+    recent: deque = field(default_factory=deque)  # seconds of the latest ``window`` steps, both arms
 
 
 class SpeculationGate:
@@ -112,7 +109,7 @@ class SpeculationGate:
         key = bucket(num_reqs, self.config.exact_buckets)
         b = self._buckets.get(key)
         if b is None:
-            b = self._buckets[key] = _Bucket()
+            b = self._buckets[key] = _Bucket(recent=deque(maxlen=self.config.window))
         return b
 
     def allows(self, num_reqs: int) -> bool:
@@ -136,18 +133,16 @@ class SpeculationGate:
         b = self._bucket(num_reqs)
         clipped = min(seconds, c.clip * float(np.median(b.recent))) if len(b.recent) >= c.window // 4 else seconds
         b.recent.append(seconds)
-        if len(b.recent) > c.window:
-            b.recent.popleft()
         for arm in b.arms:
             arm.fade(c.decay)
         b.arms[SPEC if speculative else PLAIN].add(tokens, clipped)
 
     def rates(self) -> dict[int, dict[str, float]]:
-        """Per bucket: each arm's rate (tokens/s), steps and decayed weight, and the decisions made."""
+        """Per bucket: each arm's rate (tokens/s; 0 before its first step) and steps, and the
+        decisions made."""
         return {
             key: {"plain_rate": b.arms[PLAIN].rate, "plain_steps": b.arms[PLAIN].count,
-                  "plain_weight": b.arms[PLAIN].weight, "spec_rate": b.arms[SPEC].rate,
-                  "spec_steps": b.arms[SPEC].count, "spec_weight": b.arms[SPEC].weight,
+                  "spec_rate": b.arms[SPEC].rate, "spec_steps": b.arms[SPEC].count,
                   "decisions": b.decisions}
             for key, b in sorted(self._buckets.items())
         }
