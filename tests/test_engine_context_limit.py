@@ -7,7 +7,7 @@ its drafters run a forward of that many tokens) and then hands the scheduler
 ``max_model_len`` 256 that is every step once one request reaches 197 tokens: the soak test
 (``test_engine_soak.py``) saw ~2,000 zero drafts a step, throughput collapse, and greedy
 outputs different from plain vLLM. The tree runner overrides the check (its drafter sizes each
-tree to its own request's room) and never passes those zeros on.
+tree to its own request's room), so vLLM's zero-draft path never runs.
 
 What this test would catch: the override removed or bypassed (zero drafts scheduled: vLLM's
 draft counter exceeds the nodes of verified trees, and the trees stop while the long request

@@ -12,20 +12,16 @@ OpenAI-compatible HTTP server, the real ``openai`` client.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import sysconfig
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+from vllm_server import free_port, http_get, stop, wait_healthy
 
 pytestmark = pytest.mark.engine
 
@@ -102,35 +98,6 @@ def test_vllm_anisotropic_serve_passes_arguments_to_vllm_serve():
 
 
 # ---------------------------------------------------------------------- the real server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, ""
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (vLLM shuts its engine processes down), then SIGKILL the server's process group."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the session started for the server
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def model_dir() -> str:
     from vllm_anisotropic.models import build_tiny_model
@@ -146,7 +113,7 @@ def prompts(tiny_prompts) -> list[str]:
 @pytest.fixture(scope="module")
 def launched(model_dir, tmp_path_factory):
     """The server process, started (not yet healthy); stopped at the end of the module."""
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [str(SCRIPTS / "vllm"), "serve", model_dir,
            "--speculative-config", json.dumps({"method": "goose"}),
@@ -156,7 +123,7 @@ def launched(model_dir, tmp_path_factory):
     try:
         yield proc, f"http://127.0.0.1:{port}", log_path
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -172,18 +139,8 @@ def plain(launched, model_dir, prompts):
 def server(launched):
     """``(base_url, log_path)`` once ``GET /health`` answers 200."""
     proc, base, log_path = launched
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"`vllm serve` exited with {proc.returncode}:\n{log_path.read_text()[-6000:]}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"`vllm serve` not healthy after {STARTUP_TIMEOUT:.0f} s:\n{log_path.read_text()[-6000:]}")
-        try:
-            if _get(f"{base}/health")[0] == 200:
-                return base, log_path
-        except OSError:
-            pass
-        time.sleep(1.0)
+    wait_healthy(proc, base, log_path, STARTUP_TIMEOUT)
+    return base, log_path
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +209,7 @@ def _metric_total(text: str, name: str) -> float:
 
 
 def test_metrics_count_speculative_drafts(server, completions):
-    status, text = _get(f"{server[0]}/metrics")
+    status, text = http_get(f"{server[0]}/metrics")
     assert status == 200
     drafts = _metric_total(text, "vllm:spec_decode_num_drafts")
     accepted = _metric_total(text, "vllm:spec_decode_num_accepted_tokens")
@@ -266,7 +223,7 @@ def test_metrics_export_tree_counters_per_source(server, completions):
 
     deadline = time.monotonic() + 10
     while True:
-        _, text = _get(f"{server[0]}/metrics")
+        _, text = http_get(f"{server[0]}/metrics")
         accepted = _metric_total(text, "vllm:spec_decode_num_accepted_tokens")
         ours = _metric_total(text, "vllm_anisotropic:tree_accepted_nodes")
         if ours == accepted or time.monotonic() > deadline:
@@ -307,6 +264,6 @@ def test_aborted_stream_drops_its_proposer_state(server, client, model_name, pro
         client.completions.create(model=model_name, prompt=p, max_tokens=4, temperature=0)
     # no wait: every drop rewrites the stats file at once (drafter.drop -> sink.tick(force=True)),
     # and the aborted request's drop rode on the steps of the requests above
-    _, text = _get(f"{server[0]}/metrics")
+    _, text = http_get(f"{server[0]}/metrics")
     live = _metric_total(text, "vllm_anisotropic:tree_live_requests")
     assert live <= 1, live

@@ -50,13 +50,9 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sysconfig
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +60,7 @@ import numpy as np
 import pytest
 
 from vllm_anisotropic.integration.vllm.metrics import STATS_ENV
+from vllm_server import free_port, http_get, stop, wait_healthy
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -121,25 +118,8 @@ AS_PLAIN = ("ctx_plus_one", "prompt_over", "empty")  # status (and output) as th
 
 
 # ---------------------------------------------------------------------- servers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    """``(status, body)``; status 0 when nothing answers (connection refused, timeout)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, ""
-    except OSError:
-        return 0, ""
-
-
 def _launch(model_dir: str, log_path: Path, speculative: bool) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [str(SCRIPTS / "vllm"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), *SERVE_FLAGS]
     if speculative:
         cmd += ["--speculative-config", json.dumps(SPEC_CONFIG)]
@@ -148,33 +128,6 @@ def _launch(model_dir: str, log_path: Path, speculative: bool) -> tuple[subproce
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait_healthy(proc: subprocess.Popen, base: str, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"`vllm serve` exited with {proc.returncode}:\n{log_path.read_text()[-6000:]}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"`vllm serve` not healthy after {STARTUP_TIMEOUT:.0f} s:\n{log_path.read_text()[-6000:]}")
-        if _get(f"{base}/health")[0] == 200:
-            return
-        time.sleep(1.0)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (vLLM shuts its engine processes down), then SIGKILL the server's process group."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
 
 
 def _tree_rss(pid: int) -> int:
@@ -193,7 +146,7 @@ def _tree_rss(pid: int) -> int:
 
 def _metric_sums(base: str, names: tuple[str, ...]) -> dict[str, float]:
     """Sum of each counter's samples on ``/metrics`` (``name`` or ``name_total``)."""
-    _, text = _get(f"{base}/metrics")
+    _, text = http_get(f"{base}/metrics")
     out = {n: 0.0 for n in names}
     for line in text.splitlines():
         key = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
@@ -203,7 +156,7 @@ def _metric_sums(base: str, names: tuple[str, ...]) -> dict[str, float]:
 
 
 def _live_gauge(base: str) -> float | None:
-    status, text = _get(f"{base}/metrics")
+    status, text = http_get(f"{base}/metrics")
     if status != 200:
         return None
     for line in text.splitlines():
@@ -447,7 +400,7 @@ def launched(model_dir, tmp_path_factory):
     try:
         yield proc, base, log_path
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -457,10 +410,10 @@ def plain(launched, model_dir, prompts, tmp_path_factory) -> dict[str, Outcome]:
     log_path = tmp_path_factory.mktemp("soak") / "plain.log"
     proc, base = _launch(model_dir, log_path, speculative=False)
     try:
-        _wait_healthy(proc, base, log_path)
+        wait_healthy(proc, base, log_path, STARTUP_TIMEOUT)
         refs = asyncio.run(_references(base, _reference_requests(prompts)))
     finally:
-        _stop(proc)
+        stop(proc)
     for key, o in refs.items():
         if key.startswith("greedy"):
             assert o.status == "completed" and o.token_ids, (key, o.status, o.detail)
@@ -472,14 +425,14 @@ def storm(launched, plain, prompts):
     """Warm-up, RSS before, the storm, then the aftermath: liveness, a final greedy request,
     the live gauge drained, RSS after. Prints and writes the report."""
     proc, base, log_path = launched
-    _wait_healthy(proc, base, log_path)
+    wait_healthy(proc, base, log_path, STARTUP_TIMEOUT)
     warm = asyncio.run(_references(base, {k: v for k, v in _reference_requests(prompts).items() if k.startswith("greedy/")}))
     rss_before = _tree_rss(proc.pid)
 
     outcomes, storm_s = asyncio.run(_storm(base, prompts))
 
     alive = proc.poll() is None
-    health = _get(f"{base}/health")[0] if alive else None
+    health = http_get(f"{base}/health")[0] if alive else None
     final = asyncio.run(_references(base, {"greedy/p0": _reference_requests(prompts)["greedy/p0"]}))["greedy/p0"] if alive else None
     live, deadline = _live_gauge(base) if alive else None, time.monotonic() + DRAIN_TIMEOUT
     while alive and live != 0 and time.monotonic() < deadline:  # a drop rides on the next step

@@ -237,10 +237,6 @@ class TreeRunnerMixin:
         return common_attn_metadata is not None
 
     def take_draft_token_ids(self):
-        if torch.is_tensor(getattr(self, "_draft_token_ids", None)):
-            # vLLM's "zero out draft tokens" path ran (it sets a tensor; the tree drafter returns
-            # lists): those are not drafts of any tree, so schedule none
-            self._draft_token_ids = [[] for _ in self.input_batch.req_ids]
         out = super().take_draft_token_ids()
         if out is not None and self.drafter.acceptance is not None:
             # the allocator's input (budget.BatchBudget.on_draft_ids): travels with the pickled output

@@ -100,7 +100,7 @@ RUNNER_ATTRIBUTES: tuple[str, ...] = (
     "drafter", "rejection_sampler", "rejection_sampler.sampler", "input_batch", "input_batch.req_ids",
     "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu", "input_batch.num_tokens_no_spec",
     "input_batch.token_ids_cpu", "query_start_loc", "positions", "requests", "uses_mrope", "scheduler_config",
-    "model_config", "_draft_token_ids",
+    "model_config",
 )
 
 
