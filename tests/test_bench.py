@@ -71,12 +71,12 @@ def test_summary_takes_medians_and_compares_with_plain_at_the_same_concurrency()
     records = [
         _rec("plain", 1, 0, 10.0), _rec("plain", 1, 1, 12.0), _rec("plain", 1, 2, 100.0),  # median 12, not mean
         _rec("plain", 8, 0, 40.0),
-        _rec("goose-auto", 1, 0, 18.0, 1.5), _rec("goose-auto", 1, 1, 24.0, 1.7, ("a", "x")), _rec("goose-auto", 1, 2, 30.0, 1.6),
+        _rec("goose-auto", 1, 3, 18.0, 1.5), _rec("goose-auto", 1, 4, 24.0, 1.7, ("a", "x")), _rec("goose-auto", 1, 5, 30.0, 1.6),
         _rec("goose-auto", 8, 0, 20.0, 1.2, ("x", "y")),
         {"method": "suffix", "skipped": "no arctic_inference"},
     ]
     rows = {(r["method"], r.get("concurrency")): r for r in sweep.summarize(records)}
-    g1 = rows[("goose-auto", 1)]
+    g1 = rows[("goose-auto", 1)]  # repeats plain did not run: against plain's median
     assert (g1["median"], g1["min"], g1["max"], g1["tau"]) == (24.0, 18.0, 30.0, 1.6)
     assert g1["speedup"] == pytest.approx(2.0) and g1["speedup_min"] == pytest.approx(1.5)
     assert g1["identical"] == (2, 2)  # the first repeat's outputs against plain's first repeat
@@ -89,6 +89,31 @@ def test_summary_takes_medians_and_compares_with_plain_at_the_same_concurrency()
     assert "suffix: not run: no arctic_inference" in table
     # methods listed in registry order, plain first
     assert table.splitlines()[2].startswith("| plain | 1 |")
+
+
+def test_speedup_pairs_each_repeat_with_plains_same_repeat():
+    """The machine slows down 20 % between repeats; the method is 1.10x plain in each. Paired
+    ratios say 1.10x in every repeat; medians over unpaired repeats would say 1.00x..1.21x."""
+    records = []
+    for r, speed in enumerate([1.0, 0.8, 0.9]):
+        records += [_rec("plain", 4, r, 100.0 * speed), _rec("ngram5", 4, r, 110.0 * speed)]
+    row = {(x["method"], x["concurrency"]): x for x in sweep.summarize(records)}[("ngram5", 4)]
+    assert row["speedup"] == pytest.approx(1.1) and row["speedup_min"] == pytest.approx(1.1)
+    assert row["speedup_max"] == pytest.approx(1.1)
+    assert (row["min"], row["max"]) == (88.0, 110.0)  # tokens/s themselves keep the drift
+
+
+def test_interleaved_plan_alternates_the_method_order_per_repeat():
+    plan = sweep.job_plan(["plain", "ngram5", "goose-auto"], 3, "interleaved")
+    assert [m for m, _ in plan] == ["plain", "ngram5", "goose-auto", "goose-auto", "ngram5", "plain",
+                                    "plain", "ngram5", "goose-auto"]
+    assert [r for _, r in plan] == [[0]] * 3 + [[1]] * 3 + [[2]] * 3  # one engine per (repeat, method)
+    # a linear drift lands on every method alike: mean position over the repeats is the same
+    pos = {m: sum(i for i, (x, _) in enumerate(plan[:6]) if x == m) for m in ("plain", "ngram5", "goose-auto")}
+    assert len(set(pos.values())) == 1
+    assert sweep.job_plan(["plain", "ngram5"], 2, "grouped") == [("plain", [0, 1]), ("ngram5", [0, 1])]
+    with pytest.raises(ValueError, match="valid: interleaved, grouped"):
+        sweep.job_plan(["plain"], 1, "random")
 
 
 def test_plot_is_a_png(tmp_path):
@@ -156,3 +181,19 @@ def test_divergences_and_their_margins():
     assert "median 0.020 max 0.020" in lines[0]
     assert "prompt 1: first difference at output token 1, plain 5 vs 9 (rank 2" in lines[1] and "gap 0.020" in lines[1]
     assert "(rank >5 in the recomputed distribution, logprob gap n/a)" in lines[2]
+
+
+def test_iomp_variant_preloads_intel_openmp_into_the_engine_process(tmp_path, monkeypatch):
+    """``NAME+iomp``: the same speculative config, the engine process started with Intel's
+    OpenMP runtime in ``LD_PRELOAD`` (in front of what is already preloaded)."""
+    lib = tmp_path / "libiomp5.so"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(sweep, "iomp_library", lambda: lib)
+    monkeypatch.setenv("LD_PRELOAD", "/x/libtcmalloc.so")
+    assert sweep.valid_method("goose-auto+iomp") and not sweep.valid_method("goose-b5+iomp")
+    assert sweep.resolve_config("goose-auto+iomp", tmp_path) == sweep.METHODS["goose-auto"]
+    assert sweep.method_env("plain+iomp") == {"LD_PRELOAD": f"{lib}:/x/libtcmalloc.so"}
+    assert sweep.method_env("plain") == {}
+    monkeypatch.setattr(sweep, "iomp_library", lambda: None)
+    assert "libiomp5" in sweep.unavailable_reason("plain+iomp")
+    assert sweep.unavailable_reason("plain") is None

@@ -31,6 +31,9 @@ goose-nogate the allocator's prediction alone, without the measured gate (``allo
 goose-never  GOOSE whose allocator never keeps a draft (a steep cost-model file, no probes): the
              tree path's own cost when it decodes plainly (the floor the allocator falls back to)
 tr-auto      token recycling with the budget allocator
+NAME+iomp    any of the above with Intel's OpenMP runtime preloaded into its engine processes
+             (``LD_PRELOAD`` = the ``libiomp5.so`` of this environment, vLLM's documented CPU
+             set-up; without it vLLM warns that speculative decoding on CPU loses throughput)
 
 Example (the bounded run recorded in docs/allocator.md)::
 
@@ -38,9 +41,14 @@ Example (the bounded run recorded in docs/allocator.md)::
         --concurrency 1,8 --repeats 2 --out results/bench.jsonl --plot docs/figures/bench.png
     vllm-anisotropic bench --summarize results/bench.jsonl --plot docs/figures/bench.png
 
-Repeats run inside one engine per method (start-up and its calibration are not repeated);
-methods run one after another, so slow drift of the machine shows up between methods, not
-between repeats: compare ratios from one invocation.
+Order (``--order``): ``interleaved`` (default) starts one engine per (repeat, method) and runs
+the methods in turn within each repeat, forwards in even repeats and backwards in odd ones
+(``plain, ngram5, goose-auto`` then ``goose-auto, ngram5, plain``): slow drift of this machine's
+speed (measured: 5-10 % over a 20-minute run) then lands on every method alike, and each
+method's speedup is the median of its per-repeat ratios to plain's cell of the same repeat.
+``grouped`` runs every repeat of a method inside one engine, methods one after another
+(fewer start-ups; drift then shows up between methods as a speedup that is not there).
+Each engine start is a fresh server: proposers and the allocator's gate warm up again.
 """
 
 from __future__ import annotations
@@ -88,10 +96,34 @@ DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 SUFFIX_DIR = Path(__file__).resolve().parents[2] / ".suffix"  # scripts/build_suffix.sh
 
 
+IOMP = "+iomp"
+
+
+def base_method(method: str) -> str:
+    """The registry name of ``method`` (``goose-auto+iomp`` -> ``goose-auto``)."""
+    return method.removesuffix(IOMP)
+
+
+def valid_method(method: str) -> bool:
+    return base_method(method) in METHODS
+
+
+def iomp_library() -> Path | None:
+    """Intel's OpenMP runtime of this environment (the ``intel-openmp`` wheel vLLM's CPU build
+    pulls in puts it in ``<prefix>/lib``), or None."""
+    import ctypes.util
+
+    for candidate in (Path(sys.prefix, "lib", "libiomp5.so"), Path(sys.base_prefix, "lib", "libiomp5.so")):
+        if candidate.is_file():
+            return candidate
+    found = ctypes.util.find_library("iomp5")
+    return Path(found) if found and Path(found).is_file() else None
+
+
 def resolve_config(method: str, tmp_dir: Path) -> dict[str, Any] | None:
     """``METHODS[method]`` with its ``"<steep>"`` cost model written to ``tmp_dir``: every query
     token and tree row costs 1 s, so the allocator keeps no draft in any step."""
-    spec = METHODS[method]
+    spec = METHODS[base_method(method)]
     if spec is None or spec.get("cost_model") != "<steep>":
         return spec
     from vllm_anisotropic.allocator import CostModel
@@ -103,6 +135,9 @@ def resolve_config(method: str, tmp_dir: Path) -> dict[str, Any] | None:
 
 def unavailable_reason(method: str) -> str | None:
     """Why ``method`` cannot run on this machine, or None."""
+    if method.endswith(IOMP) and iomp_library() is None:
+        return "no libiomp5.so in this environment (pip install intel-openmp)"
+    method = base_method(method)
     if method == "suffix" and importlib.util.find_spec("arctic_inference") is None and not SUFFIX_DIR.is_dir():
         return ("vLLM's suffix method imports arctic_inference.suffix_decoding: install arctic-inference "
                 "or run scripts/build_suffix.sh (PyPI has only a source tarball; it builds on CPU)")
@@ -112,7 +147,11 @@ def unavailable_reason(method: str) -> str | None:
 def method_env(method: str) -> dict[str, str]:
     """Extra environment of ``method``'s engine process: the suffix run finds a ``.suffix/`` build
     on PYTHONPATH and loads only this package's vLLM plugin (arctic-inference's own plugin patches
-    vLLM at start-up; vLLM's suffix method needs only its suffix tree)."""
+    vLLM at start-up; vLLM's suffix method needs only its suffix tree); a ``+iomp`` method gets
+    ``LD_PRELOAD`` with Intel's OpenMP runtime in front of any preload already set."""
+    if method.endswith(IOMP):
+        preload = [str(iomp_library()), *filter(None, os.environ.get("LD_PRELOAD", "").split(":"))]
+        return {"LD_PRELOAD": ":".join(preload), **method_env(base_method(method))}
     if method != "suffix" or importlib.util.find_spec("arctic_inference") is not None or not SUFFIX_DIR.is_dir():
         return {}
     path = os.pathsep.join(p for p in (str(SUFFIX_DIR), os.environ.get("PYTHONPATH", "")) if p)
@@ -132,7 +171,8 @@ class SweepJob(BaseModel):
     warmup_prompts: list[str]
     max_tokens: int = Field(ge=1)
     concurrency: list[int]
-    repeats: int = Field(ge=1)
+    repeats: list[int] = Field(min_length=1)
+    """Repeat indices this engine runs (all of them, or one with ``--order interleaved``)."""
     llm_kwargs: dict[str, Any] = Field(default_factory=dict)
     record_base: dict[str, Any] = Field(default_factory=dict)
     """Copied into every record (model name, datasets, dtype, environment)."""
@@ -180,7 +220,7 @@ def run_job(job: SweepJob, out_file: Path) -> None:
     params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0)
     # warm-up on prompts of its own: short requests at the largest concurrency (first steps)
     closed_loop(engine, job.warmup_prompts, SamplingParams(max_tokens=16, temperature=0.0), max(job.concurrency), "warm")
-    cells = cell_order(job.repeats, job.concurrency)
+    cells = [(r, c) for r in job.repeats for c in job.concurrency]
     if len(job.cell_prompts) != len(cells):
         raise ValueError(f"{len(cells)} cells but {len(job.cell_prompts)} prompt sets")
     for i, ((repeat, conc), prompts) in enumerate(zip(cells, job.cell_prompts)):
@@ -208,6 +248,21 @@ def run_job(job: SweepJob, out_file: Path) -> None:
 def cell_order(repeats: int, concurrency: list[int]) -> list[tuple[int, int]]:
     """(repeat, concurrency) of every cell, in the order they run."""
     return [(r, c) for r in range(repeats) for c in concurrency]
+
+
+def job_plan(methods: list[str], repeats: int, order: str) -> list[tuple[str, list[int]]]:
+    """(method, repeat indices) of each engine start, in the order they run (see ``--order``).
+
+    >>> job_plan(["plain", "goose-auto"], 2, "interleaved")
+    [('plain', [0]), ('goose-auto', [0]), ('goose-auto', [1]), ('plain', [1])]
+    >>> job_plan(["plain", "goose-auto"], 2, "grouped")
+    [('plain', [0, 1]), ('goose-auto', [0, 1])]
+    """
+    if order == "grouped":
+        return [(m, list(range(repeats))) for m in methods]
+    if order != "interleaved":
+        raise ValueError(f"unknown order {order!r}; valid: interleaved, grouped")
+    return [(m, [r]) for r in range(repeats) for m in (methods if r % 2 == 0 else methods[::-1])]
 
 
 def cell_sizes(concurrency: list[int], repeats: int, per_cell: int) -> list[int]:
@@ -254,7 +309,11 @@ def environment() -> dict[str, Any]:
 # ---------------------------------------------------------------------- summary
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (method, concurrency): median / min / max tokens/s over repeats, speedup over
-    plain's median at that concurrency, median tau, outputs identical to plain's first repeat."""
+    plain at that concurrency, median tau, outputs identical to plain's first repeat.
+
+    Speedup: where plain ran every repeat this method ran, the median (min, max) of the
+    per-repeat ratios to plain's cell of the same repeat (paired: a drift of the machine between
+    repeats cancels); otherwise this method's median (min, max) over plain's median."""
     cells: dict[tuple[str, int], list[dict]] = defaultdict(list)
     skipped = {}
     for r in records:
@@ -264,6 +323,7 @@ def summarize(records: list[dict]) -> list[dict]:
         cells[(r["method"], r["concurrency"])].append(r)
     plain = {c: rs for (m, c), rs in cells.items() if m == "plain"}
     order = {m: i for i, m in enumerate(METHODS)}
+    order.update({m + IOMP: i + 0.5 for m, i in list(order.items())})
     rows = []
     for (method, conc), rs in sorted(cells.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][0], kv[0][1])):
         tps = [r["tokens_per_s"] for r in rs]
@@ -271,8 +331,13 @@ def summarize(records: list[dict]) -> list[dict]:
                "min": min(tps), "max": max(tps), "tau": statistics.median(r["tau"] for r in rs),
                "speedup": None, "speedup_min": None, "speedup_max": None, "identical": None}
         if conc in plain:
-            base = statistics.median(r["tokens_per_s"] for r in plain[conc])
-            row["speedup"], row["speedup_min"], row["speedup_max"] = row["median"] / base, row["min"] / base, row["max"] / base
+            by_repeat = {r.get("repeat"): r["tokens_per_s"] for r in plain[conc]}
+            if all(r.get("repeat") in by_repeat for r in rs):
+                ratios = [r["tokens_per_s"] / by_repeat[r.get("repeat")] for r in rs]
+                row["speedup"], row["speedup_min"], row["speedup_max"] = statistics.median(ratios), min(ratios), max(ratios)
+            else:
+                base = statistics.median(r["tokens_per_s"] for r in plain[conc])
+                row["speedup"], row["speedup_min"], row["speedup_max"] = row["median"] / base, row["min"] / base, row["max"] / base
             ref = plain[conc][0]["output_sha1"]
             row["identical"] = (sum(a == b for a, b in zip(rs[0]["output_sha1"], ref)), len(ref))
         rows.append(row)
@@ -378,6 +443,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=_int_list, default=list(DEFAULT_CONCURRENCY),
                    help="comma-separated concurrent-request counts (default: 1,2,4,8,16,32,64)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--order", default="interleaved", choices=["interleaved", "grouped"],
+                   help="interleaved: one engine per (repeat, method), methods in turn within each repeat "
+                        "(drift of the machine lands on every method alike); grouped: one engine per method")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--out", type=Path, default=Path("results/bench.jsonl"), help="JSONL records (appended)")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot path (default: the --out path with .png)")
@@ -392,7 +460,7 @@ def run(args: argparse.Namespace) -> int:
         print(report(records, args.plot))
         return 0
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if not valid_method(m)]
     if bad:
         raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}")
     if args.repeats < 1:
@@ -415,19 +483,24 @@ def run(args: argparse.Namespace) -> int:
     first_line = sum(1 for _ in open(args.out)) if args.out.exists() else 0
     logger.info("%d methods x concurrency %s x %d repeats, %d prompts x %d tokens per cell -> %s",
                 len(methods), args.concurrency, args.repeats, len(cell_prompts[0]), args.max_tokens, args.out)
-    for method in methods:
+    cells = cell_order(args.repeats, args.concurrency)
+    skipped = set()
+    for method, repeats in job_plan(methods, args.repeats, args.order):
         why = unavailable_reason(method)
         if why:
-            logger.warning("%s: not run: %s", method, why)
-            with open(args.out, "a", encoding="utf-8") as f:
-                f.write(json.dumps({**base, "method": method, "skipped": why}) + "\n")
+            if method not in skipped:
+                skipped.add(method)
+                logger.warning("%s: not run: %s", method, why)
+                with open(args.out, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({**base, "method": method, "skipped": why}) + "\n")
             continue
-        logger.info("%s: starting vLLM", method)
+        logger.info("%s: starting vLLM (repeat %s)", method, ",".join(map(str, repeats)))
+        prompts = [p for (r, _), p in zip(cells, cell_prompts) if r in repeats]
         with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-bench-") as tmp:
             job = SweepJob(model=str(model_dir), method=method, speculative_config=resolve_config(method, Path(tmp)),
-                           cell_prompts=cell_prompts, warmup_prompts=warmup,
-                           max_tokens=args.max_tokens, concurrency=args.concurrency, repeats=args.repeats,
-                           llm_kwargs={"dtype": args.dtype}, record_base=base)
+                           cell_prompts=prompts, warmup_prompts=warmup,
+                           max_tokens=args.max_tokens, concurrency=args.concurrency, repeats=repeats,
+                           llm_kwargs={"dtype": args.dtype}, record_base={**base, "order": args.order})
             job_file = Path(tmp, "job.json")
             job_file.write_text(job.model_dump_json())
             env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
