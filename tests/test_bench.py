@@ -136,6 +136,7 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["bench", "--methods", "plain,goose-b5", "--out", str(tmp_path / "x.jsonl")])
     assert "goose-b5" in str(e.value) and "goose-b4" in str(e.value) and "tr-auto" in str(e.value)
+    assert "NAME+iomp" in str(e.value)
     with pytest.raises(SystemExit):
         cli_main(["bench", "--concurrency", "1,0"])
     assert "concurrencies must be >= 1" in capsys.readouterr().err

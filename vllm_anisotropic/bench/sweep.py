@@ -440,7 +440,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="prompts per dataset in each cell, at least 2 x concurrency in all (every cell and the "
                         "warm-up get prompts of their own)")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated; valid: {', '.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated; valid: {', '.join(METHODS)}, each also as NAME{IOMP}")
     p.add_argument("--concurrency", type=_int_list, default=list(DEFAULT_CONCURRENCY),
                    help="comma-separated concurrent-request counts (default: 1,2,4,8,16,32,64)")
     p.add_argument("--repeats", type=int, default=3)
@@ -463,7 +463,7 @@ def run(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if not valid_method(m)]
     if bad:
-        raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}")
+        raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)} (each also as NAME{IOMP})")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     from vllm_anisotropic.bench.demo import _resolve_model, build_prompts
