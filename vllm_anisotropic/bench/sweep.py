@@ -69,7 +69,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -221,7 +221,7 @@ def run_job(job: SweepJob, out_file: Path) -> None:
     params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0)
     # warm-up on prompts of its own: short requests at the largest concurrency (first steps)
     closed_loop(engine, job.warmup_prompts, SamplingParams(max_tokens=16, temperature=0.0), max(job.concurrency), "warm")
-    cells = [(r, c) for r in job.repeats for c in job.concurrency]
+    cells = cell_order(job.repeats, job.concurrency)
     if len(job.cell_prompts) != len(cells):
         raise ValueError(f"{len(cells)} cells but {len(job.cell_prompts)} prompt sets")
     for i, ((repeat, conc), prompts) in enumerate(zip(cells, job.cell_prompts)):
@@ -246,9 +246,9 @@ def run_job(job: SweepJob, out_file: Path) -> None:
               f"{seconds:.2f} s = {tokens / seconds:.1f} tokens/s, tau {record['tau']:.2f}", file=sys.stderr, flush=True)
 
 
-def cell_order(repeats: int, concurrency: list[int]) -> list[tuple[int, int]]:
-    """(repeat, concurrency) of every cell, in the order they run."""
-    return [(r, c) for r in range(repeats) for c in concurrency]
+def cell_order(repeats: Iterable[int], concurrency: list[int]) -> list[tuple[int, int]]:
+    """(repeat, concurrency) of every cell of these repeat indices, in the order they run."""
+    return [(r, c) for r in repeats for c in concurrency]
 
 
 def job_plan(methods: list[str], repeats: int, order: str) -> list[tuple[str, list[int]]]:
@@ -269,7 +269,7 @@ def job_plan(methods: list[str], repeats: int, order: str) -> list[tuple[str, li
 def cell_sizes(concurrency: list[int], repeats: int, per_cell: int) -> list[int]:
     """Prompts of each cell: ``per_cell``, and at least twice the concurrency (so the closed loop
     runs at its concurrency for most of the cell)."""
-    return [max(per_cell, 2 * c) for _, c in cell_order(repeats, concurrency)]
+    return [max(per_cell, 2 * c) for _, c in cell_order(range(repeats), concurrency)]
 
 
 def split_prompts(per_dataset: list[list[str]], sizes: list[int], warmup: int) -> tuple[list[list[str]], list[str]]:
@@ -484,17 +484,17 @@ def run(args: argparse.Namespace) -> int:
     first_line = sum(1 for _ in open(args.out)) if args.out.exists() else 0
     logger.info("%d methods x concurrency %s x %d repeats, %d prompts x %d tokens per cell -> %s",
                 len(methods), args.concurrency, args.repeats, len(cell_prompts[0]), args.max_tokens, args.out)
-    cells = cell_order(args.repeats, args.concurrency)
-    skipped = set()
-    for method, repeats in job_plan(methods, args.repeats, args.order):
+    cells = cell_order(range(args.repeats), args.concurrency)
+    runnable = []
+    for method in methods:
         why = unavailable_reason(method)
         if why:
-            if method not in skipped:
-                skipped.add(method)
-                logger.warning("%s: not run: %s", method, why)
-                with open(args.out, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({**base, "method": method, "skipped": why}) + "\n")
-            continue
+            logger.warning("%s: not run: %s", method, why)
+            with open(args.out, "a", encoding="utf-8") as f:
+                f.write(json.dumps({**base, "method": method, "skipped": why}) + "\n")
+        else:
+            runnable.append(method)
+    for method, repeats in job_plan(runnable, args.repeats, args.order):
         logger.info("%s: starting vLLM (repeat %s)", method, ",".join(map(str, repeats)))
         prompts = [p for (r, _), p in zip(cells, cell_prompts) if r in repeats]
         with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-bench-") as tmp:
