@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
@@ -282,6 +283,12 @@ class TreeRunnerMixin:
         kv_in_place, self.kv_in_place = self.kv_in_place, {}
         if kv_in_place and hasattr(out, "sampled_token_ids"):
             out.kv_in_place = kv_in_place
+        # The next step's drafts travel with this reply (scheduler.TreeScheduler applies them
+        # in update_from_output), so the engine core skips vLLM's second RPC of the step
+        # (``take_draft_token_ids`` in ``EngineCore.post_step``; patches.py patch 6).
+        drafts = self.take_draft_token_ids()
+        if drafts is not None and hasattr(out, "sampled_token_ids") and out is not EMPTY_MODEL_RUNNER_OUTPUT:
+            out.tree_drafts = drafts
         return out
 
     # ------------------------------------------------------------------ drafting

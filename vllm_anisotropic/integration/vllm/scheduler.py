@@ -37,6 +37,8 @@ __all__ = ["TreeScheduler"]
 class TreeScheduler(Scheduler):
     """vLLM's scheduler + recompute of accepted tree tokens + the batch budget allocator."""
 
+    drafts_arrive_with_output = True  # read by EngineCore.post_step (patches.py, patch 6)
+
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         from vllm_anisotropic.integration.vllm.budget import BatchBudget
@@ -68,7 +70,7 @@ class TreeScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         sampled = model_runner_output.sampled_token_ids
         if not sampled:
-            return outputs
+            return self._apply_drafts(model_runner_output, outputs)
         # accepted paths 1 -> 2 -> ... -> c keep their KV (runner.sample_tokens); re-run the rest
         kv_in_place = getattr(model_runner_output, "kv_in_place", None) or {}
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
@@ -84,4 +86,13 @@ class TreeScheduler(Scheduler):
                 request.num_computed_tokens -= rerun
         if not self.running:
             self.budget.flush()
+        return self._apply_drafts(model_runner_output, outputs)
+
+    def _apply_drafts(self, model_runner_output, outputs):
+        """The next step's drafts, sent with this output by the runner (runner.sample_tokens):
+        vLLM would fetch them with a second RPC per step in ``EngineCore.post_step``, which
+        patches.py (patch 6) skips for this scheduler."""
+        drafts = getattr(model_runner_output, "tree_drafts", None)
+        if drafts is not None:
+            self.update_draft_token_ids(drafts)
         return outputs
