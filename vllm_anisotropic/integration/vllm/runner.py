@@ -275,19 +275,21 @@ class TreeRunnerMixin:
 
     def sample_tokens(self, grammar_output):
         out = super().sample_tokens(grammar_output)
+        # extra attributes travel with the pickled output; never set on vLLM's shared empty one
+        carries = hasattr(out, "sampled_token_ids") and out is not EMPTY_MODEL_RUNNER_OUTPUT
         calibration = getattr(self, "_cost_calibration", None)
-        if calibration and hasattr(out, "sampled_token_ids"):
+        if calibration and carries:
             out.cost_calibration, self._cost_calibration = calibration, None
         # Tell the scheduler which accepted tokens need no re-run (scheduler.TreeScheduler);
         # an output without the attribute makes it re-run every accepted token (always safe).
         kv_in_place, self.kv_in_place = self.kv_in_place, {}
-        if kv_in_place and hasattr(out, "sampled_token_ids"):
+        if kv_in_place and carries:
             out.kv_in_place = kv_in_place
         # The next step's drafts travel with this reply (scheduler.TreeScheduler applies them
         # in update_from_output), so the engine core skips vLLM's second RPC of the step
         # (``take_draft_token_ids`` in ``EngineCore.post_step``; patches.py patch 6).
-        drafts = self.take_draft_token_ids()
-        if drafts is not None and hasattr(out, "sampled_token_ids") and out is not EMPTY_MODEL_RUNNER_OUTPUT:
+        drafts = self.take_draft_token_ids() if carries else None
+        if drafts is not None:
             out.tree_drafts = drafts
         return out
 

@@ -68,9 +68,10 @@ class TreeScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         self.budget.on_output(scheduler_output, model_runner_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._apply_drafts(model_runner_output, outputs)
         sampled = model_runner_output.sampled_token_ids
         if not sampled:
-            return self._apply_drafts(model_runner_output, outputs)
+            return outputs
         # accepted paths 1 -> 2 -> ... -> c keep their KV (runner.sample_tokens); re-run the rest
         kv_in_place = getattr(model_runner_output, "kv_in_place", None) or {}
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
@@ -86,7 +87,7 @@ class TreeScheduler(Scheduler):
                 request.num_computed_tokens -= rerun
         if not self.running:
             self.budget.flush()
-        return self._apply_drafts(model_runner_output, outputs)
+        return outputs
 
     def _apply_drafts(self, model_runner_output, outputs):
         """The next step's drafts, sent with this output by the runner (runner.sample_tokens):

@@ -92,9 +92,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
 CLASS_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("max_spec_len",),
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend": ("get_impl_cls",),
-    # budget.BatchBudget.cut and scheduler.TreeScheduler read the scheduler's running requests
     # patches.py patch 6 reads the engine core's scheduler
     "vllm.v1.engine.core:EngineCore": ("scheduler",),
+    # budget.BatchBudget.cut and scheduler.TreeScheduler read the scheduler's running requests
     "vllm.v1.request:Request": ("request_id", "spec_token_ids", "num_tokens", "num_computed_tokens",
                                 "num_prompt_tokens", "cache_salt"),
 }
