@@ -1,14 +1,18 @@
-"""The CPU tree attention's KV unpacking (``integration/vllm/attention.py``): every layout vLLM's
-CPU kernels write (probed through vLLM's own ``cpu_attn_reshape_and_cache``) is recognised as a
-bit permutation and unpacked by one strided copy to exactly what an element-by-element gather
-reads; a layout that is not a bit permutation falls back to the gather."""
+"""The CPU tree attention (``integration/vllm/attention.py``): every KV layout vLLM's CPU kernels
+write (probed through vLLM's own ``cpu_attn_reshape_and_cache``) is recognised as a bit
+permutation and unpacked (K also as K^T) by one strided copy to exactly what an
+element-by-element gather reads; a layout that is not a bit permutation falls back to the
+gather; and the tree-row recompute over a paged cache equals masked attention in float64."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 
-from vllm_anisotropic.integration.vllm.attention import _unpack, bit_permutation, kv_layout
+from vllm_anisotropic.integration.vllm.attention import TreeCPUAttentionImpl, _unpack, bit_permutation, kv_layout
 
 
 def _gathered(blk, off, num_reqs, block_size, head_size):
@@ -40,6 +44,9 @@ def test_every_probed_layout_is_a_bit_permutation_and_unpacks_exactly(isa, block
         want = _gathered(blk, off, 2, block_size, 64)
         assert torch.equal(_unpack(blk, off, kind, 2, block_size, 64, base), want)
         assert torch.equal(_unpack(blk, off, "permuted", 2, block_size, 64, base), want)
+        want_t = want.transpose(-1, -2)  # K^T for the score matmul
+        assert torch.equal(_unpack(blk, off, kind, 2, block_size, 64, base, transpose=True), want_t)
+        assert torch.equal(_unpack(blk, off, "permuted", 2, block_size, 64, base, transpose=True), want_t)
 
 
 def test_bit_permutation_of_known_layouts_and_refusals():
@@ -54,3 +61,91 @@ def test_bit_permutation_of_known_layouts_and_refusals():
     blk = torch.randn(2, 1, 2 * 32).bfloat16()
     off = torch.cat([shuffled, shuffled + 32])
     assert torch.equal(_unpack(blk, off[:4], "permuted", 1, 4, 8, 0), _gathered(blk, off[:4], 1, 4, 8))
+
+
+def _impl(num_heads, num_kv_heads, head_size):
+    """A ``TreeCPUAttentionImpl`` with only what ``_tree_rows`` reads (no vLLM config needed)."""
+    impl = object.__new__(TreeCPUAttentionImpl)
+    impl.num_heads, impl.head_size = num_heads, head_size
+    impl.num_queries_per_kv = num_heads // num_kv_heads
+    impl.scale = head_size ** -0.5
+    return impl
+
+
+@pytest.mark.parametrize("isa,block_size,layout", _layouts(), ids=lambda x: str(x) if not isinstance(x, tuple) else "")
+@pytest.mark.parametrize("num_heads,num_kv_heads,dtype", [(6, 2, torch.bfloat16), (4, 4, torch.bfloat16), (6, 2, torch.float32)])
+def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads, num_kv_heads, dtype):
+    """Two tree requests (each with a chain prefix, whose rows are left to the kernel; the first
+    with 3 re-run tokens before its root) and a plain request between them, KV written by
+    vLLM's own cache writer through a shuffled block table: every recomputed row equals masked attention in float64 over (context + self +
+    ancestors); rows not recomputed stay untouched. Catches a wrong GQA head grouping, a mask
+    off by one position, a K/V layout mix-up and rows written to the wrong place."""
+    from vllm import _custom_ops as ops
+
+    head_size = 64
+    torch.manual_seed(1)
+    # request 0: 37 context + tree [-1,0,0,1,2] (4 nodes); request 1: plain (1 row);
+    # request 2: 150 context + tree [-1,0,1,1,3,0] (5 nodes, chain prefix 2)
+    parents = {0: [-1, 0, 0, 1, 2], 2: [-1, 0, 1, 1, 3, 0]}
+    ctx = {0: 37, 1: 20, 2: 150}
+    q_lens = {0: 3 + 5, 1: 1, 2: 6}  # (re-run tokens +) root + nodes
+    seq_lens = [ctx[0] + 4, ctx[1], ctx[2] + 5]
+    max_blocks = -(-max(seq_lens) // block_size)
+    num_blocks = 3 * max_blocks + 2
+    perm = torch.randperm(num_blocks)
+    block_table = perm[: 3 * max_blocks].view(3, max_blocks).int()
+    kv_cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
+    keys, values = [], []
+    for i, n in enumerate(seq_lens):
+        k = torch.randn(n, num_kv_heads, head_size).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_size).to(dtype)
+        pos = torch.arange(n)
+        slots = block_table[i, pos // block_size].long() * block_size + pos % block_size
+        kc, vc = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        keys.append(k.double())
+        values.append(v.double())
+    total_q = sum(q_lens.values())
+    query = torch.randn(total_q, num_heads * head_size).to(dtype)
+    q_end = torch.tensor(list(q_lens.values())).cumsum(0)
+    from vllm_anisotropic.integration.vllm.runner import TreePlan, chain_prefix
+    from vllm_anisotropic.tree import DraftTree
+
+    plan = TreePlan(req_index=[], num_nodes=[], masks=[])
+    trees = {}
+    for i, par in parents.items():
+        tree = DraftTree(tokens=np.zeros(len(par), dtype=np.int64), parents=np.array(par), values=np.zeros(len(par)))
+        trees[i] = tree
+        plan.req_index.append(i)
+        plan.num_nodes.append(len(par) - 1)
+        plan.masks.append(tree.ancestor_mask[1:, 1:])
+        plan.chain_prefix.append(chain_prefix(tree))
+    assert plan.chain_prefix == [1, 2]
+    meta = SimpleNamespace(seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                           query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int64), q_end]),
+                           block_table=block_table)
+    layer = SimpleNamespace(isa=isa)
+    output = torch.full((total_q, num_heads * head_size), 7.0)  # float32: the math at full precision
+    _impl(num_heads, num_kv_heads, head_size)._tree_rows(layer, query, kv_cache, meta, plan, output)
+
+    group = num_heads // num_kv_heads
+    q = query.double().view(total_q, num_heads, head_size)
+    out = output.view(total_q, num_heads, head_size)
+    recomputed = set()
+    for i, tree in trees.items():
+        n, c = tree.num_nodes - 1, chain_prefix(tree)
+        anc = tree.ancestor_mask[1:, 1:]
+        for node in range(c, n):  # node index among the draft nodes (0 = node 1)
+            row = int(q_end[i]) - n + node
+            recomputed.add(row)
+            allowed = torch.zeros(seq_lens[i], dtype=torch.bool)
+            allowed[: seq_lens[i] - n] = True
+            allowed[seq_lens[i] - n :] = torch.from_numpy(np.ascontiguousarray(anc[node]))
+            for h in range(num_heads):
+                kvh = h // group
+                s = (keys[i][allowed, kvh] @ q[row, h]) * head_size ** -0.5
+                want = torch.softmax(s, 0) @ values[i][allowed, kvh]
+                torch.testing.assert_close(out[row, h].double(), want, atol=2e-5, rtol=1e-4)
+    untouched = [r for r in range(total_q) if r not in recomputed]
+    assert len(recomputed) == 3 + 3
+    assert bool((out[untouched] == 7.0).all())

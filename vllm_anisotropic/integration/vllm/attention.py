@@ -4,8 +4,9 @@ Scope: decoder self-attention of the draft-tree rows only. vLLM's CPU kernel
 (``ops.cpu_attention_with_kv_cache``) supports causal or per-sequence ``dynamic_causal``
 masks, not arbitrary ones (shared/notes section 3b). So ``TreeCPUAttentionImpl.forward`` lets
 the kernel compute every row (correct for prompts, re-run tokens and each tree's root), then
-recomputes the rows of tree nodes with ``torch.nn.functional.scaled_dot_product_attention``
-over the request's paged KV cache and a boolean tree mask, and overwrites those output rows.
+recomputes the rows of tree nodes by a masked softmax (batched matmuls, float32, query heads
+grouped by kv head) over the request's paged KV cache and a tree mask, and overwrites those
+output rows.
 
 Mask of tree request r (context length ``c = seq_len - n``, ``n`` draft nodes in the last n
 logical KV positions): node i may attend every context position ``< c`` (prompt, accepted
@@ -26,7 +27,6 @@ import functools
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
@@ -142,22 +142,36 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         head_size = two_hs // 2
         layout = kv_layout(layer.isa, kv_cache.dtype, block_size, head_size)
         blocks, rows, valid, mask = self._gather_plan(plan, attn_metadata, block_size)
-        num_reqs = rows.shape[0]
+        num_reqs, max_nodes = rows.shape
+        group = self.num_queries_per_kv
         # [R * B, num_kv_heads, 2 * block_size * head_size]: whole blocks, one copy
         blk = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size * head_size).index_select(0, blocks)
-        # [R, num_kv_heads, B * block_size, head_size] each
-        k = _unpack(blk, layout[0], layout[2], num_reqs, block_size, head_size, 0)
+        # K^T [R * kv_heads, head_size, L] and V [R * kv_heads, L], L = B * block_size
+        kt = _unpack(blk, layout[0], layout[2], num_reqs, block_size, head_size, 0, transpose=True)
         v = _unpack(blk, layout[1], layout[3], num_reqs, block_size, head_size, block_size * head_size)
-        q = query.view(query.shape[0], self.num_heads, self.head_size)
-        # [R, num_heads, N, head_size]
-        q = q[rows].permute(0, 2, 1, 3).float()
-        # softmax(q k^T * scale + mask) v, per tree request; GQA: num_heads / num_kv_heads
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_queries_per_kv > 1
-        )
-        o = o.permute(0, 2, 1, 3).to(output.dtype)  # [R, N, num_heads, head_size]
+        kt = kt.view(num_reqs * num_kv_heads, head_size, -1)
+        v = v.view(num_reqs * num_kv_heads, -1, head_size)
+        # queries grouped by their kv head (query head h reads kv head h // group):
+        # [R * kv_heads, group * N, head_size]
+        q = query.view(query.shape[0], num_kv_heads, group, self.head_size)[rows]
+        q = q.permute(0, 2, 3, 1, 4).float().reshape(num_reqs * num_kv_heads, group * max_nodes, head_size)
+        # softmax(q k^T * scale + mask) v: one batched matmul per factor, float32
+        scores = torch.baddbmm(self._grouped_mask(plan, mask, num_kv_heads, group), q, kt, alpha=self.scale)
+        o = torch.bmm(scores.softmax(dim=-1), v)
+        o = o.view(num_reqs, num_kv_heads, group, max_nodes, head_size).permute(0, 3, 1, 2, 4)
         out = output.view(output.shape[0], self.num_heads, self.head_size)
-        out[rows[valid]] = o[valid]
+        out[rows[valid]] = o[valid].reshape(-1, self.num_heads, self.head_size).to(output.dtype)
+
+    @staticmethod
+    def _grouped_mask(plan, mask, num_kv_heads: int, group: int) -> torch.Tensor:
+        """The ``[R, 1, N, L]`` mask repeated for every (kv head, query head of its group):
+        ``[R * kv_heads, group * N, L]``, built once per step and shared by all layers."""
+        key = ("grouped_mask", num_kv_heads, group)
+        if key not in plan.cache:
+            r, _, n, length = mask.shape
+            plan.cache[key] = mask.unsqueeze(1).expand(r, num_kv_heads, group, n, length).reshape(
+                r * num_kv_heads, group * n, length)
+        return plan.cache[key]
 
 
 def bit_permutation(off: torch.Tensor, base: int, block_size: int, head_size: int) -> tuple[int, ...] | None:
@@ -187,26 +201,39 @@ def bit_permutation(off: torch.Tensor, base: int, block_size: int, head_size: in
     return perm if torch.equal(predicted, rel) else None
 
 
-def _unpack(blk, offsets, kind, num_reqs, block_size, head_size, base) -> torch.Tensor:
-    """K or V of gathered blocks as float32 ``[R, num_kv_heads, B * block_size, head_size]``.
+def _unpack(blk, offsets, kind, num_reqs, block_size, head_size, base, transpose=False) -> torch.Tensor:
+    """K or V of gathered blocks as float32 ``[R, num_kv_heads, B * block_size, head_size]``,
+    or with ``transpose`` as ``[R, num_kv_heads, head_size, B * block_size]`` (K^T for the
+    score matmul; free of a transposing copy when the cache already stores K transposed).
 
     ``kind``: a bit permutation (``bit_permutation``): one strided copy; otherwise an element
     gather through a flat index (``index_select`` along the last dim is ~4x slower)."""
     n, num_kv_heads, _ = blk.shape
     region = block_size * head_size
     per_req = n // num_reqs
-    out = torch.empty(num_reqs, num_kv_heads, per_req, block_size, head_size, dtype=torch.float32)
     x = blk[..., base : base + region].reshape(num_reqs, per_req, num_kv_heads, region)
     if isinstance(kind, tuple):
         bits = len(kind)
-        # address bit p is view dim (bits - 1 - p); output dims: logical bits high to low
-        order = [bits - 1 - kind[i] for i in reversed(range(bits))]
-        x = x.reshape(num_reqs, per_req, num_kv_heads, *([2] * bits)).permute(0, 2, 1, *(3 + o for o in order))
-        out.view(num_reqs, num_kv_heads, per_req, *([2] * bits)).copy_(x)
+        d_bits = head_size.bit_length() - 1
+        # address bit p is view dim (bits - 1 - p); logical bit i < d_bits is a d bit, else a t bit
+        t_order = [bits - 1 - kind[i] for i in reversed(range(d_bits, bits))]
+        d_order = [bits - 1 - kind[i] for i in reversed(range(d_bits))]
+        x = x.reshape(num_reqs, per_req, num_kv_heads, *([2] * bits))
+        if transpose:  # [R, kv_heads, d bits, per_req, t bits]
+            x = x.permute(0, 2, *(3 + o for o in d_order), 1, *(3 + o for o in t_order))
+            out = torch.empty(num_reqs, num_kv_heads, head_size, per_req, block_size, dtype=torch.float32)
+        else:  # [R, kv_heads, per_req, t bits, d bits]
+            x = x.permute(0, 2, 1, *(3 + o for o in t_order + d_order))
+            out = torch.empty(num_reqs, num_kv_heads, per_req, block_size, head_size, dtype=torch.float32)
+        out.view(x.shape).copy_(x)
     else:
         flat = (torch.arange(per_req * num_kv_heads).view(-1, 1) * region + (offsets.flatten() - base).view(1, -1))
         x = x.reshape(num_reqs, per_req * num_kv_heads * region).index_select(1, flat.flatten())
-        out.copy_(x.view(num_reqs, per_req, num_kv_heads, block_size, head_size).transpose(1, 2))
+        x = x.view(num_reqs, per_req, num_kv_heads, block_size, head_size)
+        x = x.permute(0, 2, 4, 1, 3) if transpose else x.transpose(1, 2)
+        out = torch.empty(x.shape, dtype=torch.float32).copy_(x)
+    if transpose:
+        return out.view(num_reqs, num_kv_heads, head_size, per_req * block_size)
     return out.view(num_reqs, num_kv_heads, per_req * block_size, head_size)
 
 
