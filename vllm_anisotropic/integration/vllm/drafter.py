@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, accepted_path_labels, tree_probs
+from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, order_by_probability, tree_probs
 from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
 from vllm_anisotropic.integration.vllm.metrics import MetricsSink, TreeMetrics
 from vllm_anisotropic.proposers import get_proposer
@@ -71,6 +71,11 @@ class TreeDrafter:
         self.acceptance = (AcceptanceModel(AcceptanceConfig(refit_every=ACCEPTANCE_REFIT_EVERY))
                            if self.config.engine.allocator == "auto" else None)
         self.probs: dict[str, list[float]] = {}
+        # req_id -> [(tokens the request had when the tree was proposed, the offered tree)]: every
+        # offered tree, cut or not, is labelled from the tokens that follow its root once they
+        # are known (allocator.continuation_labels), up to the acceptance model's depth buckets
+        self.unlabelled: dict[str, list[tuple[int, DraftTree]]] = {}
+        self.label_depth = self.acceptance.config.max_depth if self.acceptance is not None else 0
         # backoff while the allocator keeps cutting a request's tree to nothing: after the
         # k-th zero cut in a row the request skips min(2**(k-1), MAX_BACKOFF) proposals (no
         # tree, no harvest: plain decoding at plain decoding's host cost), then offers again
@@ -106,6 +111,9 @@ class TreeDrafter:
         """One draft list per batch row: ``tree.tokens[1:]`` of the request's new tree."""
         drafts: list[list[int]] = []
         new: dict[str, DraftTree] = {}
+        starts: dict[str, int] = {}  # req_id -> its token count, the root being the last token
+        if self.unlabelled:
+            self._label(req_ids, num_tokens_no_spec, token_ids_cpu)
         for i, req_id in enumerate(req_ids):
             num_tokens = int(num_tokens_no_spec[i])
             # no sampled token: a partial prefill chunk or a discarded request
@@ -127,14 +135,55 @@ class TreeDrafter:
             tree = state.propose(token_ids_cpu[i, :num_tokens], self._offer(req_id, room))
             assert int(tree.tokens[0]) == int(token_ids_cpu[i, num_tokens - 1]), "root must be the last token"
             tree = tree.truncate(max(room, 0) + 1)
-            self.trees[req_id] = tree
             new[req_id] = tree
-            drafts.append(tree.tokens[1:].tolist())
+            starts[req_id] = num_tokens
+            drafts.append(None)
         self.probs = {}
         if self.acceptance is not None and new:
-            for req_id, p in zip(new, tree_probs(list(new.values()), self.acceptance)):
+            self._rank(new)
+        for req_id, tree in new.items():
+            self.trees[req_id] = tree
+            if self.acceptance is not None and tree.num_nodes > 1:
+                self.unlabelled.setdefault(req_id, []).append((starts[req_id], tree))
+        return [tree.tokens[1:].tolist() if d is None else d
+                for d, tree in zip(drafts, (new.get(r) for r in req_ids))]
+
+    def _rank(self, new: dict[str, DraftTree]) -> None:
+        """Calibrated probabilities of the new trees' nodes (the allocator's input), each tree
+        reordered so that they descend (``order_by_probability``): a prefix cut keeps what the
+        acceptance model rates highest, whatever order the proposer's values gave."""
+        probs = tree_probs(list(new.values()), self.acceptance)
+        moved = {}
+        for (req_id, tree), p in zip(list(new.items()), probs):
+            order = order_by_probability(tree, p)
+            if np.any(order != np.arange(tree.num_nodes)):
+                moved[req_id] = new[req_id] = tree.reordered(order)
+            self.probs[req_id] = p.tolist()
+        if moved:  # the sibling bound of cap_by_tree depends on the order: recompute
+            for req_id, p in zip(moved, tree_probs(list(moved.values()), self.acceptance)):
                 self.probs[req_id] = p.tolist()
-        return drafts
+
+    def _label(self, req_ids, num_tokens_no_spec, token_ids_cpu) -> None:
+        """Feed the acceptance model every offered tree whose next ``label_depth`` tokens (or as
+        many as its depth) are now known, labelled from those tokens (module ``allocator.
+        tree_probs.continuation_labels``): verified or cut, every node teaches the model."""
+        trees, continuations = [], []
+        for i, req_id in enumerate(req_ids):
+            waiting = self.unlabelled.get(req_id)
+            if not waiting:
+                continue
+            num_tokens = int(num_tokens_no_spec[i])
+            still = []
+            for start, tree in waiting:
+                need = min(tree.max_depth, self.label_depth)
+                if num_tokens - start >= need:
+                    trees.append(tree)
+                    continuations.append(token_ids_cpu[i, start : start + need])
+                else:
+                    still.append((start, tree))
+            self.unlabelled[req_id] = still
+        if trees:
+            self.acceptance.update(*continuation_labels(trees, continuations))
 
     def _offer(self, req_id: str, room: int) -> int | None:
         """Node budget (root included) of ``req_id``'s next proposal; None = the proposer's own."""
@@ -188,8 +237,6 @@ class TreeDrafter:
         each row: one softmax + top-k over the concatenated rows and one device-to-host copy
         replace one per request (``adjacency.TopKRows``).
         """
-        if self.acceptance is not None:
-            self._learn_acceptance(items)
         ks = [st.harvest_top_k for st in (self.states.get(r) for r, *_ in items) if st is not None]
         ks = [k for k in ks if k]
         if not ks:
@@ -206,18 +253,6 @@ class TreeDrafter:
             self.observe(req_id, tree, accepted, top[offset : offset + n])
             offset += n
 
-    def _learn_acceptance(self, items) -> None:
-        """One ``AcceptanceModel.update`` with every verified draft node of the step."""
-        trees = [(tree, accepted) for _, tree, accepted, _ in items if tree.num_nodes > 1]
-        if not trees:
-            return
-        self.acceptance.update(
-            np.concatenate([t.sources[1:] for t, _ in trees]),
-            np.concatenate([t.depths[1:] for t, _ in trees]),
-            np.concatenate([np.clip(t.values[1:], 0.0, 1.0) for t, _ in trees]),
-            np.concatenate([accepted_path_labels(t, a[-1] if len(a) else 0) for t, a in trees]),
-        )
-
     def drop(self, req_id: str) -> None:
         """The request finished or was aborted."""
         self.states.pop(req_id, None)
@@ -226,6 +261,7 @@ class TreeDrafter:
         self.zero_streak.pop(req_id, None)
         self.skip.pop(req_id, None)
         self.kept_mark.pop(req_id, None)
+        self.unlabelled.pop(req_id, None)
         self.metrics.live_requests = len(self.states)
         self.sink.tick(force=True)
 

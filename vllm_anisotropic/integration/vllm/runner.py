@@ -163,6 +163,14 @@ class TreeRunnerMixin:
     # ------------------------------------------------------------------ inputs
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        logits_indices, spec_decode_metadata, max_num_sampled = out
+        if spec_decode_metadata is not None and not any(spec_decode_metadata.num_draft_tokens):
+            # No drafts anywhere in this step (the allocator kept none, or nothing was proposed):
+            # vLLM would still build spec-decode metadata and run its rejection sampler for one
+            # bonus row per request. Its logits rows are the plain ones (each query's last), so
+            # the step takes plain decoding's sampler path instead (``_sample``, root rows
+            # harvested by ``harvest_plain``): the same tokens, without the spec-decode host work.
+            out = (logits_indices, None, max_num_sampled)
         self._tree_step, self._tree_plan = None, None
         num_reqs = self.input_batch.num_reqs
         req_ids = list(self.input_batch.req_ids[:num_reqs])

@@ -22,9 +22,10 @@ requests whose law is softmax(logits / temperature) under top-k / top-p (verifie
 sampling verifier -- one-hot SpecInfer by default -- on exactly that law, seeded requests with
 their own generator). Requests with penalties, bias, bad words, min_p, min_tokens, logprobs or
 structured output have no drafts, so their row is the bonus row and their token comes from
-vLLM's own sampler exactly as in plain decoding. A batch without any
-multi-node tree (including vLLM's warm-up dummy call, which has drafts but no trees) goes to
-vLLM's original rejection sampler unchanged.
+vLLM's own sampler exactly as in plain decoding. A batch without any draft never reaches this
+module (the runner gives such a step plain decoding's path: ``harvest_plain``); one with drafts
+but no multi-node tree (vLLM's warm-up dummy call) goes to vLLM's original rejection sampler
+unchanged.
 """
 
 from __future__ import annotations
