@@ -236,8 +236,9 @@ class AcceptanceModel:
         prior_strength; gradient g = sum_b (n_b s_b - a_b) [1, xbar_b] + k [alpha, beta - 1],
         Hessian sum_b n_b s_b (1 - s_b) [1, xbar_b]^T [1, xbar_b] + k I. beta is projected on
         [0, inf) after each step (isotonic), and each step is the best of a few step sizes along
-        the Newton direction (backtracking, so the objective never increases). Flat keys under sparse gating: beta = 0 and alpha
-        alone, prior centred on the logit of the key's mean value.
+        the Newton direction (backtracking: the objective never increases). Flat keys under
+        sparse gating: beta = 0 and alpha alone, prior centred on the logit of the key's mean
+        value.
         """
         cfg = self.config
         k = cfg.prior_strength
@@ -247,40 +248,13 @@ class AcceptanceModel:
             xbar = np.where(n > 0, self.logit_sum / np.where(n > 0, n, 1.0), centers)  # [S, D+1, num_bins]
         alpha = np.zeros(n.shape[:2])
         beta = np.ones(n.shape[:2])
-
-        def objective(al, be):  # [..., S, D+1] negative log posterior (up to a constant)
-            z = al[..., None] + be[..., None] * xbar
-            softplus = np.maximum(z, 0.0) + np.log1p(np.exp(-np.abs(z)))
-            return (n * softplus - a * z).sum(-1) + 0.5 * k * (al * al + (be - 1.0) ** 2)
-
-        for _ in range(cfg.newton_steps):
-            s = sigmoid(alpha[..., None] + beta[..., None] * xbar)
-            r = n * s - a  # [S, D+1, num_bins] residual counts
-            h = n * s * (1.0 - s)
-            g0 = r.sum(-1) + k * alpha
-            g1 = (r * xbar).sum(-1) + k * (beta - 1.0)
-            h00 = h.sum(-1) + k
-            h01 = (h * xbar).sum(-1)
-            h11 = (h * xbar * xbar).sum(-1) + k
-            det = h00 * h11 - h01 * h01  # > 0: k I makes the Hessian positive definite
-            step0 = (h11 * g0 - h01 * g1) / det
-            step1 = (h00 * g1 - h01 * g0) / det
-            # Projected Newton: where the joint step would take beta below 0 (a value that does
-            # not rank, or ranks backwards) and beta is already at 0, beta stays there and alpha
-            # takes its own Newton step.
-            held = (beta <= 0.0) & (beta - step1 < 0.0)
-            step0 = np.where(held, g0 / h00, step0)
-            step1 = np.where(held, 0.0, step1)
-            # Backtracking over step sizes 1, 1/2, ..., 1/32 and 0, the best per key: the full
-            # step overshoots where the logits are far from 0 (GOOSE spine values p_s^i reach
-            # logit -15), and a fixed-count undamped iteration then ends anywhere (it left a
-            # spine key accepted 37 % of the time predicting 0.002).
-            t = _STEP_SIZES[:, None, None]
-            cand_a = alpha - t * step0
-            cand_b = np.maximum(beta - t * step1, 0.0)
-            pick = np.argmin(objective(cand_a, cand_b), axis=0)  # [S, D+1]
-            alpha = np.take_along_axis(cand_a, pick[None], 0)[0]
-            beta = np.take_along_axis(cand_b, pick[None], 0)[0]
+        # keys without data keep the prior's MAP (alpha 0, beta 1); the others are fitted on the
+        # bins any of them uses (GOOSE fills 16 of the 36 keys): 3.9 -> 2.5 ms per refit
+        active = n.sum(-1) > 0  # [S, D+1]
+        if active.any():
+            used = n[active].sum(0) > 0  # [num_bins]
+            alpha[active], beta[active] = _newton_platt(
+                n[active][:, used], a[active][:, used], xbar[active][:, used], k, cfg.newton_steps)
         if cfg.gating == "sparse":
             flat = self.key_status() == 1
             if flat.any():
@@ -321,3 +295,45 @@ class AcceptanceModel:
                 raise ValueError(f"{name} must have shape {model.count.shape}, got {arr.shape}")
             setattr(model, name, arr)
         return model
+
+
+def _newton_platt(n, a, xbar, k: float, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """(alpha, beta) [num_keys]: MAP of ``AcceptanceModel._fit``'s objective for each key's
+    histogram (``n``, ``a``, ``xbar`` [num_keys, num_bins]) by projected Newton with backtracking."""
+    alpha = np.zeros(n.shape[0])
+    beta = np.ones(n.shape[0])
+
+    def objective(al, be):  # [..., num_keys] negative log posterior (up to a constant)
+        z = al[..., None] + be[..., None] * xbar
+        softplus = np.maximum(z, 0.0) + np.log1p(np.exp(-np.abs(z)))
+        return (n * softplus - a * z).sum(-1) + 0.5 * k * (al * al + (be - 1.0) ** 2)
+
+    for _ in range(steps):
+        s = sigmoid(alpha[:, None] + beta[:, None] * xbar)
+        r = n * s - a  # [num_keys, num_bins] residual counts
+        h = n * s * (1.0 - s)
+        g0 = r.sum(-1) + k * alpha
+        g1 = (r * xbar).sum(-1) + k * (beta - 1.0)
+        h00 = h.sum(-1) + k
+        h01 = (h * xbar).sum(-1)
+        h11 = (h * xbar * xbar).sum(-1) + k
+        det = h00 * h11 - h01 * h01  # > 0: k I makes the Hessian positive definite
+        step0 = (h11 * g0 - h01 * g1) / det
+        step1 = (h00 * g1 - h01 * g0) / det
+        # Projected Newton: where the joint step would take beta below 0 (a value that does not
+        # rank, or ranks backwards) and beta is already at 0, beta stays there and alpha takes
+        # its own Newton step.
+        held = (beta <= 0.0) & (beta - step1 < 0.0)
+        step0 = np.where(held, g0 / h00, step0)
+        step1 = np.where(held, 0.0, step1)
+        # Backtracking over step sizes 1, 1/2, ..., 1/32 and 0, the best per key: the full step
+        # overshoots where the logits are far from 0 (GOOSE spine values p_s^i reach logit -15),
+        # and a fixed-count undamped iteration then ends anywhere (it left a spine key accepted
+        # 37 % of the time predicting 0.002).
+        t = _STEP_SIZES[:, None]
+        cand_a = alpha - t * step0
+        cand_b = np.maximum(beta - t * step1, 0.0)
+        pick = np.argmin(objective(cand_a, cand_b), axis=0)  # [num_keys]
+        alpha = np.take_along_axis(cand_a, pick[None], 0)[0]
+        beta = np.take_along_axis(cand_b, pick[None], 0)[0]
+    return alpha, beta
