@@ -55,7 +55,9 @@ def cap_by_tree(raw: np.ndarray, parents: np.ndarray, depths: np.ndarray) -> np.
     start = np.ones(order.size, bool)
     start[1:] = par[1:] != par[:-1]
     group_first = np.maximum.accumulate(np.where(start, np.arange(order.size), 0))  # [k] first slot of k's group
-    before = csum - vals - (csum[group_first] - vals[group_first])  # [k] sum of earlier siblings
+    # [k] sum of earlier siblings; >= 0 (the difference of two running sums can round below 0,
+    # and a child must never come out above its parent: order_by_probability relies on it)
+    before = np.maximum(csum - vals - (csum[group_first] - vals[group_first]), 0.0)
     earlier = np.zeros(n)
     earlier[order] = before
     for d in range(1, int(depths.max()) + 1):
@@ -150,11 +152,7 @@ def order_by_probability(tree: DraftTree, probs: np.ndarray) -> np.ndarray:
     p = np.concatenate([[np.inf], np.asarray(probs, np.float64)])
     if p.shape != (n,):
         raise ValueError(f"need {n - 1} probabilities, got {p.shape[0] - 1}")
-    depths = tree.depths
-    for d in range(2, tree.max_depth + 1):  # rounding in the sibling sums can leave a child a hair above its parent
-        lvl = np.flatnonzero(depths == d)
-        p[lvl] = np.minimum(p[lvl], p[tree.parents[lvl]])
-    return np.lexsort((np.arange(n), depths, -p))
+    return np.lexsort((np.arange(n), tree.depths, -p))
 
 
 def cut_trees(trees: Sequence[DraftTree], cuts) -> list[DraftTree]:

@@ -109,7 +109,6 @@ class TreeDrafter:
         token_ids_cpu: np.ndarray,  # [max_num_reqs, max_model_len]
     ) -> list[list[int]]:
         """One draft list per batch row: ``tree.tokens[1:]`` of the request's new tree."""
-        drafts: list[list[int]] = []
         new: dict[str, DraftTree] = {}
         starts: dict[str, int] = {}  # req_id -> its token count, the root being the last token
         if self.unlabelled:
@@ -119,12 +118,10 @@ class TreeDrafter:
             # no sampled token: a partial prefill chunk or a discarded request
             if not sampled_token_ids[i] or not eligible[i]:
                 self.trees.pop(req_id, None)
-                drafts.append([])
                 continue
             if self.skip.get(req_id, 0) > 0:
                 self.skip[req_id] -= 1
                 self.trees.pop(req_id, None)
-                drafts.append([])
                 continue
             state = self.states.get(req_id)
             if state is None:
@@ -137,7 +134,6 @@ class TreeDrafter:
             tree = tree.truncate(max(room, 0) + 1)
             new[req_id] = tree
             starts[req_id] = num_tokens
-            drafts.append(None)
         self.probs = {}
         if self.acceptance is not None and new:
             self._rank(new)
@@ -145,8 +141,7 @@ class TreeDrafter:
             self.trees[req_id] = tree
             if self.acceptance is not None and tree.num_nodes > 1:
                 self.unlabelled.setdefault(req_id, []).append((starts[req_id], tree))
-        return [tree.tokens[1:].tolist() if d is None else d
-                for d, tree in zip(drafts, (new.get(r) for r in req_ids))]
+        return [new[r].tokens[1:].tolist() if r in new else [] for r in req_ids]
 
     def _rank(self, new: dict[str, DraftTree]) -> None:
         """Calibrated probabilities of the new trees' nodes (the allocator's input), each tree
