@@ -190,3 +190,32 @@ def test_one_stall_from_outside_does_not_decide_an_arm():
     _run(gate, 1, 100.0, 125.0, 20)
     gate.observe(1, True, 8, 50 * 8 / 125.0)
     assert _run(gate, 1, 100.0, 125.0, 40)[-30:].count(True) <= 1
+
+
+def test_closed_gate_stops_drafting_one_step_ahead():
+    # the gate decides step t + 1 in step t's cut and tells the workers (propose_next): while it
+    # stays closed they draft nothing, and the step before an exploring decision they draft
+    b = _budget()
+    for _ in range(200):  # measured: plain 400 tokens/s, speculative 100 at two requests
+        b.gate.observe(2, False, 2, 0.005)
+        b.gate.observe(2, True, 3, 0.03)
+    flags = []
+    for _ in range(64):  # dormant: the workers sent no drafts
+        b.cut([_req("a", 0), _req("b", 0)])
+        flags.append(b.propose_next)
+    assert flags.count(True) == 2 and flags[-1] is False, flags  # one exploring decision in 32
+    assert b.metrics.gate_plain_steps == 64 - flags[:-1].count(True)  # decode steps the gate kept plain
+    while not b.propose_next:  # up to the step before the next exploring decision
+        b.cut([_req("a", 0), _req("b", 0)])
+    reqs = [_req("a", 3), _req("b", 3)]
+    _offer(b, {"a": [0.99] * 3, "b": [0.99] * 3})
+    b.cut(reqs)  # the exploring step: the allocator decides, and keeps the confident drafts
+    assert all(r.spec_token_ids for r in reqs) and b.propose_next is False
+    reqs = [_req("a", 3), _req("b", 3)]
+    _offer(b, {"a": [0.99] * 3, "b": [0.99] * 3})
+    b.cut(reqs)  # drafts that arrive although the gate said plain (the batch changed) are cut
+    assert not any(r.spec_token_ids for r in reqs)
+    # gate off: the workers always draft
+    b = _budget(allocator_gate=False)
+    b.cut([_req("a", 0)])
+    assert b.propose_next is True

@@ -20,7 +20,11 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    verifies the single most likely node instead, so the tree-row terms of the cost model stay
    measured (the cost of a probe is one query row). Before all that, the measured gate
    (``allocator.SpeculationGate``) may decide the step is plain: at this batch size, decode
-   steps with drafts have delivered fewer tokens per second than steps without.
+   steps with drafts have delivered fewer tokens per second than steps without. The gate
+   decides one step ahead: the decision for step t + 1 is made in step t's cut and sent to the
+   workers with step t's scheduler output (``propose_next`` -> ``tree_propose``), so that
+   while it stays closed the workers draft nothing (no trees, no harvest, no scoring) and a
+   plain step costs what plain decoding costs.
 3. ``on_scheduled``: the step's composition (requests, query tokens, tree rows, context tokens
    of the tree rows, requests with drafts).
 4. ``on_output``: the step's wall time (``update_from_output`` - start of ``cut``: the cut,
@@ -60,7 +64,7 @@ WRITE_INTERVAL_S = 0.5
 class BudgetMetrics:
     """Cumulative allocator counters (scheduler process); written next to the tree stats."""
 
-    steps: int = 0  # decode steps where at least one request had drafts to cut
+    steps: int = 0  # decode steps where a request had drafts to cut, or the gate made plain
     steps_without_drafts: int = 0  # of which: the allocator kept no draft at all
     probe_steps: int = 0
     gate_plain_steps: int = 0  # of the steps without drafts: those the measured gate made plain
@@ -131,6 +135,11 @@ class BatchBudget:
         self._step: tuple | None = None  # (R, Q, T, C, D, t0, arm) of the step in flight
         self._decoding: dict[str, int] = {}  # req_id -> accepted tokens it re-runs, of requests past their prompt
         self._t_cut = time.perf_counter()  # start of the latest cut
+        # the gate's decision for the coming step (None: none made yet, ask at the cut), and
+        # whether the worker should draft after the step being scheduled (``propose_next``,
+        # sent with the scheduler output: TreeScheduler.schedule -> runner)
+        self._allowed: bool | None = None
+        self.propose_next = True
         self._last_log = -LOG_INTERVAL_S
         self._last_write = -WRITE_INTERVAL_S
 
@@ -163,6 +172,12 @@ class BatchBudget:
             self.chains.pop(req_id, None)
         if not self.enabled:
             return
+        # the gate's decision for this step was made one step ahead (so that the worker drafts
+        # only for steps that may speculate); the decision for the next step is made now
+        allowed = True
+        if self.gate is not None:
+            allowed = self._allowed if self._allowed is not None else self.gate.allows(len(running))
+            self._allowed = self.propose_next = self.gate.allows(len(running)) if running else allowed
         reqs, probs = [], []
         owed = 0
         for r in running:
@@ -172,10 +187,10 @@ class BatchBudget:
                 if len(p) == len(r.spec_token_ids):
                     reqs.append(r)
                     probs.append(np.clip(p, 0.0, 1.0))
-        if not reqs:
-            return
-        if self.gate is not None and not self.gate.allows(len(running)):
+        if not allowed:
             self._gate_plain(reqs, probs)
+            return
+        if not reqs:
             return
         ctx = np.array([r.num_computed_tokens for r in reqs], np.float64)
         caps = dict(num_reqs=len(running), fixed_query_tokens=max(owed, len(running)),
@@ -213,7 +228,11 @@ class BatchBudget:
                 self._ctx[r.request_id] = int(c)
 
     def _gate_plain(self, reqs, probs) -> None:
-        """The gate made this step plain: no drafts, no probe, no allocation."""
+        """The gate made this step plain: no drafts, no probe, no allocation. Counted as a step
+        when some request had drafts or is decoding (the worker drafts nothing while the gate
+        stays closed, so most such steps arrive without drafts)."""
+        if not reqs and not self._decoding:
+            return
         m = self.metrics
         m.steps += 1
         m.steps_without_drafts += 1

@@ -143,6 +143,16 @@ class TreeDrafter:
                 self.unlabelled.setdefault(req_id, []).append((starts[req_id], tree))
         return [new[r].tokens[1:].tolist() if r in new else [] for r in req_ids]
 
+    def rest(self, req_ids: Sequence[str]) -> list[list[int]]:
+        """No drafts for the next step (the scheduler's measured gate keeps it plain): no tree,
+        no scoring, no labelling; the adjacency tables harvest nothing until drafting resumes
+        (a plain step then costs what plain decoding costs). Offered trees waiting for their
+        labels keep waiting: the tokens they need stay in the request's context."""
+        for req_id in req_ids:
+            self.trees.pop(req_id, None)
+        self.probs = {}
+        return [[] for _ in req_ids]
+
     def _rank(self, new: dict[str, DraftTree]) -> None:
         """Calibrated probabilities of the new trees' nodes (the allocator's input), each tree
         reordered so that they descend (``order_by_probability``): a prefix cut keeps what the

@@ -273,9 +273,15 @@ class TreeRunnerMixin:
                 self._sync_device()
                 times.append(time.perf_counter() - t0)
             samples.append((min(q, max_reqs), q, 0, 0, 0, float(np.median(times[1:]))))
-        self._cost_calibration = samples
         logger.info("vllm-anisotropic cost sweep: %s", [(q, round(s * 1e3, 2)) for _, q, _, _, _, s in samples])
+        samples += self._tree_cost_samples(samples, repeats)
+        self._cost_calibration = samples
         return samples
+
+    def _tree_cost_samples(self, forwards: list, repeats: int) -> list:
+        """Calibration samples of steps with tree rows, where the attention backend spends extra
+        work on them (none here: the GPU runner's tree rows ride in the same kernel call)."""
+        return []
 
     def _sync_device(self) -> None:
         if torch.cuda.is_available() and getattr(self.device, "type", "cpu") == "cuda":
@@ -305,6 +311,9 @@ class TreeRunnerMixin:
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         assert isinstance(sampled_token_ids, list)
         req_ids = list(self.input_batch.req_ids)
+        if getattr(scheduler_output, "tree_propose", True) is False:
+            # the measured gate keeps the next step plain: no trees (so no harvest next step)
+            return self.drafter.rest(req_ids)
         sampling_trees = self.drafter.config.engine.sampling_verifier != "none"
         eligible = [tree_eligible(self.requests[r].sampling_params, sampling_trees) for r in req_ids]
         return self.drafter.propose_trees(
@@ -318,3 +327,62 @@ class TreeRunnerMixin:
 
 class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
     """V1 CPU model runner with tree drafting, tree positions, tree attention and tree walk."""
+
+    # (tree requests, draft nodes per tree, context tokens per tree) of the start-up tree-row
+    # timings: the shapes the allocator chooses between at 1..8 requests
+    TREE_COST_SHAPES = ((1, 4, 256), (1, 16, 256), (1, 16, 1024), (2, 8, 512), (4, 4, 256), (4, 16, 512), (8, 8, 512))
+
+    def _tree_cost_samples(self, forwards: list, repeats: int) -> list:
+        """The masked recompute of tree rows (``attention.TreeCPUAttentionImpl._tree_rows``) is
+        work a bare forward of the same query tokens does not do: it re-reads each tree
+        request's whole KV in float32 per layer. Without these samples the cost model's tree
+        terms stay 0 until online steps teach them, and the allocator keeps trees at 4 and 8
+        requests that run ~2x a plain step (goose-b4 at c = 4: 10.9 of 48 ms per step, cProfile).
+
+        Each shape (Rt tree requests of n star-shaped nodes over ``ctx`` context tokens) is
+        timed on every attention layer's real KV cache (the plan's gather indices built afresh,
+        as in a step), and becomes the sample ``(Rt, Rt + Rt n, Rt n, Rt n ctx, Rt, forward(Rt +
+        Rt n) + tree time)``, the forward interpolated from the sweep."""
+        import time
+        from types import SimpleNamespace
+
+        from vllm_anisotropic.integration.vllm.attention import TreeCPUAttentionImpl
+
+        layers = [m for m in self.compilation_config.static_forward_context.values()
+                  if isinstance(getattr(m, "impl", None), TreeCPUAttentionImpl) and getattr(m, "kv_cache", None) is not None
+                  and m.kv_cache.dim() == 4 and hasattr(m, "isa")]
+        if not layers:
+            return []
+        q_sizes = np.array([q for _, q, *_ in forwards], np.float64)
+        q_secs = np.array([s for *_, s in forwards], np.float64)
+        samples, timed = [], []
+        for rt, n, ctx in self.TREE_COST_SHAPES:
+            impl0 = layers[0].impl
+            num_blocks, _, block_size, _ = layers[0].kv_cache.shape
+            seq_len = ctx + n
+            per_req = -(-seq_len // block_size)
+            if rt * per_req > num_blocks:
+                continue
+            num_tokens = rt * (n + 1)
+            query = torch.zeros(num_tokens, impl0.num_heads, impl0.head_size, dtype=self.model_config.dtype)
+            output = torch.zeros_like(query)
+            md = SimpleNamespace(
+                seq_lens=torch.full((rt,), seq_len, dtype=torch.int32),
+                query_start_loc=torch.arange(0, num_tokens + 1, n + 1, dtype=torch.int32),
+                block_table=torch.arange(rt * per_req, dtype=torch.int32).view(rt, per_req),
+            )
+            star = np.eye(n, dtype=bool)  # every node a child of the root: each row sees itself
+            times = []
+            for _ in range(repeats + 1):
+                plan = TreePlan(list(range(rt)), [n] * rt, [star] * rt, [0] * rt)
+                t0 = time.perf_counter()
+                for layer in layers:
+                    layer.impl._tree_rows(layer, query, layer.kv_cache, md, plan, output)
+                times.append(time.perf_counter() - t0)
+            tree_s = float(np.median(times[1:]))
+            q = rt + rt * n
+            samples.append((rt, q, rt * n, rt * n * ctx, rt, float(np.interp(q, q_sizes, q_secs)) + tree_s))
+            timed.append((rt, n, ctx, round(tree_s * 1e3, 2)))
+        logger.info("vllm-anisotropic tree-row cost sweep (requests, nodes, context -> ms over %d layers): %s",
+                    len(layers), timed)
+        return samples

@@ -54,6 +54,9 @@ class TreeScheduler(Scheduler):
         self.budget.cut(self.running)
         out = super().schedule(*args, **kwargs)
         self.budget.on_scheduled(out)
+        # whether the workers draft after this step: False while the measured gate keeps the
+        # next step plain (budget.BatchBudget.cut decides one step ahead); pickled with the output
+        out.tree_propose = self.budget.propose_next
         # the tenant (cache_salt) of each new request, for the worker's per-tenant adjacency
         # tables (proposers.adjacency.TenantTables): vLLM's NewRequestData does not carry it.
         # An extra attribute, pickled with the output to every worker like kv_in_place.
