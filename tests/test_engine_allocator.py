@@ -56,6 +56,10 @@ def test_allocator_is_on_by_default_and_lossless(model_dir, prompts, plain, tmp_
     res, tree, budget = _run(model_dir, prompts, {"method": "goose"}, tmp_path, "auto")
     assert res.token_ids == plain.token_ids
     assert budget["steps"] > 10 and budget["cost_samples"] > 10, budget
+    # the start-up sweep timed the CPU's masked recompute of tree rows (runner.TreeCPUModelRunner.
+    # _tree_cost_samples): the first fit already prices tree rows above plain query tokens
+    start = budget["cost_model_start"]
+    assert start["tree_switch"] + start["tree_switch_per_request"] + start["tree_row"] + start["tree_ctx"] > 0, start
     assert budget["tree_rows"] <= budget["tree_rows_offered"]
     # the realized accepted drafts are the drafter's own count of the steps the allocator cut
     assert budget["realized_accepted"] <= tree["accepted_nodes"]

@@ -139,6 +139,7 @@ class BatchBudget:
         # whether the worker should draft after the step being scheduled (``propose_next``,
         # sent with the scheduler output: TreeScheduler.schedule -> runner)
         self._allowed: bool | None = None
+        self.start_coefficients: dict[str, float] = {}  # the cost model fitted on the worker's start-up sweep
         self.propose_next = True
         self._last_log = -LOG_INTERVAL_S
         self._last_write = -WRITE_INTERVAL_S
@@ -268,6 +269,7 @@ class BatchBudget:
         if calibration and not self.calibrated:
             self.cost = CostModel.fit([CostSample(*s) for s in calibration], config=self.cost.config)
             self.calibrated = True
+            self.start_coefficients = self.cost.coefficients
             logger.info("vllm-anisotropic cost model fitted on %d start-up forwards (error %.3f): %s",
                         len(calibration), self.cost.fit_error(), self.cost.coefficients)
         step, self._step = self._step, None
@@ -307,6 +309,8 @@ class BatchBudget:
             stats = asdict(self.metrics)
             if self.gate is not None:
                 stats["gate"] = {str(k): v for k, v in self.gate.rates().items()}
+            if self.start_coefficients:
+                stats["cost_model_start"] = self.start_coefficients
             write_json_atomic(self.stats_path, stats)
         if self.enabled and self.metrics.steps and now - self._last_log >= LOG_INTERVAL_S:
             self._last_log = now
