@@ -28,8 +28,9 @@ goose-bN     GOOSE with a fixed budget of N tree nodes (N - 1 drafts), allocator
 goose-auto   GOOSE with the budget allocator (the default ``{"method": "goose"}``)
 goose-auto-full  the same, every tree built at the whole budget (``allocator_offer_factor`` 0)
 goose-nogate the allocator's prediction alone, without the measured gate (``allocator_gate`` false)
-goose-never  GOOSE whose allocator never keeps a draft (a steep cost-model file, no probes): the
-             tree path's own cost when it decodes plainly (the floor the allocator falls back to)
+goose-never  GOOSE whose allocator never keeps a draft (a steep cost-model file, no probes, no
+             gate): the tree path's cost when it drafts every step and decodes plainly (the floor
+             of the allocator's own zero cuts; a closed gate drafts nothing, so costs less)
 tr-auto      token recycling with the budget allocator
 NAME+iomp    any of the above with Intel's OpenMP runtime preloaded into its engine processes
              (``LD_PRELOAD`` = the ``libiomp5.so`` of this environment, vLLM's documented CPU
@@ -88,7 +89,8 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "goose-auto": {"method": "goose"},
     "goose-auto-full": {"method": "goose", "allocator_offer_factor": 0},
     "goose-nogate": {"method": "goose", "allocator_gate": False},
-    "goose-never": {"method": "goose", "cost_model": "<steep>", "cost_model_online": False, "allocator_probe_every": 0},
+    "goose-never": {"method": "goose", "cost_model": "<steep>", "cost_model_online": False, "allocator_probe_every": 0,
+                    "allocator_gate": False},
     "tr-auto": {"method": "token_recycling"},
 }
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)

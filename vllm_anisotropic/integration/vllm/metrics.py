@@ -193,11 +193,11 @@ _BY_SOURCE = {
 
 # the budget allocator's counters (scheduler process, ``budget.BudgetMetrics``)
 _BUDGET_COUNTERS = {
-    "budget_steps": ("steps", "decode steps in which the budget allocator cut draft lists"),
+    "budget_steps": ("steps", "decode steps in which the budget allocator cut draft lists or the measured gate kept drafting off"),
     "budget_steps_without_drafts": ("steps_without_drafts", "of those, steps where it kept no draft at all"),
     "budget_probe_steps": ("probe_steps", "steps that verified one node to keep the cost model measured"),
     "budget_gate_plain_steps": ("gate_plain_steps",
-                                "steps the measured gate decoded plainly (speculation measured slower at that batch size)"),
+                                "steps the measured gate decoded plainly, nothing drafted (speculation measured slower at that batch size)"),
     "budget_tree_rows": ("tree_rows", "draft nodes the allocator kept"),
     "budget_tree_rows_offered": ("tree_rows_offered", "draft nodes the proposers offered"),
     "budget_tree_rows_within_caps": ("tree_rows_within_caps",
