@@ -355,10 +355,10 @@ class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
             return []
         q_sizes = np.array([q for _, q, *_ in forwards], np.float64)
         q_secs = np.array([s for *_, s in forwards], np.float64)
+        impl0 = layers[0].impl
+        num_blocks, _, block_size, _ = layers[0].kv_cache.shape
         samples, timed = [], []
         for rt, n, ctx in self.TREE_COST_SHAPES:
-            impl0 = layers[0].impl
-            num_blocks, _, block_size, _ = layers[0].kv_cache.shape
             seq_len = ctx + n
             per_req = -(-seq_len // block_size)
             if rt * per_req > num_blocks:
