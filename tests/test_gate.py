@@ -101,7 +101,8 @@ def test_batch_sizes_are_separate():
 
 
 def _budget(**engine):
-    cfg = EngineTreeConfig(cost_model_online=False, allocator_probe_every=1, **engine)
+    engine = {"cost_model_online": False, "allocator_probe_every": 1, **engine}
+    cfg = EngineTreeConfig(**engine)
     return BatchBudget(SimpleNamespace(max_num_batched_tokens=256), SimpleNamespace(max_model_len=1000), 10, cfg)
 
 
@@ -139,7 +140,12 @@ def test_hook_sorts_decode_steps_into_arms_and_counts_emitted_tokens():
     b.cut(reqs)
     _step(b, reqs, [[5], [6]])
     assert (arms[1].count, arms[0].count) == (2, 0)
-    # plain decode step
+    # a step the gate let draft (warm-up decision 3), nothing kept: it paid for drafting, speculative
+    reqs = [_req("a", 0), _req("b", 0)]
+    b.cut(reqs)
+    _step(b, reqs, [[7], [8]])
+    assert (arms[1].count, arms[0].count) == (3, 0)
+    # a decode step the gate made plain (decision 4), no re-runs: plain arm
     reqs = [_req("a", 0), _req("b", 0)]
     b.cut(reqs)
     _step(b, reqs, [[7], [8]])
@@ -152,7 +158,7 @@ def test_hook_sorts_decode_steps_into_arms_and_counts_emitted_tokens():
     reqs = [_req("a", 0)]
     b.cut(reqs)
     _step(b, reqs, [[9]], new_reqs=[SimpleNamespace(req_id="d")])
-    assert (arms[0].count, arms[1].count, b.gate._bucket(1).arms[0].count) == (1, 2, 0)
+    assert (arms[0].count, arms[1].count, b.gate._bucket(1).arms[0].count) == (1, 3, 0)
 
 
 def test_closed_gate_keeps_no_drafts_and_no_probe():
@@ -219,3 +225,52 @@ def test_closed_gate_stops_drafting_one_step_ahead():
     b = _budget(allocator_gate=False)
     b.cut([_req("a", 0)])
     assert b.propose_next is True
+
+
+def test_steps_the_gate_let_draft_are_speculative_even_when_every_draft_is_cut():
+    # the allocator cut every draft (a steep cost), yet the step paid for drafting: it belongs to
+    # the speculative arm, so a gate whose drafting steps are slower closes after its warm-up
+    # (counted as plain, the speculative arm never warmed up and the gate drafted forever)
+    b = _budget(allocator_probe_every=0)
+    b.cost = type(b.cost).linear(1.0, 1.0)  # every query token costs 1 s: no draft ever pays
+    plain_s, drafting_s = 0.010, 0.012
+    arms = b.gate._bucket(2).arms
+    allowed = []
+    for _ in range(200):
+        reqs = [_req("a", 3), _req("b", 3)]
+        if b.propose_next:
+            _offer(b, {"a": [0.5] * 3, "b": [0.5] * 3})
+        else:
+            reqs = [_req("a", 0), _req("b", 0)]
+        b.cut(reqs)
+        assert not any(r.spec_token_ids for r in reqs)  # never a draft kept
+        allowed.append(b._drafting)
+        b._t_cut -= drafting_s if b._drafting else plain_s  # the step's measured time
+        _step(b, reqs, [[1], [2]])
+    assert arms[1].count >= b.gate.config.min_steps and arms[0].count >= b.gate.config.min_steps
+    late = allowed[-64:]
+    assert late.count(True) <= 3, late  # only the exploring decisions draft
+
+
+def test_proposal_time_is_charged_to_the_step_that_verifies_the_drafts():
+    # the runner reports the seconds it spent drafting for the next step (tree_propose_s): the
+    # cost model never sees them, the gate charges them to the next step
+    b = _budget()
+    seen = []
+    b.cost.update = lambda sample: seen.append(sample.seconds)
+    b.online = True
+    observed = []
+    b.gate.observe = lambda r, arm, tokens, seconds: observed.append(round(seconds, 3))
+    for propose_s in (0.004, 0.0):
+        reqs = [_req("a", 0), _req("b", 0)]
+        b.cut(reqs)
+        b._t_cut -= 0.010
+        spec = {}
+        num = {r.request_id: 1 for r in reqs}
+        out = SimpleNamespace(num_scheduled_tokens=num, total_num_scheduled_tokens=2,
+                              scheduled_spec_decode_tokens=spec, scheduled_new_reqs=[])
+        b.on_scheduled(out)
+        b.on_output(out, SimpleNamespace(sampled_token_ids=[[1], [2]], req_id_to_index={"a": 0, "b": 1},
+                                         tree_propose_s=propose_s))
+    assert [round(s, 3) for s in seen] == [0.006, 0.010]
+    assert observed == [0.006, 0.014]

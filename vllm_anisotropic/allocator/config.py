@@ -102,5 +102,10 @@ class GateConfig(AllocatorModelConfig):
     (stalls from outside the engine; genuinely slower steps stay below ~3x)."""
     window: int = Field(default=64, ge=4)
     """Recent steps per bucket whose median sets the clip (clipping starts after window / 4)."""
-    exact_buckets: int = Field(default=8, ge=1)
-    """Batch sizes up to this have their own bucket; larger ones share power-of-two buckets."""
+    exact_buckets: int = Field(default=4, ge=1)
+    """Batch sizes up to this have their own bucket; larger ones share power-of-two buckets
+    (5..8 -> 8). Each bucket pays its own warm-up (~2 x ``min_steps`` decisions, half of them
+    drafting): with exact buckets up to 8, a batch of 8 draining to 0 warmed up 7, 6, 5 afresh,
+    about 30% of the steps of a 24-prompt cell at concurrency 8, drafting where it loses. A shared
+    bucket's rates are dominated by its largest batch size, where speculation pays least: the
+    error leans towards plain decoding."""

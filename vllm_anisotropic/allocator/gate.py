@@ -6,10 +6,15 @@ lose to plain decoding step after step without anything noticing. The gate measu
 outcome instead: per batch size R (number of scheduled requests), the realized tokens per
 second of *decode steps* in two arms,
 
-    plain:       no request verified a draft and none re-ran accepted tree tokens
-    speculative: some request verified drafts, or re-ran tokens accepted the step before
+    plain:       the workers drafted nothing for the step, no request verified a draft and
+                 none re-ran accepted tree tokens
+    speculative: the gate let the step draft (whatever the allocator then kept), some request
+                 verified drafts, or re-ran tokens accepted the step before
 
-(re-run tokens are speculation's cost, so they count against it), and lets the allocator keep
+(re-run tokens are speculation's cost, so they count against it; so do the proposing, scoring,
+allocating and harvesting of drafts the allocator cut to nothing: a gate that counted such steps
+as plain stayed open at eight requests on this CPU, every step paying ~1.5 ms of drafting for
+no draft kept), and lets the allocator keep
 drafts at R only while the speculative arm's rate is at least the plain arm's. Steps with
 prompt tokens (prefill chunks, new or resumed requests) belong to neither arm.
 

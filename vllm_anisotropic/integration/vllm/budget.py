@@ -31,8 +31,11 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    vLLM's scheduling, forward, sampling, verification and the next proposals) refines the cost
    model online; the worker's start-up sweep (``cost_calibration`` on the first
    ``ModelRunnerOutput``) fits it first. Decode steps (no prompt tokens) also feed the gate:
-   their emitted tokens and time, in the plain or the speculative arm (drafts verified, or
-   accepted tokens re-run).
+   their emitted tokens and time, in the plain or the speculative arm (the gate let the step
+   draft, drafts verified, or accepted tokens re-run). The workers' seconds spent proposing
+   the next step's drafts (``tree_propose_s``, timed by the runner) are moved out of the step
+   that proposed them: the cost model never sees them (they are sunk when the allocator
+   cuts), the gate charges them to the step that verifies the drafts.
    Predicted vs realized accepted drafts feed the metrics.
 
 Cost-model start: a linear prior (``PRIOR_BASE_S`` + ``PRIOR_PER_TOKEN_S`` per query token)
@@ -135,6 +138,13 @@ class BatchBudget:
         self._step: tuple | None = None  # (R, Q, T, C, D, t0, arm) of the step in flight
         self._decoding: dict[str, int] = {}  # req_id -> accepted tokens it re-runs, of requests past their prompt
         self._t_cut = time.perf_counter()  # start of the latest cut
+        # whether the gate let the step being scheduled draft (its drafts were proposed for it);
+        # such a step is the gate's speculative arm whatever the allocator then keeps
+        self._drafting = False
+        # worker seconds spent proposing the drafts of the step after the one just measured
+        # (``tree_propose_s`` of the previous output): moved from that step's time to the step
+        # that verifies them
+        self._propose_carry = 0.0
         # the gate's decision for the coming step (None: none made yet, ask at the cut), and
         # whether the worker should draft after the step being scheduled (``propose_next``,
         # sent with the scheduler output: TreeScheduler.schedule -> runner)
@@ -171,6 +181,7 @@ class BatchBudget:
         for req_id in [r for r in self.probs if r not in live]:
             del self.probs[req_id]
             self.chains.pop(req_id, None)
+        self._drafting = False
         if not self.enabled:
             return
         # the gate's decision for this step was made one step ahead (so that the worker drafts
@@ -179,6 +190,7 @@ class BatchBudget:
         if self.gate is not None:
             allowed = self._allowed if self._allowed is not None else self.gate.allows(len(running))
             self._allowed = self.propose_next = self.gate.allows(len(running)) if running else allowed
+        self._drafting = allowed
         reqs, probs = [], []
         owed = 0
         for r in running:
@@ -257,9 +269,13 @@ class BatchBudget:
         rows = sum(beyond.values())
         ctx = sum(n * self._ctx.get(rid, 0) for rid, n in beyond.items())
         speculating = sum(1 for v in spec.values() if v)
-        # the gate's arm: None (prompt tokens in the step), plain, or speculative (drafts, re-runs)
+        # the gate's arm: None (prompt tokens in the step), plain, or speculative: the gate let
+        # the step draft (whatever the allocator kept: a step whose drafts were all cut still
+        # paid for proposing, scoring, allocating and harvesting them), it verified drafts, or
+        # it re-runs tokens accepted the step before
         decode = not scheduler_output.scheduled_new_reqs and all(rid in self._decoding for rid in num)
-        arm = (speculating > 0 or any(self._decoding[rid] > 0 for rid in num)) if decode else None
+        arm = ((self._drafting and self.gate is not None) or speculating > 0
+               or any(self._decoding[rid] > 0 for rid in num)) if decode else None
         self._step = (len(num), scheduler_output.total_num_scheduled_tokens, rows, ctx, speculating, self._t_cut, arm)
 
     # ------------------------------------------------------------------ 4
@@ -274,21 +290,28 @@ class BatchBudget:
                         len(calibration), self.cost.fit_error(), self.cost.coefficients)
         step, self._step = self._step, None
         m = self.metrics
+        # the workers' time proposing the next step's drafts: a cost of the next step (the gate
+        # charges it there), sunk when the allocator cuts (the cost model leaves it out)
+        propose_s = float(getattr(model_runner_output, "tree_propose_s", 0.0) or 0.0)
         if step is not None:
             r, q, t, c, d, t0, arm = step
-            seconds = now - t0
+            seconds = now - t0 - propose_s
+            gate_seconds = seconds + self._propose_carry
+            self._propose_carry = propose_s
             if seconds > 0:
                 predicted = float(self.cost.predict(r, q, t, c, d))
                 m.cost_samples += 1
                 m.cost_abs_rel_err += abs(predicted - seconds) / seconds
                 if self.online:
                     self.cost.update(CostSample(r, q, t, c, d, seconds))
+        else:
+            self._propose_carry += propose_s
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         if step is not None and arm is not None and self.gate is not None and sampled:
             rows = [index.get(rid) for rid in scheduler_output.num_scheduled_tokens]
             tokens = sum(len(sampled[i]) for i in rows if i is not None and i < len(sampled))
-            self.gate.observe(r, arm, tokens, seconds)
+            self.gate.observe(r, arm, tokens, gate_seconds)
         for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             i = index.get(rid)
             if not drafts or i is None or rid not in self._kept or i >= len(sampled):

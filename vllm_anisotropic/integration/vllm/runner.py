@@ -28,6 +28,7 @@ by the sampling verifier); every other request decodes without drafts, exactly a
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,6 +151,7 @@ class TreeRunnerMixin:
         self._tree_plan: TreePlan | None = None
         # req_id -> accepted nodes whose KV is already in place (path 1 -> 2 -> ... -> c)
         self.kv_in_place: dict[str, int] = {}
+        self._propose_s = 0.0  # seconds drafting since the last output (sent as tree_propose_s)
 
     # ------------------------------------------------------------------ request lifecycle
     def _update_states(self, scheduler_output):
@@ -259,8 +261,6 @@ class TreeRunnerMixin:
         """Time real forwards of ``q`` query tokens (vLLM's ``_dummy_run``: ``min(q, max_num_seqs)``
         requests) for the allocator's cost model; the samples travel to the scheduler with the
         next ``ModelRunnerOutput`` (``cost_calibration``)."""
-        import time
-
         limit = min(self.scheduler_config.max_num_batched_tokens, max(sizes))
         max_reqs = self.scheduler_config.max_num_seqs
         samples = []
@@ -299,6 +299,11 @@ class TreeRunnerMixin:
         kv_in_place, self.kv_in_place = self.kv_in_place, {}
         if kv_in_place and carries:
             out.kv_in_place = kv_in_place
+        # seconds this step spent drafting for the next one (the gate charges them to the next
+        # step: budget.BatchBudget.on_output)
+        propose_s, self._propose_s = self._propose_s, 0.0
+        if propose_s and carries:
+            out.tree_propose_s = propose_s
         # The next step's drafts travel with this reply (scheduler.TreeScheduler applies them
         # in update_from_output), so the engine core skips vLLM's second RPC of the step
         # (``take_draft_token_ids`` in ``EngineCore.post_step``; patches.py patch 6).
@@ -314,15 +319,18 @@ class TreeRunnerMixin:
         if getattr(scheduler_output, "tree_propose", True) is False:
             # the measured gate keeps the next step plain: no trees (so no harvest next step)
             return self.drafter.rest(req_ids)
+        t0 = time.perf_counter()
         sampling_trees = self.drafter.config.engine.sampling_verifier != "none"
         eligible = [tree_eligible(self.requests[r].sampling_params, sampling_trees) for r in req_ids]
-        return self.drafter.propose_trees(
+        drafts = self.drafter.propose_trees(
             req_ids,
             eligible,
             sampled_token_ids,
             self.input_batch.num_tokens_no_spec,
             self.input_batch.token_ids_cpu,
         )
+        self._propose_s += time.perf_counter() - t0
+        return drafts
 
 
 class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
@@ -343,7 +351,6 @@ class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
         timed on every attention layer's real KV cache (the plan's gather indices built afresh,
         as in a step), and becomes the sample ``(Rt, Rt + Rt n, Rt n, Rt n ctx, Rt, forward(Rt +
         Rt n) + tree time)``, the forward interpolated from the sweep."""
-        import time
         from types import SimpleNamespace
 
         from vllm_anisotropic.integration.vllm.attention import TreeCPUAttentionImpl
