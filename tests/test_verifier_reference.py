@@ -100,3 +100,38 @@ def test_greedy_half_precision_logits():
     half = lg.to(torch.bfloat16)
     assert v.verify_batch(batch, half, TargetSampling(0.0)).to_list() == \
         v.reference_batch(batch, half.float(), TargetSampling(0.0))
+
+
+def test_greedy_host_walk_equals_the_packed_walk():
+    """``GreedyVerifier.verify_host`` (the CPU engine's walk) against ``verify_batch`` on random
+    trees with many token collisions among siblings (so child priority decides): would catch a
+    walk that ignores SPINE-first priority, takes the last matching child, argmaxes the wrong
+    row, or mixes up the trees' row offsets."""
+    from vllm_anisotropic.tree import NodeSource
+
+    rng = np.random.default_rng(7)
+    v = get_verifier("greedy")
+    vocab = 64
+    checked = accepted = 0
+    for trial in range(200):
+        trees = []
+        for _ in range(int(rng.integers(1, 7))):
+            n = int(rng.integers(1, 12))
+            parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+            sources = [NodeSource.ROOT] + [NodeSource.SPINE if rng.random() < 0.4 else NodeSource.BRANCH
+                                           for _ in range(n - 1)]
+            trees.append(DraftTree(tokens=rng.integers(0, 4, n), parents=np.array(parents),
+                                   sources=np.array(sources, np.int8), values=np.linspace(1.0, 0.1, n)))
+        rows = sum(t.num_nodes for t in trees)
+        logits = torch.randn(rows, vocab)
+        logits[:, :4] += 6 * torch.rand(rows, 4)  # tokens 0..3 (the draft tokens) usually win
+        logits = logits.to(torch.bfloat16 if trial % 2 else torch.float32)
+        host = v.verify_host(trees, logits)
+        packed = v.verify_batch(pack_trees(trees), logits).to_list()
+        for a, b in zip(host, packed):
+            assert (a.accepted, a.bonus_token) == (b.accepted, b.bonus_token)
+            checked += 1
+            accepted += len(a.accepted)
+    assert checked > 500 and accepted > 300  # the walks went deep, not only root bonuses
+    with pytest.raises(ValueError, match="logits rows"):
+        v.verify_host(trees, logits[:-1])
