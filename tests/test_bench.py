@@ -198,3 +198,15 @@ def test_iomp_variant_preloads_intel_openmp_into_the_engine_process(tmp_path, mo
     monkeypatch.setattr(sweep, "iomp_library", lambda: None)
     assert "libiomp5" in sweep.unavailable_reason("plain+iomp")
     assert sweep.unavailable_reason("plain") is None
+
+
+def test_environment_names_the_cpu_model_and_its_vector_extensions(tmp_path):
+    from vllm_anisotropic.bench.sweep import cpu_model
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx512f avx512_bf16 sse\n\n"
+                    "processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx512f avx512_bf16 sse\n")
+    assert cpu_model(str(info)) == {"cpu_model": "AMD EPYC", "cpu_isa": ["avx512f", "avx512_bf16"]}
+    info.write_text("model name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: amx_tile amx_bf16 avx512f\n")
+    assert cpu_model(str(info))["cpu_isa"] == ["amx_tile", "avx512f"]
+    assert cpu_model(str(tmp_path / "missing")) == {}

