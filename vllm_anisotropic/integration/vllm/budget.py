@@ -138,7 +138,7 @@ class BatchBudget:
         self._step: tuple | None = None  # (R, Q, T, C, D, t0, arm) of the step in flight
         self._decoding: dict[str, int] = {}  # req_id -> accepted tokens it re-runs, of requests past their prompt
         self._t_cut = time.perf_counter()  # start of the latest cut
-        # whether the gate let the step being scheduled draft (its drafts were proposed for it);
+        # whether the measured gate let the step being scheduled draft (its drafts were proposed for it);
         # such a step is the gate's speculative arm whatever the allocator then keeps
         self._drafting = False
         # worker seconds spent proposing the drafts of the step after the one just measured
@@ -190,7 +190,7 @@ class BatchBudget:
         if self.gate is not None:
             allowed = self._allowed if self._allowed is not None else self.gate.allows(len(running))
             self._allowed = self.propose_next = self.gate.allows(len(running)) if running else allowed
-        self._drafting = allowed
+        self._drafting = allowed and self.gate is not None
         reqs, probs = [], []
         owed = 0
         for r in running:
@@ -274,8 +274,7 @@ class BatchBudget:
         # paid for proposing, scoring, allocating and harvesting them), it verified drafts, or
         # it re-runs tokens accepted the step before
         decode = not scheduler_output.scheduled_new_reqs and all(rid in self._decoding for rid in num)
-        arm = ((self._drafting and self.gate is not None) or speculating > 0
-               or any(self._decoding[rid] > 0 for rid in num)) if decode else None
+        arm = (self._drafting or speculating > 0 or any(self._decoding[rid] > 0 for rid in num)) if decode else None
         self._step = (len(num), scheduler_output.total_num_scheduled_tokens, rows, ctx, speculating, self._t_cut, arm)
 
     # ------------------------------------------------------------------ 4
