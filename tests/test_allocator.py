@@ -25,6 +25,8 @@ from vllm_anisotropic.allocator import (
     cut_trees,
     order_by_probability,
     pad_probs,
+    rank_trees,
+    raw_probs,
     request_caps,
     tree_probs,
 )
@@ -431,6 +433,26 @@ def test_tree_probs_respect_the_tree(trees):
         assert np.all(full[1:] <= t.values[1:] + 1e-8)  # prior = value (logit clipped at 1e-9), only lowered
         kids = np.bincount(t.parents[1:], weights=full[1:], minlength=t.num_nodes)
         assert np.all(kids <= full + 1e-12)  # at most one child on the path, and only below its parent
+
+
+@FAST
+@given(st.lists(value_ordered_trees(), min_size=1, max_size=4), st.integers(0, 2**32 - 1))
+def test_rank_trees_equals_predicting_the_reordered_trees_afresh(trees, seed):
+    # the drafter ranks with one acceptance-model call (rank_trees): the reordered trees'
+    # probabilities must equal a fresh tree_probs of those trees. Fails if the raw
+    # permutation is dropped or off by one, or if the bound is not recomputed in the new order.
+    model = AcceptanceModel()
+    _synthetic_steps(model, np.random.default_rng(seed), steps=3, n=300)  # raw != value
+    raw = raw_probs(trees, model)
+    assert [r.shape for r in raw] == [(t.num_nodes - 1,) for t in trees]
+    ranked, probs = rank_trees(trees, model)
+    assert len(ranked) == len(probs) == len(trees)
+    for t, r, p, fresh in zip(trees, ranked, probs, tree_probs(ranked, model)):
+        # the order: by the tree's own calibrated probabilities, parents first
+        expected = t.reordered(order_by_probability(t, tree_probs([t], model)[0]))
+        assert np.array_equal(r.tokens, expected.tokens) and np.array_equal(r.parents, expected.parents)
+        np.testing.assert_allclose(p, fresh, rtol=0, atol=1e-12)
+    assert rank_trees([], model) == ([], [])
 
 
 def test_cuts():

@@ -22,7 +22,8 @@ from .allocate import (
 from .config import AcceptanceConfig, CostModelConfig, GateConfig
 from .cost import CostModel, CostSample
 from .gate import SpeculationGate
-from .tree_probs import cap_by_tree, continuation_labels, cut_trees, order_by_probability, tree_probs
+from .tree_probs import (cap_by_tree, capped, continuation_labels, cut_trees, order_by_probability, rank_trees,
+                         raw_probs, tree_probs)
 
 __all__ = [
     "AcceptanceConfig",
@@ -36,11 +37,14 @@ __all__ = [
     "StepCost",
     "allocate",
     "cap_by_tree",
+    "capped",
     "concave_slopes",
     "continuation_labels",
     "cut_trees",
     "order_by_probability",
     "pad_probs",
+    "rank_trees",
+    "raw_probs",
     "request_caps",
     "tree_probs",
 ]

@@ -30,7 +30,8 @@ import numpy as np
 from ..tree import DraftTree
 from .acceptance import AcceptanceModel
 
-__all__ = ["cap_by_tree", "continuation_labels", "cut_trees", "order_by_probability", "tree_probs"]
+__all__ = ["cap_by_tree", "capped", "continuation_labels", "cut_trees", "order_by_probability", "rank_trees", "raw_probs",
+           "tree_probs"]
 
 
 def cap_by_tree(raw: np.ndarray, parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
@@ -70,8 +71,29 @@ def tree_probs(trees: Sequence[DraftTree], model: AcceptanceModel) -> list[np.nd
     """Per-request calibrated P(node on the accepted path), value order, root excluded.
 
     Returns ``[tree.num_nodes - 1]`` arrays, the allocator's ``probs``. One ``predict`` over
-    the concatenated nodes of all trees, then ``cap_by_tree``.
+    the concatenated nodes of all trees (``raw_probs``), then ``cap_by_tree`` (``capped``).
     """
+    return capped(trees, raw_probs(trees, model))
+
+
+def raw_probs(trees: Sequence[DraftTree], model: AcceptanceModel) -> list[np.ndarray]:
+    """Per tree, the acceptance model's P(on path) of each draft node before the tree bound,
+    ``[tree.num_nodes - 1]``, from one ``predict`` over every node of every tree. A node's raw
+    probability depends on its own source, depth and value only, so it moves with the node when
+    a tree is reordered (``raw[order[1:] - 1]``) while its capped one does not."""
+    if not trees:
+        return []
+    counts = np.array([t.num_nodes - 1 for t in trees], np.int64)
+    sources = np.concatenate([t.sources[1:] for t in trees])  # node 0 is the root
+    depths = np.concatenate([t.depths[1:] for t in trees])
+    values = np.concatenate([t.values[1:] for t in trees])
+    raw = model.predict(sources, depths, np.clip(values, 0.0, 1.0)) if sources.size else np.zeros(0)
+    return np.split(np.asarray(raw, np.float64), np.cumsum(counts)[:-1])
+
+
+def capped(trees: Sequence[DraftTree], raw: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """``cap_by_tree`` of every tree's raw draft-node probabilities (``raw_probs``), in one
+    pass over the concatenated trees; same shapes as ``raw``."""
     if not trees:
         return []
     counts = np.array([t.num_nodes for t in trees], np.int64)
@@ -79,13 +101,9 @@ def tree_probs(trees: Sequence[DraftTree], model: AcceptanceModel) -> list[np.nd
     parents = np.concatenate([t.parents for t in trees])  # [num_nodes] local parents
     parents = np.where(parents >= 0, parents + np.repeat(offsets, counts), -1)
     depths = np.concatenate([t.depths for t in trees])
-    sources = np.concatenate([t.sources for t in trees])
-    values = np.concatenate([t.values for t in trees])
-    drafts = parents >= 0
-    raw = np.ones(parents.shape[0])
-    if drafts.any():
-        raw[drafts] = model.predict(sources[drafts], depths[drafts], np.clip(values[drafts], 0.0, 1.0))
-    p = cap_by_tree(raw, parents, depths)
+    full = np.ones(parents.shape[0])
+    full[parents >= 0] = np.concatenate([np.asarray(r, np.float64) for r in raw])
+    p = cap_by_tree(full, parents, depths)
     return [p[o + 1: o + c] for o, c in zip(offsets, counts)]
 
 
@@ -153,6 +171,28 @@ def order_by_probability(tree: DraftTree, probs: np.ndarray) -> np.ndarray:
     if p.shape != (n,):
         raise ValueError(f"need {n - 1} probabilities, got {p.shape[0] - 1}")
     return np.lexsort((np.arange(n), tree.depths, -p))
+
+
+def rank_trees(trees: Sequence[DraftTree], model: AcceptanceModel) -> tuple[list[DraftTree], list[np.ndarray]]:
+    """Each tree reordered by its calibrated probabilities (``order_by_probability``), and those
+    probabilities in the new order: ``(trees, probs)``, the drafter's offer to the allocator.
+
+    One acceptance-model call (``raw_probs``): a node's raw probability moves with the node,
+    and only the tree bound (``capped``), which depends on the order of siblings, is computed
+    again for the trees whose order changed. Equal to ``tree_probs`` of the returned trees.
+    """
+    raw = raw_probs(trees, model)
+    out, probs, moved = list(trees), capped(trees, raw), []
+    for k, (tree, r, p) in enumerate(zip(trees, raw, probs)):
+        order = order_by_probability(tree, p)
+        if np.any(order != np.arange(tree.num_nodes)):
+            out[k] = tree.reordered(order)
+            moved.append((k, r[order[1:] - 1]))
+    if moved:  # the sibling bound depends on the order: recompute it for the reordered trees
+        again = capped([out[k] for k, _ in moved], [r for _, r in moved])
+        for (k, _), p in zip(moved, again):
+            probs[k] = p
+    return out, probs
 
 
 def cut_trees(trees: Sequence[DraftTree], cuts) -> list[DraftTree]:

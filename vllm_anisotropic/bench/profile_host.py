@@ -54,6 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--no-profile", action="store_true", help="time the batch without cProfile")
     p.add_argument("--top", type=int, default=25, help="also print the top N functions by own time")
+    p.add_argument("--dump", type=Path, default=None, help="also write the raw cProfile stats here (pstats format)")
     p.set_defaults(func=run)
 
 
@@ -88,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if prof is None:
         return 0
     stats = pstats.Stats(prof)
+    if args.dump:
+        stats.dump_stats(str(args.dump))
 
     def cumulative(suffix: str, func: str) -> tuple[float, int]:
         """Largest cumulative time (outermost frame) among matching functions, and its calls."""

@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, order_by_probability, tree_probs
+from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, rank_trees
 from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
 from vllm_anisotropic.integration.vllm.metrics import MetricsSink, TreeMetrics
 from vllm_anisotropic.proposers import get_proposer
@@ -155,18 +155,12 @@ class TreeDrafter:
 
     def _rank(self, new: dict[str, DraftTree]) -> None:
         """Calibrated probabilities of the new trees' nodes (the allocator's input), each tree
-        reordered so that they descend (``order_by_probability``): a prefix cut keeps what the
+        reordered so that they descend (``allocator.rank_trees``): a prefix cut keeps what the
         acceptance model rates highest, whatever order the proposer's values gave."""
-        probs = tree_probs(list(new.values()), self.acceptance)
-        moved = {}
-        for (req_id, tree), p in zip(list(new.items()), probs):
-            order = order_by_probability(tree, p)
-            if np.any(order != np.arange(tree.num_nodes)):
-                moved[req_id] = new[req_id] = tree.reordered(order)
+        trees, probs = rank_trees(list(new.values()), self.acceptance)
+        for req_id, tree, p in zip(list(new), trees, probs):
+            new[req_id] = tree
             self.probs[req_id] = p.tolist()
-        if moved:  # the sibling bound of cap_by_tree depends on the order: recompute
-            for req_id, p in zip(moved, tree_probs(list(moved.values()), self.acceptance)):
-                self.probs[req_id] = p.tolist()
 
     def _label(self, req_ids, num_tokens_no_spec, token_ids_cpu) -> None:
         """Feed the acceptance model every offered tree whose next ``label_depth`` tokens (or as
