@@ -124,6 +124,14 @@ def test_plot_is_a_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_plot_title_gives_the_range_of_prompts_per_cell():
+    # cells hold at least twice their concurrency: a title naming the first cell's size alone
+    # said "24 prompts" over a plot whose 64-request cells had 128
+    records = [{**_rec("plain", c, 0, 10.0 * c), "num_prompts": max(24, 2 * c)} for c in (1, 16, 64)]
+    assert "24-128 prompts per cell" in sweep._title(records)
+    assert "24 prompts per cell" in sweep._title(records[:1])
+
+
 def test_summarize_mode_reads_records_and_draws(tmp_path, capsys):
     out = tmp_path / "b.jsonl"
     out.write_text("\n".join(json.dumps(_rec("plain", c, 0, 5.0)) for c in (1, 2)) + "\n")

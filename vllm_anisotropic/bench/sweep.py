@@ -419,9 +419,14 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def _title(records: list[dict]) -> str:
-    r = next((r for r in records if not r.get("skipped")), {})
+    """One line for the plot: model, data, prompts per cell (a range where cells differ: at least
+    twice the concurrency), tokens, vLLM and the machine."""
+    ran = [r for r in records if not r.get("skipped")]
+    r = ran[0] if ran else {}
     env = r.get("environment", {})
-    return (f"{r.get('model', '?')} {r.get('dtype', '')}, {r.get('dataset', '')}, {r.get('num_prompts', '?')} prompts x "
+    sizes = sorted({int(x["num_prompts"]) for x in ran if "num_prompts" in x})
+    prompts = "?" if not sizes else str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+    return (f"{r.get('model', '?')} {r.get('dtype', '')}, {r.get('dataset', '')}, {prompts} prompts per cell x "
             f"{r.get('max_tokens', '?')} tokens, vLLM {env.get('vllm', '?')} on {env.get('cpu_count', '?')} "
             f"{env.get('machine', '')} cores" + (f" ({env['cpu_model']})" if env.get("cpu_model") else ""))
 
