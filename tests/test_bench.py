@@ -208,6 +208,28 @@ def test_iomp_variant_preloads_intel_openmp_into_the_engine_process(tmp_path, mo
     assert sweep.unavailable_reason("plain") is None
 
 
+def test_sync_variant_turns_async_scheduling_off_and_combines_with_iomp(tmp_path, monkeypatch):
+    """``NAME+sync``: the same speculative config, the engine built with ``async_scheduling=False``
+    (vLLM's default turns it on for plain decoding only); modifiers combine in any order."""
+    lib = tmp_path / "libiomp5.so"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(sweep, "iomp_library", lambda: lib)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert sweep.method_llm_kwargs("plain+sync") == {"async_scheduling": False}
+    assert sweep.method_llm_kwargs("plain") == {} and sweep.method_llm_kwargs("plain+iomp") == {}
+    for method in ("goose-auto+sync+iomp", "goose-auto+iomp+sync"):
+        assert sweep.valid_method(method) and sweep.base_method(method) == "goose-auto"
+        assert sweep.method_llm_kwargs(method) == {"async_scheduling": False}
+        assert sweep.method_env(method) == {"LD_PRELOAD": str(lib)}
+    assert not sweep.valid_method("plain+syncx") and not sweep.valid_method("goose-b5+sync")
+    assert sweep.resolve_config("ngram5+sync", tmp_path) == sweep.METHODS["ngram5"]
+    rows = sweep.summarize([
+        {"method": m, "concurrency": 8, "repeat": 0, "tokens_per_s": tps, "tau": 1.0, "output_sha1": ["a"]}
+        for m, tps in (("plain+sync", 90.0), ("plain", 100.0))])
+    assert [r["method"] for r in rows] == ["plain", "plain+sync"]
+    assert rows[1]["speedup"] == pytest.approx(0.9)
+
+
 def test_environment_names_the_cpu_model_and_its_vector_extensions(tmp_path):
     from vllm_anisotropic.bench.sweep import cpu_model
 

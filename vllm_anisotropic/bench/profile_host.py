@@ -63,16 +63,17 @@ def run(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
     from vllm_anisotropic.bench.demo import _resolve_model, build_prompts
-    from vllm_anisotropic.bench.sweep import METHODS, resolve_config
+    from vllm_anisotropic.bench.sweep import IOMP, METHODS, method_llm_kwargs, modifiers, resolve_config, valid_method
     from vllm_anisotropic.integration.vllm.offline import CPU_LLM_DEFAULTS
 
-    if args.method not in METHODS:
-        raise SystemExit(f"unknown method {args.method!r}; valid: {', '.join(METHODS)}")
+    if not valid_method(args.method) or IOMP in modifiers(args.method):
+        raise SystemExit(f"unknown method {args.method!r}; valid: {', '.join(METHODS)}, each also as NAME+sync "
+                         f"(NAME{IOMP} needs its own process: use bench)")
     model_dir = _resolve_model(args.model)
     prompts = build_prompts(model_dir, args.dataset, args.num_prompts)
     spec_dir = tempfile.mkdtemp(prefix="vllm-anisotropic-profile-")
     llm = LLM(model=str(model_dir), speculative_config=resolve_config(args.method, Path(spec_dir)), max_num_seqs=args.max_num_seqs,
-              **{**CPU_LLM_DEFAULTS, "dtype": args.dtype})
+              **{**CPU_LLM_DEFAULTS, "dtype": args.dtype, **method_llm_kwargs(args.method)})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
     prof = None if args.no_profile else cProfile.Profile()

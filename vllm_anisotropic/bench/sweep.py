@@ -35,6 +35,10 @@ tr-auto      token recycling with the budget allocator
 NAME+iomp    any of the above with Intel's OpenMP runtime preloaded into its engine processes
              (``LD_PRELOAD`` = the ``libiomp5.so`` of this environment, vLLM's documented CPU
              set-up; without it vLLM warns that speculative decoding on CPU loses throughput)
+NAME+sync    any of the above with vLLM's async scheduling off (``async_scheduling=False``).
+             vLLM turns it on by default for plain decoding (the next step is scheduled while
+             the current one runs) and off for ``ngram``, ``suffix`` and every tree method;
+             ``plain+sync`` measures what that overlap is worth on this machine
 
 Example (the bounded run recorded in docs/allocator.md)::
 
@@ -100,11 +104,31 @@ SUFFIX_DIR = Path(__file__).resolve().parents[2] / ".suffix"  # scripts/build_su
 
 
 IOMP = "+iomp"
+SYNC = "+sync"
+MODIFIERS = (IOMP, SYNC)
 
 
 def base_method(method: str) -> str:
-    """The registry name of ``method`` (``goose-auto+iomp`` -> ``goose-auto``)."""
-    return method.removesuffix(IOMP)
+    """The registry name of ``method`` (``goose-auto+iomp`` -> ``goose-auto``; modifiers combine
+    in any order: ``plain+sync+iomp`` -> ``plain``)."""
+    while True:
+        stripped = method
+        for modifier in MODIFIERS:
+            stripped = stripped.removesuffix(modifier)
+        if stripped == method:
+            return method
+        method = stripped
+
+
+def modifiers(method: str) -> set[str]:
+    """The modifiers of ``method`` (``plain+sync+iomp`` -> ``{"+sync", "+iomp"}``)."""
+    return {"+" + part for part in method[len(base_method(method)):].split("+") if part}
+
+
+def method_llm_kwargs(method: str) -> dict[str, Any]:
+    """Extra ``LLM`` keyword arguments of ``method``'s engine: ``+sync`` turns vLLM's async
+    scheduling off."""
+    return {"async_scheduling": False} if SYNC in modifiers(method) else {}
 
 
 def valid_method(method: str) -> bool:
@@ -138,7 +162,7 @@ def resolve_config(method: str, tmp_dir: Path) -> dict[str, Any] | None:
 
 def unavailable_reason(method: str) -> str | None:
     """Why ``method`` cannot run on this machine, or None."""
-    if method.endswith(IOMP) and iomp_library() is None:
+    if IOMP in modifiers(method) and iomp_library() is None:
         return "no libiomp5.so in this environment (pip install intel-openmp)"
     method = base_method(method)
     if method == "suffix" and importlib.util.find_spec("arctic_inference") is None and not SUFFIX_DIR.is_dir():
@@ -152,9 +176,10 @@ def method_env(method: str) -> dict[str, str]:
     on PYTHONPATH and loads only this package's vLLM plugin (arctic-inference's own plugin patches
     vLLM at start-up; vLLM's suffix method needs only its suffix tree); a ``+iomp`` method gets
     ``LD_PRELOAD`` with Intel's OpenMP runtime in front of any preload already set."""
-    if method.endswith(IOMP):
+    if IOMP in modifiers(method):
         preload = [str(iomp_library()), *filter(None, os.environ.get("LD_PRELOAD", "").split(":"))]
         return {"LD_PRELOAD": ":".join(preload), **method_env(base_method(method))}
+    method = base_method(method)
     if method != "suffix" or importlib.util.find_spec("arctic_inference") is not None or not SUFFIX_DIR.is_dir():
         return {}
     path = os.pathsep.join(p for p in (str(SUFFIX_DIR), os.environ.get("PYTHONPATH", "")) if p)
@@ -341,9 +366,9 @@ def summarize(records: list[dict]) -> list[dict]:
         cells[(r["method"], r["concurrency"])].append(r)
     plain = {c: rs for (m, c), rs in cells.items() if m == "plain"}
     order = {m: i for i, m in enumerate(METHODS)}
-    order.update({m + IOMP: i + 0.5 for m, i in list(order.items())})
+    rank = lambda m: order.get(base_method(m), 99) + 0.5 * bool(modifiers(m))  # noqa: E731
     rows = []
-    for (method, conc), rs in sorted(cells.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][0], kv[0][1])):
+    for (method, conc), rs in sorted(cells.items(), key=lambda kv: (rank(kv[0][0]), kv[0][0], kv[0][1])):
         tps = [r["tokens_per_s"] for r in rs]
         row = {"method": method, "concurrency": conc, "repeats": len(rs), "median": statistics.median(tps),
                "min": min(tps), "max": max(tps), "tau": statistics.median(r["tau"] for r in rs),
@@ -462,7 +487,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="prompts per dataset in each cell, at least 2 x concurrency in all (every cell and the "
                         "warm-up get prompts of their own)")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated; valid: {', '.join(METHODS)}, each also as NAME{IOMP}")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated; valid: {', '.join(METHODS)}, each also as NAME{IOMP} and NAME{SYNC}")
     p.add_argument("--concurrency", type=_int_list, default=list(DEFAULT_CONCURRENCY),
                    help="comma-separated concurrent-request counts (default: 1,2,4,8,16,32,64)")
     p.add_argument("--repeats", type=int, default=3)
@@ -485,7 +510,7 @@ def run(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if not valid_method(m)]
     if bad:
-        raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)} (each also as NAME{IOMP})")
+        raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)} (each also as NAME{IOMP} and NAME{SYNC})")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     from vllm_anisotropic.bench.demo import _resolve_model, build_prompts
@@ -523,7 +548,7 @@ def run(args: argparse.Namespace) -> int:
             job = SweepJob(model=str(model_dir), method=method, speculative_config=resolve_config(method, Path(tmp)),
                            cell_prompts=prompts, warmup_prompts=warmup,
                            max_tokens=args.max_tokens, concurrency=args.concurrency, repeats=repeats,
-                           llm_kwargs={"dtype": args.dtype}, record_base={**base, "order": args.order})
+                           llm_kwargs={"dtype": args.dtype, **method_llm_kwargs(method)}, record_base={**base, "order": args.order})
             job_file = Path(tmp, "job.json")
             job_file.write_text(job.model_dump_json())
             env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
