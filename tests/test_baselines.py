@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from vllm_anisotropic.models.tiny import build_tiny_model
 from vllm_anisotropic.proposers import PROPOSERS, GooseConfig, get_proposer, proposer_config
 from vllm_anisotropic.proposers.isotropic import build_isotropic_tree
 from vllm_anisotropic.proposers.pld import propose_prompt_lookup
@@ -30,7 +31,8 @@ def test_registry_and_config_errors():
     assert proposer_config("iso5").branching == 5
     assert proposer_config("goose-unigram").bigram is False
     for name in PROPOSERS:  # every registered method builds and drafts on an empty table
-        s = get_proposer(name).new_request()
+        options = {"model": str(build_tiny_model(seed=1))} if name == "draft_tree" else {}  # q: a draft model
+        s = get_proposer(name, **options).new_request()
         t = s.propose(np.array([1, 2, 3, 1, 2, 3, 1, 2]))
         t.validate()
 

@@ -1,6 +1,7 @@
 """Draft proposers: one interface (``base.Proposer`` / ``base.RequestState``), one registry.
 
-Scope: training-free drafting of ``DraftTree``s. Algorithms (one module each):
+Scope: drafting of ``DraftTree``s, training-free (context and target logits) or from a draft
+model (``draft_tree``). Algorithms (one module each):
 
 =========================  ===================================================  ==============
 name                       algorithm                                            module
@@ -14,6 +15,7 @@ goose-no-spine-branches    ablation: all branch budget at the root              
 goose-unigram              ablation: no bigram tier                             goose
 goose-no-bypass            ablation: never verify the spine alone               goose
 goose-no-spine             ablation: no context-match spine (TR-sourced tree)   goose
+draft_tree                 delayed-expansion draft-model tree (arXiv 2602.16994)  draft_model
 =========================  ===================================================  ==============
 
 ``get_proposer(name, vocab_size=None, **options)`` builds one; options are the fields of the
@@ -31,10 +33,12 @@ from vllm_anisotropic.proposers.config import (
     GooseConfig,
     IsotropicConfig,
     PLDConfig,
+    DraftTreeConfig,
     ProposerConfig,
     TokenRecyclingConfig,
 )
 from vllm_anisotropic.proposers.context_match import ContextMatch, ContextMatcher
+from vllm_anisotropic.proposers.draft_model import DraftTreeProposer
 from vllm_anisotropic.proposers.goose import GooseProposer, build_spine_tree
 from vllm_anisotropic.proposers.isotropic import IsotropicProposer
 from vllm_anisotropic.proposers.prompt_lookup import ARConfig, ARProposer, PLDProposer
@@ -70,6 +74,7 @@ PROPOSERS: dict[str, tuple[type[Proposer], type[ProposerConfig], dict[str, Any]]
     "goose-unigram": (GooseProposer, GooseConfig, {"bigram": False}),
     "goose-no-bypass": (GooseProposer, GooseConfig, {"bypass": False}),
     "goose-no-spine": (GooseProposer, GooseConfig, {"context_spine": False}),
+    "draft_tree": (DraftTreeProposer, DraftTreeConfig, {}),
 }
 
 

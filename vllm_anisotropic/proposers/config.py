@@ -12,9 +12,10 @@ ratio tiers p_s < 0.2 -> 0.15, < 0.4 -> 0.30, else 0.50, linear bypass threshold
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from vllm_anisotropic.config_base import StrictConfig
 
@@ -25,6 +26,7 @@ __all__ = [
     "GooseConfig",
     "TokenRecyclingConfig",
     "IsotropicConfig",
+    "DraftTreeConfig",
 ]
 
 
@@ -126,3 +128,46 @@ class IsotropicConfig(AdjacencyConfig):
     """Context-match n-gram lengths (the match supplies the rank-0 child along its path)."""
     max_continuation: int = Field(default=20, ge=1)
     """Max context-match continuation."""
+
+
+class DraftTreeConfig(ProposerConfig):
+    """Delayed-expansion draft-model trees (arXiv 2602.16994 Def. 5.2; ``proposers.draft_model``):
+    a trunk of ``trunk`` tokens from the draft model q, then ``branches`` paths of
+    ``branch_length`` tokens. The paper's selector chooses (K, L1, L2) in {1..4} x {0..8}^2;
+    the defaults are a fixed middle of that grid until the grid is measured here (issue 11)."""
+
+    model: str
+    """Directory of the draft model (a transformers checkpoint with the target's tokenizer)."""
+    trunk: int = Field(default=2, ge=0, le=8)
+    """L1: trunk tokens."""
+    branches: int = Field(default=2, ge=1, le=4)
+    """K: branches after the trunk (i.i.d. for sampled requests, the top K for greedy ones)."""
+    branch_length: int = Field(default=2, ge=0, le=8)
+    """L2: tokens per branch (0: the trunk alone, a chain)."""
+    verifier: Literal["traversal", "specinfer", "spectr", "khisti", "naive", "naive_tree", "nss", "block"] = "traversal"
+    """Multi-draft verifier of sampled requests (``verifiers`` registry; Traversal is the best on
+    i.i.d. draft trees in arXiv 2602.16994; ``block`` verifies one path: branches 1, or
+    branch_length 0). Greedy requests always take the greedy walk, which every one of these
+    reduces to at temperature 0."""
+    draft_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype q runs in."""
+
+    @model_validator(mode="after")
+    def _block_verifies_one_path(self) -> "DraftTreeConfig":
+        if self.verifier == "block" and self.branches > 1 and self.branch_length > 0:
+            raise ValueError(f"verifier 'block' verifies one path; got branches {self.branches}: use branches 1, or "
+                             f"one of traversal, specinfer, spectr, khisti, naive, naive_tree, nss")
+        return self
+
+    @field_validator("model")
+    @classmethod
+    def _model_is_a_directory(cls, path: str) -> str:
+        if not os.path.isdir(path):
+            raise ValueError(f"model {path!r} is not a directory; valid: the directory of a transformers checkpoint "
+                             f"sharing the target's tokenizer (e.g. `vllm-anisotropic models path qwen2.5-coder-0.5b`)")
+        return path
+
+    @property
+    def budget(self) -> int:
+        """Tree nodes including the root: 1 + L1 + K L2."""
+        return 1 + self.trunk + self.branches * self.branch_length

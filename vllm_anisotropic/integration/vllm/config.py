@@ -19,6 +19,8 @@ goose              goose       ``proposers.config.GooseConfig`` (B=60, D=6, K=10
 pld                pld         ``proposers.config.PLDConfig``
 token_recycling    tr          ``proposers.config.TokenRecyclingConfig``
 isotropic          iso3        ``proposers.config.IsotropicConfig`` (``branching`` = k)
+draft_tree         draft_tree  ``proposers.config.DraftTreeConfig`` (``model``, ``trunk``,
+                               ``branches``, ``branch_length``; issue 11, in progress)
 =================  ==========  ====================================================
 
 plus the engine-side keys of ``EngineTreeConfig`` (``verifier``, ``sampling_verifier``,
@@ -51,6 +53,7 @@ from vllm_anisotropic.proposers import PROPOSERS, proposer_config
 
 __all__ = [
     "TREE_METHODS",
+    "DRAFT_MODEL_METHODS",
     "ADDITIONAL_CONFIG_KEY",
     "EngineTreeConfig",
     "TreeSpecConfig",
@@ -63,7 +66,13 @@ TREE_METHODS: dict[str, str] = {
     "pld": "pld",
     "token_recycling": "tr",
     "isotropic": "iso3",
+    "draft_tree": "draft_tree",
 }
+
+# methods whose trees carry draft probabilities (sampled from a draft model q): their sampled
+# requests are verified by the multi-draft verifier their config names (``verifier``), the
+# others' by the point-mass verifiers of ``sampling_verifier``
+DRAFT_MODEL_METHODS = frozenset({"draft_tree"})
 
 ADDITIONAL_CONFIG_KEY = "vllm_anisotropic"
 
@@ -75,7 +84,8 @@ class EngineTreeConfig(BaseModel):
 
     verifier: Literal["greedy"] = "greedy"
     """Tree verifier for temperature-0 requests: the GOOSE greedy walk (arXiv 2604.02047 Alg. 3),
-    which emits exactly plain greedy decoding's tokens."""
+    which emits exactly plain greedy decoding's tokens. (``draft_tree`` has its own
+    ``verifier`` key: the multi-draft verifier of its sampled requests, ``DraftTreeConfig``.)"""
 
     sampling_verifier: Literal["deterministic", "nss", "none"] = "deterministic"
     """Tree verifier for sampled requests (temperature > 0, with top-k / top-p): the trees
@@ -133,6 +143,14 @@ class EngineTreeConfig(BaseModel):
         return path
 
 
+def _split_options(method: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(engine options, proposer options); a key both configs know is the proposer's
+    (``draft_tree``'s ``verifier`` names its multi-draft verifier)."""
+    proposer_fields = PROPOSERS[TREE_METHODS[method]][1].model_fields
+    engine = {k: v for k, v in options.items() if k in EngineTreeConfig.model_fields and k not in proposer_fields}
+    return engine, {k: v for k, v in options.items() if k not in engine}
+
+
 def _valid_keys(method: str) -> list[str]:
     config_cls = PROPOSERS[TREE_METHODS[method]][1]
     return sorted(set(config_cls.model_fields) | set(EngineTreeConfig.model_fields))
@@ -159,15 +177,32 @@ class TreeSpecConfig(BaseModel):
                 f"vllm-anisotropic keys: {valid} (plus vLLM's SpeculativeConfig fields such as "
                 f"num_speculative_tokens)"
             )
-        engine = {k: v for k, v in options.items() if k in EngineTreeConfig.model_fields}
-        proposer = {k: v for k, v in options.items() if k not in EngineTreeConfig.model_fields}
+        engine, proposer = _split_options(method, options)
         EngineTreeConfig(**engine)
         proposer_config(TREE_METHODS[method], **proposer)
-        return cls(method=method, options=dict(options))
+        options = dict(options)
+        if method in DRAFT_MODEL_METHODS and options.get("sampling_verifier", "none") != "none":
+            raise ValueError(f"{method!r} verifies sampled requests with its 'verifier' key; sampling_verifier takes "
+                             f"only 'none' there (sampled requests then decode without trees)")
+        return cls(method=method, options=options)
 
     @property
     def engine(self) -> EngineTreeConfig:
-        return EngineTreeConfig(**{k: v for k, v in self.options.items() if k in EngineTreeConfig.model_fields})
+        return EngineTreeConfig(**_split_options(self.method, self.options)[0])
+
+    @property
+    def sampled_verifier(self) -> str:
+        """The verifier of sampled requests' trees, or "none" (they decode without trees)."""
+        if self.method in DRAFT_MODEL_METHODS:
+            if self.options.get("sampling_verifier") == "none":
+                return "none"
+            return proposer_config(self.proposer_name, **self.proposer_options).verifier
+        return self.engine.sampling_verifier
+
+    @property
+    def walk_verifier(self) -> str:
+        """The verifier of temperature-0 requests' trees: always the greedy walk."""
+        return "greedy"
 
     @property
     def proposer_name(self) -> str:
@@ -175,7 +210,7 @@ class TreeSpecConfig(BaseModel):
 
     @property
     def proposer_options(self) -> dict[str, Any]:
-        return {k: v for k, v in self.options.items() if k not in EngineTreeConfig.model_fields}
+        return _split_options(self.method, self.options)[1]
 
     @property
     def budget(self) -> int:

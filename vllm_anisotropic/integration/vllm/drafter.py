@@ -107,8 +107,13 @@ class TreeDrafter:
         sampled_token_ids: list[list[int]],
         num_tokens_no_spec: np.ndarray,  # [max_num_reqs]
         token_ids_cpu: np.ndarray,  # [max_num_reqs, max_model_len]
+        laws: Sequence | None = None,
     ) -> list[list[int]]:
-        """One draft list per batch row: ``tree.tokens[1:]`` of the request's new tree."""
+        """One draft list per batch row: ``tree.tokens[1:]`` of the request's new tree.
+
+        ``laws``: per batch row, ``(TargetSampling, seed)`` of the request (the runner's
+        ``request_law``), read when a proposer that samples from a draft model creates the
+        request's state (``DraftTreeState.set_sampling``); None: greedy."""
         new: dict[str, DraftTree] = {}
         starts: dict[str, int] = {}  # req_id -> its token count, the root being the last token
         if self.unlabelled:
@@ -126,12 +131,16 @@ class TreeDrafter:
             state = self.states.get(req_id)
             if state is None:
                 state = self.states[req_id] = self.proposer.new_request(self.tenants.get(req_id))
+                if laws is not None and laws[i] is not None and hasattr(state, "set_sampling"):
+                    state.set_sampling(*laws[i])
                 self.metrics.live_requests = len(self.states)
                 self.metrics.tenant_tables = getattr(getattr(self.proposer, "tables", None), "num_tenants", 0)
             room = min(self.max_draft_tokens, self.max_model_len - num_tokens - 1)
             tree = state.propose(token_ids_cpu[i, :num_tokens], self._offer(req_id, room))
             assert int(tree.tokens[0]) == int(token_ids_cpu[i, num_tokens - 1]), "root must be the last token"
             tree = tree.truncate(max(room, 0) + 1)
+            if tree.draft_probs is not None and self.acceptance is not None:
+                tree = shape_only(tree)
             new[req_id] = tree
             starts[req_id] = num_tokens
         self.probs = {}
@@ -265,8 +274,22 @@ class TreeDrafter:
         self.sink.tick(force=True)
 
     def drop_tree(self, req_id: str) -> None:
-        """The request was preempted: its pending drafts are gone."""
+        """The request was preempted: its pending drafts are gone, and a draft model's KV cache
+        for it is freed (rebuilt from the context when it runs again)."""
         self.trees.pop(req_id, None)
+        release = getattr(self.states.get(req_id), "release", None)
+        if release is not None:
+            release()
+
+
+def shape_only(tree: DraftTree) -> DraftTree:
+    """A sampled draft-model tree with every value 1: the allocator's probabilities (and any
+    reordering by them) then depend on the tree's shape and the acceptance model alone, never
+    on the sampled tokens. A cut that looked at the samples would break the i.i.d. branches
+    the multi-draft verifiers assume (docs/verifiers.md); the acceptance model learns, for these
+    trees, P(accepted | source, depth)."""
+    return DraftTree(tree.tokens, tree.parents, tree.sources, np.ones(tree.num_nodes), tree.draft_probs,
+                     tree.multiplicity)
 
 
 def _tp_rank() -> int:

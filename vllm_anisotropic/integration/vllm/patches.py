@@ -161,11 +161,14 @@ def _patch_create_speculative_config(engine_args_cls, supported: bool) -> None:
 
         from vllm_anisotropic.integration.vllm.config import (
             ADDITIONAL_CONFIG_KEY,
+            DRAFT_MODEL_METHODS,
             TreeSpecConfig,
             split_speculative_dict,
         )
 
         theirs, ours = split_speculative_dict(dict(spec or {}), set(SpeculativeConfig.__dataclass_fields__))
+        if method in DRAFT_MODEL_METHODS and "model" in theirs:
+            ours["model"] = theirs.pop("model")  # the draft model is ours to run, not vLLM's
         additional = dict(self.additional_config or {})
         if ours and ADDITIONAL_CONFIG_KEY in additional:
             raise UnsupportedConfigError(
@@ -182,6 +185,10 @@ def _patch_create_speculative_config(engine_args_cls, supported: bool) -> None:
                 f"budget {tree.budget} leaves no draft node (the budget counts the root); valid: budget >= 2, "
                 f"e.g. 4, or the method's default {TreeSpecConfig.build(method, {}).budget}"
             )
+        if method in DRAFT_MODEL_METHODS:
+            from vllm_anisotropic.proposers.draft_model import check_same_vocabulary
+
+            check_same_vocabulary(tree.proposer_options["model"], self.tokenizer or self.model)
         theirs.setdefault("num_speculative_tokens", tree.budget - 1)
         additional[ADDITIONAL_CONFIG_KEY] = tree.to_additional_config()
         self.additional_config = additional

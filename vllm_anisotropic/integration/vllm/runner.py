@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
 from vllm_anisotropic.integration.vllm.sampler import TreeRejectionSampler, harvest_plain
 from vllm_anisotropic.tree import DraftTree
+from vllm_anisotropic.verifiers.sampling import TargetSampling
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +115,24 @@ def tree_eligible(sampling_params, sampling_trees: bool = False) -> bool:
     )
 
 
+def request_law(req_id: str, sampling_params, engine_seed) -> tuple[TargetSampling, int]:
+    """The request's token law as the tree verifiers apply it, and the seed of its drafting
+    uniforms (a draft model samples its trees under the same law): the request's own seed, else
+    one derived from the engine seed and the request id, so every tensor-parallel rank drafts
+    the same tree. Mixed with a constant, so the drafting stream never equals the stream vLLM
+    seeds from the same number for the request's verification uniforms (equal streams would
+    correlate the drafts with their acceptance tests)."""
+    sp = sampling_params
+    base = sp.seed if sp.seed is not None else zlib.crc32(req_id.encode()) ^ int(engine_seed or 0)
+    seed = int(np.random.SeedSequence([int(base) & 0xFFFFFFFFFFFF, _DRAFT_STREAM]).generate_state(1, np.uint64)[0] >> 1)
+    law = TargetSampling(temperature=float(sp.temperature), top_k=int(sp.top_k) if sp.top_k and sp.top_k > 0 else -1,
+                         top_p=float(sp.top_p))
+    return law, seed
+
+
+_DRAFT_STREAM = 0xD8AF7  # the draft-sampling stream's tag in request_law
+
+
 def scatter_tree_positions(positions: torch.Tensor, rows: np.ndarray, roots: np.ndarray, depths: np.ndarray) -> None:
     """``positions[rows] = positions[roots] + depths`` for every node row of the batch, from one
     host-to-device copy. Example: positions ``[9, 10, 11, 12, 13]``, rows ``[2, 3, 4]``, roots
@@ -143,9 +163,9 @@ class TreeRunnerMixin:
         if self.uses_mrope:
             raise NotImplementedError("vllm-anisotropic tree decoding does not support M-RoPE models yet")
         assert isinstance(self.drafter, TreeDrafter), type(self.drafter)
-        engine = self.drafter.config.engine
+        config = self.drafter.config
         self.rejection_sampler = TreeRejectionSampler(
-            self.rejection_sampler, self, verifier=engine.verifier, sampling_verifier=engine.sampling_verifier
+            self.rejection_sampler, self, verifier=config.walk_verifier, sampling_verifier=config.sampled_verifier
         )
         self._tree_step: TreeStep | None = None
         self._tree_plan: TreePlan | None = None
@@ -320,14 +340,18 @@ class TreeRunnerMixin:
             # the measured gate keeps the next step plain: no trees (so no harvest next step)
             return self.drafter.rest(req_ids)
         t0 = time.perf_counter()
-        sampling_trees = self.drafter.config.engine.sampling_verifier != "none"
+        sampling_trees = self.drafter.config.sampled_verifier != "none"
         eligible = [tree_eligible(self.requests[r].sampling_params, sampling_trees) for r in req_ids]
+        new = [r not in self.drafter.states for r in req_ids]
+        laws = [request_law(r, self.requests[r].sampling_params, self.model_config.seed) if fresh else None
+                for r, fresh in zip(req_ids, new)] if any(new) else None
         drafts = self.drafter.propose_trees(
             req_ids,
             eligible,
             sampled_token_ids,
             self.input_batch.num_tokens_no_spec,
             self.input_batch.token_ids_cpu,
+            laws,
         )
         self._propose_s += time.perf_counter() - t0
         return drafts

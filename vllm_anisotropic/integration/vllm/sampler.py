@@ -162,6 +162,10 @@ class TreeRejectionSampler(nn.Module):
         batch = pack_trees(trees, device=tree_logits.device)
         if sampling is None:
             out = verifier.verify_batch(batch, tree_logits)
+        elif getattr(verifier, "requires_draft_probs", False):
+            # draft-model trees: row j of a tree is q after node j's path (``DraftTree.draft_probs``)
+            q = torch.cat([t.draft_probs for t in trees]).to(tree_logits.device)
+            out = verifier.verify_batch(batch, tree_logits, sampling, generator, q)
         else:
             out = verifier.verify_batch(batch, tree_logits, sampling, generator)
         return dict(zip(rows, out.to_list()))

@@ -1,0 +1,326 @@
+"""Draft-model trees with delayed expansion (arXiv 2602.16994, Def. 5.2): a trunk, then K branches.
+
+Scope: drafting only. A small causal LM q (``DraftLM``, loaded with transformers, one KV cache
+per request in a ``DraftSession``) drafts one ``DraftTree`` per step from a request's context:
+
+1. the **trunk**: L1 tokens, each drawn from q given the context and the trunk so far;
+2. the **branches**: K paths of L2 tokens from the trunk's end, each token drawn from q given
+   its own path. Sampled requests: the K paths are i.i.d. (their first tokens may repeat: the
+   tree is unmerged, multiplicity 1, as the OT verifiers' child multisets expect). Greedy
+   requests: the trunk is q's greedy path, the K branches start with q's K most likely tokens
+   at the trunk's end (distinct) and continue greedily.
+
+Drawing a token "from q" means from q's logits processed exactly as vLLM processes the target's
+for the request (temperature, top-k, top-p: ``verifiers.sampling.target_probs``), with inverse-
+CDF sampling on uniforms from the request's generator (``sample_inverse_cdf``); seeded alike,
+every tensor-parallel rank drafts the same tree.
+
+The tree (``DraftTree``; sources ``DRAFT``):
+
+* node order: the trunk (depth order), then the branch nodes depth-major (depth 1 of branches
+  1..K, then depth 2, ...). Parents come first, so any prefix is a subtree; and the order is
+  fixed by (K, L1, L2) alone, never by the sampled tokens. A budget allocator that cuts the
+  list at a length chosen before drafting therefore keeps the first branches of i.i.d. draws,
+  which are still i.i.d.: the OT verifiers' assumption holds (docs/verifiers.md).
+* ``draft_probs`` (sampled requests): row i is the processed q after node i's path, the law the
+  children of node i were drawn from (``tree.py``); leaf rows are zeros (never read). Greedy
+  requests carry none (the greedy walk needs no q).
+* ``values``: the q probability of the node's path (the product of its tokens' q under the
+  request's processing; raw softmax for greedy requests). Diagnostic, and the acceptance model's
+  input for greedy trees; for sampled trees they depend on the samples, so nothing may cut a
+  sampled tree by them.
+
+KV cache: a session keeps the KV of the tokens it has run (``DraftSession.tokens``): the
+context it last drafted from plus that step's trunk. The next step keeps the longest common
+prefix with the new context (an accepted trunk is not recomputed) and runs only the rest; the
+branches run on K copies of the cache, dropped afterwards. Memory per session: (context + trunk)
+tokens x layers x 2 (K and V) x KV heads x head dim x dtype bytes, plus K x L2 tokens while
+branching; the engine holds one session per running request and drops it on finish, abort and
+preemption.
+
+Example (greedy, K = 2, L1 = 1, L2 = 2; q's greedy path after the root r is a, b, c; at a the
+top two tokens are b and x, and x continues with y)::
+
+    tokens  [r, a, b, x, c, y]
+    parents [-1, 0, 1, 1, 2, 3]      # trunk a; branches a->b->c and a->x->y, depth-major
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, RequestState, node_budget, root_only
+from vllm_anisotropic.tree import DraftTree, NodeSource
+from vllm_anisotropic.verifiers.sampling import TargetSampling, sample_inverse_cdf, target_probs
+
+__all__ = ["DelayedShape", "DraftLM", "DraftSession", "delayed_tree", "shape_parents", "DraftTreeProposer",
+           "DraftTreeState", "check_same_vocabulary"]
+
+GREEDY = TargetSampling(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class DelayedShape:
+    """(K, L1, L2): ``branches`` paths of ``branch_length`` tokens after a trunk of ``trunk``.
+
+    ``DelayedShape(2, 1, 2).num_drafts == 5``; with ``branch_length`` 0 the tree is the trunk."""
+
+    branches: int
+    trunk: int
+    branch_length: int
+
+    def __post_init__(self) -> None:
+        if self.branches < 1 or self.trunk < 0 or self.branch_length < 0:
+            raise ValueError(f"need branches >= 1, trunk >= 0, branch_length >= 0; got {self}")
+
+    @property
+    def num_drafts(self) -> int:
+        return self.trunk + (self.branches * self.branch_length)
+
+
+def shape_parents(shape: DelayedShape) -> np.ndarray:
+    """[1 + num_drafts] parents of the tree ``shape`` drafts, in node order (module docstring).
+
+    ``shape_parents(DelayedShape(2, 1, 2)) -> [-1, 0, 1, 1, 2, 3]``."""
+    parents = [-1] + list(range(shape.trunk))
+    end = shape.trunk  # the trunk's last node (the root when there is no trunk)
+    for depth in range(shape.branch_length):
+        for k in range(shape.branches):
+            parents.append(end if depth == 0 else 1 + shape.trunk + (depth - 1) * shape.branches + k)
+    return np.asarray(parents, np.int64)
+
+
+class DraftLM:
+    """The draft model q: a transformers causal LM, run on the CPU (or ``device``), no grad."""
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir = str(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(device).eval()
+        self.device = torch.device(device)
+        self.vocab_size = int(self.model.config.vocab_size)
+
+    def new_session(self) -> "DraftSession":
+        return DraftSession(self)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
+        """q's logits after the last of ``input_ids`` [batch, 1, vocab_size] (float32); ``cache``
+        extended in place. Only the last position goes through the output head."""
+        out = self.model(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1:].float()
+
+
+class DraftSession:
+    """One request's KV cache in q, and the tokens it holds (module docstring)."""
+
+    def __init__(self, lm: DraftLM) -> None:
+        from transformers import DynamicCache
+
+        self.lm = lm
+        self._new_cache = DynamicCache
+        self.cache = DynamicCache()
+        self.tokens: list[int] = []
+        self.forwarded = 0  # tokens run through q (for the incremental-cache tests and stats)
+
+    def root_logits(self, context: Sequence[int]) -> torch.Tensor:
+        """q's logits after ``context`` [vocab_size]; the cache then holds exactly ``context``."""
+        context = [int(t) for t in context]
+        if not context:
+            raise ValueError("the context must hold at least the root token")
+        common = 0
+        for a, b in zip(self.tokens, context):
+            if a != b:
+                break
+            common += 1
+        keep = min(common, len(context) - 1)  # the root's logits are needed: run it again
+        if keep == 0:
+            self.cache = self._new_cache()
+        else:
+            _crop(self.cache, keep)
+        self.tokens = context[:keep]
+        return self.extend(context[keep:])[0, -1]
+
+    def extend(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Run ``tokens`` after the cached ones (batch 1): q's logits after the last [1, 1, vocab_size]."""
+        ids = torch.tensor([list(tokens)], dtype=torch.long)
+        logits = self.lm.forward(ids, self.cache)
+        self.tokens.extend(int(t) for t in tokens)
+        self.forwarded += len(tokens)
+        return logits
+
+    def branch(self, k: int) -> "_Branches":
+        """K copies of the cache for the branches; ``_Branches.close`` drops them."""
+        return _Branches(self, k)
+
+
+class _Branches:
+    def __init__(self, session: DraftSession, k: int) -> None:
+        self.session, self.k = session, k
+        self.base = len(session.tokens)
+        if k > 1:
+            session.cache.batch_repeat_interleave(k)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One token per branch [K] -> logits [K, vocab_size]."""
+        logits = self.session.lm.forward(tokens.view(self.k, 1).long(), self.session.cache)
+        self.session.forwarded += self.k
+        return logits[:, -1]
+
+    def close(self) -> None:
+        """Back to one sequence holding the tokens before the branches."""
+        cache = self.session.cache
+        if self.k > 1:
+            cache.batch_select_indices(torch.tensor([0]))
+        _crop(cache, self.base)
+
+
+def _crop(cache, keep: int) -> None:
+    """Keep the first ``keep`` tokens of ``cache`` (transformers' ``crop`` with the negative
+    count: positive lengths are deprecated)."""
+    extra = cache.get_seq_length() - keep
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _law(logits: torch.Tensor, sampling: TargetSampling) -> torch.Tensor:
+    """[rows, vocab] law of the draws: q processed like the target's (raw softmax when greedy)."""
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    if sampling.greedy:
+        return logits.softmax(dim=-1)
+    n = logits.shape[0]
+    return target_probs(logits, torch.full((n,), float(sampling.temperature)), torch.full((n,), int(sampling.top_k)),
+                        torch.full((n,), float(sampling.top_p)))
+
+
+def _draw(law: torch.Tensor, sampling: TargetSampling, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``law`` [rows, vocab]: argmax (greedy) or an inverse-CDF sample."""
+    if sampling.greedy:
+        return law.argmax(dim=-1)
+    return sample_inverse_cdf(law, torch.rand(law.shape[0], generator=generator, dtype=torch.float64).float())
+
+
+def delayed_tree(session: DraftSession, context: Sequence[int], shape: DelayedShape,
+                 sampling: TargetSampling = GREEDY, generator: torch.Generator | None = None) -> DraftTree:
+    """The (K, L1, L2) delayed tree of q after ``context`` (its last token is the root)."""
+    parents = shape_parents(shape)
+    n = parents.size
+    tokens = np.zeros(n, np.int64)
+    tokens[0] = int(context[-1])
+    values = np.ones(n)
+    rows = torch.zeros(n, session.lm.vocab_size) if not sampling.greedy else None
+    law = _law(session.root_logits(context), sampling)[0]  # [vocab]
+    node = 0
+    for _ in range(shape.trunk):  # the trunk: node i + 1 drawn after node i
+        if rows is not None:
+            rows[node] = law
+        token = int(_draw(law[None], sampling, generator)[0])
+        node += 1
+        tokens[node], values[node] = token, values[node - 1] * float(law[token])
+        if node < n - 1:  # q after the new node is needed only if something hangs below it
+            law = _law(session.extend([token])[0, -1], sampling)[0]
+    if shape.branch_length == 0:
+        return _tree(tokens, parents, values, rows)
+    k = shape.branches
+    if rows is not None:
+        rows[node] = law
+    if sampling.greedy:
+        first = torch.topk(law, k).indices  # [K] distinct, most likely first
+    else:
+        first = _draw(law.expand(k, -1), sampling, generator)  # [K] i.i.d.
+    trunk_value = values[node]
+    branches = session.branch(k)
+    try:
+        current, current_values = first, trunk_value * law[first].double().numpy()
+        for depth in range(shape.branch_length):
+            ids = 1 + shape.trunk + depth * k + np.arange(k)  # this depth's K nodes
+            tokens[ids], values[ids] = current.numpy(), current_values
+            if depth == shape.branch_length - 1:
+                break
+            laws = _law(branches.step(current), sampling)  # [K, vocab]
+            if rows is not None:
+                rows[ids] = laws
+            current = _draw(laws, sampling, generator)
+            current_values = current_values * laws.gather(1, current[:, None])[:, 0].double().numpy()
+    finally:
+        branches.close()
+    return _tree(tokens, parents, values, rows)
+
+
+def _tree(tokens, parents, values, rows) -> DraftTree:
+    sources = np.full(tokens.size, NodeSource.DRAFT, np.int8)
+    sources[0] = NodeSource.ROOT
+    return DraftTree(tokens=tokens, parents=parents, sources=sources, values=values, draft_probs=rows)
+
+
+def check_same_vocabulary(draft_dir: str | Path, target_dir: str | Path) -> None:
+    """ValueError unless the draft's tokenizer maps every token string to the same id as the
+    target's (same vocabulary, same special tokens): a draft token id must mean the same text."""
+    from transformers import AutoTokenizer
+
+    draft = AutoTokenizer.from_pretrained(str(draft_dir))
+    target = AutoTokenizer.from_pretrained(str(target_dir))
+    dv, tv = draft.get_vocab(), target.get_vocab()
+    if dv != tv:
+        only_draft = sorted(set(dv) - set(tv))[:5]
+        moved = sorted(t for t in set(dv) & set(tv) if dv[t] != tv[t])[:5]
+        raise ValueError(
+            f"draft model {str(draft_dir)!r} does not share the target's tokenizer ({len(dv)} vs {len(tv)} "
+            f"tokens; e.g. only in the draft: {only_draft}, different ids: {moved}); draft_tree needs a "
+            f"draft model with the target's vocabulary (e.g. Qwen2.5-Coder-0.5B-Instruct for Qwen2.5-Coder-1.5B-Instruct)"
+        )
+
+
+class DraftTreeState(RequestState):
+    """One request: its q session, sampling law and generator (set by the engine's drafter)."""
+
+    def __init__(self, proposer: "DraftTreeProposer") -> None:
+        self.proposer = proposer
+        self.session = proposer.lm.new_session()
+        self.sampling: TargetSampling = GREEDY
+        self.generator: torch.Generator | None = None
+        self.last_info = ProposalInfo(ProposalMode.PLAIN)
+
+    def set_sampling(self, sampling: TargetSampling, seed: int) -> None:
+        """The request's law (q is processed alike) and the seed of its drafting uniforms."""
+        self.sampling = sampling
+        self.generator = torch.Generator().manual_seed(int(seed))
+
+    def release(self) -> None:
+        """Free q's KV cache (the request was preempted); the next proposal rebuilds it."""
+        self.session = self.proposer.lm.new_session()
+
+    def propose(self, context_tokens: np.ndarray, max_nodes: int | None = None) -> DraftTree:
+        """The shape's tree, cut to ``max_nodes`` (a cut decided before any token is drawn)."""
+        shape = self.proposer.shape
+        limit = node_budget(1 + shape.num_drafts, max_nodes)
+        if limit <= 1:
+            self.last_info = ProposalInfo(ProposalMode.PLAIN)
+            return root_only(context_tokens)
+        self.last_info = ProposalInfo(ProposalMode.TREE)
+        tree = delayed_tree(self.session, context_tokens, shape, self.sampling, self.generator)
+        return tree if limit >= tree.num_nodes else tree.truncate(limit)
+
+
+class DraftTreeProposer(Proposer):
+    """``draft_tree``: delayed-expansion trees from a draft model (module docstring)."""
+
+    name = "draft_tree"
+
+    def __init__(self, config, vocab_size: int | None = None) -> None:
+        self.config = config
+        self.shape = DelayedShape(config.branches, config.trunk, config.branch_length)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.draft_dtype]
+        self.lm = DraftLM(config.model, dtype=dtype)
+        if vocab_size is not None and self.lm.vocab_size != int(vocab_size):
+            raise ValueError(f"draft model {config.model!r} has vocab_size {self.lm.vocab_size}, the target "
+                             f"{vocab_size}; draft_tree needs a draft model with the target's vocabulary")
+
+    def new_request(self, tenant: str | None = None) -> DraftTreeState:
+        return DraftTreeState(self)
