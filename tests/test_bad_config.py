@@ -47,7 +47,7 @@ BAD_CONFIGS = [
     row("unknown_key", {**GOOSE, "bugdet": 40}, "'bugdet'", "'budget'", "'top_k'"),
     row("unknown_key_additional_config", GOOSE, "'bugdet'", "'budget'",
         engine={"additional_config": {KEY: {"bugdet": 30}}}),
-    row("unknown_method", {"method": "goosey"}, "'goosey'", "'goose', 'pld', 'token_recycling' or 'isotropic'"),
+    row("unknown_method", {"method": "goosey"}, "'goosey'", "'goose', 'pld', 'token_recycling', 'isotropic' or 'draft_tree'"),
     row("goose_key_for_token_recycling", {"method": "token_recycling", "spine_branch_ratio": 0.5},
         "'spine_branch_ratio'", "'token_recycling'", "'rank_decay'"),
     row("adjacency_key_for_pld", {"method": "pld", "top_k": 5}, "'top_k'", "'pld'", "'ngram_sizes'"),

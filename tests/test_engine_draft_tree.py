@@ -52,6 +52,7 @@ def test_greedy_output_is_plain_vllm_s(pair, tiny_prompts):
     plain = run_offline_job(job)
     spec = run_offline_job(job.model_copy(update={"speculative_config": {
         "method": "draft_tree", "model": draft, **SHAPE, "allocator": "off"}}))
+    print(f"greedy draft_tree: {spec.spec}, tau {spec.spec.tau:.2f}")
     assert spec.spec.num_accepted_tokens > 50, spec.spec  # the draft's trees were accepted
     for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)):
         assert a == b, f"prompt {i}: plain {a} vs draft_tree {b}"
