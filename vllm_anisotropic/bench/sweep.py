@@ -111,18 +111,12 @@ MODIFIERS = (IOMP, SYNC)
 def base_method(method: str) -> str:
     """The registry name of ``method`` (``goose-auto+iomp`` -> ``goose-auto``; modifiers combine
     in any order: ``plain+sync+iomp`` -> ``plain``)."""
-    while True:
-        stripped = method
-        for modifier in MODIFIERS:
-            stripped = stripped.removesuffix(modifier)
-        if stripped == method:
-            return method
-        method = stripped
+    return method.split("+", 1)[0]
 
 
 def modifiers(method: str) -> set[str]:
     """The modifiers of ``method`` (``plain+sync+iomp`` -> ``{"+sync", "+iomp"}``)."""
-    return {"+" + part for part in method[len(base_method(method)):].split("+") if part}
+    return {"+" + part for part in method.split("+")[1:]}
 
 
 def method_llm_kwargs(method: str) -> dict[str, Any]:
@@ -132,7 +126,7 @@ def method_llm_kwargs(method: str) -> dict[str, Any]:
 
 
 def valid_method(method: str) -> bool:
-    return base_method(method) in METHODS
+    return base_method(method) in METHODS and modifiers(method) <= set(MODIFIERS)
 
 
 def iomp_library() -> Path | None:

@@ -38,6 +38,7 @@ import torch
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from vllm_anisotropic.integration.vllm.config import DRAFT_MODEL_METHODS
 from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
 from vllm_anisotropic.integration.vllm.sampler import TreeRejectionSampler, harvest_plain
 from vllm_anisotropic.tree import DraftTree
@@ -167,6 +168,9 @@ class TreeRunnerMixin:
         self.rejection_sampler = TreeRejectionSampler(
             self.rejection_sampler, self, verifier=config.walk_verifier, sampling_verifier=config.sampled_verifier
         )
+        # fixed for the engine's life: read once, not per step
+        self._sampling_trees = config.sampled_verifier != "none"  # sampled requests get trees
+        self._draft_model = config.method in DRAFT_MODEL_METHODS  # proposals sample under the request's law
         self._tree_step: TreeStep | None = None
         self._tree_plan: TreePlan | None = None
         # req_id -> accepted nodes whose KV is already in place (path 1 -> 2 -> ... -> c)
@@ -340,11 +344,11 @@ class TreeRunnerMixin:
             # the measured gate keeps the next step plain: no trees (so no harvest next step)
             return self.drafter.rest(req_ids)
         t0 = time.perf_counter()
-        sampling_trees = self.drafter.config.sampled_verifier != "none"
-        eligible = [tree_eligible(self.requests[r].sampling_params, sampling_trees) for r in req_ids]
-        new = [r not in self.drafter.states for r in req_ids]
-        laws = [request_law(r, self.requests[r].sampling_params, self.model_config.seed) if fresh else None
-                for r, fresh in zip(req_ids, new)] if any(new) else None
+        eligible = [tree_eligible(self.requests[r].sampling_params, self._sampling_trees) for r in req_ids]
+        laws = None
+        if self._draft_model and any(r not in self.drafter.states for r in req_ids):
+            laws = [request_law(r, self.requests[r].sampling_params, self.model_config.seed)
+                    if r not in self.drafter.states else None for r in req_ids]
         drafts = self.drafter.propose_trees(
             req_ids,
             eligible,
