@@ -34,6 +34,18 @@ def test_record_counts_sources_rerun_and_modes():
     assert m.requests == {"a": [2, 2]}
     assert abs(m.tau - 9 / 4) < 1e-12
     assert "tau 2.25" in m.summary_line() and "spine acceptance 0.500" in m.summary_line()
+    assert m.draft_model_nodes == 0 and "draft-model acceptance n/a" in m.summary_line()
+
+
+def test_record_counts_draft_model_nodes_apart():
+    D = NodeSource.DRAFT
+    # draft_tree: trunk 11 -> 12, then branches 13 and 14 under 12
+    tree = DraftTree(tokens=[5, 11, 12, 13, 14], parents=[-1, 0, 1, 2, 2], sources=[NodeSource.ROOT, D, D, D, D])
+    m = TreeMetrics()
+    m.record("a", tree, [1, 2, 4], "tree", trace=False)
+    assert (m.draft_model_nodes, m.accepted_draft_model_nodes) == (4, 3)
+    assert (m.spine_nodes, m.branch_nodes, m.accepted_spine_nodes, m.accepted_branch_nodes) == (0, 0, 0, 0)
+    assert "draft-model acceptance 0.750" in m.summary_line()
 
 
 def test_sink_writes_rank0_only_and_collector_exports(tmp_path, monkeypatch):
@@ -57,6 +69,7 @@ def test_sink_writes_rank0_only_and_collector_exports(tmp_path, monkeypatch):
     assert samples[("vllm_anisotropic:tree_source_accepted_nodes_total", (("source", "branch"),))] == 1
     assert samples[("vllm_anisotropic:tree_source_accepted_nodes_total", (("source", "spine"),))] == 1
     assert samples[("vllm_anisotropic:tree_rerun_tokens_total", ())] == 1
+    assert samples[("vllm_anisotropic:tree_source_draft_nodes_total", (("source", "draft"),))] == 0
     # a missing file reads as zeros (the API server may scrape before any worker wrote)
     empty = {s.name: s.value for fam in TreeMetricsCollector(str(tmp_path / "none.json")).collect() for s in fam.samples}
     assert empty["vllm_anisotropic:tree_steps_total"] == 0

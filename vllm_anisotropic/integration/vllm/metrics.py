@@ -1,8 +1,8 @@
 """Tree-decoding metrics: counted in the worker, shown in vLLM's log and on its ``/metrics``.
 
 Scope: what vLLM's own spec-decode counters cannot say about a tree (they see a flat draft
-list): acceptance per draft source (SPINE = context match, BRANCH = adjacency table), tree
-size, bypass and plain steps.
+list): acceptance per draft source (SPINE = context match, BRANCH = adjacency table, DRAFT =
+a draft model's sample), tree size, bypass and plain steps.
 
 Path of a number (vLLM runs the drafter in a worker process, ``/metrics`` is served by the
 API-server process, and vLLM's ``SchedulerStats`` cannot carry extra fields across its
@@ -75,10 +75,12 @@ class TreeMetrics:
     draft_nodes: int = 0
     spine_nodes: int = 0
     branch_nodes: int = 0
+    draft_model_nodes: int = 0  # sampled or greedy from a draft model (draft_tree)
     max_nodes: int = 0
     accepted_nodes: int = 0
     accepted_spine_nodes: int = 0
     accepted_branch_nodes: int = 0
+    accepted_draft_model_nodes: int = 0
     accepted_off_chain: int = 0  # accepted paths that are not nodes 1..a (KV re-run needed)
     rerun_tokens: int = 0  # accepted tokens whose KV the scheduler re-runs (scheduler.py): a - c
     live_requests: int = 0  # gauge: per-request proposer states alive (dropped on finish / abort)
@@ -102,10 +104,12 @@ class TreeMetrics:
         self.draft_nodes += tree.num_nodes - 1
         self.spine_nodes += int(np.count_nonzero(src == NodeSource.SPINE))
         self.branch_nodes += int(np.count_nonzero(src == NodeSource.BRANCH))
+        self.draft_model_nodes += int(np.count_nonzero(src == NodeSource.DRAFT))
         self.max_nodes = max(self.max_nodes, tree.num_nodes)
         self.accepted_nodes += a
         self.accepted_spine_nodes += int(np.count_nonzero(acc_src == NodeSource.SPINE))
         self.accepted_branch_nodes += int(np.count_nonzero(acc_src == NodeSource.BRANCH))
+        self.accepted_draft_model_nodes += int(np.count_nonzero(acc_src == NodeSource.DRAFT))
         in_place = kv_in_place(accepted)
         self.accepted_off_chain += int(in_place != a)
         self.rerun_tokens += a - in_place
@@ -123,6 +127,7 @@ class TreeMetrics:
             f"vllm-anisotropic tree metrics: steps {self.steps}, tau {self.tau:.2f}, "
             f"spine acceptance {rate(self.accepted_spine_nodes, self.spine_nodes)}, "
             f"branch acceptance {rate(self.accepted_branch_nodes, self.branch_nodes)}, "
+            f"draft-model acceptance {rate(self.accepted_draft_model_nodes, self.draft_model_nodes)}, "
             f"mean draft nodes {self.draft_nodes / trees:.1f}, "
             f"bypass rate {rate(self.bypass_steps, self.steps)}, plain rate {rate(self.plain_steps, self.steps)}"
         )
@@ -183,10 +188,11 @@ _COUNTERS = {
     "tree_rerun_tokens": ("rerun_tokens", "accepted tokens re-run to rebuild their KV (off the first chain)"),
 }
 _BY_SOURCE = {
-    "tree_source_draft_nodes": ({"spine": "spine_nodes", "branch": "branch_nodes"}, "draft nodes verified, by source"),
+    "tree_source_draft_nodes": ({"spine": "spine_nodes", "branch": "branch_nodes", "draft": "draft_model_nodes"}, "draft nodes verified, by source"),
     "tree_source_accepted_nodes": (
-        {"spine": "accepted_spine_nodes", "branch": "accepted_branch_nodes"},
-        "draft nodes accepted, by source (spine = context match, branch = adjacency table)",
+        {"spine": "accepted_spine_nodes", "branch": "accepted_branch_nodes",
+         "draft": "accepted_draft_model_nodes"},
+        "draft nodes accepted, by source (spine = context match, branch = adjacency table, draft = draft model)",
     ),
 }
 
