@@ -25,7 +25,9 @@ pytestmark = pytest.mark.engine
 ENTRY_POINT = "vllm_anisotropic.integration.vllm.plugin:register"
 ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 1024}
 PLD = {"method": "custom_class", "model": PROMPT_LOOKUP_CLASS, "num_speculative_tokens": 5}
-NUM_STARTS = 10
+# The SIGILL death hit 4 of 5 starts before the fix: three clean starts in a row happen with
+# probability 0.2**3 < 1 % if it is back (each start ~35 s). ``SOAK_STARTS=10`` runs the full soak.
+NUM_STARTS = int(os.environ.get("SOAK_STARTS", "3"))
 
 
 def test_entry_point_is_discovered_by_vllm():
@@ -95,10 +97,11 @@ def test_proposer_runs_in_every_process_and_greedy_is_identical(
     assert spec.token_ids == plain_run.token_ids
 
 
-def test_ten_multiprocess_starts_with_speculation_none_dies(
+def test_repeated_multiprocess_starts_with_speculation_none_dies(
     tiny_model_dir, tiny_prompts, plain_run
 ):
-    """The SIGILL worker crash (shared/notes section 6) killed 4 of 5 such starts before the fix."""
+    """The SIGILL worker crash (shared/notes section 6) killed 4 of 5 such starts before the fix
+    (``NUM_STARTS`` starts; power > 99 % against that rate)."""
     job = _pld_job(tiny_model_dir, tiny_prompts)
     env = {"PYTHONFAULTHANDLER": "1"}
     for start in range(NUM_STARTS):
