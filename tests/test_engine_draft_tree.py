@@ -69,15 +69,15 @@ CI_VERIFIERS = ("traversal", "specinfer")  # ~2 min each after the shared plain 
 ALL_ENV = "VLLM_ANISOTROPIC_ALL_VERIFIERS"
 
 
-def _sampled_job(prompt: str) -> OfflineJob:
-    return OfflineJob(model="", prompts=[prompt] * N, max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.9,
+def _sampled_job(model: str, prompt: str) -> OfflineJob:
+    return OfflineJob(model=model, prompts=[prompt] * N, max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.9,
                       seed=1000, seed_per_prompt=True, llm_kwargs=ENGINE)
 
 
 @pytest.fixture(scope="module")
 def plain_samples(pair, tiny_prompts):
     """Plain vLLM's N samples of the first prompt (seeds 1000..1399), shared by every verifier."""
-    job = _sampled_job(tiny_prompts[0]).model_copy(update={"model": pair[0]})
+    job = _sampled_job(pair[0], tiny_prompts[0])
     return [r[0] for r in run_offline_job(job).token_ids]
 
 
@@ -89,7 +89,7 @@ def test_sampled_tokens_follow_plain_vllm_law(pair, tiny_prompts, plain_samples,
         pytest.skip(f"CI runs {CI_VERIFIERS} (~2 min each); {ALL_ENV}=1 runs all eight (docs/draft_tree.md has the last full run)")
     target, draft = pair
     shape = SAMPLED_SHAPE if verifier != "block" else {"trunk": 1, "branches": 1, "branch_length": 1}
-    job = _sampled_job(tiny_prompts[0]).model_copy(update={"model": target, "seed": 1_000_000, "speculative_config": {
+    job = _sampled_job(target, tiny_prompts[0]).model_copy(update={"seed": 1_000_000, "speculative_config": {
         "method": "draft_tree", "model": draft, **shape, "verifier": verifier, "allocator": "off"}})
     spec = run_offline_job(job)
     assert spec.spec.num_accepted_tokens > 100, spec.spec  # trees were verified and accepted
@@ -104,13 +104,14 @@ def test_sampled_tokens_follow_plain_vllm_law(pair, tiny_prompts, plain_samples,
 
 
 TP2 = {**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (test_engine_tp.py)
 
 
 def test_tp2_greedy_identical_and_sampled_ranks_stay_in_step(pair, tiny_prompts):
     """Each rank loads its own copy of the draft model and drafts its own trees: greedy trees
     must match, and under sampling every rank must draw the same tokens from q (request-seeded
     uniforms) and accept the same path, or the next step's ``take_tree`` raises on some rank."""
+    from test_engine_tp import TP_ENV  # one core per rank
+
     target, draft = pair
     job = OfflineJob(model=target, prompts=tiny_prompts[:4], max_tokens=24, llm_kwargs=TP2)
     config = {"method": "draft_tree", "model": draft, **SHAPE, "allocator": "off"}

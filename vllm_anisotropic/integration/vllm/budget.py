@@ -333,6 +333,7 @@ class BatchBudget:
                 stats["gate"] = {str(k): v for k, v in self.gate.rates().items()}
             if self.start_coefficients:
                 stats["cost_model_start"] = self.start_coefficients
+            if self.enabled:
                 stats["cost_model_now"] = self.cost.coefficients  # after the online refits
             write_json_atomic(self.stats_path, stats)
         if self.enabled and self.metrics.steps and now - self._last_log >= LOG_INTERVAL_S:
