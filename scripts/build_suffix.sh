@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/pip install -q nanobind==2.9.2 ninja
 tmp=$(mktemp -d)
-.venv/bin/pip download -q --no-deps --no-binary :all: arctic-inference==0.3.0 -d "$tmp"
+.venv/bin/pip download -q --no-deps --no-binary :all: --no-build-isolation arctic-inference==0.3.0 -d "$tmp"
 CMAKE_ARGS="-DPython_EXECUTABLE=$PWD/.venv/bin/python" \
   .venv/bin/pip install -q --no-build-isolation --no-deps --target .suffix "$tmp"/arctic_inference-0.3.0.tar.gz
 PYTHONPATH=.suffix .venv/bin/python -c "from arctic_inference.suffix_decoding import SuffixDecodingCache" \

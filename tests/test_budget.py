@@ -244,3 +244,45 @@ def test_drafter_learns_from_trees_the_allocator_cut():
     assert len(d.unlabelled["r"]) == 1
     d._label(["r"], np.array([n + 3]), tokens)
     assert d.unlabelled["r"] == []
+
+
+def test_plain_steps_pay_no_fit_and_the_error_is_what_each_step_predicted(tmp_path):
+    """Steps without an allocation (the gate keeps them plain) only record the measured step:
+    the cost model is refitted once, at the next cut that allocates, on every step measured
+    since; the cost-model error counts each step against the model in use when it ran.
+
+    Catches: a refit per step again (the floor's cost), steps dropped from the fit or the
+    error, errors scored against the refitted model (it has seen those steps: ~0 error)."""
+    prior = CostModel.from_coefficients([0.0], base=0.01, slopes=[1e-4])
+    b = _budget(tmp_path, prior)
+    fits = []
+    refit = b.cost.refit
+    b.cost.refit = lambda: (fits.append(len(b.cost._online)), refit())
+    expected = 0.0
+    rng = np.random.default_rng(3)
+    for i in range(100):  # measured steps, no drafts offered: nothing is allocated
+        reqs = [_req("a", 0), _req("b", 0)]
+        b.cut(reqs)
+        out = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1}, total_num_scheduled_tokens=2,
+                              scheduled_spec_decode_tokens={}, scheduled_new_reqs=[])
+        b.on_scheduled(out)
+        seconds = 0.02 + 0.01 * rng.random()
+        b._step = b._step[:5] + (time_now() - seconds,) + b._step[6:]
+        b.on_output(out, SimpleNamespace(sampled_token_ids=[[1], [2]], req_id_to_index={"a": 0, "b": 1}))
+        measured = b.cost._online[-1][5]
+        expected += abs(prior.predict(2, 2, 0, 0, 0) - measured) / measured
+    assert fits == [] and len(b.cost._online) == 100
+    reqs = [_req("a", 2), _req("b", 2)]
+    _offer(b, {"a": [0.9, 0.5], "b": [0.9, 0.5]})
+    b.cut(reqs)  # an allocation: one fit on all 100 steps, which now cost ~0.025 s, not ~0.0102
+    assert fits == [100]
+    b._score()
+    assert b.metrics.cost_samples == 100
+    assert b.metrics.cost_abs_rel_err == pytest.approx(expected, rel=1e-9)
+    assert b.cost.predict(2, 2, 0, 0, 0) == pytest.approx(0.025, rel=0.1)
+
+
+def time_now() -> float:
+    import time
+
+    return time.perf_counter()

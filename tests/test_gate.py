@@ -257,7 +257,7 @@ def test_proposal_time_is_charged_to_the_step_that_verifies_the_drafts():
     # cost model never sees them, the gate charges them to the next step
     b = _budget()
     seen = []
-    b.cost.update = lambda sample: seen.append(sample.seconds)
+    b.cost.update = lambda sample, refit=True: seen.append(sample.seconds)
     b.online = True
     observed = []
     b.gate.observe = lambda r, arm, tokens, seconds: observed.append(round(seconds, 3))

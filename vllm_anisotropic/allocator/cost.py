@@ -349,8 +349,12 @@ class CostModel:
         return float(np.mean(np.abs(pred - data[:, 5]) / data[:, 5]))
 
     # ------------------------------------------------------------------ online refinement
-    def update(self, sample) -> None:
-        """Add one measured step (a ``CostSample`` or 6-tuple); refit every ``refit_every`` calls."""
+    def update(self, sample, refit: bool = True) -> None:
+        """Add one measured step (a ``CostSample`` or 6-tuple); refit every ``refit_every`` calls.
+
+        ``refit=False`` only records the step: the caller refits when it next needs a prediction
+        (``refresh``). The engine's scheduler does that, so that the steps in which nothing is
+        allocated (the measured gate keeps them plain) pay for no fit at all."""
         row = tuple(float(x) for x in sample)
         if len(row) != _COLUMNS or not row[5] > 0 or not np.all(np.isfinite(row)):
             raise ValueError("a cost sample is (num_reqs, query_tokens, tree_rows, ctx_tokens, spec_reqs, seconds > 0), "
@@ -358,8 +362,20 @@ class CostModel:
         self._online.append(row)  # type: ignore[arg-type]
         self._updates += 1
         self._since_refit += 1
-        if self._since_refit >= self.config.refit_every:
-            self.refit()
+        if refit:
+            self.refresh()
+
+    @property
+    def stale(self) -> bool:
+        """``refit_every`` or more steps arrived since the last fit."""
+        return self._since_refit >= self.config.refit_every
+
+    def refresh(self) -> bool:
+        """Refit if ``stale``; True if it did."""
+        if not self.stale:
+            return False
+        self.refit()
+        return True
 
     def refit(self) -> None:
         """Refit the coefficients on the calibration sweep and the online window (their weights)."""

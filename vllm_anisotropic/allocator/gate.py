@@ -52,10 +52,10 @@ has no such guard: its cost model is a fixed profile.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from .config import GateConfig
 
@@ -136,7 +136,7 @@ class SpeculationGate:
             return
         c = self.config
         b = self._bucket(num_reqs)
-        clipped = min(seconds, c.clip * float(np.median(b.recent))) if len(b.recent) >= c.window // 4 else seconds
+        clipped = min(seconds, c.clip * statistics.median(b.recent)) if len(b.recent) >= c.window // 4 else seconds
         b.recent.append(seconds)
         for arm in b.arms:
             arm.fade(c.decay)

@@ -61,6 +61,7 @@ PRIOR_BASE_S = 0.02
 PRIOR_PER_TOKEN_S = 0.0005
 LOG_INTERVAL_S = 10.0
 WRITE_INTERVAL_S = 0.5
+SCORE_BATCH = 64  # measured steps scored against the cost model in one vectorised call
 
 
 @dataclass
@@ -136,6 +137,7 @@ class BatchBudget:
         self._kept: dict[str, float] = {}  # req_id -> predicted accepted of the kept prefix
         self._ctx: dict[str, int] = {}  # req_id -> context length at the cut
         self._step: tuple | None = None  # (R, Q, T, C, D, t0, arm) of the step in flight
+        self._unscored: list[tuple] = []  # measured steps whose cost-model error is not counted yet
         self._decoding: dict[str, int] = {}  # req_id -> accepted tokens it re-runs, of requests past their prompt
         self._t_cut = time.perf_counter()  # start of the latest cut
         # whether the measured gate let the step being scheduled draft (its drafts were proposed for it);
@@ -205,6 +207,7 @@ class BatchBudget:
             return
         if not reqs:
             return
+        self._refresh_cost()
         ctx = np.array([r.num_computed_tokens for r in reqs], np.float64)
         caps = dict(num_reqs=len(running), fixed_query_tokens=max(owed, len(running)),
                     token_budget=max(self.max_batched - owed, 0), max_per_request=self.max_per_request,
@@ -239,6 +242,13 @@ class BatchBudget:
             if n:
                 self._kept[r.request_id] = float(p[: int(n)].sum())
                 self._ctx[r.request_id] = int(c)
+
+    def _refresh_cost(self) -> None:
+        """Refit the cost model on the steps measured since its last fit (every
+        ``refit_every``), now that an allocation needs it; their errors are scored first."""
+        if self.cost.stale:
+            self._score()
+            self.cost.refit()
 
     def _gate_plain(self, reqs, probs) -> None:
         """The gate made this step plain: no drafts, no probe, no allocation. Counted as a step
@@ -282,6 +292,7 @@ class BatchBudget:
         now = time.perf_counter()
         calibration = getattr(model_runner_output, "cost_calibration", None)
         if calibration and not self.calibrated:
+            self._score()  # the steps so far were predicted by the prior
             self.cost = CostModel.fit([CostSample(*s) for s in calibration], config=self.cost.config)
             self.calibrated = True
             self.start_coefficients = self.cost.coefficients
@@ -298,11 +309,13 @@ class BatchBudget:
             gate_seconds = seconds + self._propose_carry
             self._propose_carry = propose_s
             if seconds > 0:
-                predicted = float(self.cost.predict(r, q, t, c, d))
-                m.cost_samples += 1
-                m.cost_abs_rel_err += abs(predicted - seconds) / seconds
+                # scored and fitted in batches (``_score``; ``_refresh_cost`` at the next cut that
+                # allocates): a step the gate keeps plain pays for no prediction and no fit
+                self._unscored.append((r, q, t, c, d, seconds))
+                if len(self._unscored) >= SCORE_BATCH:
+                    self._score()
                 if self.online:
-                    self.cost.update(CostSample(r, q, t, c, d, seconds))
+                    self.cost.update(CostSample(r, q, t, c, d, seconds), refit=False)
         else:
             self._propose_carry += propose_s
         sampled = model_runner_output.sampled_token_ids
@@ -323,8 +336,21 @@ class BatchBudget:
         """Write the stats file now (the batch drained)."""
         self._tick(time.perf_counter(), force=True)
 
+    def _score(self) -> None:
+        """Cost-model error of the measured steps not yet scored, predicted in one call by the
+        model in use when they ran: the model changes only at a refit (``cut``) or at the
+        start-up fit, and both score the pending steps first."""
+        if not self._unscored:
+            return
+        rows = np.asarray(self._unscored, np.float64)  # [num_steps, 6]
+        self._unscored = []
+        predicted = np.atleast_1d(self.cost.predict(*rows[:, :5].T))
+        self.metrics.cost_samples += len(rows)
+        self.metrics.cost_abs_rel_err += float(np.sum(np.abs(predicted - rows[:, 5]) / rows[:, 5]))
+
     def _tick(self, now: float, force: bool = False) -> None:
         if self.stats_path and (force or now - self._last_write >= WRITE_INTERVAL_S):
+            self._score()
             from vllm_anisotropic.integration.vllm.metrics import write_json_atomic
 
             self._last_write = now
@@ -338,4 +364,5 @@ class BatchBudget:
             write_json_atomic(self.stats_path, stats)
         if self.enabled and self.metrics.steps and now - self._last_log >= LOG_INTERVAL_S:
             self._last_log = now
+            self._score()
             log.info(self.metrics.summary_line())

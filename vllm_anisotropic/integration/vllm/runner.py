@@ -188,7 +188,17 @@ class TreeRunnerMixin:
 
     # ------------------------------------------------------------------ inputs
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        if scheduler_output.scheduled_spec_decode_tokens:
+            out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        else:
+            # No drafts scheduled: vLLM's _prepare_inputs would still build spec-decode metadata
+            # (it asks only whether a speculative config exists, ``use_spec_decode``), which
+            # the step then drops (below). Plain decoding's branch directly: ~0.1 ms a step.
+            spec, self.speculative_config = self.speculative_config, None
+            try:
+                out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+            finally:
+                self.speculative_config = spec
         logits_indices, spec_decode_metadata, max_num_sampled = out
         if spec_decode_metadata is not None and not any(spec_decode_metadata.num_draft_tokens):
             # No drafts anywhere in this step (the allocator kept none, or nothing was proposed):

@@ -105,6 +105,9 @@ RUNNER_ATTRIBUTES: tuple[str, ...] = (
     "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu", "input_batch.num_tokens_no_spec",
     "input_batch.token_ids_cpu", "query_start_loc", "positions", "requests", "uses_mrope", "scheduler_config",
     "model_config",
+    # _prepare_inputs hides it for a step without scheduled drafts (vLLM's plain branch; were a
+    # release to stop reading it there, the spec-decode metadata built instead is dropped anyway)
+    "speculative_config",
 )
 
 
