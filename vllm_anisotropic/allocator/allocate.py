@@ -262,6 +262,9 @@ def allocate(
     # hull gap delta: max over requests and k of H_i(k) - E_i(k)
     hull_gap = float(np.max(np.cumsum(h, axis=1) - np.cumsum(p, axis=1), initial=0.0))
 
+    if batch == 1:
+        return _allocate_one(p[0, valid[0]], cost, num_reqs, q0, base, float(ctx[0]), token_budget, hull_gap)
+
     rows, ks = np.nonzero(valid)  # [num_nodes] request and index k of each candidate node, row-major
     first = ks == 0  # [num_nodes] a request's first node: taking it makes the request speculate
     gain = p[valid]  # [num_nodes] true marginal gains
@@ -340,6 +343,26 @@ def allocate(
         rate_upper=float(max(rate_upper, expected / seconds)),
         hull_gap=hull_gap,
     )
+
+
+def _allocate_one(gain: np.ndarray, cost: StepCost, num_reqs: int, q0: int, base: float, ctx: float,
+                  token_budget: int | None, hull_gap: float) -> Allocation:
+    """One request: every prefix n = 0 .. cap scored with one cost call, the best kept (exact,
+    so ``rate_upper`` is the rate itself). ``gain`` [cap]: the request's capped probabilities.
+    Ties go to the smaller n, as in the batched scan. Example: gains [0.9, 0.1], cost 1 + 0.2 n
+    s, base 1 -> rates [1, 1.58, 1.43] -> n = 1."""
+    t_max = gain.size if token_budget is None else min(gain.size, max(int(token_budget), 0))
+    totals = np.arange(t_max + 1)  # [t_max + 1] candidate n
+    num = base + np.concatenate([[0.0], np.cumsum(gain[:t_max])])
+    sec = np.asarray(cost.predict(num_reqs, q0 + totals, totals, ctx * totals, np.minimum(totals, 1)),
+                     np.float64).reshape(-1)
+    if sec.shape != totals.shape or np.any(~(sec > 0)):
+        raise ValueError("cost.predict must return positive seconds for every total")
+    rate = num / sec
+    t = int(np.argmax(rate))
+    return Allocation(cuts=np.array([t], np.int64), tree_rows=t, expected_tokens=float(num[t]),
+                      seconds=float(sec[t]), rate=float(rate[t]), plain_rate=float(rate[0]),
+                      rate_upper=float(rate[t]), hull_gap=hull_gap)
 
 
 def _best_prefix(order: np.ndarray, num: np.ndarray, sec: np.ndarray, best):
