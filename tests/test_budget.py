@@ -286,3 +286,55 @@ def time_now() -> float:
     import time
 
     return time.perf_counter()
+
+
+def test_harvest_runs_later_with_the_bigram_key_of_its_own_step():
+    """``observe_batch`` counts a step's trees at once and harvests their rows later
+    (``run_deferred``): the next proposal is built from the tables as they were (one step of
+    lag), and the late harvest writes exactly what harvesting at once would have, bigram key
+    included, though that proposal has moved the state's ``_prev_root`` on.
+
+    Catches: a harvest that runs at once again (the reply would wait for it), one that reads
+    ``_prev_root`` when it runs (the next root's key: wrong bigram rows), metrics that wait for
+    the harvest (counters short by a step), rows read from logits vLLM may overwrite."""
+    import torch
+
+    from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
+    from vllm_anisotropic.integration.vllm.metrics import TreeMetrics
+    from vllm_anisotropic.proposers import get_proposer
+
+    vocab = 64
+    context = np.array([5, 6, 7, 5, 6, 7, 5, 6], np.int64)
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(0))
+
+    def tables(state):
+        t = state.table
+        bigram = {k: t.bigram_ids[s].tolist() for k, s in t._bigram_slots.items()}
+        return t.unigram_ids.copy(), bigram
+
+    # at once: harvest, then propose the next tree
+    eager = get_proposer("goose", vocab_size=vocab).new_request()
+    tree = eager.propose(context)
+    n = tree.num_nodes
+    from vllm_anisotropic.proposers.adjacency import TopKRows
+
+    eager.observe(tree, [], TopKRows.of(logits[:n], eager.harvest_top_k))
+    after_eager = tables(eager)
+
+    d = object.__new__(TreeDrafter)
+    d.states, d._deferred, d.metrics = {}, [], TreeMetrics()
+    d.sink = SimpleNamespace(trace=False, tick=lambda force=False: None)
+    state = d.states["r"] = get_proposer("goose", vocab_size=vocab).new_request()
+    assert state.propose(context).tokens.tolist() == tree.tokens.tolist()
+    before = tables(state)
+    buffer = logits.clone()
+    d.observe_batch([("r", tree, [], slice(0, n))], buffer)
+    assert d.metrics.verified_trees + d.metrics.plain_steps == 1  # counted now
+    assert np.array_equal(tables(state)[0], before[0]) and tables(state)[1] == before[1]  # not harvested yet
+    buffer.fill_(0.0)  # vLLM reuses its logits buffer
+    nxt = state.propose(np.append(context, [7, 9]))  # moves _prev_root to 7
+    assert state._prev_root == 7
+    d.run_deferred()
+    late = tables(state)
+    assert np.array_equal(late[0], after_eager[0]) and late[1] == after_eager[1]
+    assert d._deferred == [] and nxt.num_nodes >= 1

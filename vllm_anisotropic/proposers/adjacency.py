@@ -41,6 +41,7 @@ they share prefix-cache blocks. ``shared_table: false`` gives every request a ta
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections import OrderedDict
 
@@ -289,9 +290,15 @@ class HarvestingState(RequestState):
     def harvest_top_k(self) -> int:
         return self.table.top_k
 
-    def observe(self, tree: DraftTree, accepted, logits: torch.Tensor | None) -> None:
+    def observe(self, tree: DraftTree, accepted, logits: torch.Tensor | None, prev_root: int | None = None) -> None:
+        """Harvest the verified rows; ``prev_root``: the bigram key's first token, the token
+        before ``tree``'s root (default: the one ``propose`` saw last)."""
         if logits is not None:
-            self.table.harvest_tree(tree, self._prev_root, logits)
+            self.table.harvest_tree(tree, self._prev_root if prev_root is None else prev_root, logits)
+
+    def observe_later(self, tree: DraftTree, accepted):
+        # the next propose moves _prev_root to the next root's predecessor
+        return functools.partial(self.observe, tree, accepted, prev_root=self._prev_root)
 
     def observe_prefill(self, prompt_tokens, logits: torch.Tensor | None) -> None:
         if logits is not None:

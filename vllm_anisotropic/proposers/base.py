@@ -15,6 +15,10 @@ returns a per-request
   accepted node indices (root excluded, root->leaf order, ``VerifyResult.accepted``) and
   ``logits`` the target logits of every verified node, ``[num_nodes, vocab_size]`` (row i =
   next-token logits after node i's path), or None when the caller cannot provide them.
+* ``state.observe_later(tree, accepted)`` -- the same learning, to run later: returns a
+  callable taking the ``logits``, bound now to whatever the next ``propose`` overwrites (the
+  engine's drafter harvests a step's rows after it has proposed the next tree; see
+  ``integration/vllm/drafter.py``).
 * ``state.observe_prefill(prompt_tokens, logits)`` -- optional harvest of the prefill
   (row j = logits after ``prompt_tokens[j]``).
 
@@ -25,8 +29,9 @@ from __future__ import annotations
 
 import abc
 import enum
+import functools
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -85,6 +90,11 @@ class RequestState(abc.ABC):
 
     def observe(self, tree: DraftTree, accepted: Sequence[int], logits: torch.Tensor | None) -> None:
         """Learn from a verified tree; default: nothing to learn."""
+
+    def observe_later(self, tree: DraftTree, accepted: Sequence[int]) -> Callable[[torch.Tensor | None], None]:
+        """``observe(tree, accepted, logits)`` to call after the next ``propose``; a state whose
+        ``observe`` reads what ``propose`` sets binds it here."""
+        return functools.partial(self.observe, tree, accepted)
 
     def observe_prefill(self, prompt_tokens, logits: torch.Tensor | None) -> None:
         """Harvest prefill logits; default: nothing."""

@@ -265,9 +265,9 @@ class GooseState(HarvestingState):
         self.last_info = ProposalInfo(mode, spine_len=spine_len, **info)
         return tree
 
-    def observe(self, tree: DraftTree, accepted, logits: torch.Tensor | None) -> None:
+    def observe(self, tree: DraftTree, accepted, logits: torch.Tensor | None, prev_root: int | None = None) -> None:
         # Algorithm 2 line 15: harvest every verified node, rejected branches included
-        super().observe(tree, accepted, logits)
+        super().observe(tree, accepted, logits, prev_root)
         # line 16: p_s <- (1 - c) p_s + c * (accepted spine nodes / proposed spine nodes)
         is_spine = tree.sources == NodeSource.SPINE
         num_spine = int(np.count_nonzero(is_spine))

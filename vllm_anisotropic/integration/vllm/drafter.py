@@ -9,8 +9,10 @@ Scope: bookkeeping between vLLM's flat draft lists and our ``DraftTree``s. The t
 2. ``take_tree`` in the next step's ``_prepare_inputs``: vLLM may schedule only a prefix of
    that list (token budget, ``max_model_len``); the tree is cut with ``truncate(1 + n)``,
    which is a valid subtree because nodes are in parent-before-child value order.
-3. ``observe`` after verification: the logits of every verified node (root included) go to
-   the proposer state (adjacency-table harvest, spine-acceptance EMA).
+3. ``observe_batch`` after verification: the logits of every verified node (root included) go
+   to the proposer state (adjacency-table harvest, spine-acceptance EMA), applied after the
+   step's reply (``run_deferred``), so the next tree is proposed from the tables as they were
+   one step earlier.
 
 State lives per request (``Proposer.new_request(tenant)``, the tenant being the request's
 ``cache_salt``), created at the first proposal and
@@ -24,6 +26,7 @@ Example: tree tokens ``[r, 5, 9, 7]`` parents ``[-1, 0, 0, 1]`` -> vLLM draft li
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Sequence
 
@@ -87,6 +90,8 @@ class TreeDrafter:
         # cut cost proposal time (the tree build, the probabilities) and buy nothing
         self.offer_factor = float(self.config.engine.allocator_offer_factor) if self.acceptance is not None else 0.0
         self.kept_mark: dict[str, float] = {}
+        # harvests of verified rows waiting to run (observe_batch -> run_deferred)
+        self._deferred: list = []
         # tree counters -> stats file (VLLM_ANISOTROPIC_TREE_STATS), /metrics and the log (metrics.py)
         self.metrics = TreeMetrics()
         self.sink = MetricsSink(self.metrics, rank=_tp_rank())
@@ -230,10 +235,12 @@ class TreeDrafter:
     def observe(self, req_id: str, tree: DraftTree, accepted: list[int], logits: torch.Tensor | None) -> None:
         """After verification: logits ``[num_nodes, vocab_size]``, row i after node i's path."""
         state = self.states.get(req_id)
-        mode = None
+        self._record(req_id, state, tree, accepted)
         if state is not None:
-            mode = getattr(state.last_info.mode, "value", None)  # the info of this tree's proposal
             state.observe(tree, accepted, logits)
+
+    def _record(self, req_id: str, state, tree: DraftTree, accepted) -> None:
+        mode = getattr(state.last_info.mode, "value", None) if state is not None else None  # this tree's proposal
         self.metrics.record(req_id, tree, accepted, mode, trace=self.sink.trace)
         self.sink.tick()
 
@@ -244,6 +251,17 @@ class TreeDrafter:
         holding the tree's ``num_nodes`` rows. The harvesting proposers read only the top-k of
         each row: one softmax + top-k over the concatenated rows and one device-to-host copy
         replace one per request (``adjacency.TopKRows``).
+
+        The harvest runs later (``run_deferred``): the step's reply, with the next step's
+        drafts, does not wait for it. The metrics are counted now; the rows are copied now
+        (vLLM may reuse the logits buffer); the states' learning is bound now
+        (``RequestState.observe_later``) and applied after the next proposal, so that proposal
+        does not yet see this step's rows (one step of lag in the adjacency table and the spine
+        EMA; drafts only, never outputs). Where it runs: right after the worker's reply, while
+        the scheduler process cuts and schedules the next step and this worker would only wait
+        (``patches.py`` patch 7, multiprocess executors), or else at the start of the next step
+        (``runner.TreeRunnerMixin._update_states``), in both cases before anything else of the
+        next step: the same order on every tensor-parallel rank and in every executor.
         """
         ks = [st.harvest_top_k for st in (self.states.get(r) for r, *_ in items) if st is not None]
         ks = [k for k in ks if k]
@@ -251,15 +269,20 @@ class TreeDrafter:
             for req_id, tree, accepted, rows in items:
                 self.observe(req_id, tree, accepted, logits[rows])
             return
-        from vllm_anisotropic.proposers.adjacency import TopKRows
-
         index = torch.cat([torch.arange(r.start, r.stop) for *_, r in items]).to(logits.device)
-        top = TopKRows.of(logits.index_select(0, index), max(ks))
-        offset = 0
+        picked = logits.index_select(0, index)  # [num_rows, vocab_size], a copy
+        later = []
         for req_id, tree, accepted, rows in items:
-            n = rows.stop - rows.start
-            self.observe(req_id, tree, accepted, top[offset : offset + n])
-            offset += n
+            state = self.states.get(req_id)
+            self._record(req_id, state, tree, accepted)
+            later.append((state.observe_later(tree, accepted) if state is not None else None, rows.stop - rows.start))
+        self._deferred.append(functools.partial(_harvest, later, picked, max(ks)))
+
+    def run_deferred(self) -> None:
+        """Apply the harvests ``observe_batch`` left for later, oldest first."""
+        deferred, self._deferred = self._deferred, []
+        for work in deferred:
+            work()
 
     def drop(self, req_id: str) -> None:
         """The request finished or was aborted."""
@@ -280,6 +303,18 @@ class TreeDrafter:
         release = getattr(self.states.get(req_id), "release", None)
         if release is not None:
             release()
+
+
+def _harvest(later, picked: torch.Tensor, k: int) -> None:
+    """One top-k over a step's copied rows, then each state's bound ``observe``."""
+    from vllm_anisotropic.proposers.adjacency import TopKRows
+
+    top = TopKRows.of(picked, k)
+    offset = 0
+    for observe, n in later:
+        if observe is not None:
+            observe(top[offset : offset + n])
+        offset += n
 
 
 def shape_only(tree: DraftTree) -> DraftTree:

@@ -32,6 +32,11 @@ Patches (vLLM 0.32; file:line in shared/notes/vllm-0.32-spec-decode-map.md secti
    ``update_from_output``; for a scheduler that says so (``drafts_arrive_with_output``) the
    RPC is skipped. Measured: the reply alone was 2.6 % of the worker's wall time at four
    requests (docs/allocator.md). Every other scheduler: vLLM's own ``post_step``.
+7. ``WorkerProc._execute_worker_rpc`` (worker processes of vLLM's multiprocess executor): after
+   an RPC has been answered, a model runner with ``after_reply`` (the tree runner) runs the
+   work it deferred past its reply (the step's harvest, ``drafter.TreeDrafter.observe_batch``)
+   while the engine core schedules the next step; any other runner: nothing. In-process
+   executors have no such loop; the tree runner then runs it at the start of the next step.
 
 The subclasses those classes install override private vLLM methods; ``vllm_surface.py`` lists
 every such name (with the parameters passed through) and every step-object field they read,
@@ -346,6 +351,23 @@ def _patch_post_step(cls) -> None:
     cls.post_step = _mark(post_step)
 
 
+# ---------------------------------------------------------------- 7: WorkerProc._execute_worker_rpc
+def _patch_worker_rpc(cls) -> None:
+    if _already(cls, "_execute_worker_rpc"):
+        return
+    original = cls._execute_worker_rpc
+
+    @functools.wraps(original)
+    def _execute_worker_rpc(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)  # the reply is on its way to the engine core
+        after = getattr(getattr(self.worker, "model_runner", None), "after_reply", None)
+        if after is not None:
+            after()
+        return out
+
+    cls._execute_worker_rpc = _mark(_execute_worker_rpc)
+
+
 def apply() -> bool:
     """Install the patches in this process (idempotent). Returns whether vLLM is supported."""
     from vllm.engine.arg_utils import EngineArgs
@@ -367,4 +389,7 @@ def apply() -> bool:
     from vllm.v1.engine.core import EngineCore
 
     _patch_post_step(EngineCore)
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    _patch_worker_rpc(WorkerProc)
     return True

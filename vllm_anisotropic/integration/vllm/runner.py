@@ -179,12 +179,19 @@ class TreeRunnerMixin:
 
     # ------------------------------------------------------------------ request lifecycle
     def _update_states(self, scheduler_output):
+        # the previous step's harvest, unless the worker ran it after its reply (after_reply)
+        self.drafter.run_deferred()
         self.drafter.tenants.update(getattr(scheduler_output, "tree_tenants", None) or {})
         for req_id in scheduler_output.finished_req_ids:
             self.drafter.drop(req_id)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.drafter.drop_tree(req_id)
         return super()._update_states(scheduler_output)
+
+    def after_reply(self) -> None:
+        """Called by the worker process after it has sent a reply (``patches.py`` patch 7): the
+        step's deferred harvest runs while the scheduler prepares the next step."""
+        self.drafter.run_deferred()
 
     # ------------------------------------------------------------------ inputs
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):

@@ -69,6 +69,8 @@ METHODS: dict[str, tuple[str, ...]] = {
     "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids": ("self", "draft_token_ids"),
     # patches.py patch 6: the tree scheduler takes the drafts from the step's output
     "vllm.v1.engine.core:EngineCore.post_step": ("self", "model_executed"),
+    # patches.py patch 7: work the tree runner deferred past its reply
+    "vllm.v1.executor.multiproc_executor:WorkerProc._execute_worker_rpc": ("self", "rpc_request"),
     # sampler.TreeRejectionSampler replaces the runner's rejection sampler, same call
     "vllm.v1.sample.rejection_sampler:RejectionSampler.forward": ("self", "metadata", "draft_probs", "logits", "sampling_metadata"),
     # attention.TreeCPUAttentionImpl
@@ -92,8 +94,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
 CLASS_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("max_spec_len",),
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend": ("get_impl_cls",),
-    # patches.py patch 6 reads the engine core's scheduler
+    # patches.py patch 6 reads the engine core's scheduler, patch 7 the worker process's worker
     "vllm.v1.engine.core:EngineCore": ("scheduler",),
+    "vllm.v1.executor.multiproc_executor:WorkerProc": ("worker",),
     # budget.BatchBudget.cut and scheduler.TreeScheduler read the scheduler's running requests
     "vllm.v1.request:Request": ("request_id", "spec_token_ids", "num_tokens", "num_computed_tokens",
                                 "num_prompt_tokens", "cache_salt"),
