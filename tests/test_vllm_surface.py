@@ -49,7 +49,7 @@ def test_runner_attributes():
                             token_ids_cpu=None)
     runner = SimpleNamespace(drafter=None, rejection_sampler=SimpleNamespace(sampler=None), input_batch=batch,
                              query_start_loc=None, positions=None, requests={}, uses_mrope=False,
-                             scheduler_config=None, model_config=None)
+                             scheduler_config=None, model_config=None, speculative_config=None)
     check_runner(runner)
     del batch.token_ids_cpu
     with pytest.raises(VllmSurfaceError, match=r"missing attribute\(s\) \['input_batch.token_ids_cpu'\]"):

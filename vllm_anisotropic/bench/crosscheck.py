@@ -106,7 +106,8 @@ def run_engine(model_dir, prompts: list[list[int]], max_tokens: int, method: str
 
 
 def run_harness(model, prompts: list[list[int]], max_tokens: int, method: str, options: dict, eos):
-    """The exact harness started the way vLLM starts: (tokens, traces) per prompt."""
+    """The exact harness started the way vLLM starts, learning in the engine's order (a step's
+    harvest after the next proposal): (tokens, traces) per prompt."""
     from vllm_anisotropic.bench.harness import TreeDecoder
     from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
     from vllm_anisotropic.proposers import get_proposer
@@ -117,7 +118,7 @@ def run_harness(model, prompts: list[list[int]], max_tokens: int, method: str, o
     tokens, traces = [], []
     for ids in prompts:
         res = decoder.generate(ids, proposer.new_request(), max_tokens, eos, harvest_prefill=False,
-                               first_token_from_prefill=True)
+                               first_token_from_prefill=True, harvest_lag=True)
         tokens.append(res.tokens)
         traces.append([s.accepted for s in res.steps])
     return tokens, traces

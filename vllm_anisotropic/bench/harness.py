@@ -30,6 +30,7 @@ sequential one. The harness therefore reports token identity against a plain gre
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from vllm_anisotropic.proposers.adjacency import TopKRows
 from vllm_anisotropic.proposers.base import ProposalMode, RequestState
 from vllm_anisotropic.tree import DraftTree, NodeSource
 from vllm_anisotropic.verifiers import get_verifier
@@ -185,6 +187,7 @@ class TreeDecoder:
         eos_ids=(),
         harvest_prefill: bool = True,
         first_token_from_prefill: bool = False,
+        harvest_lag: bool = False,
     ) -> DecodeResult:
         """Tree speculative decoding of ``prompt`` with ``state`` (see module docstring).
 
@@ -193,6 +196,10 @@ class TreeDecoder:
         computes only that row), and the first tree is rooted at that token. ``res.steps`` then
         holds the verification steps only; ``bench/crosscheck.py`` compares them with the
         engine's per-step accepted lengths.
+
+        ``harvest_lag=True`` learns in the engine's order: a step's harvest (top-k rows,
+        adjacency / EMA updates) is applied after the next tree is proposed, so each proposal
+        sees the tables as they were one step earlier (``TreeDrafter.observe_batch``).
         """
         assert len(prompt) >= 1
         t_start = time.perf_counter()
@@ -216,9 +223,13 @@ class TreeDecoder:
         self._sync()
         res.prefill_s = time.perf_counter() - t_start
         done = bool(res.tokens) and (len(res.tokens) >= max_new_tokens or res.tokens[-1] in eos)
+        pending = None  # harvest_lag: the previous step's bound harvest
         while not done:
             t0 = time.perf_counter()
             tree = state.propose(np.asarray(context, dtype=np.int64))
+            if pending is not None:
+                pending()
+                pending = None
             t1 = time.perf_counter()
             n = tree.num_nodes
             ids = torch.from_numpy(tree.tokens).view(1, n).to(self.device)
@@ -231,7 +242,11 @@ class TreeDecoder:
             t2 = time.perf_counter()
             result = self.verifier.verify(tree, logits.float())
             t3 = time.perf_counter()
-            state.observe(tree, result.accepted, logits)
+            if harvest_lag and state.harvest_top_k:
+                pending = functools.partial(state.observe_later(tree, result.accepted),
+                                            TopKRows.of(logits, state.harvest_top_k))
+            else:
+                state.observe(tree, result.accepted, logits)
             t4 = time.perf_counter()
             accepted = list(result.accepted)
             keep = torch.cat(
