@@ -37,6 +37,7 @@ from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, contin
 from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
 from vllm_anisotropic.integration.vllm.metrics import MetricsSink, TreeMetrics
 from vllm_anisotropic.proposers import get_proposer
+from vllm_anisotropic.proposers.adjacency import TopKRows
 from vllm_anisotropic.proposers.base import RequestState
 from vllm_anisotropic.tree import DraftTree
 
@@ -307,8 +308,6 @@ class TreeDrafter:
 
 def _harvest(later, picked: torch.Tensor, k: int) -> None:
     """One top-k over a step's copied rows, then each state's bound ``observe``."""
-    from vllm_anisotropic.proposers.adjacency import TopKRows
-
     top = TopKRows.of(picked, k)
     offset = 0
     for observe, n in later:
