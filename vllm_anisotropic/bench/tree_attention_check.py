@@ -60,6 +60,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=1500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-timing", action="store_true")
+    p.add_argument("--timing-shapes", default="14:2:64,12:2:128",
+                   help="num_heads:num_kv_heads:head_size of the timing tables (Qwen2.5 0.5B, 1.5B)")
     p.add_argument("--out", default=None, help="JSON output")
     p.set_defaults(func=run)
     return p
@@ -197,9 +199,15 @@ def check_case(b) -> dict:
         plan = b["plan"]
         out_a, lse_a = context(b["query"][plan.packed_rows], plan.cu_nodes, plan.context_lens)
         output = torch.zeros_like(b["query"])
-        fused_tree_rows_attention(b["query"], b["key"], b["value"], out_a, lse_a, plan.node_rows,
-                                  plan.ancestor_bits, plan.cu_nodes, output, b["scale"], b["softcap"])
-        out["fused_max_abs_err"] = float((output[plan.packed_rows].double() - ref).abs().max())
+        variants = {"fused_max_abs_err": None}  # the default: tensor cores for 16-bit inputs
+        if dt in (torch.float16, torch.bfloat16):
+            variants["fused_ieee_max_abs_err"] = False
+        for name, tensor_cores in variants.items():
+            output = torch.zeros_like(b["query"])
+            fused_tree_rows_attention(b["query"], b["key"], b["value"], out_a, lse_a, plan.node_rows,
+                                      plan.ancestor_bits, plan.cu_nodes, output, b["scale"], b["softcap"],
+                                      tensor_cores=tensor_cores)
+            out[name] = float((output[plan.packed_rows].double() - ref).abs().max())
     if not b["softcap"]:
         out["one_pass_max_abs_err"] = float((_one_pass(b, dt).double() - ref).abs().max())
     return out
@@ -235,11 +243,18 @@ def _time(fn, device, repeats=20, inner=20) -> float:
     return float(np.median(times))
 
 
-def timing_table(device, dtype, num_heads=14, num_kv_heads=2, head_size=64, seed=0) -> list[dict]:
-    """Part (b) + merge cost per layer for batch x nodes, and SDPA decode rows over a 1024 context."""
+# fused-kernel variants timed side by side: (name, tensor_cores, num_warps)
+FUSED_VARIANTS = [("fused_ieee_w4", False, 4), ("fused_tc_w4", True, 4), ("fused_tc_w8", True, 8)]
+
+
+def timing_table(device, dtype, num_heads=14, num_kv_heads=2, head_size=64, seed=0,
+                 batches=(1, 4, 8, 16, 32, 64), node_counts=(4, 8, 16, 32, 64)) -> list[dict]:
+    """Part (b) + merge cost per layer for batch x nodes, each fused-kernel variant (16-bit
+    dtypes: IEEE float32 products vs tensor cores, 4 vs 8 warps), and SDPA decode rows over a
+    1024 context."""
     rng = np.random.default_rng(seed)
     rows = []
-    for batch, nodes in itertools.product([1, 4, 16, 32], [4, 16, 64]):
+    for batch, nodes in itertools.product(batches, node_counts):
         q = torch.randn(batch, nodes, num_heads, head_size, device=device, dtype=dtype)
         k = torch.randn(batch, nodes, num_kv_heads, head_size, device=device, dtype=dtype)
         v = torch.randn_like(k)
@@ -251,7 +266,7 @@ def timing_table(device, dtype, num_heads=14, num_kv_heads=2, head_size=64, seed
         ob = out_a.clone()
         lb = lse_a.clone()
         t_merge = _time(lambda: merge_partials(out_a, lse_a, ob, lb), device)
-        t_fused = float("nan")
+        fused = {}
         if _fused_available(device):
             from vllm_anisotropic.tree_attention_triton import fused_tree_rows_attention
 
@@ -259,14 +274,19 @@ def timing_table(device, dtype, num_heads=14, num_kv_heads=2, head_size=64, seed
                                            [1024 + nodes] * batch, device=device)
             qf, kf, vf = q.reshape(-1, num_heads, head_size), k.reshape(-1, num_kv_heads, head_size), v.reshape(-1, num_kv_heads, head_size)
             outf = torch.empty_like(qf)
-            t_fused = _time(lambda: fused_tree_rows_attention(qf, kf, vf, out_a, lse_a, plan.node_rows, plan.ancestor_bits,
-                                                              plan.cu_nodes, outf, head_size**-0.5), device)
+            for name, tensor_cores, warps in FUSED_VARIANTS:
+                if tensor_cores and dtype == torch.float32:
+                    continue
+                fused[f"{name}_us"] = 1e6 * _time(
+                    lambda: fused_tree_rows_attention(qf, kf, vf, out_a, lse_a, plan.node_rows, plan.ancestor_bits,
+                                                      plan.cu_nodes, outf, head_size**-0.5, tensor_cores=tensor_cores,
+                                                      num_warps=warps), device)
         # decode attention of the same batch, one row per request over 1024 keys (SDPA)
         qd = torch.randn(batch, num_heads, 1, head_size, device=device, dtype=dtype)
         kd = torch.randn(batch, num_kv_heads, 1024, head_size, device=device, dtype=dtype)
         vd = torch.randn_like(kd)
         t_dec = _time(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True), device)
-        rows.append({"batch": batch, "nodes": nodes, "ancestor_us": 1e6 * t_anc, "merge_us": 1e6 * t_merge, "fused_us": 1e6 * t_fused,
+        rows.append({"batch": batch, "nodes": nodes, "ancestor_us": 1e6 * t_anc, "merge_us": 1e6 * t_merge, **fused,
                      "decode_sdpa_ctx1024_us": 1e6 * t_dec})
     return rows
 
@@ -292,20 +312,29 @@ def run(args) -> int:
         w = worst.setdefault(dt_name, {"split": 0.0, "one_pass": 0.0, "fused": 0.0})
         w["split"] = max(w["split"], case["split_max_abs_err"])
         w["fused"] = max(w["fused"], case.get("fused_max_abs_err", 0.0))
+        if "fused_ieee_max_abs_err" in case:
+            w["fused_ieee"] = max(w.get("fused_ieee", 0.0), case["fused_ieee_max_abs_err"])
         w["one_pass"] = max(w["one_pass"], case.get("one_pass_max_abs_err", 0.0))
     results["worst"] = worst
     for dt_name, w in worst.items():
         print(f"{dt_name:9s} {sum(c['dtype'] == dt_name for c in results['cases'])} cases: "
               f"split max |err| {w['split']:.2e}   one-pass (no split) max |err| {w['one_pass']:.2e}"
-              + (f"   fused Triton split max |err| {w['fused']:.2e}" if fused else ""))
+              + (f"   fused Triton split max |err| {w['fused']:.2e}" if fused else "")
+              + (f" (IEEE float32 products: {w['fused_ieee']:.2e})" if fused and "fused_ieee" in w else ""))
     if not args.no_timing:
         for dt_name in args.dtypes.split(","):
-            for row in timing_table(device, _DTYPES[dt_name]):
-                results["timing"].append({"dtype": dt_name, **row})
-        print("dtype     batch nodes  ancestor_us  merge_us  fused_us  decode_sdpa_ctx1024_us (per layer)")
+            for shape in args.timing_shapes.split(","):
+                h, kvh, hs = (int(x) for x in shape.split(":"))
+                for row in timing_table(device, _DTYPES[dt_name], num_heads=h, num_kv_heads=kvh, head_size=hs):
+                    results["timing"].append({"dtype": dt_name, "shape": shape, **row})
+        names = [n for n, _, _ in FUSED_VARIANTS]
+        print("per layer, us: dtype  heads:kv:size batch nodes  ancestor  merge  " + "  ".join(names)
+              + "  decode_sdpa_ctx1024")
         for r in results["timing"]:
-            print(f"{r['dtype']:9s} {r['batch']:5d} {r['nodes']:5d} {r['ancestor_us']:12.1f} "
-                  f"{r['merge_us']:9.1f} {r['fused_us']:9.1f} {r['decode_sdpa_ctx1024_us']:12.1f}")
+            fused_cols = "  ".join(f"{r.get(n + '_us', float('nan')):{len(n)}.1f}" for n in names)
+            print(f"{r['dtype']:9s} {r['shape']:>9s} {r['batch']:5d} {r['nodes']:5d} {r['ancestor_us']:9.1f} "
+                  f"{r['merge_us']:6.1f}  "
+                  f"{fused_cols}  {r['decode_sdpa_ctx1024_us']:19.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
