@@ -10,10 +10,10 @@ root), then overwrites the rows of draft nodes with the split of ``tree_attentio
         ``return_softmax_lse=True`` and no FA3 ``scheduler_metadata`` (the batch's is built for
         the causal call of other shapes);
     (b) + (c) attention of each node over its ancestors among the step's fresh K/V, merged with
-        (a) by log-sum-exp: the fused Triton kernel (``tree_attention_triton``) for small
-        steps, the torch parts + vLLM's ``merge_attn_states`` for large ones (docs/gpu.md:
-        the fused kernel is 20x cheaper at 16 node rows and spills at 2048; the switch point
-        ``FUSED_MAX_ROWS`` has not been swept).
+        (a) by log-sum-exp: the fused Triton kernel (``tree_attention_triton``, tensor-core
+        products for 16-bit dtypes) up to ``FUSED_MAX_ROWS`` node rows, the torch parts +
+        vLLM's ``merge_attn_states`` beyond (docs/gpu.md: on an H200 the fused kernel is 10-25x
+        cheaper than the torch parts at every measured shape, 1 to 64 requests x 4 to 64 nodes).
 
 The identity is the one vLLM's own ``FlashAttentionImpl._forward_with_dcp`` relies on (a paged
 non-causal part and a fresh part merged by LSE). The plan (``TreeAttentionPlan``) is built once
@@ -50,9 +50,10 @@ __all__ = ["TreeFlashAttentionBackend", "TreeFlashAttentionImpl", "UnsupportedTr
            "TREE_FLASH_BACKEND_CLS", "FUSED_MAX_ROWS"]
 
 TREE_FLASH_BACKEND_CLS = f"{__name__}.TreeFlashAttentionBackend"
-# node rows (tree requests x padded nodes) up to which the fused Triton kernel runs (measured on
-# an H100: 3.6 us at 16 rows, 906 us at 2048 rows against 190 us for the torch parts)
-FUSED_MAX_ROWS = 256
+# node rows (tree requests x padded nodes) up to which the fused Triton kernel runs: the largest
+# shape measured (H200, bf16, Qwen2.5-1.5B heads 12:2 x 128, 64 requests x 64 nodes: 20.1 us a
+# layer with tensor cores against 250 + 136 us for the torch parts; docs/gpu.md section 3)
+FUSED_MAX_ROWS = 4096
 
 
 class UnsupportedTreeAttention(NotImplementedError):
