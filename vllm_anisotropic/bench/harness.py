@@ -276,6 +276,7 @@ class TreeDecoder:
                 if len(res.tokens) >= max_new_tokens or tok in eos:
                     done = True
                     break
+        state.finish()
         res.wall_s = time.perf_counter() - t_start
         return res
 

@@ -99,6 +99,9 @@ class RequestState(abc.ABC):
     def observe_prefill(self, prompt_tokens, logits: torch.Tensor | None) -> None:
         """Harvest prefill logits; default: nothing."""
 
+    def finish(self) -> None:
+        """The request finished or was aborted; default: nothing to keep."""
+
 
 class Proposer(abc.ABC):
     """A configured drafting method; ``new_request()`` makes the per-request state."""

@@ -102,6 +102,14 @@ class GooseConfig(AdjacencyConfig):
     branch budget goes to the root)."""
     context_spine: bool = True
     """Use context matches at all (ablation 'w/o context-match spine': TR-sourced tree only)."""
+    cross_request_spine: bool = True
+    """When the request's own context has no n-gram match, match into the finished requests of
+    its tenant (``output_store.OutputStore``: the last ``store_prompt_tail`` prompt tokens and
+    the output of each). Needs ``shared_table`` (the tenant boundary). Not in the paper."""
+    store_capacity: int = Field(default=1 << 14, ge=64)
+    """Tokens of finished requests the cross-request store keeps per tenant (oldest evicted)."""
+    store_prompt_tail: int = Field(default=16, ge=0)
+    """Prompt tokens stored before each output (the chat template's assistant header)."""
 
 
 class TokenRecyclingConfig(AdjacencyConfig):

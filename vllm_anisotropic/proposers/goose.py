@@ -61,6 +61,7 @@ from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState
 from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, node_budget
 from vllm_anisotropic.proposers.config import GooseConfig
 from vllm_anisotropic.proposers.context_match import ContextMatch, ContextMatcher
+from vllm_anisotropic.proposers.output_store import OutputStore
 from vllm_anisotropic.proposers.treebuild import TreeBuilder
 from vllm_anisotropic.tree import DraftTree, NodeSource
 
@@ -214,9 +215,11 @@ def build_spine_tree(
 class GooseState(HarvestingState):
     """Per-request GOOSE state: context index, spine-acceptance EMA, the (shared) table."""
 
-    def __init__(self, config: GooseConfig, table: AdjacencyTable) -> None:
+    def __init__(self, config: GooseConfig, table: AdjacencyTable, store: OutputStore | None = None) -> None:
         self.config = config
         self.table = table
+        self.store = store  # the tenant's finished requests (cross_request_spine), or None
+        self._prompt_len = -1
         self.matcher = ContextMatcher(config.ngram_sizes, config.max_continuation)
         self.spine_acceptance = float(config.initial_spine_acceptance)  # p_s (EMA)
         self._prev_root = -1
@@ -237,13 +240,21 @@ class GooseState(HarvestingState):
         context = np.asarray(context_tokens)
         root = int(context[-1])
         self._prev_root = int(context[-2]) if len(context) >= 2 else -1
+        if self._prompt_len < 0:
+            self._prompt_len = len(context) - 1  # the first proposal follows the prefill's token
         hit = _NO_MATCH
+        from_store = False
         if cfg.context_spine:
             self.matcher.sync(context)
-            hit = self.matcher.match(min(cfg.max_continuation, budget - 1))
+            limit = min(cfg.max_continuation, budget - 1)
+            hit = self.matcher.match(limit)
+            if not hit.found and self.store is not None:
+                draft, n = self.store.match(self.matcher.tokens, limit)
+                if n:
+                    hit, from_store = ContextMatch(draft, n, n, False, -1), True
         r = spine_ratio_tier(self.spine_acceptance, cfg.tier_thresholds, cfg.tier_ratios)
         info = dict(ngram=hit.ngram, match_length=hit.match_length, consensus=hit.consensus, spine_ratio=r)
-        if self._is_bypass(hit):
+        if not from_store and self._is_bypass(hit):  # another request's text is no bypass signal
             tree = spine_chain(root, hit.draft, self.spine_acceptance)
             self.last_info = ProposalInfo(ProposalMode.BYPASS, spine_len=len(hit.draft), **info)
             return tree
@@ -264,6 +275,13 @@ class GooseState(HarvestingState):
         spine_len = int(np.count_nonzero(tree.sources == NodeSource.SPINE))
         self.last_info = ProposalInfo(mode, spine_len=spine_len, **info)
         return tree
+
+    def finish(self) -> None:
+        """The request is done: its prompt's tail and output go to the cross-request store."""
+        if self.store is not None and self._prompt_len >= 0:
+            start = max(0, self._prompt_len - self.config.store_prompt_tail)
+            self.store.add(self.matcher.tokens[start:])
+            self.store = None  # once
 
     def observe(self, tree: DraftTree, accepted, logits: torch.Tensor | None, prev_root: int | None = None) -> None:
         # Algorithm 2 line 15: harvest every verified node, rejected branches included
@@ -286,13 +304,17 @@ class GooseProposer(Proposer):
         self.config = config or GooseConfig()
         self.vocab_size = vocab_size
         self.tables = TenantTables(self._new_table, self.config.shared_table)
+        c = self.config
+        self.stores = (TenantTables(lambda: OutputStore(c.ngram_sizes, c.store_capacity), True)
+                       if c.shared_table and c.cross_request_spine and c.context_spine else None)
 
     def _new_table(self) -> AdjacencyTable:
         c = self.config
         return AdjacencyTable(self.vocab_size, c.top_k, bigram=c.bigram, bigram_capacity=c.bigram_capacity)
 
     def new_request(self, tenant: str | None = None) -> GooseState:
-        return GooseState(self.config, self.tables.for_request(tenant))
+        store = self.stores.for_request(tenant) if self.stores is not None else None
+        return GooseState(self.config, self.tables.for_request(tenant), store)
 
     @property
     def table(self) -> AdjacencyTable | None:

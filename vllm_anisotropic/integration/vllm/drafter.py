@@ -287,7 +287,9 @@ class TreeDrafter:
 
     def drop(self, req_id: str) -> None:
         """The request finished or was aborted."""
-        self.states.pop(req_id, None)
+        state = self.states.pop(req_id, None)
+        if state is not None:
+            state.finish()
         self.tenants.pop(req_id, None)
         self.trees.pop(req_id, None)
         self.zero_streak.pop(req_id, None)
