@@ -230,6 +230,22 @@ def test_sync_variant_turns_async_scheduling_off_and_combines_with_iomp(tmp_path
     assert rows[1]["speedup"] == pytest.approx(0.9)
 
 
+def test_recompute_variant_sets_the_tree_rows_mode(monkeypatch):
+    """``NAME+recompute``: the engine process gets VLLM_ANISOTROPIC_TREE_ROWS=recompute, which
+    the CPU tree attention reads (and refuses when misspelled)."""
+    from vllm_anisotropic.integration.vllm import attention
+
+    assert sweep.valid_method("goose-b4+recompute") and sweep.base_method("goose-b4+recompute") == "goose-b4"
+    env = sweep.method_env("goose-b4+recompute")
+    assert env == {attention.TREE_ROWS_ENV: "recompute"}
+    assert sweep.method_env("goose-b4") == {}
+    monkeypatch.setenv(attention.TREE_ROWS_ENV, "recompute")
+    assert attention._tree_rows_mode() == "recompute"
+    monkeypatch.setenv(attention.TREE_ROWS_ENV, "paths")
+    with pytest.raises(ValueError, match="valid values are auto, recompute"):
+        attention._tree_rows_mode()
+
+
 def test_environment_names_the_cpu_model_and_its_vector_extensions(tmp_path):
     from vllm_anisotropic.bench.sweep import cpu_model
 

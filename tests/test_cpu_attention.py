@@ -66,15 +66,17 @@ def test_bit_permutation_of_known_layouts_and_refusals():
 def _impl(num_heads, num_kv_heads, head_size):
     """A ``TreeCPUAttentionImpl`` with only what ``_tree_rows`` reads (no vLLM config needed)."""
     impl = object.__new__(TreeCPUAttentionImpl)
-    impl.num_heads, impl.head_size = num_heads, head_size
+    impl.num_heads, impl.head_size, impl.num_kv_heads = num_heads, head_size, num_kv_heads
     impl.num_queries_per_kv = num_heads // num_kv_heads
+    impl.kv_cache_dtype = "auto"
     impl.scale = head_size ** -0.5
     return impl
 
 
 @pytest.mark.parametrize("isa,block_size,layout", _layouts(), ids=lambda x: str(x) if not isinstance(x, tuple) else "")
 @pytest.mark.parametrize("num_heads,num_kv_heads,dtype", [(6, 2, torch.bfloat16), (4, 4, torch.bfloat16), (6, 2, torch.float32)])
-def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads, num_kv_heads, dtype):
+@pytest.mark.parametrize("method", ["paths", "recompute"])
+def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads, num_kv_heads, dtype, method):
     """Two tree requests (each with a chain prefix, whose rows are left to the kernel; the first
     with 3 re-run tokens before its root) and a plain request between them, KV written by
     vLLM's own cache writer through a shuffled block table: every recomputed row equals masked attention in float64 over (context + self +
@@ -82,6 +84,10 @@ def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads,
     off by one position, a K/V layout mix-up and rows written to the wrong place."""
     from vllm import _custom_ops as ops
 
+    from vllm_anisotropic.integration.vllm.amx import cpu_has_amx, request_amx_permission
+
+    if method == "paths" and isa == "amx" and not (cpu_has_amx() and request_amx_permission()):
+        pytest.skip("the amx attention kernel needs an AMX CPU (its KV layout is still probed above)")
     head_size = 64
     torch.manual_seed(1)
     # request 0: 37 context + tree [-1,0,0,1,2] (4 nodes); request 1: plain (1 row);
@@ -126,12 +132,24 @@ def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads,
                            block_table=block_table)
     layer = SimpleNamespace(isa=isa)
     output = torch.full((total_q, num_heads * head_size), 7.0)  # float32: the math at full precision
-    _impl(num_heads, num_kv_heads, head_size)._tree_rows(layer, query, kv_cache, meta, plan, output)
+    if method == "paths":
+        # each query row's fresh K/V: the last q_len positions of its request
+        key = torch.cat([k[len(k) - q:] for k, q in zip(keys, q_lens.values())]).to(dtype)
+        value = torch.cat([v[len(v) - q:] for v, q in zip(values, q_lens.values())]).to(dtype)
+        before = kv_cache.clone()
+        _impl(num_heads, num_kv_heads, head_size)._tree_rows_paths(layer, query, key, value, kv_cache, meta, plan, output)
+        assert torch.equal(kv_cache, before)  # the tree's KV is put back where the next step reads it
+    else:
+        _impl(num_heads, num_kv_heads, head_size)._tree_rows(layer, query, kv_cache, meta, plan, output)
 
     group = num_heads // num_kv_heads
     q = query.double().view(total_q, num_heads, head_size)
     out = output.view(total_q, num_heads, head_size)
     recomputed = set()
+    # the recompute works in float32; vLLM's kernel returns the model dtype (bf16: 8 bits of
+    # mantissa, so half an ulp is 2e-3 of the value), a wrong mask or head errs by ~1e-1
+    tol = 4e-3 if (method == "paths" and dtype == torch.bfloat16) else 2e-5
+    worst = 0.0
     for i, tree in trees.items():
         n, c = tree.num_nodes - 1, chain_prefix(tree)
         anc = tree.ancestor_mask[1:, 1:]
@@ -145,7 +163,47 @@ def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads,
                 kvh = h // group
                 s = (keys[i][allowed, kvh] @ q[row, h]) * head_size ** -0.5
                 want = torch.softmax(s, 0) @ values[i][allowed, kvh]
-                torch.testing.assert_close(out[row, h].double(), want, atol=2e-5, rtol=1e-4)
+                worst = max(worst, float((out[row, h].double() - want).abs().max()))
+                torch.testing.assert_close(out[row, h].double(), want, atol=tol, rtol=tol)
     untouched = [r for r in range(total_q) if r not in recomputed]
+    if method == "paths" and dtype == torch.bfloat16:
+        assert worst > 1e-4  # the kernel's bf16 output rounding: the tolerance is not vacuous
     assert len(recomputed) == 3 + 3
     assert bool((out[untouched] == 7.0).all())
+
+
+def test_path_rounds_for_slim_trees_and_the_recompute_for_bushy_ones():
+    """``_path_plan``: one path per leaf not covered by the leading chain, rounds = the most
+    paths of any request, each path laid out right after its context; a star with more paths
+    than ``PATHS_MAX_MEAN`` (as many context re-reads per layer) goes to the recompute instead."""
+    from vllm_anisotropic.integration.vllm.attention import PATHS_MAX_MEAN
+    from vllm_anisotropic.integration.vllm.runner import TreePlan, chain_prefix
+    from vllm_anisotropic.tree import DraftTree
+
+    def plan_for(parents_list, ctx=50, block_size=16):
+        trees = [DraftTree(tokens=np.zeros(len(p), dtype=np.int64), parents=np.array(p), values=np.zeros(len(p)))
+                 for p in parents_list]
+        n = [t.num_nodes - 1 for t in trees]
+        q_lens = [k + 1 for k in n]
+        seq = [ctx + k for k in n]
+        per = -(-max(seq) // block_size)
+        meta = SimpleNamespace(seq_lens=torch.tensor(seq, dtype=torch.int32),
+                               query_start_loc=torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32),
+                               block_table=torch.arange(len(trees) * per, dtype=torch.int32).view(len(trees), per))
+        plan = TreePlan(list(range(len(trees))), n, [t.ancestor_mask[1:, 1:] for t in trees],
+                        [chain_prefix(t) for t in trees])
+        return _impl(6, 2, 64)._path_plan(plan, meta, block_size, torch.float32, "vec"), meta
+
+    # chain 1-2-3 with side branches 4 (under the root) and 5 (under node 1): 2 paths
+    (rounds, src, qrows, restore_rows, restore_slots), meta = plan_for([[-1, 0, 1, 2, 0, 1]])
+    assert len(rounds) == 2
+    first = 6 - 5  # query rows: root at 0, nodes 1..5 at rows 1..5
+    # round 0: path (4) at position 50; round 1: path (1, 5) at 50, 51, querying node 5 only
+    assert src[rounds[0][0]].tolist() == [first + 3] and qrows[rounds[0][2]].tolist() == [first + 3]
+    assert src[rounds[1][0]].tolist() == [first + 0, first + 4] and qrows[rounds[1][2]].tolist() == [first + 4]
+    assert rounds[0][1].tolist() == [50] and rounds[1][1].tolist() == [50, 51]
+    assert rounds[0][4].tolist() == [51] and rounds[1][4].tolist() == [52]  # context + path length
+    assert restore_rows.tolist() == [1, 2, 3, 4, 5] and restore_slots.tolist() == [50, 51, 52, 53, 54]
+    # a star's first node is its chain (the kernel's row is right): k + 1 leaves, k paths
+    assert plan_for([[-1] + [0] * (PATHS_MAX_MEAN + 2)])[0] is None
+    assert len(plan_for([[-1] + [0] * (PATHS_MAX_MEAN + 1)])[0][0]) == PATHS_MAX_MEAN

@@ -60,3 +60,21 @@ def test_stops_preemption_and_chunked_prefill_are_lossless(setup):
         assert a == b, f"prompt {i}: plain {a} vs goose {b}"
     assert plain.finish_reasons == spec.finish_reasons
     assert plain.texts == spec.texts
+
+
+def test_slim_trees_by_path_rounds_are_lossless(setup):
+    """Trees of at most 5 draft nodes (budget 6) have at most 5 paths below their leading chain,
+    so every step's tree rows take the path rounds through vLLM's kernel
+    (attention.TreeCPUAttentionImpl._tree_rows_paths, PATHS_MAX_MEAN 6), under the same
+    preemptions, chunked prefills and stops; the wide test above takes the recompute."""
+    from vllm_anisotropic.integration.vllm.attention import PATHS_MAX_MEAN
+
+    budget = 6
+    assert budget - 1 <= PATHS_MAX_MEAN
+    plain = run_offline_job(setup)
+    spec = run_offline_job(setup.model_copy(update={"speculative_config": {**WIDE_GOOSE, "budget": budget}}))
+    assert spec.counters.get("vllm:num_preemptions", 0) > 0, spec.counters
+    assert spec.spec.num_accepted_tokens > 0
+    for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)):
+        assert a == b, f"prompt {i}: plain {a} vs goose B = {budget} {b}"
+    assert plain.finish_reasons == spec.finish_reasons

@@ -36,7 +36,7 @@ PHASES = (
     ("harvest + metrics", "integration/vllm/drafter.py", "observe_batch"),
     ("plain-step harvest", "integration/vllm/sampler.py", "harvest_plain"),
     ("tree attention incl. vLLM's (all layers)", "integration/vllm/attention.py", "forward"),
-    ("tree rows attention (all layers)", "integration/vllm/attention.py", "_tree_rows"),
+    ("tree rows attention (all layers)", "integration/vllm/attention.py", "tree_rows"),
     ("scheduler.schedule", "integration/vllm/scheduler.py", "schedule"),
     ("scheduler.update_from_output", "integration/vllm/scheduler.py", "update_from_output"),
 )

@@ -39,6 +39,9 @@ NAME+sync    any of the above with vLLM's async scheduling off (``async_scheduli
              vLLM turns it on by default for plain decoding (the next step is scheduled while
              the current one runs) and off for ``ngram``, ``suffix`` and every tree method;
              ``plain+sync`` measures what that overlap is worth on this machine
+NAME+recompute  a tree method whose CPU tree rows always take the masked float32 recompute
+             (``VLLM_ANISOTROPIC_TREE_ROWS=recompute``) instead of path rounds through vLLM's
+             kernel where the trees are slim (integration/vllm/attention.py)
 
 Example (the bounded run recorded in docs/allocator.md)::
 
@@ -105,7 +108,8 @@ SUFFIX_DIR = Path(__file__).resolve().parents[2] / ".suffix"  # scripts/build_su
 
 IOMP = "+iomp"
 SYNC = "+sync"
-MODIFIERS = (IOMP, SYNC)
+RECOMPUTE = "+recompute"
+MODIFIERS = (IOMP, SYNC, RECOMPUTE)
 
 
 def base_method(method: str) -> str:
@@ -170,6 +174,8 @@ def method_env(method: str) -> dict[str, str]:
     on PYTHONPATH and loads only this package's vLLM plugin (arctic-inference's own plugin patches
     vLLM at start-up; vLLM's suffix method needs only its suffix tree); a ``+iomp`` method gets
     ``LD_PRELOAD`` with Intel's OpenMP runtime in front of any preload already set."""
+    if RECOMPUTE in modifiers(method):  # CPU tree rows always by the masked recompute (attention.py)
+        return {"VLLM_ANISOTROPIC_TREE_ROWS": "recompute", **method_env(method.replace(RECOMPUTE, ""))}
     if IOMP in modifiers(method):
         preload = [str(iomp_library()), *filter(None, os.environ.get("LD_PRELOAD", "").split(":"))]
         return {"LD_PRELOAD": ":".join(preload), **method_env(base_method(method))}

@@ -386,9 +386,9 @@ class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
     TREE_COST_SHAPES = ((1, 4, 256), (1, 16, 256), (1, 16, 1024), (2, 8, 512), (4, 4, 256), (4, 16, 512), (8, 8, 512))
 
     def _tree_cost_samples(self, forwards: list, repeats: int) -> list:
-        """The masked recompute of tree rows (``attention.TreeCPUAttentionImpl._tree_rows``) is
-        work a bare forward of the same query tokens does not do: it re-reads each tree
-        request's whole KV in float32 per layer. Without these samples the cost model's tree
+        """The tree rows (``attention.TreeCPUAttentionImpl.tree_rows``: path rounds through vLLM's
+        kernel, or the masked recompute for bushy trees) are work a bare forward of the same
+        query tokens does not do: each re-reads the tree requests' context per layer. Without these samples the cost model's tree
         terms stay 0 until online steps teach them, and the allocator keeps trees at 4 and 8
         requests that run ~2x a plain step (goose-b4 at c = 4: 10.9 of 48 ms per step, cProfile).
 
@@ -417,6 +417,7 @@ class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
                 continue
             num_tokens = rt * (n + 1)
             query = torch.zeros(num_tokens, impl0.num_heads, impl0.head_size, dtype=self.model_config.dtype)
+            kv_rows = torch.zeros(num_tokens, impl0.num_kv_heads, impl0.head_size, dtype=self.model_config.dtype)
             output = torch.zeros_like(query)
             md = SimpleNamespace(
                 seq_lens=torch.full((rt,), seq_len, dtype=torch.int32),
@@ -429,7 +430,7 @@ class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
                 plan = TreePlan(list(range(rt)), [n] * rt, [star] * rt, [0] * rt)
                 t0 = time.perf_counter()
                 for layer in layers:
-                    layer.impl._tree_rows(layer, query, layer.kv_cache, md, plan, output)
+                    layer.impl.tree_rows(layer, query, kv_rows, kv_rows, layer.kv_cache, md, plan, output)
                 times.append(time.perf_counter() - t0)
             tree_s = float(np.median(times[1:]))
             q = rt + rt * n
