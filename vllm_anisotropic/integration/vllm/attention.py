@@ -1,12 +1,21 @@
-"""Tree attention for vLLM's CPU backend: CPU_ATTN plus a masked recompute of the tree rows.
+"""Tree attention for vLLM's CPU backend: CPU_ATTN, then the tree rows again, by path rounds or
+a masked recompute.
 
 Scope: decoder self-attention of the draft-tree rows only. vLLM's CPU kernel
 (``ops.cpu_attention_with_kv_cache``) supports causal or per-sequence ``dynamic_causal``
 masks, not arbitrary ones (shared/notes section 3b). So ``TreeCPUAttentionImpl.forward`` lets
-the kernel compute every row (correct for prompts, re-run tokens and each tree's root), then
-recomputes the rows of tree nodes by a masked softmax (batched matmuls, float32, query heads
-grouped by kv head) over the request's paged KV cache and a tree mask, and overwrites those
-output rows.
+the kernel compute every row (correct for prompts, re-run tokens, each tree's root and its
+leading chain), then overwrites the rows of the other tree nodes (``tree_rows``), once per step
+choosing between:
+
+* **path rounds** (``_tree_rows_paths``, slim trees): a node's tree-masked attention is causal
+  attention over its context and its root-to-node path. Each path is written (K/V) at the
+  positions right after the context and its uncovered nodes are queried causally by vLLM's own
+  kernel, round by round (paths of one request share those positions); the tree's K/V is put
+  back after. Exact in the kernel's own arithmetic, and it reads the paged cache in place.
+* **masked recompute** (``_tree_rows``, bushy trees: more than ``PATHS_MAX_MEAN`` paths per
+  request, as each path re-reads the context): a masked softmax (batched matmuls, float32,
+  query heads grouped by kv head) over the request's paged KV cache, unpacked to float32.
 
 Mask of tree request r (context length ``c = seq_len - n``, ``n`` draft nodes in the last n
 logical KV positions): node i may attend every context position ``< c`` (prompt, accepted
@@ -17,8 +26,8 @@ KV layout: the cache of one layer is ``[num_blocks, num_kv_heads, block_size, 2 
 holding, per (block, head), a K region then a V region whose inner order depends on the ISA
 (the ``vec`` kernels store K transposed, ``[head_size, block_size]``). Rather than hard-code
 it, ``kv_layout`` writes probe tokens through vLLM's own ``cpu_attn_reshape_and_cache`` once
-per (isa, dtype, block_size, head_size) and reads back where each (token, dim) landed.
-The recompute runs in float32.
+per (isa, dtype, block_size, head_size) and reads back where each (token, dim) landed (the
+recompute unpacks it; the path rounds leave layouts to vLLM's own writer and kernel).
 """
 
 from __future__ import annotations

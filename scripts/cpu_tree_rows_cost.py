@@ -1,0 +1,69 @@
+"""CPU tree rows: path rounds through vLLM's kernel vs the masked float32 recompute, timed alone.
+
+SmolLM2-135M's attention shape (9 query / 3 KV heads, head 64, 30 layers), bf16 KV cache in
+vLLM's ``vec`` layout, KV block 128, one thread; trees: stars, a chain with two side branches,
+binary trees; R requests x n draft nodes over ``ctx`` context tokens. Median of 5 (30 layers
+each) after a warm call. Usage: .venv/bin/python scripts/cpu_tree_rows_cost.py
+(record: docs/measurements/cpu/tree_rows_paths_vs_recompute_2026_11_26.txt)
+"""
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from vllm_anisotropic.integration.vllm.attention import TreeCPUAttentionImpl
+from vllm_anisotropic.integration.vllm.runner import TreePlan, chain_prefix
+from vllm_anisotropic.tree import DraftTree
+
+H, KVH, HS, BS, DTYPE, ISA, LAYERS = 9, 3, 64, 128, torch.bfloat16, "vec", 30
+TREES = {
+    "star": lambda n: [-1] + [0] * n,
+    "chain+2": lambda n: [-1] + list(range(n - 2)) + [0, 1],  # a chain and two side branches
+    "binary": lambda n: [-1] + [(i - 1) // 2 for i in range(1, n + 1)],
+}
+SHAPES = [(1, 4, 300), (1, 8, 300), (1, 4, 1000), (4, 4, 300), (8, 8, 500)]
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    impl = object.__new__(TreeCPUAttentionImpl)
+    impl.num_heads, impl.head_size, impl.num_kv_heads = H, HS, KVH
+    impl.num_queries_per_kv, impl.scale, impl.kv_cache_dtype = H // KVH, HS ** -0.5, "auto"
+    layer = SimpleNamespace(isa=ISA)
+    for kind, make in TREES.items():
+        for reqs, n, ctx in SHAPES:
+            parents = make(n)
+            tree = DraftTree(tokens=np.zeros(n + 1, dtype=np.int64), parents=np.array(parents), values=np.zeros(n + 1))
+            seq = ctx + n
+            per = -(-seq // BS)
+            kv = torch.randn(reqs * per + 1, KVH, BS, 2 * HS).to(DTYPE)
+            tokens = reqs * (n + 1)
+            q = torch.randn(tokens, H * HS).to(DTYPE)
+            k = torch.randn(tokens, KVH * HS).to(DTYPE)
+            v = torch.randn_like(k)
+            out = torch.zeros(tokens, H * HS, dtype=DTYPE)
+            md = SimpleNamespace(seq_lens=torch.full((reqs,), seq, dtype=torch.int32),
+                                 query_start_loc=torch.arange(0, tokens + 1, n + 1, dtype=torch.int32),
+                                 block_table=torch.arange(reqs * per, dtype=torch.int32).view(reqs, per))
+            res = {}
+            for method in ("recompute", "paths"):
+                times = []
+                for _ in range(6):
+                    plan = TreePlan([*range(reqs)], [n] * reqs, [tree.ancestor_mask[1:, 1:]] * reqs,
+                                    [chain_prefix(tree)] * reqs)
+                    t0 = time.perf_counter()
+                    for _ in range(LAYERS):
+                        if method == "paths":
+                            impl._tree_rows_paths(layer, q, k, v, kv, md, plan, out)
+                        else:
+                            impl._tree_rows(layer, q, kv, md, plan, out)
+                    times.append(time.perf_counter() - t0)
+                res[method] = float(np.median(times[1:])) * 1e3
+            print(f"{kind:8s} R={reqs} n={n} ctx={ctx}: recompute {res['recompute']:.2f} ms  "
+                  f"paths {res['paths']:.2f} ms  ({LAYERS} layers)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
