@@ -36,13 +36,6 @@ _POS_BITS = 32
 _MASKS = {n: (1 << (_TOKEN_BITS * n)) - 1 for n in range(1, 12)}
 
 
-def _pack(ngram: list[int]) -> int:
-    key = 0
-    for tok in ngram:  # oldest first: the last token ends in the lowest bits
-        key = (key << _TOKEN_BITS) | tok
-    return key
-
-
 def _rolling_keys(toks: list[int], width: int) -> list[int]:
     """``keys[f]``: the packed last ``width`` tokens before position f (fewer near the start);
     ``keys[f] & _MASKS[n]`` is the packed n-gram ``toks[f - n : f]`` for any n <= width."""
@@ -116,12 +109,13 @@ class OutputStore:
         tokens (at most ``limit`` tokens) and that n; ``(empty, 0)`` when nothing matches."""
         tail = [int(t) for t in context_tail[-self.ngram_sizes[0] :]]
         if limit > 0:
+            tail_key = _rolling_keys(tail, self.ngram_sizes[0])[-1]
             for n in self.ngram_sizes:
                 if len(tail) < n:
                     continue
                 if max(tail[len(tail) - n :]) >= 1 << _TOKEN_BITS:
                     continue
-                hit = self._index[n].get(_pack(tail[len(tail) - n :]))
+                hit = self._index[n].get(tail_key & _MASKS[n])
                 if hit is None or (hit >> _POS_BITS) not in self._docs:
                     continue
                 doc_id, f = hit >> _POS_BITS, hit & ((1 << _POS_BITS) - 1)

@@ -59,6 +59,8 @@ def _tree_rows_mode() -> str:
     if mode not in _TREE_ROWS_MODES:
         raise ValueError(f"{TREE_ROWS_ENV}={mode!r}: valid values are {', '.join(_TREE_ROWS_MODES)}")
     return mode
+
+
 _DIGIT = 16  # probe values stay in 1..16: exact in every cache dtype
 
 
@@ -131,7 +133,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         (``_tree_rows_paths``) unless the trees are bushy, then by the masked recompute
         (``_tree_rows``); decided once per step (``_path_plan``)."""
         block_size = kv_cache.shape[2]
-        if key is not None and value is not None and _tree_rows_mode() == "auto" and self._path_plan(
+        if key is not None and value is not None and self._path_plan(
                 plan, attn_metadata, block_size, query.dtype, layer.isa) is not None:
             self._tree_rows_paths(layer, query, key, value, kv_cache, attn_metadata, plan, output)
         else:
@@ -150,13 +152,17 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         every tree request (one kernel call per round and layer). Per round: the rows whose KV
         to write, their slots, the query rows, ``query_start_loc``, ``seq_lens``, the block
         table rows and the kernel's scheduler metadata. Last: every node row and its own slot,
-        to put the tree back (the accepted chain's KV is kept in place, ``kv_in_place``)."""
+        to put the tree back (the accepted chain's KV is kept in place, ``kv_in_place``).
+        None: this step takes the recompute (bushy trees, or ``VLLM_ANISOTROPIC_TREE_ROWS``)."""
         from vllm import _custom_ops as ops
         from vllm import envs
 
         key = ("paths", block_size, dtype, isa)
         if key in plan.cache:
             return plan.cache[key]
+        if _tree_rows_mode() == "recompute":
+            plan.cache[key] = None
+            return None
         seq_lens = attn_metadata.seq_lens.tolist()
         q_ends = attn_metadata.query_start_loc[1:].tolist()
         block_table = attn_metadata.block_table
