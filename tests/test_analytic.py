@@ -10,7 +10,14 @@ import torch
 
 from vllm_anisotropic.tree import DraftTree, pack_trees
 from vllm_anisotropic.verifiers import TargetSampling, get_verifier
-from vllm_anisotropic.verifiers.analytic import acceptance_rate, expected_block_efficiency, solver_output_law
+from vllm_anisotropic.verifiers.analytic import (
+    TOPDOWN,
+    acceptance_rate,
+    expected_block_efficiency,
+    expected_tokens,
+    reach_probabilities,
+    solver_output_law,
+)
 from vllm_anisotropic.verifiers.khisti import khisti_keep_probability, khisti_stage
 from vllm_anisotropic.verifiers.toy import DraftTable, TableModel, paths_to_tree, sample_iid_paths, tree_rows
 
@@ -140,3 +147,35 @@ def test_khisti_four_drafts_law_is_target():
         mix += math.prod(float(Q[x]) for x in xs) * solver_output_law("khisti", P, Q, list(xs))
     torch.testing.assert_close(mix, P, rtol=0, atol=1e-10)
     assert acceptance_rate("khisti", P, Q, 4) >= acceptance_rate("khisti", P, Q, 1) - 1e-12
+
+
+@pytest.mark.parametrize("name", ["nss", "naive", "naive_tree", "spectr", "specinfer", "khisti", "traversal", "block"])
+def test_expected_tokens_equals_enumerated_law(name):
+    """The vector-only E[tau + 1 | T] (used at 151,936 tokens by the draft_tree grid) equals the
+    expectation of the enumerated output law, on delayed trees with duplicate siblings, top-p
+    zeros in p and every (K, L1, L2) shape of a small grid; and the reach of a tree cut below
+    depth d is the cut tree's value (the grid's prefix shortcut)."""
+    target = TableModel(V, seed=11)
+    draft = DraftTable(target, seed=12)
+    rng = np.random.default_rng(5)
+    checked = 0
+    for k, l1, l2 in itertools.product((1, 2, 3) if name != "block" else (1,), (0, 1, 2), (1, 2)):
+        for _ in range(3):
+            tree = paths_to_tree(sample_iid_paths(draft, (0,), k, l1, l1 + l2, rng), 0, l1)
+            logits, q = tree_rows(tree, (0,), target, draft)
+            p = torch.softmax(logits, -1)
+            p[:, 0] = 0.0  # a token the target's top-p removed
+            p = p / p.sum(-1, keepdim=True)
+            want = expected_block_efficiency(name, tree, p, q)
+            assert abs(expected_tokens(name, tree, p, q) - want) < 1e-10
+            if name in TOPDOWN:
+                reach = reach_probabilities(name, tree, p, q)
+                for d in range(int(tree.depths.max()) + 1):
+                    keep = np.flatnonzero(tree.depths <= d)
+                    new = np.full(tree.num_nodes, -1)
+                    new[keep] = np.arange(keep.size)
+                    parents = np.where(tree.parents[keep] >= 0, new[np.maximum(tree.parents[keep], 0)], -1)
+                    cut = DraftTree(tokens=tree.tokens[keep], parents=parents)
+                    assert abs(reach[keep].sum() - expected_block_efficiency(name, cut, p[keep], q[keep])) < 1e-10
+            checked += 1
+    assert checked >= 9

@@ -256,3 +256,18 @@ def test_environment_names_the_cpu_model_and_its_vector_extensions(tmp_path):
     info.write_text("model name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: amx_tile amx_bf16 avx512f\n")
     assert cpu_model(str(info))["cpu_isa"] == ["amx_tile", "avx512f"]
     assert cpu_model(str(tmp_path / "missing")) == {}
+
+
+def test_draft_model_methods_name_their_shape_and_need_a_draft(tmp_path):
+    """``draft_model-kN`` is vLLM's draft_model with N tokens; ``dtree-K.L1.L2`` the package's
+    draft_tree with that fixed shape (allocator off); both name the --draft directory and are
+    refused, with the reason, without one."""
+    assert sweep.valid_method("draft_model-k4") and sweep.valid_method("dtree-2.1.3+sync")
+    assert not sweep.valid_method("dtree-2.1") and not sweep.valid_method("dtree-0.1.1")
+    assert not sweep.valid_method("draft_model-k0")
+    assert sweep.resolve_config("draft_model-k4", tmp_path, "/d") == {
+        "method": "draft_model", "model": "/d", "num_speculative_tokens": 4}
+    assert sweep.resolve_config("dtree-3.1.2", tmp_path, "/d") == {
+        "method": "draft_tree", "model": "/d", "branches": 3, "trunk": 1, "branch_length": 2, "allocator": "off"}
+    assert "--draft" in sweep.unavailable_reason("dtree-2.2.2")
+    assert sweep.unavailable_reason("dtree-2.2.2", "/d") is None and sweep.unavailable_reason("plain") is None

@@ -32,6 +32,9 @@ goose-never  GOOSE whose allocator never keeps a draft (a steep cost-model file,
              gate): the tree path's cost when it drafts every step and decodes plainly (the floor
              of the allocator's own zero cuts; a closed gate drafts nothing, so costs less)
 tr-auto      token recycling with the budget allocator
+draft_model-kN  vLLM's own draft-model method with the ``--draft`` model, N draft tokens a step
+dtree-K.L1.L2   this package's ``draft_tree`` with the ``--draft`` model: K branches of L2 tokens
+             after a trunk of L1 (allocator off: the fixed shape), e.g. ``dtree-2.2.2``
 NAME+iomp    any of the above with Intel's OpenMP runtime preloaded into its engine processes
              (``LD_PRELOAD`` = the ``libiomp5.so`` of this environment, vLLM's documented CPU
              set-up; without it vLLM warns that speculative decoding on CPU loses throughput)
@@ -70,6 +73,7 @@ import json
 import logging
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -112,6 +116,21 @@ RECOMPUTE = "+recompute"
 MODIFIERS = (IOMP, SYNC, RECOMPUTE)
 
 
+_DRAFT_METHOD = re.compile(r"^(?:draft_model-k(?P<k>[1-9]\d*)|dtree-(?P<b>[1-9])\.(?P<t>\d)\.(?P<l>\d))$")
+
+
+def draft_method_config(method: str, draft: str | None) -> dict[str, Any] | None:
+    """The speculative config of a draft-model method name (``draft_model-k4``, ``dtree-2.2.2``),
+    or None if ``method`` is not one. ``draft``: the draft model's directory."""
+    m = _DRAFT_METHOD.match(base_method(method))
+    if m is None:
+        return None
+    if m["k"]:
+        return {"method": "draft_model", "model": draft, "num_speculative_tokens": int(m["k"])}
+    return {"method": "draft_tree", "model": draft, "branches": int(m["b"]), "trunk": int(m["t"]),
+            "branch_length": int(m["l"]), "allocator": "off"}
+
+
 def base_method(method: str) -> str:
     """The registry name of ``method`` (``goose-auto+iomp`` -> ``goose-auto``; modifiers combine
     in any order: ``plain+sync+iomp`` -> ``plain``)."""
@@ -130,7 +149,8 @@ def method_llm_kwargs(method: str) -> dict[str, Any]:
 
 
 def valid_method(method: str) -> bool:
-    return base_method(method) in METHODS and modifiers(method) <= set(MODIFIERS)
+    known = base_method(method) in METHODS or _DRAFT_METHOD.match(base_method(method)) is not None
+    return known and modifiers(method) <= set(MODIFIERS)
 
 
 def iomp_library() -> Path | None:
@@ -145,9 +165,12 @@ def iomp_library() -> Path | None:
     return Path(found) if found and Path(found).is_file() else None
 
 
-def resolve_config(method: str, tmp_dir: Path) -> dict[str, Any] | None:
+def resolve_config(method: str, tmp_dir: Path, draft: str | None = None) -> dict[str, Any] | None:
     """``METHODS[method]`` with its ``"<steep>"`` cost model written to ``tmp_dir``: every query
-    token and tree row costs 1 s, so the allocator keeps no draft in any step."""
+    token and tree row costs 1 s, so the allocator keeps no draft in any step. A draft-model
+    method's config names ``draft``."""
+    if base_method(method) not in METHODS:
+        return draft_method_config(method, draft)
     spec = METHODS[base_method(method)]
     if spec is None or spec.get("cost_model") != "<steep>":
         return spec
@@ -158,8 +181,10 @@ def resolve_config(method: str, tmp_dir: Path) -> dict[str, Any] | None:
     return {**spec, "cost_model": str(path)}
 
 
-def unavailable_reason(method: str) -> str | None:
+def unavailable_reason(method: str, draft: str | None = None) -> str | None:
     """Why ``method`` cannot run on this machine, or None."""
+    if draft is None and _DRAFT_METHOD.match(base_method(method)):
+        return "a draft-model method needs --draft (a registry name or a model directory)"
     if IOMP in modifiers(method) and iomp_library() is None:
         return "no libiomp5.so in this environment (pip install intel-openmp)"
     method = base_method(method)
@@ -495,6 +520,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="interleaved: one engine per (repeat, method), methods in turn within each repeat "
                         "(drift of the machine lands on every method alike); grouped: one engine per method")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--draft", default=None,
+                   help="draft model (registry name or directory) of the draft_model-kN and dtree-K.L1.L2 methods")
+    p.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
     p.add_argument("--out", type=Path, default=Path("results/bench.jsonl"), help="JSONL records (appended)")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot path (default: the --out path with .png)")
     p.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="JSONL",
@@ -510,12 +538,14 @@ def run(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if not valid_method(m)]
     if bad:
-        raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)} (each also as NAME{IOMP} and NAME{SYNC})")
+        raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}, draft_model-kN, dtree-K.L1.L2 "
+                         f"(each also as NAME{IOMP}, NAME{SYNC} and NAME{RECOMPUTE})")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     from vllm_anisotropic.bench.demo import _resolve_model, build_prompts
 
     model_dir = _resolve_model(args.model)
+    draft_dir = str(_resolve_model(args.draft)) if args.draft else None
     datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
     sizes = cell_sizes(args.concurrency, args.repeats, args.num_prompts * len(datasets))
     warmup_size = min(max(args.concurrency), 8)
@@ -525,7 +555,7 @@ def run(args: argparse.Namespace) -> int:
         cell_prompts, warmup = split_prompts(per_dataset, sizes, warmup_size)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    base = {"model": args.model, "dataset": args.dataset, "dtype": args.dtype, "environment": environment(),
+    base = {"model": args.model, "draft": args.draft, "dataset": args.dataset, "dtype": args.dtype, "environment": environment(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     first_line = sum(1 for _ in open(args.out)) if args.out.exists() else 0
@@ -534,7 +564,7 @@ def run(args: argparse.Namespace) -> int:
     cells = cell_order(range(args.repeats), args.concurrency)
     runnable = []
     for method in methods:
-        why = unavailable_reason(method)
+        why = unavailable_reason(method, draft_dir)
         if why:
             logger.warning("%s: not run: %s", method, why)
             with open(args.out, "a", encoding="utf-8") as f:
@@ -545,10 +575,13 @@ def run(args: argparse.Namespace) -> int:
         logger.info("%s: starting vLLM (repeat %s)", method, ",".join(map(str, repeats)))
         prompts = [p for (r, _), p in zip(cells, cell_prompts) if r in repeats]
         with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-bench-") as tmp:
-            job = SweepJob(model=str(model_dir), method=method, speculative_config=resolve_config(method, Path(tmp)),
+            extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+            job = SweepJob(model=str(model_dir), method=method,
+                           speculative_config=resolve_config(method, Path(tmp), draft_dir),
                            cell_prompts=prompts, warmup_prompts=warmup,
                            max_tokens=args.max_tokens, concurrency=args.concurrency, repeats=repeats,
-                           llm_kwargs={"dtype": args.dtype, **method_llm_kwargs(method)}, record_base={**base, "order": args.order})
+                           llm_kwargs={"dtype": args.dtype, **extra, **method_llm_kwargs(method)},
+                           record_base={**base, "order": args.order})
             job_file = Path(tmp, "job.json")
             job_file.write_text(job.model_dump_json())
             env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),

@@ -1,0 +1,386 @@
+"""Expected block efficiency of the draft_tree verifiers over the (K, L1, L2) grid on a real
+target / draft pair (arXiv 2602.16994 Sec. 5, Eq. 1-3 and 11; its Table 2 / Table 9 setting).
+
+``python -m vllm_anisotropic.bench.draft_tree_grid --target DIR --draft DIR --temperature 0.7
+--prompts 20 --roots 2 --out grid.jsonl`` then ``--summarize grid.jsonl``.
+
+Per root (a prompt's end, then the roots its own continuation reaches) and per trunk length
+L1, q drafts one delayed tree of ``K_max`` branches of ``L2_max`` tokens with the engine's own
+drafting (``proposers.draft_model.delayed_tree``: the same laws, the same node order); the
+target scores all ``L1_max + 1`` trees in one tree forward (transformers, 4D mask). Every
+action (K, L1, L2) is a sub-tree of its L1 tree: the trunk and the first K branches (i.i.d.,
+so their first K are a K-branch sample) cut at depth L2. So each root gives one sample tree per
+action (the paper averages s = 4 per root), and the verification randomness is integrated
+out exactly:
+
+* T = 0: greedy trunk and top-K branches, verified by the greedy walk: tokens per target call
+  are deterministic given the tree (the engine's greedy path).
+* T > 0: E[tau + 1 | tree] of every verifier by ``verifiers.analytic.expected_tokens`` (vector
+  operations over the vocabulary). The laws are cut to the tokens where some row of p or q
+  exceeds ``--support-eps`` (1e-10): the dropped mass per row is recorded (``dropped``) and
+  bounds the error of every value.
+
+The first root is ``--warmup-tokens`` (8) tokens into the answer (plain target decoding, greedy
+at T = 0, sampled at T > 0); the continuation that yields the next root is drawn from the
+target law too (greedy at T = 0; at T > 0 the NSS walk over the L1 = L1_max tree, which emits
+exactly the target's law): each later root is the previous one's next verification step.
+
+Timing for Eq. 11: ``--time`` measures the target's tree forward at each tree size and q's
+forward at batch 1..K_max once (the paper's "warm-up run"); ``--summarize`` divides each
+action's mean E[tau + 1] by ``T(a) = L1 t_q(1) + L2 t_q(K) + t_p(1 + L1 + K L2)`` (the draft
+steps q runs on this implementation: one forward per trunk token, one batched forward of K
+per branch depth) for an estimate of tokens per second, reported next to the block efficiency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vllm_anisotropic.bench.harness import load_model, tree_attention_mask
+from vllm_anisotropic.proposers.draft_model import DelayedShape, DraftLM, delayed_tree
+from vllm_anisotropic.tree import DraftTree
+from vllm_anisotropic.verifiers.analytic import TOPDOWN, expected_tokens, reach_probabilities
+from vllm_anisotropic.verifiers.sampling import TargetSampling, target_probs
+
+VERIFIERS = ("traversal", "specinfer", "spectr", "khisti", "naive_tree", "naive", "nss", "block")
+
+
+def select(tree: DraftTree, keep: np.ndarray) -> DraftTree:
+    """The sub-tree on nodes ``keep`` (sorted, ancestors included), parents renumbered."""
+    new = np.full(tree.num_nodes, -1, np.int64)
+    new[keep] = np.arange(keep.size)
+    parents = np.where(tree.parents[keep] >= 0, new[np.maximum(tree.parents[keep], 0)], -1)
+    rows = None if tree.draft_probs is None else tree.draft_probs[torch.from_numpy(keep)]
+    return DraftTree(tokens=tree.tokens[keep], parents=parents, sources=tree.sources[keep],
+                     values=tree.values[keep], draft_probs=rows)
+
+
+def branch_nodes(l1: int, k_max: int, k: int, l2: int) -> np.ndarray:
+    """Nodes of the (k, l1, l2) action inside a (k_max, l1, L2_max) delayed tree (node order:
+    root, trunk, then branch nodes depth-major: node 1 + l1 + d k_max + j)."""
+    br = [1 + l1 + d * k_max + j for d in range(l2) for j in range(k)]
+    return np.asarray(list(range(1 + l1)) + br, np.int64)
+
+
+def merge(trees: list[DraftTree]) -> tuple[DraftTree, list[np.ndarray]]:
+    """One tree holding every tree's non-root nodes under a shared root; each tree's node ids."""
+    tokens, parents, ids = [int(trees[0].tokens[0])], [-1], []
+    for t in trees:
+        off = len(tokens) - 1
+        own = np.concatenate([[0], off + np.arange(1, t.num_nodes)])
+        ids.append(own)
+        tokens += [int(x) for x in t.tokens[1:]]
+        parents += [0 if p == 0 else off + int(p) for p in t.parents[1:]]
+    return DraftTree(tokens=tokens, parents=parents), ids
+
+
+class Target:
+    """The target over transformers: a KV cache of the context before the root, tree forwards."""
+
+    def __init__(self, path: str, dtype: torch.dtype) -> None:
+        from transformers import DynamicCache
+
+        self.model, self.tokenizer = load_model(path, dtype=dtype)
+        self.dtype = dtype
+        self._cache_type = DynamicCache
+        self.cache, self.cache_len = None, 0
+
+    @torch.inference_mode()
+    def reset(self, context: list[int]) -> None:
+        """Cache every context token but the last (the root)."""
+        self.cache = self._cache_type(config=self.model.config)
+        self.cache_len = 0
+        self.extend(context)
+
+    @torch.inference_mode()
+    def extend(self, context: list[int]) -> None:
+        new = context[self.cache_len:-1]
+        if new:
+            self.model(input_ids=torch.tensor([new]), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            self.cache_len += len(new)
+
+    @torch.inference_mode()
+    def decode(self, context: list[int], n: int, temperature: float, generator: torch.Generator) -> list[int]:
+        """``context`` plus ``n`` tokens of plain decoding from the target (argmax at T = 0, else a
+        draw from softmax(logits / T)); the cache follows."""
+        context = list(context)
+        for _ in range(n):
+            logits = self.model(input_ids=torch.tensor([[context[-1]]]), past_key_values=self.cache,
+                                use_cache=True).logits[0, -1].float()
+            self.cache_len += 1
+            if temperature == 0:
+                context.append(int(logits.argmax()))
+            else:
+                context.append(int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator)))
+        return context
+
+    @torch.inference_mode()
+    def tree_logits(self, tree: DraftTree) -> torch.Tensor:
+        """[num_nodes, vocab] float32 logits after each node's path; the cache is left as it was."""
+        n = tree.num_nodes
+        out = self.model(input_ids=torch.from_numpy(tree.tokens).view(1, n),
+                         attention_mask=tree_attention_mask(tree, self.cache_len, self.dtype, "cpu"),
+                         position_ids=torch.from_numpy(tree.positions(self.cache_len)).view(1, n),
+                         past_key_values=self.cache, use_cache=True).logits[0].float()
+        extra = self.cache.get_seq_length() - self.cache_len
+        if extra > 0:
+            self.cache.crop(-extra)
+        return out
+
+
+def _walk(tree: DraftTree, choose) -> list[int]:
+    """Nodes reached from the root when ``choose(node)`` names the token taken after it; the
+    emitted tokens are the reached nodes' tokens (root excluded) plus the last choice."""
+    kids = tree.children_lists()
+    node, path = 0, []
+    while True:
+        y = choose(node)
+        nxt = next((j for j in kids[node] if int(tree.tokens[j]) == y), None)
+        if nxt is None:
+            return path + [y]
+        path.append(int(tree.tokens[nxt]))
+        node = nxt
+
+
+def _entropy(p: torch.Tensor) -> float:
+    p = p.double()
+    return float(-(p * p.clamp(min=1e-300).log()).sum())
+
+
+def _features(p_root: torch.Tensor, q_root: torch.Tensor, context_len: int) -> dict:
+    """Root statistics (arXiv 2602.16994 App. E scalar features, at the root)."""
+    p, q = p_root.double(), q_root.double()
+    lp, lq = p.clamp(min=1e-300).log(), q.clamp(min=1e-300).log()
+    return {"context_len": context_len, "entropy_p": _entropy(p), "entropy_q": _entropy(q),
+            "kl_pq": float((p * (lp - lq)).sum()), "kl_qp": float((q * (lq - lp)).sum()),
+            "l1": float((p - q).abs().sum())}
+
+
+def root_record(target: Target, draft: DraftLM, context: list[int], temperature: float, k_max: int,
+                l1_max: int, l2_max: int, generator: torch.Generator, eps: float) -> tuple[dict, list[int]]:
+    """Every action's value at this root, and the tokens the target emits from it."""
+    sampling = TargetSampling(temperature=temperature)
+    session = draft.new_session()
+    t0 = time.perf_counter()
+    trees = [delayed_tree(session, context, DelayedShape(k_max, l1, l2_max), sampling, generator)
+             for l1 in range(l1_max + 1)]
+    t_draft = time.perf_counter() - t0
+    union, ids = merge(trees)
+    t0 = time.perf_counter()
+    logits = target.tree_logits(union)
+    t_target = time.perf_counter() - t0
+    n = union.num_nodes
+    if sampling.greedy:
+        p_union = logits.softmax(-1)
+    else:
+        p_union = target_probs(logits, torch.full((n,), temperature), torch.full((n,), -1), torch.ones(n))
+    rec = {"context_len": len(context), "temperature": temperature, "draft_s": t_draft, "target_s": t_target,
+           "union_nodes": n, "values": {}}
+    t0 = time.perf_counter()
+    if sampling.greedy:
+        best = logits.argmax(-1)
+        for l1, (tree, own) in enumerate(zip(trees, ids)):
+            for k in range(1, k_max + 1):
+                sub = select(tree, branch_nodes(l1, k_max, k, l2_max))
+                rows = own[branch_nodes(l1, k_max, k, l2_max)]
+                accepted = len(_walk(sub, lambda node: int(best[rows[node]]))) - 1
+                for l2 in range(l2_max + 1):
+                    if l2 == 0 and k > 1:
+                        continue
+                    rec["values"][f"{k},{l1},{l2}"] = {"greedy": 1 + min(accepted, l1 + l2)}
+        emitted = _walk(trees[-1], lambda node: int(best[ids[-1][node]]))
+        rec["features"] = _features(p_union[0], draft_root_q(session, context), len(context))
+    else:
+        q_rows = torch.cat([t.draft_probs for t in trees])
+        support = (p_union > eps).any(0) | (q_rows > eps).any(0)
+        support[torch.from_numpy(union.tokens)] = True
+        idx = torch.nonzero(support).flatten()
+        remap = torch.full((p_union.shape[1],), -1, dtype=torch.long)
+        remap[idx] = torch.arange(idx.numel())
+        p_small = p_union[:, idx].double()
+        rec["support"] = int(idx.numel())
+        q_mass = q_rows[:, idx].double().sum(-1)
+        q_mass = q_mass[q_rows.sum(-1) > 0]  # leaves have no row
+        rec["dropped"] = float(max((1 - p_small.sum(-1)).max(), (1 - q_mass).max()))
+        for l1, (tree, own) in enumerate(zip(trees, ids)):
+            small = DraftTree(tokens=remap[torch.from_numpy(tree.tokens)].numpy(), parents=tree.parents,
+                              draft_probs=tree.draft_probs[:, idx].double())
+            p_tree = p_small[torch.from_numpy(own)]
+            depth = small.depths
+            for k in range(1, k_max + 1):
+                keep = branch_nodes(l1, k_max, k, l2_max)
+                sub = select(small, keep)
+                p_sub, q_sub = p_tree[torch.from_numpy(keep)], sub.draft_probs
+                reach = {name: reach_probabilities(name, sub, p_sub, q_sub) for name in TOPDOWN}
+                sub_depth = depth[keep]
+                for l2 in range(l2_max + 1):
+                    if l2 == 0 and k > 1:
+                        continue
+                    cut = np.flatnonzero(sub_depth <= l1 + l2)
+                    vals = {name: float(reach[name][cut].sum()) for name in TOPDOWN}
+                    cut_tree = select(sub, cut)
+                    vals["traversal"] = expected_tokens("traversal", cut_tree, p_sub[torch.from_numpy(cut)],
+                                                        cut_tree.draft_probs)
+                    if k == 1:
+                        vals["block"] = expected_tokens("block", cut_tree, p_sub[torch.from_numpy(cut)],
+                                                        cut_tree.draft_probs)
+                    rec["values"][f"{k},{l1},{l2}"] = vals
+        emitted = _walk(trees[-1], lambda node: int(torch.multinomial(p_union[ids[-1][node]], 1, generator=generator)))
+        rec["features"] = _features(p_union[0], trees[0].draft_probs[0], len(context))  # q at the root
+    rec["verify_s"] = time.perf_counter() - t0
+    return rec, emitted
+
+
+def draft_root_q(session, context) -> torch.Tensor:
+    return session.root_logits(context).float().softmax(-1)
+
+
+@torch.inference_mode()
+def time_passes(target: Target, draft: DraftLM, context: list[int], k_max: int, l1_max: int, l2_max: int,
+                repeats: int = 3) -> dict:
+    """Eq. 11's t_p(n) (a tree forward of n nodes) and t_q(K) (q's forward of K tokens after a
+    cached context): median of ``repeats`` runs each, seconds."""
+    target.reset(context)
+    sizes = sorted({1 + l1 + k * l2 for k in range(1, k_max + 1) for l1 in range(l1_max + 1) for l2 in range(l2_max + 1)})
+    t_p = {}
+    for n in sizes:
+        tree = DraftTree(tokens=[context[-1]] * n, parents=[-1] + list(range(n - 1)))
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            target.tree_logits(tree)
+            runs.append(time.perf_counter() - t0)
+        t_p[n] = float(np.median(runs))
+    session = draft.new_session()
+    session.root_logits(context)
+    t_q = {}
+    for k in range(1, k_max + 1):
+        runs = []
+        for _ in range(repeats):
+            br = session.branch(k)
+            t0 = time.perf_counter()
+            br.step(torch.full((k,), int(context[-1])))
+            runs.append(time.perf_counter() - t0)
+            br.close()
+        t_q[k] = float(np.median(runs))
+    return {"t_p": t_p, "t_q": t_q, "context_len": len(context)}
+
+
+def summarize(path: str, out=sys.stdout) -> dict:
+    """Mean E[tau + 1] per (verifier, action) over the roots, per dataset and temperature; the
+    best action per verifier by block efficiency and by Eq. 11 tokens per second."""
+    recs = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    timing = next((r for r in recs if r.get("kind") == "timing"), None)
+    roots = [r for r in recs if r.get("kind") == "root"]
+    table = {}
+    for temp in sorted({r["temperature"] for r in roots}):
+        rs = [r for r in roots if r["temperature"] == temp]
+        sums: dict = defaultdict(lambda: defaultdict(list))
+        for r in rs:
+            for action, vals in r["values"].items():
+                for name, v in vals.items():
+                    sums[name][action].append(v)
+        counts = ", ".join(f"{d} {sum(r['dataset'] == d for r in rs)}" for d in sorted({r["dataset"] for r in rs}))
+        print(f"\n## T = {temp}: {len(rs)} roots ({counts})", file=out)
+        print("| verifier | best E[tau+1] (K, L1, L2) | E at (2,2,2) | best est. tok/s (K, L1, L2): E, T(a) |", file=out)
+        print("|---|---|---:|---|", file=out)
+        table[temp] = {}
+        for name, per in sums.items():
+            means = {a: float(np.mean(v)) for a, v in per.items()}
+            best = max(means, key=means.get)
+            row = {"best_be": (best, means[best]), "at_222": means.get("2,2,2")}
+            cell_tps = ""
+            if timing:
+                tps = {a: e / _eq11(a, timing) for a, e in means.items()}
+                bt = max(tps, key=tps.get)
+                row["best_tps"] = (bt, means[bt], _eq11(bt, timing), tps[bt])
+                row["tps"] = tps
+                cell_tps = f"({bt}): {means[bt]:.2f}, {1e3 * _eq11(bt, timing):.0f} ms -> {tps[bt]:.2f} tok/s"
+            row["means"] = means
+            table[temp][name] = row
+            at = f"{row['at_222']:.3f}" if row["at_222"] is not None else "-"
+            print(f"| {name} | {means[best]:.3f} ({best}) | {at} | {cell_tps} |", file=out)
+    return table
+
+
+def _eq11(action: str, timing: dict) -> float:
+    k, l1, l2 = (int(x) for x in action.split(","))
+    t_p = {int(n): v for n, v in timing["t_p"].items()}
+    t_q = {int(n): v for n, v in timing["t_q"].items()}
+    return l1 * t_q[1] + l2 * t_q[k] + t_p[1 + l1 + k * l2]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target")
+    ap.add_argument("--draft")
+    ap.add_argument("--datasets", default="humaneval,gsm8k,mtbench")
+    ap.add_argument("--prompts", type=int, default=20, help="prompts per dataset")
+    ap.add_argument("--roots", type=int, default=2, help="roots per prompt (consecutive verification steps)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--warmup-tokens", type=int, default=8,
+                    help="plain target tokens decoded after the prompt before the first root")
+    ap.add_argument("--k-max", type=int, default=4)
+    ap.add_argument("--l1-max", type=int, default=8)
+    ap.add_argument("--l2-max", type=int, default=8)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--support-eps", type=float, default=1e-10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time", action="store_true", help="also record Eq. 11's pass times (first prompt)")
+    ap.add_argument("--time-only", action="store_true", help="record Eq. 11's pass times and no roots")
+    ap.add_argument("--out", help="JSONL, appended")
+    ap.add_argument("--summarize", metavar="JSONL", help="print the tables of a finished run and exit")
+    args = ap.parse_args(argv)
+    if args.summarize:
+        summarize(args.summarize)
+        return
+    if not (args.target and args.draft and args.out):
+        ap.error("--target, --draft and --out are required (or --summarize)")
+    from tqdm import tqdm
+
+    from vllm_anisotropic.data import format_prompt, load_dataset
+
+    torch.manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype)
+    target = Target(args.target, dtype)
+    draft = DraftLM(args.draft, dtype=dtype)
+    gen = torch.Generator().manual_seed(args.seed)
+    jobs = []
+    for ds in args.datasets.split(","):
+        for i, item in enumerate(load_dataset(ds, args.prompts)):
+            text = format_prompt(item, target.tokenizer, "chat")
+            jobs.append((ds, i, target.tokenizer.encode(text, add_special_tokens=False)))
+    with open(args.out, "a") as f:
+        if args.time or args.time_only:
+            rec = {"kind": "timing", "dtype": args.dtype,
+                   **time_passes(target, draft, jobs[0][2], args.k_max, args.l1_max, args.l2_max)}
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+        if args.time_only:
+            return
+        for ds, i, context in tqdm(jobs, desc=f"roots at T={args.temperature}", unit="prompt"):
+            context = list(context)
+            target.reset(context)
+            context = target.decode(context, args.warmup_tokens, args.temperature, gen)
+            for r in range(args.roots):
+                rec, emitted = root_record(target, draft, context, args.temperature, args.k_max, args.l1_max,
+                                           args.l2_max, gen, args.support_eps)
+                rec.update(kind="root", dataset=ds, prompt=i, root=r, dtype=args.dtype)
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                context = context + emitted
+                target.extend(context)
+
+
+if __name__ == "__main__":
+    main()
