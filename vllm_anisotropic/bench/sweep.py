@@ -119,16 +119,17 @@ MODIFIERS = (IOMP, SYNC, RECOMPUTE)
 _DRAFT_METHOD = re.compile(r"^(?:draft_model-k(?P<k>[1-9]\d*)|dtree-(?P<b>[1-9])\.(?P<t>\d)\.(?P<l>\d))$")
 
 
-def draft_method_config(method: str, draft: str | None) -> dict[str, Any] | None:
+def draft_method_config(method: str, draft: str | None, dtype: str = "float32") -> dict[str, Any] | None:
     """The speculative config of a draft-model method name (``draft_model-k4``, ``dtree-2.2.2``),
-    or None if ``method`` is not one. ``draft``: the draft model's directory."""
+    or None if ``method`` is not one. ``draft``: the draft model's directory; ``dtype``: the
+    engine's, which q of ``dtree`` runs in too (vLLM's ``draft_model`` runs q in the target's)."""
     m = _DRAFT_METHOD.match(base_method(method))
     if m is None:
         return None
     if m["k"]:
         return {"method": "draft_model", "model": draft, "num_speculative_tokens": int(m["k"])}
     return {"method": "draft_tree", "model": draft, "branches": int(m["b"]), "trunk": int(m["t"]),
-            "branch_length": int(m["l"]), "allocator": "off"}
+            "branch_length": int(m["l"]), "allocator": "off", "draft_dtype": dtype}
 
 
 def base_method(method: str) -> str:
@@ -165,12 +166,13 @@ def iomp_library() -> Path | None:
     return Path(found) if found and Path(found).is_file() else None
 
 
-def resolve_config(method: str, tmp_dir: Path, draft: str | None = None) -> dict[str, Any] | None:
+def resolve_config(method: str, tmp_dir: Path, draft: str | None = None,
+                   dtype: str = "float32") -> dict[str, Any] | None:
     """``METHODS[method]`` with its ``"<steep>"`` cost model written to ``tmp_dir``: every query
     token and tree row costs 1 s, so the allocator keeps no draft in any step. A draft-model
     method's config names ``draft``."""
     if base_method(method) not in METHODS:
-        return draft_method_config(method, draft)
+        return draft_method_config(method, draft, dtype)
     spec = METHODS[base_method(method)]
     if spec is None or spec.get("cost_model") != "<steep>":
         return spec
@@ -226,6 +228,8 @@ class SweepJob(BaseModel):
     concurrency: list[int]
     repeats: list[int] = Field(min_length=1)
     """Repeat indices this engine runs (all of them, or one with ``--order interleaved``)."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Sampling temperature of the cells (0: greedy); sampled requests are seeded by their index."""
     llm_kwargs: dict[str, Any] = Field(default_factory=dict)
     record_base: dict[str, Any] = Field(default_factory=dict)
     """Copied into every record (model name, datasets, dtype, environment)."""
@@ -243,13 +247,18 @@ def _spec_counters(llm) -> dict[str, int]:
 
 
 def closed_loop(engine, prompts: list[str], params, concurrency: int, tag: str) -> tuple[list[list[int]], float]:
-    """Generate every prompt with at most ``concurrency`` requests in flight; (outputs, seconds)."""
+    """Generate every prompt with at most ``concurrency`` requests in flight; (outputs, seconds).
+    Sampled ``params`` get a seed per prompt (its index), the same for every method."""
     outputs: list[list[int] | None] = [None] * len(prompts)
     next_prompt, in_flight = 0, 0
     started = time.perf_counter()
     while next_prompt < len(prompts) or in_flight:
         while next_prompt < len(prompts) and in_flight < concurrency:
-            engine.add_request(f"{tag}-{next_prompt}", prompts[next_prompt], params)
+            own = params
+            if params is not None and params.temperature > 0:
+                own = params.clone()
+                own.seed = next_prompt
+            engine.add_request(f"{tag}-{next_prompt}", prompts[next_prompt], own)
             next_prompt += 1
             in_flight += 1
         for out in engine.step():
@@ -270,7 +279,7 @@ def run_job(job: SweepJob, out_file: Path) -> None:
               max_num_seqs=max(job.concurrency), **{**CPU_LLM_DEFAULTS, **job.llm_kwargs})
     startup = time.perf_counter() - started
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=job.max_tokens, temperature=job.temperature)
     # warm-up on prompts of its own: short requests at the largest concurrency (first steps)
     closed_loop(engine, job.warmup_prompts, SamplingParams(max_tokens=16, temperature=0.0), max(job.concurrency), "warm")
     cells = cell_order(job.repeats, job.concurrency)
@@ -284,7 +293,7 @@ def run_job(job: SweepJob, out_file: Path) -> None:
         accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
         record = {
             **job.record_base, "method": job.method, "speculative_config": job.speculative_config,
-            "concurrency": conc, "repeat": repeat, "num_prompts": len(prompts), "max_tokens": job.max_tokens,
+            "concurrency": conc, "repeat": repeat, "temperature": job.temperature, "num_prompts": len(prompts), "max_tokens": job.max_tokens,
             "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "tau": tokens / (tokens - accepted) if tokens > accepted else 1.0,
             "num_drafts": after["num_drafts"] - before["num_drafts"],
@@ -407,7 +416,8 @@ def summarize(records: list[dict]) -> list[dict]:
                 base = statistics.median(r["tokens_per_s"] for r in plain[conc])
                 row["speedup"], row["speedup_min"], row["speedup_max"] = row["median"] / base, row["min"] / base, row["max"] / base
             ref = plain[conc][0]["output_sha1"]
-            row["identical"] = (sum(a == b for a, b in zip(rs[0]["output_sha1"], ref)), len(ref))
+            if not rs[0].get("temperature"):  # sampled outputs differ between methods by design
+                row["identical"] = (sum(a == b for a, b in zip(rs[0]["output_sha1"], ref)), len(ref))
         rows.append(row)
     for method, why in skipped.items():
         rows.append({"method": method, "skipped": why})
@@ -520,6 +530,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="interleaved: one engine per (repeat, method), methods in turn within each repeat "
                         "(drift of the machine lands on every method alike); grouped: one engine per method")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (0: greedy, outputs compared with plain's; > 0: seeded per prompt)")
     p.add_argument("--draft", default=None,
                    help="draft model (registry name or directory) of the draft_model-kN and dtree-K.L1.L2 methods")
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
@@ -542,6 +554,8 @@ def run(args: argparse.Namespace) -> int:
                          f"(each also as NAME{IOMP}, NAME{SYNC} and NAME{RECOMPUTE})")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    if args.temperature < 0:
+        raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
     from vllm_anisotropic.bench.demo import _resolve_model, build_prompts
 
     model_dir = _resolve_model(args.model)
@@ -577,10 +591,10 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-bench-") as tmp:
             extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
             job = SweepJob(model=str(model_dir), method=method,
-                           speculative_config=resolve_config(method, Path(tmp), draft_dir),
+                           speculative_config=resolve_config(method, Path(tmp), draft_dir, args.dtype),
                            cell_prompts=prompts, warmup_prompts=warmup,
                            max_tokens=args.max_tokens, concurrency=args.concurrency, repeats=repeats,
-                           llm_kwargs={"dtype": args.dtype, **extra, **method_llm_kwargs(method)},
+                           temperature=args.temperature, llm_kwargs={"dtype": args.dtype, **extra, **method_llm_kwargs(method)},
                            record_base={**base, "order": args.order})
             job_file = Path(tmp, "job.json")
             job_file.write_text(job.model_dump_json())
