@@ -35,6 +35,7 @@ per branch depth) for an estimate of tokens per second, reported next to the blo
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import math
@@ -279,7 +280,8 @@ def time_passes(target: Target, draft: DraftLM, context: list[int], k_max: int, 
 def summarize(path: str, out=sys.stdout) -> dict:
     """Mean E[tau + 1] per (verifier, action) over the roots, per dataset and temperature; the
     best action per verifier by block efficiency and by Eq. 11 tokens per second."""
-    recs = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    text = gzip.decompress(Path(path).read_bytes()).decode() if str(path).endswith(".gz") else Path(path).read_text()
+    recs = [json.loads(line) for line in text.splitlines() if line.strip()]
     timing = next((r for r in recs if r.get("kind") == "timing"), None)
     roots = [r for r in recs if r.get("kind") == "root"]
     table = {}
@@ -310,7 +312,28 @@ def summarize(path: str, out=sys.stdout) -> dict:
             table[temp][name] = row
             at = f"{row['at_222']:.3f}" if row["at_222"] is not None else "-"
             print(f"| {name} | {means[best]:.3f} ({best}) | {at} | {cell_tps} |", file=out)
+        for name in ("greedy", "traversal", "specinfer"):
+            if name in sums:
+                print(_matrix(name, {a: float(np.mean(v)) for a, v in sums[name].items()}), file=out)
+        shapes = ["1,4,0", "1,8,0", "4,0,2", "4,2,2", "2,2,2", "4,0,4", "4,4,4", "4,8,8"]
+        if len(sums) > 1:
+            print("\n| verifier | " + " | ".join(f"({s})" for s in shapes) + " |", file=out)
+            print("|---|" + "---:|" * len(shapes), file=out)
+            for name, per in sums.items():
+                cells = [f"{np.mean(per[s]):.3f}" if s in per else "-" for s in shapes]
+                print(f"| {name} | " + " | ".join(cells) + " |", file=out)
     return table
+
+
+def _matrix(name: str, means: dict, ks=(1, 2, 4), l1s=(0, 1, 2, 4, 8), l2s=(0, 1, 2, 4, 8)) -> str:
+    """E[tau + 1] of ``name``: rows (K, L1), columns L2."""
+    lines = [f"\n{name}: E[tau + 1] by (K, L1) and L2", "| K, L1 | " + " | ".join(f"L2 = {x}" for x in l2s) + " |",
+             "|---|" + "---:|" * len(l2s)]
+    for k, l1 in itertools.product(ks, l1s):
+        cells = [f"{means[f'{1 if l2 == 0 else k},{l1},{l2}']:.3f}" if f"{1 if l2 == 0 else k},{l1},{l2}" in means
+                 else "-" for l2 in l2s]
+        lines.append(f"| {k}, {l1} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _eq11(action: str, timing: dict) -> float:
@@ -339,7 +362,7 @@ def main(argv=None) -> None:
     ap.add_argument("--time", action="store_true", help="also record Eq. 11's pass times (first prompt)")
     ap.add_argument("--time-only", action="store_true", help="record Eq. 11's pass times and no roots")
     ap.add_argument("--out", help="JSONL, appended")
-    ap.add_argument("--summarize", metavar="JSONL", help="print the tables of a finished run and exit")
+    ap.add_argument("--summarize", metavar="JSONL", help="print the tables of a finished run (.jsonl or .jsonl.gz) and exit")
     args = ap.parse_args(argv)
     if args.summarize:
         summarize(args.summarize)
