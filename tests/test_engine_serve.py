@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
-from vllm_server import free_port, http_get, stop, wait_healthy
+from vllm_server import http_get, launch_serve, stop, wait_healthy
 
 pytestmark = pytest.mark.engine
 
@@ -113,15 +113,10 @@ def prompts(tiny_prompts) -> list[str]:
 @pytest.fixture(scope="module")
 def launched(model_dir, tmp_path_factory):
     """The server process, started (not yet healthy); stopped at the end of the module."""
-    port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [str(SCRIPTS / "vllm"), "serve", model_dir,
-           "--speculative-config", json.dumps({"method": "goose"}),
-           "--host", "127.0.0.1", "--port", str(port), *SERVE_FLAGS]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, base = launch_serve(model_dir, {"method": "goose"}, SERVE_FLAGS, log_path)
     try:
-        yield proc, f"http://127.0.0.1:{port}", log_path
+        yield proc, base, log_path
     finally:
         stop(proc)
 

@@ -19,7 +19,7 @@ import pytest
 
 from test_engine_serve import _metric_total
 from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
-from vllm_server import free_port, http_get, stop, wait_healthy
+from vllm_server import http_get, launch_serve, stop, wait_healthy
 
 pytestmark = pytest.mark.engine
 
@@ -45,15 +45,10 @@ def prompts(tiny_prompts) -> list[str]:
 
 @pytest.fixture(scope="module")
 def launched(pair, tmp_path_factory):
-    port = free_port()
     log_path = tmp_path_factory.mktemp("serve_dtree") / "server.log"
-    spec = json.dumps({"method": "draft_tree", "model": pair[1], **SHAPE})
-    cmd = [str(SCRIPTS / "vllm"), "serve", pair[0], "--speculative-config", spec,
-           "--host", "127.0.0.1", "--port", str(port), *FLAGS]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, base = launch_serve(pair[0], {"method": "draft_tree", "model": pair[1], **SHAPE}, FLAGS, log_path)
     try:
-        yield proc, f"http://127.0.0.1:{port}", log_path
+        yield proc, base, log_path
     finally:
         stop(proc)
 

@@ -60,3 +60,18 @@ def stop(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait(timeout=30)
+
+
+def launch_serve(model: str, speculative_config: dict, flags: list[str], log_path: Path):
+    """``vllm serve model --speculative-config ...`` on a free local port, output to ``log_path``:
+    ``(process, base_url)``; the caller stops it (``stop``)."""
+    import json
+    import sysconfig
+
+    port = free_port()
+    cmd = [str(Path(sysconfig.get_path("scripts")) / "vllm"), "serve", model,
+           "--speculative-config", json.dumps(speculative_config),
+           "--host", "127.0.0.1", "--port", str(port), *flags]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"

@@ -38,7 +38,6 @@ import argparse
 import gzip
 import itertools
 import json
-import math
 import sys
 import time
 from collections import defaultdict

@@ -39,6 +39,8 @@ PHASES = (
     ("tree rows attention (all layers)", "integration/vllm/attention.py", "tree_rows"),
     ("scheduler.schedule", "integration/vllm/scheduler.py", "schedule"),
     ("scheduler.update_from_output", "integration/vllm/scheduler.py", "update_from_output"),
+    ("draft model: delayed trees (draft_tree)", "proposers/draft_model.py", "delayed_tree"),
+    ("draft model: q forwards (draft_tree)", "proposers/draft_model.py", "forward"),
 )
 
 
@@ -52,6 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", default="goose", help="a bench method name (vllm-anisotropic bench --help)")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--draft", default=None, help="draft model of the draft_model-kN / dtree-K.L1.L2 methods")
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-profile", action="store_true", help="time the batch without cProfile")
     p.add_argument("--top", type=int, default=25, help="also print the top N functions by own time")
     p.add_argument("--dump", type=Path, default=None, help="also write the raw cProfile stats here (pstats format)")
@@ -72,8 +76,11 @@ def run(args: argparse.Namespace) -> int:
     model_dir = _resolve_model(args.model)
     prompts = build_prompts(model_dir, args.dataset, args.num_prompts)
     spec_dir = tempfile.mkdtemp(prefix="vllm-anisotropic-profile-")
-    llm = LLM(model=str(model_dir), speculative_config=resolve_config(args.method, Path(spec_dir)), max_num_seqs=args.max_num_seqs,
-              **{**CPU_LLM_DEFAULTS, "dtype": args.dtype, **method_llm_kwargs(args.method)})
+    draft = str(_resolve_model(args.draft)) if args.draft else None
+    extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    llm = LLM(model=str(model_dir), speculative_config=resolve_config(args.method, Path(spec_dir), draft, args.dtype),
+              max_num_seqs=args.max_num_seqs,
+              **{**CPU_LLM_DEFAULTS, "dtype": args.dtype, **extra, **method_llm_kwargs(args.method)})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
     prof = None if args.no_profile else cProfile.Profile()
@@ -101,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
     step_s, n = cumulative("vllm/v1/worker/gpu_model_runner.py", "execute_model")
     n = max(n, 1)
     total_s = cumulative("vllm/v1/engine/core.py", "step")[0] or seconds
-    forward_s = cumulative("vllm/model_executor/models/llama.py", "forward")[0]
+    # the target's forward: the outermost model ``forward`` vLLM runs (llama.py, qwen2.py, ...)
+    forward_s = max((v[3] for (file, _, name), v in stats.stats.items()
+                     if "vllm/model_executor/models/" in file and name == "forward"), default=0.0)
     print(f"{n} model steps: {seconds / n * 1e3:.1f} ms/step wall, model forward {forward_s / n * 1e3:.1f} ms/step, "
           f"everything else (host) {(total_s - forward_s) / n * 1e3:.1f} ms/step = {(total_s - forward_s) / total_s:.1%}")
     print(f"{'phase':<42} {'ms/step':>8} {'share':>6}")

@@ -286,15 +286,23 @@ def _traversal_law(tree, p_rows, q_rows, out) -> None:
     visit(0)
 
 
-def _block_law(tree, p_rows, q_rows, out) -> None:
+def _block_weights(tree, p_rows, q_rows) -> tuple[list[int], list[float]]:
+    """Block verification's chain (first children from the root) and its weights
+    w_i = min(1, w_{i-1} p(x_i) / q(x_i)), w_0 = 1 (Sun et al. 2024, arXiv 2403.10444)."""
     chain = [0]
     while tree.first_child[chain[-1]] >= 0:
         chain.append(int(tree.first_child[chain[-1]]))
-    big_l = len(chain) - 1
     w = [1.0]
-    for i in range(1, big_l + 1):
+    for i in range(1, len(chain)):
         x = int(tree.tokens[chain[i]])
-        w.append(min(1.0, w[-1] * float(p_rows[chain[i - 1]][x]) / float(q_rows[chain[i - 1]][x])))
+        qx = float(q_rows[chain[i - 1]][x])
+        w.append(min(1.0, w[-1] * float(p_rows[chain[i - 1]][x]) / qx) if qx > 0 else 1.0)
+    return chain, w
+
+
+def _block_law(tree, p_rows, q_rows, out) -> None:
+    chain, w = _block_weights(tree, p_rows, q_rows)
+    big_l = len(chain) - 1
     reach = 1.0
     for i in range(big_l, -1, -1):
         if i == big_l:
@@ -401,15 +409,8 @@ def _traversal_expected(tree, p_rows, q_rows, depths) -> float:
 
 
 def _block_expected(tree, p_rows, q_rows) -> float:
-    chain = [0]
-    while tree.first_child[chain[-1]] >= 0:
-        chain.append(int(tree.first_child[chain[-1]]))
+    chain, w = _block_weights(tree, p_rows, q_rows)
     big_l = len(chain) - 1
-    w = [1.0]
-    for i in range(1, big_l + 1):
-        x = int(tree.tokens[chain[i]])
-        qx = float(q_rows[chain[i - 1]][x])
-        w.append(min(1.0, w[-1] * float(p_rows[chain[i - 1]][x]) / qx) if qx > 0 else 1.0)
     total, stay = 0.0, 1.0
     for i in range(big_l, -1, -1):
         if i == big_l:
