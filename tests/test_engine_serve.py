@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
-from vllm_server import http_get, launch_serve, stop, wait_healthy
+from vllm_server import http_get, serving, wait_healthy
 
 pytestmark = pytest.mark.engine
 
@@ -114,11 +114,8 @@ def prompts(tiny_prompts) -> list[str]:
 def launched(model_dir, tmp_path_factory):
     """The server process, started (not yet healthy); stopped at the end of the module."""
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    proc, base = launch_serve(model_dir, {"method": "goose"}, SERVE_FLAGS, log_path)
-    try:
+    with serving(model_dir, {"method": "goose"}, SERVE_FLAGS, log_path) as (proc, base):
         yield proc, base, log_path
-    finally:
-        stop(proc)
 
 
 @pytest.fixture(scope="module")

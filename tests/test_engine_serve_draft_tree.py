@@ -19,7 +19,7 @@ import pytest
 
 from test_engine_serve import _metric_total
 from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
-from vllm_server import http_get, launch_serve, stop, wait_healthy
+from vllm_server import http_get, serving, wait_healthy
 
 pytestmark = pytest.mark.engine
 
@@ -46,11 +46,8 @@ def prompts(tiny_prompts) -> list[str]:
 @pytest.fixture(scope="module")
 def launched(pair, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve_dtree") / "server.log"
-    proc, base = launch_serve(pair[0], {"method": "draft_tree", "model": pair[1], **SHAPE}, FLAGS, log_path)
-    try:
+    with serving(pair[0], {"method": "draft_tree", "model": pair[1], **SHAPE}, FLAGS, log_path) as (proc, base):
         yield proc, base, log_path
-    finally:
-        stop(proc)
 
 
 @pytest.fixture(scope="module")

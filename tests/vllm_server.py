@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
+import sysconfig
 import time
 import urllib.error
 import urllib.request
@@ -62,16 +65,18 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def launch_serve(model: str, speculative_config: dict, flags: list[str], log_path: Path):
-    """``vllm serve model --speculative-config ...`` on a free local port, output to ``log_path``:
-    ``(process, base_url)``; the caller stops it (``stop``)."""
-    import json
-    import sysconfig
 
+@contextlib.contextmanager
+def serving(model: str, speculative_config: dict, flags: list[str], log_path: Path):
+    """``vllm serve model --speculative-config ...`` on a free local port, output to ``log_path``:
+    yields ``(process, base_url)`` (started, not yet healthy) and stops the server on exit."""
     port = free_port()
     cmd = [str(Path(sysconfig.get_path("scripts")) / "vllm"), "serve", model,
            "--speculative-config", json.dumps(speculative_config),
            "--host", "127.0.0.1", "--port", str(port), *flags]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)

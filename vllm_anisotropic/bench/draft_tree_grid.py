@@ -191,8 +191,8 @@ def root_record(target: Target, draft: DraftLM, context: list[int], temperature:
         best = logits.argmax(-1)
         for l1, (tree, own) in enumerate(zip(trees, ids)):
             for k in range(1, k_max + 1):
-                sub = select(tree, branch_nodes(l1, k_max, k, l2_max))
-                rows = own[branch_nodes(l1, k_max, k, l2_max)]
+                keep = branch_nodes(l1, k_max, k, l2_max)
+                sub, rows = select(tree, keep), own[keep]
                 accepted = len(_walk(sub, lambda node: int(best[rows[node]]))) - 1
                 for l2 in range(l2_max + 1):
                     if l2 == 0 and k > 1:

@@ -350,11 +350,9 @@ def reach_probabilities(name: str, tree: DraftTree, p_rows, q_rows=None) -> np.n
         xs = [int(tree.tokens[j]) for j in slots]
         p = p_rows[node].to(torch.float64)
         q = None if q_rows is None else q_rows[node].to(torch.float64)
-        if len(xs) == 1 and name != "nss":  # one draft: every OT solver here is Naive, min(1, p / q)
-            x = xs[0]
-            reach[slots[0]] = reach[node] * (min(1.0, float(p[x]) / float(q[x])) if float(q[x]) > 0 else 1.0)
-            continue
-        if name == "naive":  # one uniformly chosen slot is tried; only it can be descended into
+        if name == "naive" or (len(xs) == 1 and name != "nss"):
+            # Naive tries one uniformly chosen slot and descends only into it; with one draft
+            # every OT solver here is Naive: accept with min(1, p / q)
             for j, x in zip(slots, xs):
                 a = min(1.0, float(p[x]) / float(q[x])) if float(q[x]) > 0 else 1.0
                 reach[j] += reach[node] * a / len(xs)
