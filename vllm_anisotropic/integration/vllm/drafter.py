@@ -35,8 +35,9 @@ import torch
 
 from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, rank_trees
 from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
+from vllm_anisotropic.integration.vllm.cpu_gemm import use_vllm_cpu_gemm
 from vllm_anisotropic.integration.vllm.metrics import MetricsSink, TreeMetrics
-from vllm_anisotropic.proposers import get_proposer
+from vllm_anisotropic.proposers import DraftTreeProposer, get_proposer
 from vllm_anisotropic.proposers.adjacency import TopKRows
 from vllm_anisotropic.proposers.base import RequestState
 from vllm_anisotropic.tree import DraftTree
@@ -63,6 +64,8 @@ class TreeDrafter:
         self.config = TreeSpecConfig.from_additional_config(method, vllm_config.additional_config)
         vocab_size = vllm_config.model_config.get_vocab_size()
         self.proposer = get_proposer(self.config.proposer_name, vocab_size=vocab_size, **self.config.proposer_options)
+        if isinstance(self.proposer, DraftTreeProposer):
+            use_vllm_cpu_gemm(self.proposer.lm.model)  # q's linears take vLLM's CPU kernels (cpu_gemm.py)
         self.max_draft_tokens: int = int(spec.num_speculative_tokens)
         self.max_model_len: int = int(vllm_config.model_config.max_model_len)
         self.states: dict[str, RequestState] = {}

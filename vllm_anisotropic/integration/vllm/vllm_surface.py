@@ -73,6 +73,9 @@ METHODS: dict[str, tuple[str, ...]] = {
     "vllm.v1.executor.multiproc_executor:WorkerProc._execute_worker_rpc": ("self", "rpc_request"),
     # sampler.TreeRejectionSampler replaces the runner's rejection sampler, same call
     "vllm.v1.sample.rejection_sampler:RejectionSampler.forward": ("self", "metadata", "draft_probs", "logits", "sampling_metadata"),
+    # cpu_gemm.use_vllm_cpu_gemm: draft_tree's q takes vLLM's CPU GEMM per linear layer (it then
+    # calls the ``cpu_linear(x, weight, bias)`` the dispatch sets on the layer)
+    "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm": ("layer", "remove_weight"),
     # attention.TreeCPUAttentionImpl
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward": (
         "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
