@@ -48,6 +48,7 @@ import torch
 
 from vllm_anisotropic.bench.harness import load_model, tree_attention_mask
 from vllm_anisotropic.proposers.draft_model import DelayedShape, DraftLM, delayed_tree
+from vllm_anisotropic.selector.train import step_time
 from vllm_anisotropic.tree import DraftTree
 from vllm_anisotropic.verifiers.analytic import TOPDOWN, expected_tokens, reach_probabilities
 from vllm_anisotropic.verifiers.sampling import TargetSampling, target_probs
@@ -324,6 +325,10 @@ def summarize(path: str, out=sys.stdout) -> dict:
     return table
 
 
+def _eq11(action: str, timing: dict) -> float:
+    return step_time(tuple(int(x) for x in action.split(",")), timing)
+
+
 def _matrix(name: str, means: dict, ks=(1, 2, 4), l1s=(0, 1, 2, 4, 8), l2s=(0, 1, 2, 4, 8)) -> str:
     """E[tau + 1] of ``name``: rows (K, L1), columns L2."""
     lines = [f"\n{name}: E[tau + 1] by (K, L1) and L2", "| K, L1 | " + " | ".join(f"L2 = {x}" for x in l2s) + " |",
@@ -333,13 +338,6 @@ def _matrix(name: str, means: dict, ks=(1, 2, 4), l1s=(0, 1, 2, 4, 8), l2s=(0, 1
                  else "-" for l2 in l2s]
         lines.append(f"| {k}, {l1} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _eq11(action: str, timing: dict) -> float:
-    k, l1, l2 = (int(x) for x in action.split(","))
-    t_p = {int(n): v for n, v in timing["t_p"].items()}
-    t_q = {int(n): v for n, v in timing["t_q"].items()}
-    return l1 * t_q[1] + l2 * t_q[k] + t_p[1 + l1 + k * l2]
 
 
 def main(argv=None) -> None:

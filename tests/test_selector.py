@@ -1,0 +1,149 @@
+"""The (K, L1, L2) selector (``vllm_anisotropic.selector``): labels, training, files.
+
+What these would catch: a training objective that does not learn (a sign flip of Eq. 5, the
+policy read as argmin, the times ignored: ``test_learns_...``), training that depends on
+anything but the seed, choices outside the grid, a selector file accepted although corrupted,
+of another version, trained on other features, or with actions outside the paper's grid, and
+Eq. 11 or the T = 0 labels computed from the wrong fields.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_anisotropic.proposers.draft_model import DelayedShape
+from vllm_anisotropic.selector import FEATURES, SelectorFileError, ShapeSelector, action_grid
+from vllm_anisotropic.selector.policy import JSON_NAME, WEIGHTS_NAME
+from vllm_anisotropic.selector.train import Examples, cross_validate, fit, load_examples, step_time
+
+TIMING = {"kind": "timing", "t_q": {"1": 0.1, "2": 0.12, "3": 0.14, "4": 0.2},
+          "t_p": {str(n): 0.3 + 0.01 * n for n in range(1, 42)}}
+
+
+def test_action_grid_is_the_papers_without_duplicates():
+    grid = action_grid()
+    assert len(grid) == 4 * 9 * 9 - 3 * 9 == 297  # K > 1 with L2 = 0 repeats the K = 1 chain
+    assert (1, 8, 0) in grid and (4, 8, 8) in grid and (2, 3, 0) not in grid
+    assert all(l1 + k * l2 <= 8 for k, l1, l2 in action_grid(8)) and (1, 8, 0) in action_grid(8)
+
+
+def test_step_time_is_eq_11():
+    # (2, 3, 4): 3 trunk forwards of one token, 4 branch forwards of two, one target pass of 12 nodes
+    assert step_time((2, 3, 4), TIMING) == pytest.approx(3 * 0.1 + 4 * 0.12 + 0.3 + 0.01 * 12)
+    assert step_time((1, 0, 0), TIMING) == pytest.approx(0.31)
+
+
+def _synthetic(n: int = 240, seed: int = 0) -> Examples:
+    """Roots where q's entropy decides: a confident q (low entropy) makes long chains pay, an
+    unsure one makes them lose (each draft accepted with probability 0.95 or 0.2)."""
+    rng = np.random.default_rng(seed)
+    actions = [(1, 0, 0), (1, 2, 0), (1, 6, 0), (2, 0, 2)]
+    t = np.array([step_time(a, TIMING) for a in actions])
+    h = rng.uniform(0, 3, n)
+    accept = np.where(h < 1.5, 0.95, 0.2)
+    e = np.stack([(accept[:, None] ** np.arange(1, l1 + l2 + 1)).sum(1) + 1 if l1 + l2 else np.ones(n)
+                  for k, l1, l2 in actions], 1)
+    feats = np.stack([h, np.full(n, np.log1p(200)), np.full(n, 0.7), np.ones(n)], 1)
+    return Examples(feats, {"traversal": e, "specinfer": e}, np.tile(t, (n, 1)),
+                    np.array([f"d/{i // 2}" for i in range(n)]), actions)
+
+
+def test_learns_which_shape_pays_from_the_entropy():
+    ex = _synthetic()
+    sel = fit(ex, np.arange(0, len(ex), 2), "traversal", seed=0, epochs=300, lr=1e-2)
+    test = np.arange(1, len(ex), 2)
+    best = (ex.values["traversal"] / ex.time).argmax(1)[test]
+    assert set(best) == {0, 2}  # both regimes present: a constant choice cannot pass
+    assert (sel.choose_index(ex.features[test]) == best).mean() > 0.95
+    cv = cross_validate(ex, "traversal", folds=4, seed=0, epochs=300, lr=1e-2)
+    assert cv["selector"]["tokens_per_s"] > 1.2 * cv["static"]["tokens_per_s"], cv
+
+
+def test_training_is_reproducible_and_seeded():
+    ex = _synthetic()
+    rows = np.arange(len(ex))
+    a, b, c = (fit(ex, rows, "traversal", seed=s, epochs=20).net.state_dict() for s in (3, 3, 4))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_choices_are_shapes_of_the_grid(tmp_path):
+    ex = _synthetic()
+    sel = fit(ex, np.arange(len(ex)), "traversal", epochs=5)
+    feats = np.random.default_rng(1).normal(0, 100, (500, len(FEATURES)))  # far outside the training range
+    assert set(sel.choose_index(feats)) <= set(range(len(ex.actions)))
+    shape = sel.choose(feats[0])
+    assert isinstance(shape, DelayedShape) and (shape.branches, shape.trunk, shape.branch_length) in ex.actions
+    assert sel.max_drafts == 6
+
+
+def test_file_round_trip_and_refusals(tmp_path):
+    ex = _synthetic()
+    sel = fit(ex, np.arange(len(ex)), "specinfer", epochs=30)
+    sel.meta["pair"] = {"target": "t", "draft": "d"}
+    good = sel.save(tmp_path / "good")
+    back = ShapeSelector.load(good)
+    feats = ex.features[:50]
+    assert np.array_equal(back.choose_index(feats), sel.choose_index(feats))
+    assert back.verifier == "specinfer" and back.actions == ex.actions and back.meta["pair"]["draft"] == "d"
+
+    def broken(name: str, edit) -> str:
+        d = tmp_path / name
+        d.mkdir()
+        for f in (JSON_NAME, WEIGHTS_NAME):
+            (d / f).write_bytes((good / f).read_bytes())
+        edit(d)
+        with pytest.raises(SelectorFileError) as err:
+            ShapeSelector.load(d)
+        return str(err.value)
+
+    def edit_json(**changes):
+        def edit(d):
+            doc = json.loads((d / JSON_NAME).read_text())
+            doc.update(changes)
+            (d / JSON_NAME).write_text(json.dumps(doc))
+        return edit
+
+    def flip_byte(d):
+        raw = bytearray((d / WEIGHTS_NAME).read_bytes())
+        raw[-3] ^= 0x55
+        (d / WEIGHTS_NAME).write_bytes(bytes(raw))
+
+    assert "checksum" in broken("corrupt", flip_byte)
+    assert "version 2" in broken("version", edit_json(version=2))
+    assert "features" in broken("features", edit_json(features=["entropy_p", *FEATURES[1:]]))
+    assert "outside" in broken("grid", edit_json(actions=[[5, 0, 0]] + [list(a) for a in ex.actions[1:]]))
+    assert "missing" in broken("missing", lambda d: (d / WEIGHTS_NAME).unlink())
+    assert "not valid JSON" in broken("json", lambda d: (d / JSON_NAME).write_text("{"))
+    # weights that fit another grid: the checksum matches (recomputed) but the shapes do not
+    def fewer_actions(d):
+        doc = json.loads((d / JSON_NAME).read_text())
+        doc["actions"] = doc["actions"][:2]
+        (d / JSON_NAME).write_text(json.dumps(doc))
+    assert "does not fit" in broken("shapes", fewer_actions)
+
+
+def test_examples_from_grid_records(tmp_path):
+    actions = action_grid(2)
+    def root(temp, prompt, e):
+        vals = {f"{k},{l1},{l2}": ({"greedy": e} if temp == 0 else {"traversal": e, "specinfer": e - 0.5})
+                for k, l1, l2 in actions}
+        return {"kind": "root", "temperature": temp, "dataset": "humaneval", "prompt": prompt, "context_len": 99,
+                "features": {"entropy_q": 0.25, "context_len": 99}, "values": vals}
+    path = tmp_path / "grid.jsonl.gz"
+    path.write_bytes(gzip.compress("\n".join(json.dumps(r) for r in (TIMING, root(0.0, 0, 2.0), root(0.7, 1, 3.0))).encode()))
+    ex = load_examples([str(path)], max_drafts=2)
+    assert ex.actions == actions and len(ex) == 2
+    assert ex.features[0].tolist() == pytest.approx([0.25, np.log(100), 0.0, 1.0])
+    assert np.all(ex.values["specinfer"][0] == 2.0)  # T = 0: every verifier is the greedy walk
+    assert np.all(ex.values["specinfer"][1] == 2.5) and np.all(ex.values["traversal"][1] == 3.0)
+    assert ex.time[0, actions.index((2, 0, 1))] == pytest.approx(0.12 + 0.3 + 0.03)
+    assert list(ex.groups) == ["humaneval/0", "humaneval/1"]
+    (tmp_path / "no_timing.jsonl").write_text(json.dumps(root(0.0, 0, 2.0)) + "\n")
+    with pytest.raises(ValueError, match="no timing record"):
+        load_examples([str(tmp_path / "no_timing.jsonl")])

@@ -1,0 +1,160 @@
+"""The (K, L1, L2) selector: root features -> one delayed-tree shape (arXiv 2602.16994 Sec. 6, App. E).
+
+A small MLP (standardized scalar features -> GELU 64 -> GELU 32 -> one logit per action) over a
+fixed grid of actions; at run time the action with the highest logit (``ShapeSelector.choose``).
+Only the paper's scalar features (``selector.features``): its hidden-state projections are left
+out (they need the target's hidden state at the preceding token, which this engine's drafter
+does not see).
+
+File format (a directory; never pickle)::
+
+    selector.json          format, version, features (names, mean, std), actions, verifier,
+                           hidden sizes, the pair it was trained for, the sha256 of the weights,
+                           the training summary
+    selector.safetensors   the MLP's tensors
+
+``ShapeSelector.load`` refuses (``SelectorFileError``, naming the file and the problem) a missing
+file, a file of another format or version, features this code does not compute, actions outside
+the paper's grid, weights whose checksum or shapes do not match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vllm_anisotropic.proposers.draft_model import DelayedShape
+from vllm_anisotropic.selector.features import FEATURES
+
+__all__ = ["FORMAT", "VERSION", "SelectorFileError", "SelectorNet", "ShapeSelector", "action_grid", "in_paper_grid"]
+
+FORMAT = "vllm-anisotropic-shape-selector"
+VERSION = 1
+JSON_NAME, WEIGHTS_NAME = "selector.json", "selector.safetensors"
+HIDDEN = (64, 32)
+# arXiv 2602.16994 Eq. 8: K in 1..4, L1 and L2 in 0..8
+K_MAX, L1_MAX, L2_MAX = 4, 8, 8
+
+
+class SelectorFileError(ValueError):
+    """A selector file that cannot be used (missing, corrupted, of another version or grid)."""
+
+
+def in_paper_grid(action: tuple[int, int, int]) -> bool:
+    k, l1, l2 = action
+    return 1 <= k <= K_MAX and 0 <= l1 <= L1_MAX and 0 <= l2 <= L2_MAX and not (l2 == 0 and k > 1)
+
+
+def action_grid(max_drafts: int | None = None) -> list[tuple[int, int, int]]:
+    """The paper's actions without duplicates (K > 1 with L2 = 0 is the K = 1 chain), in (K, L1,
+    L2) order, at most ``max_drafts`` drafts each: ``len(action_grid()) == 297``."""
+    out = [(k, l1, l2) for k in range(1, K_MAX + 1) for l1 in range(L1_MAX + 1) for l2 in range(L2_MAX + 1)]
+    return [a for a in out if in_paper_grid(a) and (max_drafts is None or a[1] + a[0] * a[2] <= max_drafts)]
+
+
+class SelectorNet(torch.nn.Module):
+    def __init__(self, num_features: int, num_actions: int, hidden: tuple[int, ...] = HIDDEN) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        width = num_features
+        for h in hidden:
+            layers += [torch.nn.Linear(width, h), torch.nn.GELU()]
+            width = h
+        layers.append(torch.nn.Linear(width, num_actions))
+        self.mlp = torch.nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+@dataclass
+class ShapeSelector:
+    net: SelectorNet
+    mean: np.ndarray  # [F] feature standardization
+    std: np.ndarray
+    actions: list[tuple[int, int, int]]
+    verifier: str
+    meta: dict = field(default_factory=dict)  # pair, training summary (written to the JSON)
+
+    @property
+    def max_drafts(self) -> int:
+        return max(l1 + k * l2 for k, l1, l2 in self.actions)
+
+    @torch.no_grad()
+    def logits(self, features: np.ndarray) -> torch.Tensor:
+        """[n, A] logits of raw features [n, F] (or [F])."""
+        x = (np.atleast_2d(np.asarray(features, np.float64)) - self.mean) / self.std
+        return self.net(torch.as_tensor(x, dtype=torch.float32))
+
+    def choose_index(self, features: np.ndarray) -> np.ndarray:
+        """[n] index into ``actions`` of each row's choice (argmax; ties to the lower index)."""
+        return self.logits(features).argmax(-1).numpy()
+
+    def choose(self, features: np.ndarray) -> DelayedShape:
+        k, l1, l2 = self.actions[int(self.choose_index(features)[0])]
+        return DelayedShape(branches=k, trunk=l1, branch_length=l2)
+
+    # ------------------------------------------------------------------ files
+    def save(self, directory: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        weights = directory / WEIGHTS_NAME
+        save_file({k: v.contiguous() for k, v in self.net.state_dict().items()}, str(weights))
+        doc = {
+            "format": FORMAT, "version": VERSION,
+            "features": list(FEATURES), "feature_mean": [float(v) for v in self.mean],
+            "feature_std": [float(v) for v in self.std],
+            "actions": [list(a) for a in self.actions], "verifier": self.verifier, "hidden": list(HIDDEN),
+            "weights_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(), **self.meta,
+        }
+        (directory / JSON_NAME).write_text(json.dumps(doc, indent=1) + "\n")
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "ShapeSelector":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        meta_path, weights = directory / JSON_NAME, directory / WEIGHTS_NAME
+        for path in (meta_path, weights):
+            if not path.is_file():
+                raise SelectorFileError(f"selector {str(directory)!r}: {path.name} is missing (a selector is a "
+                                        f"directory with {JSON_NAME} and {WEIGHTS_NAME}, from `vllm-anisotropic selector train`)")
+        try:
+            doc = json.loads(meta_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SelectorFileError(f"selector {str(meta_path)!r} is not valid JSON: {e}") from None
+        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+            raise SelectorFileError(f"selector {str(meta_path)!r} has format {doc.get('format')!r} version "
+                                    f"{doc.get('version')!r}; this vllm-anisotropic reads {FORMAT!r} version {VERSION}")
+        if doc.get("features") != list(FEATURES):
+            raise SelectorFileError(f"selector {str(meta_path)!r} was trained on features {doc.get('features')}; "
+                                    f"this vllm-anisotropic computes {list(FEATURES)}")
+        actions = [tuple(int(v) for v in a) for a in doc.get("actions", [])]
+        bad = [a for a in actions if len(a) != 3 or not in_paper_grid(a)]
+        if not actions or bad:
+            raise SelectorFileError(f"selector {str(meta_path)!r}: actions {bad or '[]'} are outside the (K, L1, L2) "
+                                    f"grid K 1..{K_MAX}, L1 0..{L1_MAX}, L2 0..{L2_MAX} (K 1 when L2 is 0)")
+        digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+        if digest != doc.get("weights_sha256"):
+            raise SelectorFileError(f"selector {str(weights)!r} does not match the checksum in {JSON_NAME} "
+                                    f"(sha256 {digest[:12]}..., expected {str(doc.get('weights_sha256'))[:12]}...): "
+                                    f"corrupted or replaced")
+        net = SelectorNet(len(FEATURES), len(actions), tuple(doc.get("hidden", HIDDEN)))
+        try:
+            net.load_state_dict(load_file(str(weights)))
+        except (RuntimeError, SafetensorError) as e:
+            raise SelectorFileError(f"selector {str(weights)!r} does not fit its {JSON_NAME}: {e}") from None
+        known = {"format", "version", "features", "feature_mean", "feature_std", "actions", "verifier", "hidden",
+                 "weights_sha256"}
+        return cls(net=net.eval(), mean=np.asarray(doc["feature_mean"], np.float64),
+                   std=np.asarray(doc["feature_std"], np.float64), actions=actions, verifier=str(doc["verifier"]),
+                   meta={k: v for k, v in doc.items() if k not in known})

@@ -1,0 +1,224 @@
+"""Train and evaluate the (K, L1, L2) selector on ``bench.draft_tree_grid`` records.
+
+Labels (arXiv 2602.16994 Sec. 6): for each root c and action a of the grid, the record holds the
+exact E[tau + 1 | c, a] of every verifier (``verifiers.analytic``; the greedy walk's at T = 0),
+and the file's timing record the measured pass times, from which Eq. 11 gives the step's time
+``step_time(a)``. The policy pi(a | c) (``policy.SelectorNet``) is trained, full batch, to
+minimize the paper's Eq. 5, ``-log(TPS_pi(c) / TPS_base(c))`` with Eq. 4's
+``TPS_pi(c) = sum_a pi(a|c) E(c, a) / sum_a pi(a|c) T(a)``; the baseline is the best static
+action of the training roots (the paper's regression penalty is left out). At run time the
+selector takes the argmax.
+
+Evaluation is on held-out prompts: the roots are split by prompt (dataset, prompt index) into
+folds; each fold's roots are scored by a selector trained on the other folds, against the best
+static action of those other folds (under the same verifier, and under Traversal). A score is
+tokens per second over the held-out roots, sum E / sum T (every root one step). Then a last
+selector is trained on every root and saved.
+
+Example::
+
+    vllm-anisotropic selector train --records t0.jsonl.gz,t07.jsonl.gz --verifier traversal --out sel/
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vllm_anisotropic.selector.features import FEATURES, record_features
+from vllm_anisotropic.selector.policy import SelectorNet, ShapeSelector, action_grid
+
+__all__ = ["Examples", "load_examples", "step_time", "fit", "evaluate", "cross_validate", "add_parser"]
+
+logger = logging.getLogger(__name__)
+
+VERIFIERS = ("traversal", "specinfer", "spectr", "khisti", "naive_tree", "naive", "nss", "block")
+
+
+def step_time(action: tuple[int, int, int], timing: dict) -> float:
+    """Eq. 11 with pass times measured at one context length: ``L1 t_q(1) + L2 t_q(K) +
+    t_p(1 + L1 + K L2)`` seconds (``timing``: a ``draft_tree_grid --time`` record; keys may be
+    strings, as JSON stores them)."""
+    k, l1, l2 = action
+    t_p = {int(n): float(v) for n, v in timing["t_p"].items()}
+    t_q = {int(n): float(v) for n, v in timing["t_q"].items()}
+    return l1 * t_q[1] + l2 * t_q[k] + t_p[1 + l1 + k * l2]
+
+
+@dataclass
+class Examples:
+    """One row per root: features [n, F], E[tau + 1] per verifier [n, A], Eq. 11 time [n, A]
+    (each root under its own file's timing), and the prompt it came from."""
+
+    features: np.ndarray
+    values: dict[str, np.ndarray]
+    time: np.ndarray
+    groups: np.ndarray  # "dataset/prompt"
+    actions: list[tuple[int, int, int]]
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+
+def _read(path: str | Path) -> list[dict]:
+    raw = Path(path).read_bytes()
+    text = gzip.decompress(raw).decode() if str(path).endswith(".gz") else raw.decode()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def load_examples(paths: list[str], verifiers=VERIFIERS, max_drafts: int | None = None) -> Examples:
+    """Every root record of ``paths``. A T = 0 root's value under any verifier is its greedy
+    walk's (every verifier reduces to it); ``block`` only has K = 1 actions, so its missing
+    values are 0 (never chosen). Raises ValueError for a file without a timing record."""
+    actions = action_grid(max_drafts)
+    feats, times, groups = [], [], []
+    values: dict[str, list] = {v: [] for v in verifiers}
+    for path in paths:
+        recs = _read(path)
+        timing = next((r for r in recs if r.get("kind") == "timing"), None)
+        if timing is None:
+            raise ValueError(f"{path}: no timing record (run `python -m vllm_anisotropic.bench.draft_tree_grid` "
+                             f"with --time, or --time-only and append its record)")
+        t = np.array([step_time(a, timing) for a in actions])
+        for r in (r for r in recs if r.get("kind") == "root"):
+            feats.append(record_features(r))
+            times.append(t)
+            groups.append(f"{r['dataset']}/{r['prompt']}")
+            for v in verifiers:
+                key = "greedy" if float(r["temperature"]) == 0.0 else v
+                values[v].append([r["values"].get(f"{k},{l1},{l2}", {}).get(key, 0.0) for k, l1, l2 in actions])
+    if not groups:
+        raise ValueError(f"no root records in {paths}")
+    return Examples(np.array(feats), {v: np.array(x) for v, x in values.items()}, np.array(times),
+                    np.array(groups), actions)
+
+
+def _loss(logits: torch.Tensor, e: torch.Tensor, t: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Eq. 5 averaged over roots: -log(TPS_pi / TPS_base), Eq. 4's TPS_pi."""
+    pi = logits.softmax(-1)
+    return -((pi * e).sum(-1) / (pi * t).sum(-1) / base).log().mean()
+
+
+def best_static(e: np.ndarray, t: np.ndarray) -> int:
+    """The action with the most tokens per second over these roots (sum E / sum T)."""
+    return int(np.argmax(e.sum(0) / t.sum(0)))
+
+
+def fit(ex: Examples, rows: np.ndarray, verifier: str, seed: int = 0, epochs: int = 300, lr: float = 1e-3,
+        weight_decay: float = 1e-2, progress: bool = False) -> ShapeSelector:
+    """A selector trained on ``ex``'s ``rows`` (deterministic for a seed on one machine)."""
+    torch.manual_seed(seed)
+    x = ex.features[rows]
+    mean, std = x.mean(0), x.std(0)
+    std = np.where(std > 1e-9, std, 1.0)  # a constant feature (one temperature) stays 0
+    e = torch.as_tensor(ex.values[verifier][rows], dtype=torch.float64)
+    t = torch.as_tensor(ex.time[rows], dtype=torch.float64)
+    base_action = best_static(e.numpy(), t.numpy())
+    base = e[:, base_action] / t[:, base_action]
+    xs = torch.as_tensor((x - mean) / std, dtype=torch.float32)
+    net = SelectorNet(len(FEATURES), len(ex.actions))
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
+    steps = range(epochs)
+    if progress:
+        from tqdm import tqdm
+
+        steps = tqdm(steps, desc=f"selector ({verifier}, {len(rows)} roots)", unit="epoch")
+    for _ in steps:
+        opt.zero_grad()
+        loss = _loss(net(xs).double(), e, t, base)
+        loss.backward()
+        opt.step()
+    return ShapeSelector(net=net.eval(), mean=mean, std=std, actions=list(ex.actions), verifier=verifier,
+                         meta={"training": {"roots": int(len(rows)), "prompts": int(len(set(ex.groups[rows]))),
+                                            "seed": seed, "epochs": epochs, "lr": lr, "weight_decay": weight_decay,
+                                            "baseline_action": list(ex.actions[base_action]),
+                                            "final_loss": float(loss.detach())}})
+
+
+def evaluate(chosen: np.ndarray, e: np.ndarray, t: np.ndarray) -> dict:
+    """Scores of per-root action indices ``chosen`` on roots' values ``e`` and times ``t``."""
+    ee, tt = e[np.arange(len(chosen)), chosen], t[np.arange(len(chosen)), chosen]
+    return {"block_efficiency": float(ee.mean()), "step_s": float(tt.mean()), "tokens_per_s": float(ee.sum() / tt.sum())}
+
+
+def cross_validate(ex: Examples, verifier: str, folds: int = 5, seed: int = 0, **fit_kwargs) -> dict:
+    """Held-out comparison (module docstring): the selector, the best static action of the
+    training folds under ``verifier``, and the same under Traversal."""
+    prompts = np.array(sorted(set(ex.groups)))
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    fold_of = {p: i % folds for i, p in zip(range(len(prompts)), prompts[order])}
+    fold = np.array([fold_of[g] for g in ex.groups])
+    picks = {"selector": np.zeros(len(ex), np.int64), "static": np.zeros(len(ex), np.int64),
+             "static_traversal": np.zeros(len(ex), np.int64)}
+    statics = []
+    for f in range(folds):
+        train, test = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
+        if test.size == 0:
+            continue
+        sel = fit(ex, train, verifier, seed=seed, **fit_kwargs)
+        picks["selector"][test] = sel.choose_index(ex.features[test])
+        picks["static"][test] = best_static(ex.values[verifier][train], ex.time[train])
+        picks["static_traversal"][test] = best_static(ex.values["traversal"][train], ex.time[train])
+        statics.append(ex.actions[picks["static"][test[0]]])
+    out = {name: evaluate(p, ex.values["traversal" if name == "static_traversal" else verifier], ex.time)
+           for name, p in picks.items()}
+    oracle = (ex.values[verifier] / ex.time).argmax(1)
+    out["oracle_per_root"] = evaluate(oracle, ex.values[verifier], ex.time)
+    out["static_actions"] = [list(a) for a in statics]
+    out["selector_actions"] = {f"{k},{l1},{l2}": int(c) for (k, l1, l2), c in zip(
+        ex.actions, np.bincount(picks["selector"], minlength=len(ex.actions))) if c}
+    out["folds"], out["roots"], out["prompts"] = folds, len(ex), len(prompts)
+    return out
+
+
+def format_report(verifier: str, cv: dict) -> str:
+    lines = [f"held-out ({cv['folds']} folds by prompt, {cv['roots']} roots of {cv['prompts']} prompts), "
+             f"verifier {verifier}:",
+             "| policy | block efficiency | step (ms) | tokens/s | vs best static |", "|---|---:|---:|---:|---:|"]
+    ref = cv["static"]["tokens_per_s"]
+    for name in ("selector", "static", "static_traversal", "oracle_per_root"):
+        s = cv[name]
+        lines.append(f"| {name} | {s['block_efficiency']:.3f} | {1e3 * s['step_s']:.0f} | {s['tokens_per_s']:.3f} | "
+                     f"{s['tokens_per_s'] / ref:.3f}x |")
+    lines.append(f"best static per fold: {cv['static_actions']}; selector's choices: {cv['selector_actions']}")
+    return "\n".join(lines)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("selector", help="train the learned (K, L1, L2) selector of draft_tree")
+    sub = p.add_subparsers(dest="selector_command", required=True)
+    t = sub.add_parser("train", help="train on draft_tree_grid records, report held-out folds, save")
+    t.add_argument("--records", required=True, help="comma-separated draft_tree_grid JSONL(.gz) files")
+    t.add_argument("--verifier", default="traversal", choices=VERIFIERS, help="verifier of sampled requests")
+    t.add_argument("--out", required=True, help="output directory (selector.json + selector.safetensors)")
+    t.add_argument("--folds", type=int, default=5, help="held-out folds by prompt (0: no evaluation)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--epochs", type=int, default=300)
+    t.add_argument("--max-drafts", type=int, default=8,
+                   help="only actions with at most this many drafts (vLLM's num_speculative_tokens; 0: the whole grid)")
+    t.add_argument("--target", default=None, help="name of the target model, stored in the file")
+    t.add_argument("--draft", default=None, help="name of the draft model, stored in the file")
+    t.set_defaults(func=run_train)
+    return p
+
+
+def run_train(args) -> int:
+    paths = [s for s in args.records.split(",") if s]
+    ex = load_examples(paths, max_drafts=args.max_drafts or None)
+    report = None
+    if args.folds > 1:
+        report = cross_validate(ex, args.verifier, folds=args.folds, seed=args.seed, epochs=args.epochs)
+        print(format_report(args.verifier, report))
+    sel = fit(ex, np.arange(len(ex)), args.verifier, seed=args.seed, epochs=args.epochs, progress=True)
+    sel.meta.update({"pair": {"target": args.target, "draft": args.draft},
+                     "records": [Path(p).name for p in paths], "held_out": report})
+    out = sel.save(args.out)
+    print(f"saved {out} ({len(ex.actions)} actions, {len(ex)} roots)")
+    return 0
