@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from vllm_anisotropic.proposers.draft_model import DelayedShape
-from vllm_anisotropic.selector import FEATURES, SelectorFileError, ShapeSelector, action_grid
-from vllm_anisotropic.selector.policy import JSON_NAME, WEIGHTS_NAME
+from vllm_anisotropic.selector.features import FEATURES
+from vllm_anisotropic.selector.policy import JSON_NAME, WEIGHTS_NAME, SelectorFileError, ShapeSelector, action_grid
 from vllm_anisotropic.selector.train import Examples, cross_validate, fit, load_examples, step_time
 
 TIMING = {"kind": "timing", "t_q": {"1": 0.1, "2": 0.12, "3": 0.14, "4": 0.2},

@@ -159,6 +159,32 @@ class DraftTreeConfig(ProposerConfig):
     reduces to at temperature 0."""
     draft_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype q runs in."""
+    selector: str = "auto"
+    """(K, L1, L2) chosen per request-step by a learned selector (``vllm_anisotropic.selector``):
+    ``"auto"`` takes the selector shipped for this target and draft pair, if there is one and no
+    shape key (``trunk``, ``branches``, ``branch_length``) is given, else the fixed shape;
+    ``"off"`` the fixed shape; or the directory of a selector (``vllm-anisotropic selector train``)."""
+
+    @field_validator("selector")
+    @classmethod
+    def _selector_loads(cls, value: str) -> str:
+        if value in ("auto", "off"):
+            return value
+        from vllm_anisotropic.selector.policy import ShapeSelector
+
+        if not os.path.isdir(value):
+            raise ValueError(f"selector {value!r} is not a directory; valid: 'auto', 'off', or the directory of a "
+                             f"selector from `vllm-anisotropic selector train`")
+        ShapeSelector.load(value)  # SelectorFileError (a ValueError) names what is wrong
+        return value
+
+    @model_validator(mode="after")
+    def _selector_or_shape(self) -> "DraftTreeConfig":
+        given = sorted({"trunk", "branches", "branch_length"} & self.model_fields_set)
+        if self.selector not in ("auto", "off") and given:
+            raise ValueError(f"selector {self.selector!r} chooses (K, L1, L2) every step; drop {given}, or use "
+                             f"selector 'off' for a fixed shape")
+        return self
 
     @model_validator(mode="after")
     def _block_verifies_one_path(self) -> "DraftTreeConfig":
@@ -177,5 +203,9 @@ class DraftTreeConfig(ProposerConfig):
 
     @property
     def budget(self) -> int:
-        """Tree nodes including the root: 1 + L1 + K L2."""
+        """Tree nodes including the root: 1 + L1 + K L2 (with a selector, of its largest shape)."""
+        if self.selector not in ("auto", "off"):
+            from vllm_anisotropic.selector.policy import ShapeSelector
+
+            return 1 + ShapeSelector.load(self.selector).max_drafts
         return 1 + self.trunk + self.branches * self.branch_length

@@ -47,6 +47,7 @@ top two tokens are b and x, and x continues with y)::
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -55,6 +56,7 @@ import numpy as np
 import torch
 
 from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, RequestState, node_budget, root_only
+from vllm_anisotropic.selector.features import root_features
 from vllm_anisotropic.tree import DraftTree, NodeSource
 from vllm_anisotropic.verifiers.sampling import TargetSampling, sample_inverse_cdf, target_probs
 
@@ -207,15 +209,17 @@ def _draw(law: torch.Tensor, sampling: TargetSampling, generator: torch.Generato
 
 
 def delayed_tree(session: DraftSession, context: Sequence[int], shape: DelayedShape,
-                 sampling: TargetSampling = GREEDY, generator: torch.Generator | None = None) -> DraftTree:
-    """The (K, L1, L2) delayed tree of q after ``context`` (its last token is the root)."""
+                 sampling: TargetSampling = GREEDY, generator: torch.Generator | None = None,
+                 root_law: torch.Tensor | None = None) -> DraftTree:
+    """The (K, L1, L2) delayed tree of q after ``context`` (its last token is the root);
+    ``root_law``: ``root_law(session, context, sampling)`` when the caller has it already."""
     parents = shape_parents(shape)
     n = parents.size
     tokens = np.zeros(n, np.int64)
     tokens[0] = int(context[-1])
     values = np.ones(n)
     rows = torch.zeros(n, session.lm.vocab_size) if not sampling.greedy else None
-    law = _law(session.root_logits(context), sampling)[0]  # [vocab]
+    law = root_law_of(session, context, sampling) if root_law is None else root_law  # [vocab]
     node = 0
     for _ in range(shape.trunk):  # the trunk: node i + 1 drawn after node i
         if rows is not None:
@@ -251,6 +255,11 @@ def delayed_tree(session: DraftSession, context: Sequence[int], shape: DelayedSh
     finally:
         branches.close()
     return _tree(tokens, parents, values, rows)
+
+
+def root_law_of(session: DraftSession, context: Sequence[int], sampling: TargetSampling) -> torch.Tensor:
+    """[vocab] the law of the first draft after ``context`` (the session then holds ``context``)."""
+    return _law(session.root_logits(context), sampling)[0]
 
 
 def _tree(tokens, parents, values, rows) -> DraftTree:
@@ -297,14 +306,22 @@ class DraftTreeState(RequestState):
         self.session = self.proposer.lm.new_session()
 
     def propose(self, context_tokens: np.ndarray, max_nodes: int | None = None) -> DraftTree:
-        """The shape's tree, cut to ``max_nodes`` (a cut decided before any token is drawn)."""
-        shape = self.proposer.shape
-        limit = node_budget(1 + shape.num_drafts, max_nodes)
-        if limit <= 1:
+        """The shape's tree (the selector's choice for this context, if there is a selector), cut
+        to ``max_nodes`` (a cut decided before any token is drawn)."""
+        selector, shape, root_law = self.proposer.selector, self.proposer.shape, None
+        if node_budget(1 + (shape.num_drafts if selector is None else selector.max_drafts), max_nodes) <= 1:
             self.last_info = ProposalInfo(ProposalMode.PLAIN)
             return root_only(context_tokens)
+        if selector is not None:
+            # the shape from what is known before any draft is drawn (the i.i.d. branches stay i.i.d.)
+            root_law = root_law_of(self.session, context_tokens, self.sampling)
+            s = self.sampling
+            shape = selector.choose(root_features(root_law, len(context_tokens), 0.0 if s.greedy else s.temperature,
+                                                  1.0 if s.greedy else s.top_p))
+            self.proposer.shape_counts[shape] += 1
+        limit = node_budget(1 + shape.num_drafts, max_nodes)
         self.last_info = ProposalInfo(ProposalMode.TREE)
-        tree = delayed_tree(self.session, context_tokens, shape, self.sampling, self.generator)
+        tree = delayed_tree(self.session, context_tokens, shape, self.sampling, self.generator, root_law)
         return tree if limit >= tree.num_nodes else tree.truncate(limit)
 
 
@@ -318,6 +335,14 @@ class DraftTreeProposer(Proposer):
         self.shape = DelayedShape(config.branches, config.trunk, config.branch_length)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.draft_dtype]
         self.lm = DraftLM(config.model, dtype=dtype)
+        # the learned (K, L1, L2) selector; "auto" is resolved by the engine's front door (it knows
+        # the target): left unresolved here, it means the fixed shape
+        self.selector = None
+        if config.selector not in ("auto", "off"):
+            from vllm_anisotropic.selector.policy import ShapeSelector  # it imports this module
+
+            self.selector = ShapeSelector.load(config.selector)
+        self.shape_counts: Counter[DelayedShape] = Counter()  # shapes the selector chose
         if vocab_size is not None and self.lm.vocab_size != int(vocab_size):
             raise ValueError(f"draft model {config.model!r} has vocab_size {self.lm.vocab_size}, the target "
                              f"{vocab_size}; draft_tree needs a draft model with the target's vocabulary")

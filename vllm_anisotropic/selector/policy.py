@@ -107,6 +107,7 @@ class ShapeSelector:
         directory.mkdir(parents=True, exist_ok=True)
         weights = directory / WEIGHTS_NAME
         save_file({k: v.contiguous() for k, v in self.net.state_dict().items()}, str(weights))
+        weights.chmod(0o644)  # safetensors writes 0600; a shipped or shared selector is read by others
         doc = {
             "format": FORMAT, "version": VERSION,
             "features": list(FEATURES), "feature_mean": [float(v) for v in self.mean],

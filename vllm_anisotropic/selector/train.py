@@ -209,6 +209,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _pair(target: str | None, draft: str | None) -> dict:
+    """Names and fingerprints (``shipped.model_fingerprint``: what ``"selector": "auto"`` matches)
+    of the pair; a model name of the registry or a checkpoint directory."""
+    from vllm_anisotropic.models.prepare import model_path
+    from vllm_anisotropic.selector.shipped import model_fingerprint
+
+    pair: dict = {"target": target, "draft": draft}
+    for role, name in (("target", target), ("draft", draft)):
+        if name is None:
+            continue
+        directory = Path(name) if Path(name).is_dir() else model_path(name)
+        try:
+            pair[f"{role}_fingerprint"] = model_fingerprint(directory)
+        except ValueError as e:
+            logger.warning("%s %s: no fingerprint (%s); 'auto' will not pick this selector", role, name, e)
+    return pair
+
+
 def run_train(args) -> int:
     paths = [s for s in args.records.split(",") if s]
     ex = load_examples(paths, max_drafts=args.max_drafts or None)
@@ -217,8 +235,8 @@ def run_train(args) -> int:
         report = cross_validate(ex, args.verifier, folds=args.folds, seed=args.seed, epochs=args.epochs)
         print(format_report(args.verifier, report))
     sel = fit(ex, np.arange(len(ex)), args.verifier, seed=args.seed, epochs=args.epochs, progress=True)
-    sel.meta.update({"pair": {"target": args.target, "draft": args.draft},
-                     "records": [Path(p).name for p in paths], "held_out": report})
+    sel.meta.update({"pair": _pair(args.target, args.draft), "records": [Path(p).name for p in paths],
+                     "held_out": report})
     out = sel.save(args.out)
     print(f"saved {out} ({len(ex.actions)} actions, {len(ex)} roots)")
     return 0

@@ -174,6 +174,17 @@ def _patch_create_speculative_config(engine_args_cls, supported: bool) -> None:
         theirs, ours = split_speculative_dict(dict(spec or {}), set(SpeculativeConfig.__dataclass_fields__))
         if method in DRAFT_MODEL_METHODS and "model" in theirs:
             ours["model"] = theirs.pop("model")  # the draft model is ours to run, not vLLM's
+        if method in DRAFT_MODEL_METHODS and isinstance(ours.get("model"), str):
+            from vllm_anisotropic.selector.shipped import resolve_selector
+
+            # "auto": the selector shipped for this (target, draft) pair, if any (only the front
+            # door knows the target); the workers then load the resolved directory or none
+            asked = ours.get("selector", "auto")
+            ours["selector"] = resolve_selector(asked, self.model, ours["model"],
+                                                shape_given=bool({"trunk", "branches", "branch_length"} & set(ours)))
+            if asked == "auto":
+                logger.info("draft_tree selector 'auto' -> %s", ours["selector"] if ours["selector"] != "off"
+                            else "off (no shipped selector for this target and draft, or a shape was given)")
         additional = dict(self.additional_config or {})
         if ours and ADDITIONAL_CONFIG_KEY in additional:
             raise UnsupportedConfigError(

@@ -1,0 +1,144 @@
+"""The selector inside ``draft_tree`` (no vLLM): config, "auto" resolution, per-step shapes.
+
+What these would catch: the proposer drafting its fixed shape although a selector is set, the
+selector fed other features than q's law at the root under the request's sampling (e.g. the
+unprocessed law, or the context length off by one), the root's forward run twice, a selector
+path or a shape key combination accepted that should be refused, ``auto`` picking a selector
+for another pair (or none for its own), and the budget (vLLM's num_speculative_tokens) not
+covering the selector's largest shape.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_anisotropic.models.tiny import build_tiny_model
+from vllm_anisotropic.proposers import get_proposer, proposer_config
+from vllm_anisotropic.proposers.draft_model import DelayedShape, delayed_tree, root_law_of
+from vllm_anisotropic.selector.features import root_features
+from vllm_anisotropic.selector.policy import JSON_NAME
+from vllm_anisotropic.selector.shipped import model_fingerprint, resolve_selector, shipped_selector
+from vllm_anisotropic.selector.train import Examples, fit, step_time
+from vllm_anisotropic.verifiers import TargetSampling
+
+CONTEXT = [1, 504, 3120, 28, 1711, 940, 77, 5012, 19, 640, 2201, 73]
+SAMPLED = TargetSampling(temperature=0.7, top_k=-1, top_p=0.9)
+TIMING = {"t_q": {"1": 0.1, "2": 0.12, "3": 0.14, "4": 0.2}, "t_p": {str(n): 0.3 for n in range(1, 42)}}
+
+
+@pytest.fixture(scope="module")
+def draft_dir():
+    return str(build_tiny_model(seed=1, block_std=0.1))
+
+
+def constant_selector(tmp_path, best: tuple[int, int, int], pair: dict | None = None):
+    """A selector trained on roots where ``best`` always pays most (so it always chooses it)."""
+    actions = [(1, 1, 0), (1, 3, 0), (2, 1, 1), (3, 0, 2)]
+    n = 64
+    e = np.ones((n, len(actions)))
+    e[:, actions.index(best)] = 4.0
+    feats = np.random.default_rng(0).normal(1.0, 0.5, (n, 4))
+    ex = Examples(feats, {"traversal": e}, np.tile([step_time(a, TIMING) for a in actions], (n, 1)),
+                  np.array([str(i) for i in range(n)]), actions)
+    sel = fit(ex, np.arange(n), "traversal", epochs=200, lr=1e-2)
+    sel.meta["pair"] = pair or {}
+    return sel.save(tmp_path / f"sel-{'-'.join(map(str, best))}")
+
+
+@pytest.mark.parametrize("best", [(1, 3, 0), (3, 0, 2)])
+def test_proposer_drafts_the_selectors_shape_from_the_roots_features(draft_dir, tmp_path, best):
+    path = constant_selector(tmp_path, best)
+    proposer = get_proposer("draft_tree", model=draft_dir, selector=str(path))
+    assert proposer.selector is not None and proposer.selector.max_drafts == 6
+    seen = []
+    choose = proposer.selector.choose
+    proposer.selector.choose = lambda f: seen.append(f) or choose(f)
+    state = proposer.new_request()
+    state.set_sampling(SAMPLED, seed=5)
+    tree = state.propose(np.array(CONTEXT))
+    shape = DelayedShape(best[0], best[1], best[2])
+    assert tree.num_nodes == 1 + shape.num_drafts and proposer.shape_counts == {shape: 1}
+    # the same tree as drafting that shape directly, with the same uniforms
+    ref = delayed_tree(proposer.lm.new_session(), CONTEXT, shape, SAMPLED, torch.Generator().manual_seed(5))
+    assert tree.tokens.tolist() == ref.tokens.tolist() and tree.parents.tolist() == ref.parents.tolist()
+    torch.testing.assert_close(tree.draft_probs, ref.draft_probs)
+    # features: q's processed law at the root, the context's length, the request's sampling
+    law = root_law_of(proposer.lm.new_session(), CONTEXT, SAMPLED)
+    np.testing.assert_allclose(seen[0], root_features(law, len(CONTEXT), 0.7, 0.9), rtol=1e-6)
+    # the root ran once: context (12) + the trunk's and branches' forwards, no second root forward
+    k, l1, l2 = best
+    trunk_forwards = l1 if l2 else max(l1 - 1, 0)  # q after the last trunk node only if branches follow
+    forwards = len(CONTEXT) + trunk_forwards + (k * (l2 - 1) if l2 else 0)
+    assert state.session.forwarded == forwards, (state.session.forwarded, forwards)
+
+
+def test_greedy_requests_take_temperature_zero_features(draft_dir, tmp_path):
+    proposer = get_proposer("draft_tree", model=draft_dir, selector=str(constant_selector(tmp_path, (1, 3, 0))))
+    seen = []
+    choose = proposer.selector.choose
+    proposer.selector.choose = lambda f: seen.append(f) or choose(f)
+    proposer.new_request().propose(np.array(CONTEXT))
+    assert seen[0][2:].tolist() == [0.0, 1.0]
+    law = root_law_of(proposer.lm.new_session(), CONTEXT, TargetSampling(temperature=0.0))
+    assert seen[0][0] == pytest.approx(root_features(law, len(CONTEXT), 0.0, 1.0)[0])
+
+
+def test_config_budget_and_refusals(draft_dir, tmp_path):
+    path = str(constant_selector(tmp_path, (3, 0, 2)))
+    assert proposer_config("draft_tree", model=draft_dir, selector=path).budget == 1 + 6
+    assert proposer_config("draft_tree", model=draft_dir, selector="off", trunk=1, branch_length=0).budget == 2
+    assert proposer_config("draft_tree", model=draft_dir).selector == "auto"
+    with pytest.raises(ValueError, match="valid: 'auto', 'off'"):
+        proposer_config("draft_tree", model=draft_dir, selector="/no/such/dir")
+    with pytest.raises(ValueError, match=r"drop \['trunk'\]"):
+        proposer_config("draft_tree", model=draft_dir, selector=path, trunk=2)
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    doc = json.loads((broken / JSON_NAME).read_text())
+    doc["version"] = 99
+    (broken / JSON_NAME).write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="version 99"):
+        proposer_config("draft_tree", model=draft_dir, selector=str(broken))
+
+
+def test_auto_finds_the_selector_of_its_pair_only(draft_dir, tmp_path):
+    target_dir = str(build_tiny_model(seed=2, block_std=0.1))
+    other_dir = str(build_tiny_model(seed=3, block_std=0.1))
+    assert len({model_fingerprint(d) for d in (draft_dir, target_dir, other_dir)}) == 3
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    constant_selector(shipped, (1, 3, 0), pair={"target_fingerprint": model_fingerprint(target_dir),
+                                                "draft_fingerprint": model_fingerprint(draft_dir)})
+    found = shipped_selector(target_dir, draft_dir, shipped)
+    assert found is not None and found.parent == shipped
+    assert shipped_selector(other_dir, draft_dir, shipped) is None  # another target
+    assert shipped_selector(target_dir, other_dir, shipped) is None  # another draft
+    assert resolve_selector("auto", target_dir, draft_dir, shape_given=False, shipped=shipped) == str(found)
+    assert resolve_selector("auto", target_dir, draft_dir, shape_given=True, shipped=shipped) == "off"
+    assert resolve_selector("auto", "org/hub-name", draft_dir, shape_given=False, shipped=shipped) == "off"
+    assert resolve_selector("off", target_dir, draft_dir, shape_given=False, shipped=shipped) == "off"
+
+
+def test_fingerprint_survives_resaving_and_the_shipped_selector_loads(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = build_tiny_model(seed=2, block_std=0.1)
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    for f in copy.glob("*.safetensors"):  # another header and tensor order, same values
+        tensors = load_file(str(f))
+        save_file(dict(reversed(list(tensors.items()))), str(f), metadata={"note": "resaved"})
+    assert model_fingerprint(copy) == model_fingerprint(src)
+    from vllm_anisotropic.selector.policy import ShapeSelector
+    from vllm_anisotropic.selector.shipped import SHIPPED_DIR
+
+    shipped = sorted(SHIPPED_DIR.glob("*/"))
+    assert shipped, "the package ships the Qwen2.5-Coder 1.5B / 0.5B selector"
+    for d in shipped:
+        sel = ShapeSelector.load(d)
+        assert sel.max_drafts <= 8 and {"target_fingerprint", "draft_fingerprint"} <= set(sel.meta["pair"])
