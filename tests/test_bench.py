@@ -272,3 +272,7 @@ def test_draft_model_methods_name_their_shape_and_need_a_draft(tmp_path):
         "draft_dtype": "bfloat16"}
     assert "--draft" in sweep.unavailable_reason("dtree-2.2.2")
     assert sweep.unavailable_reason("dtree-2.2.2", "/d") is None and sweep.unavailable_reason("plain") is None
+    # dtree-auto: no shape key, so the front door's "auto" selector applies
+    assert sweep.resolve_config("dtree-auto", tmp_path, "/d", "bfloat16") == {
+        "method": "draft_tree", "model": "/d", "allocator": "off", "draft_dtype": "bfloat16"}
+    assert "--draft" in sweep.unavailable_reason("dtree-auto") and not sweep.valid_method("dtree-autox")

@@ -51,16 +51,39 @@ def pair():
             str(build_tiny_model(block_std=0.12, lm_head_alpha=0.25)))
 
 
-def test_greedy_output_is_plain_vllm_s(pair, tiny_prompts):
-    target, draft = pair
-    job = OfflineJob(model=target, prompts=tiny_prompts, max_tokens=48, llm_kwargs=ENGINE)
-    plain = run_offline_job(job)
+@pytest.fixture(scope="module")
+def greedy_plain(pair, tiny_prompts):
+    job = OfflineJob(model=pair[0], prompts=tiny_prompts, max_tokens=48, llm_kwargs=ENGINE)
+    return job, run_offline_job(job)
+
+
+def test_greedy_output_is_plain_vllm_s(pair, greedy_plain):
+    job, plain = greedy_plain
     spec = run_offline_job(job.model_copy(update={"speculative_config": {
-        "method": "draft_tree", "model": draft, **SHAPE, "allocator": "off"}}))
+        "method": "draft_tree", "model": pair[1], **SHAPE, "allocator": "off"}}))
     print(f"greedy draft_tree: {spec.spec}, tau {spec.spec.tau:.2f}")
     assert spec.spec.num_accepted_tokens > 50, spec.spec  # the draft's trees were accepted
     for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)):
         assert a == b, f"prompt {i}: plain {a} vs draft_tree {b}"
+
+
+def test_greedy_with_a_selector_drafts_its_shape_and_stays_plain_vllm_s(pair, greedy_plain, tmp_path):
+    """A selector (``"selector": PATH``) that always picks a chain of 3: every verified tree has
+    at most 3 drafts (the default shape, (2, 2, 2), would draft 6), output still plain vLLM's."""
+    from test_selector_runtime import constant_selector
+
+    from vllm_anisotropic.integration.vllm.metrics import STATS_ENV
+
+    job, plain = greedy_plain
+    stats = tmp_path / "stats.json"
+    spec = run_offline_job(job.model_copy(update={"speculative_config": {
+        "method": "draft_tree", "model": pair[1], "selector": str(constant_selector(tmp_path, (1, 3, 0))),
+        "allocator": "off"}}), env={STATS_ENV: str(stats)})
+    tree = json.loads(stats.read_text())
+    assert tree["verified_trees"] > 20 and tree["max_nodes"] == 4, tree  # root + the chain of 3
+    assert tree["draft_nodes"] > 2.5 * tree["verified_trees"], tree
+    assert spec.spec.num_accepted_tokens > 50, spec.spec
+    assert spec.token_ids == plain.token_ids
 
 
 # every verifier of the family; block verifies one path, so its trees have one branch

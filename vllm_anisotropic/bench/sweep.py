@@ -35,6 +35,8 @@ tr-auto      token recycling with the budget allocator
 draft_model-kN  vLLM's own draft-model method with the ``--draft`` model, N draft tokens a step
 dtree-K.L1.L2   this package's ``draft_tree`` with the ``--draft`` model: K branches of L2 tokens
              after a trunk of L1 (allocator off: the fixed shape), e.g. ``dtree-2.2.2``
+dtree-auto   ``draft_tree`` with its default selector (``"selector": "auto"``: the shipped
+             (K, L1, L2) selector of the pair, or the default shape), allocator off
 NAME+iomp    any of the above with Intel's OpenMP runtime preloaded into its engine processes
              (``LD_PRELOAD`` = the ``libiomp5.so`` of this environment, vLLM's documented CPU
              set-up; without it vLLM warns that speculative decoding on CPU loses throughput)
@@ -116,7 +118,7 @@ RECOMPUTE = "+recompute"
 MODIFIERS = (IOMP, SYNC, RECOMPUTE)
 
 
-_DRAFT_METHOD = re.compile(r"^(?:draft_model-k(?P<k>[1-9]\d*)|dtree-(?P<b>[1-9])\.(?P<t>\d)\.(?P<l>\d))$")
+_DRAFT_METHOD = re.compile(r"^(?:draft_model-k(?P<k>[1-9]\d*)|dtree-(?P<b>[1-9])\.(?P<t>\d)\.(?P<l>\d)|dtree-(?P<auto>auto))$")
 
 
 def draft_method_config(method: str, draft: str | None, dtype: str = "float32") -> dict[str, Any] | None:
@@ -128,6 +130,8 @@ def draft_method_config(method: str, draft: str | None, dtype: str = "float32") 
         return None
     if m["k"]:
         return {"method": "draft_model", "model": draft, "num_speculative_tokens": int(m["k"])}
+    if m["auto"]:
+        return {"method": "draft_tree", "model": draft, "allocator": "off", "draft_dtype": dtype}
     return {"method": "draft_tree", "model": draft, "branches": int(m["b"]), "trunk": int(m["t"]),
             "branch_length": int(m["l"]), "allocator": "off", "draft_dtype": dtype}
 
@@ -521,6 +525,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=8,
                    help="prompts per dataset in each cell, at least 2 x concurrency in all (every cell and the "
                         "warm-up get prompts of their own)")
+    p.add_argument("--prompt-offset", type=int, default=0,
+                   help="skip the first N prompts of each dataset (e.g. those a selector was trained on)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated; valid: {', '.join(METHODS)}, each also as NAME{IOMP} and NAME{SYNC}")
     p.add_argument("--concurrency", type=_int_list, default=list(DEFAULT_CONCURRENCY),
@@ -533,7 +539,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (0: greedy, outputs compared with plain's; > 0: seeded per prompt)")
     p.add_argument("--draft", default=None,
-                   help="draft model (registry name or directory) of the draft_model-kN and dtree-K.L1.L2 methods")
+                   help="draft model (registry name or directory) of the draft_model-kN, dtree-K.L1.L2 and dtree-auto methods")
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
     p.add_argument("--out", type=Path, default=Path("results/bench.jsonl"), help="JSONL records (appended)")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot path (default: the --out path with .png)")
@@ -550,7 +556,7 @@ def run(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if not valid_method(m)]
     if bad:
-        raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}, draft_model-kN, dtree-K.L1.L2 "
+        raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}, draft_model-kN, dtree-K.L1.L2, dtree-auto "
                          f"(each also as NAME{IOMP}, NAME{SYNC} and NAME{RECOMPUTE})")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
@@ -564,12 +570,14 @@ def run(args: argparse.Namespace) -> int:
     sizes = cell_sizes(args.concurrency, args.repeats, args.num_prompts * len(datasets))
     warmup_size = min(max(args.concurrency), 8)
     # enough of every dataset for a round robin to fill all cells even if the others run short
-    per_dataset = [build_prompts(model_dir, d, sum(sizes) + warmup_size) for d in datasets]
+    per_dataset = [build_prompts(model_dir, d, args.prompt_offset + sum(sizes) + warmup_size)[args.prompt_offset:]
+                   for d in datasets]
     try:
         cell_prompts, warmup = split_prompts(per_dataset, sizes, warmup_size)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    base = {"model": args.model, "draft": args.draft, "dataset": args.dataset, "dtype": args.dtype, "environment": environment(),
+    base = {"model": args.model, "draft": args.draft, "dataset": args.dataset, "prompt_offset": args.prompt_offset,
+            "dtype": args.dtype, "environment": environment(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     first_line = sum(1 for _ in open(args.out)) if args.out.exists() else 0
