@@ -17,7 +17,8 @@ different blocks: it agrees with the target often, not always). Engine runs in f
   eight (the last full run is in docs/draft_tree.md). test_draft_model.py checks Traversal and
   SpecInfer on these trees offline, and tests/test_verifiers*.py every verifier's exact law.
 * Tensor parallelism 2: greedy identical to TP = 2 plain, sampled requests keep both ranks'
-  drafts and walks in step.
+  drafts and walks in step, with a selector whose shape changes with q's root entropy.
+* A selector (``"selector": PATH``) drafts its shape in the engine, output still plain vLLM's.
 * Front door: a draft whose tokenizer differs from the target's is refused when the engine is
   built, naming the mismatch; unknown keys and a verifier that needs one branch are refused.
 """
@@ -81,6 +82,7 @@ def test_greedy_with_a_selector_drafts_its_shape_and_stays_plain_vllm_s(pair, gr
         "allocator": "off"}}), env={STATS_ENV: str(stats)})
     tree = json.loads(stats.read_text())
     assert tree["verified_trees"] > 20 and tree["max_nodes"] == 4, tree  # root + the chain of 3
+    assert list(tree["selector_shapes"]) == ["1,3,0"] and tree["selector_shapes"]["1,3,0"] >= tree["verified_trees"]
     assert tree["draft_nodes"] > 2.5 * tree["verified_trees"], tree
     assert spec.spec.num_accepted_tokens > 50, spec.spec
     assert spec.token_ids == plain.token_ids
@@ -129,27 +131,38 @@ def test_sampled_tokens_follow_plain_vllm_law(pair, tiny_prompts, plain_samples,
 TP2 = {**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 
 
-def test_tp2_greedy_identical_and_sampled_ranks_stay_in_step(pair, tiny_prompts):
+def test_tp2_greedy_identical_and_sampled_ranks_stay_in_step(pair, tiny_prompts, tmp_path):
     """Each rank loads its own copy of the draft model and drafts its own trees: greedy trees
     must match, and under sampling every rank must draw the same tokens from q (request-seeded
-    uniforms) and accept the same path, or the next step's ``take_tree`` raises on some rank."""
+    uniforms) and accept the same path, or the next step's ``take_tree`` raises on some rank.
+    The shape comes from a selector whose choice follows q's root entropy (thresholds at this
+    draft's median: ~6.7 nats raw, ~4.0 processed at T 0.8, top-p 0.9), so the ranks must also
+    make the same changing choices; both shapes must occur."""
     from test_engine_tp import TP_ENV  # one core per rank
+    from test_selector_runtime import threshold_selector
+
+    from vllm_anisotropic.integration.vllm.metrics import STATS_ENV
 
     target, draft = pair
     job = OfflineJob(model=target, prompts=tiny_prompts[:4], max_tokens=24, llm_kwargs=TP2)
-    config = {"method": "draft_tree", "model": draft, **SHAPE, "allocator": "off"}
+    config = {"method": "draft_tree", "model": draft, "allocator": "off",
+              "selector": str(threshold_selector(tmp_path, {0.0: 6.7, 0.8: 4.0}))}
     plain = run_offline_job(job, env=TP_ENV)
-    spec = run_offline_job(job.model_copy(update={"speculative_config": config}), env=TP_ENV)
+    stats = tmp_path / "greedy.json"
+    spec = run_offline_job(job.model_copy(update={"speculative_config": config}), env={**TP_ENV, STATS_ENV: str(stats)})
     assert spec.spec.num_accepted_tokens > 10, spec.spec
     assert plain.token_ids == spec.token_ids
+    assert set(json.loads(stats.read_text())["selector_shapes"]) == {"1,3,0", "2,1,1"}
     # per-request seeds: the drafts' uniforms and vLLM's samples repeat run to run (unseeded,
     # the accepted count varied with the batch timing: 9 in one full-suite run)
+    stats = tmp_path / "sampled.json"
     sampled = run_offline_job(job.model_copy(update={"temperature": 0.8, "top_p": 0.9, "seed": 7,
                                                      "seed_per_prompt": True, "speculative_config": config}),
-                              env=TP_ENV)
-    print(f"TP = 2 sampled: {sampled.spec}")
+                              env={**TP_ENV, STATS_ENV: str(stats)})
+    print(f"TP = 2 sampled: {sampled.spec}, shapes {json.loads(stats.read_text())['selector_shapes']}")
     assert sampled.spec.num_accepted_tokens > 10, sampled.spec
     assert all(len(r[0]) == 24 for r in sampled.token_ids)
+    assert set(json.loads(stats.read_text())["selector_shapes"]) == {"1,3,0", "2,1,1"}
 
 
 def test_a_draft_with_another_tokenizer_is_refused_at_start_up(pair, tiny_prompts, tmp_path):

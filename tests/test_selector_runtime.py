@@ -21,7 +21,7 @@ from vllm_anisotropic.models.tiny import build_tiny_model
 from vllm_anisotropic.proposers import get_proposer, proposer_config
 from vllm_anisotropic.proposers.draft_model import DelayedShape, delayed_tree, root_law_of
 from vllm_anisotropic.selector.features import root_features
-from vllm_anisotropic.selector.policy import JSON_NAME
+from vllm_anisotropic.selector.policy import JSON_NAME, ShapeSelector
 from vllm_anisotropic.selector.shipped import model_fingerprint, resolve_selector, shipped_selector
 from vllm_anisotropic.selector.train import Examples, fit, step_time
 from vllm_anisotropic.verifiers import TargetSampling
@@ -50,6 +50,32 @@ def constant_selector(tmp_path, best: tuple[int, int, int], pair: dict | None = 
     return sel.save(tmp_path / f"sel-{'-'.join(map(str, best))}")
 
 
+def threshold_selector(tmp_path, thresholds: dict[float, float], low=(1, 3, 0), high=(2, 1, 1)):
+    """A selector that drafts ``low`` when q's root entropy is below ``thresholds[temperature]``
+    (temperatures 0 and 0.8, top-p 1 and 0.9), else ``high``: its choice changes from step to
+    step (the engine's TP test needs every rank to make the same changing choices)."""
+    rng = np.random.default_rng(0)
+    n = 800
+    temps = rng.choice(sorted(thresholds), n)
+    h = rng.uniform(0, 9, n)
+    low_pays = h < np.array([thresholds[t] for t in temps])
+    actions = [low, high]
+    e = np.stack([np.where(low_pays, 3.0, 1.0), np.where(low_pays, 1.0, 3.0)], 1)
+    feats = np.stack([h, np.full(n, np.log1p(100)), temps, np.where(temps > 0, 0.9, 1.0)], 1)
+    ex = Examples(feats, {"traversal": e}, np.ones((n, 2)), np.array([str(i) for i in range(n)]), actions)
+    sel = fit(ex, np.arange(n), "traversal", epochs=400, lr=1e-2)
+    assert (sel.choose_index(feats) == np.where(low_pays, 0, 1)).mean() > 0.97
+    return sel.save(tmp_path / "sel-threshold")
+
+
+def test_threshold_selector_switches_with_the_entropy(tmp_path):
+    sel = ShapeSelector.load(threshold_selector(tmp_path, {0.0: 6.7, 0.8: 4.0}))
+    assert sel.choose(np.array([6.0, 5.0, 0.0, 1.0])) == DelayedShape(1, 3, 0)
+    assert sel.choose(np.array([7.5, 5.0, 0.0, 1.0])) == DelayedShape(2, 1, 1)
+    assert sel.choose(np.array([3.0, 5.0, 0.8, 0.9])) == DelayedShape(1, 3, 0)
+    assert sel.choose(np.array([5.0, 5.0, 0.8, 0.9])) == DelayedShape(2, 1, 1)
+
+
 @pytest.mark.parametrize("best", [(1, 3, 0), (3, 0, 2)])
 def test_proposer_drafts_the_selectors_shape_from_the_roots_features(draft_dir, tmp_path, best):
     path = constant_selector(tmp_path, best)
@@ -62,7 +88,7 @@ def test_proposer_drafts_the_selectors_shape_from_the_roots_features(draft_dir, 
     state.set_sampling(SAMPLED, seed=5)
     tree = state.propose(np.array(CONTEXT))
     shape = DelayedShape(best[0], best[1], best[2])
-    assert tree.num_nodes == 1 + shape.num_drafts and proposer.shape_counts == {shape: 1}
+    assert tree.num_nodes == 1 + shape.num_drafts and proposer.shape_counts == {",".join(map(str, best)): 1}
     # the same tree as drafting that shape directly, with the same uniforms
     ref = delayed_tree(proposer.lm.new_session(), CONTEXT, shape, SAMPLED, torch.Generator().manual_seed(5))
     assert tree.tokens.tolist() == ref.tokens.tolist() and tree.parents.tolist() == ref.parents.tolist()
@@ -134,7 +160,6 @@ def test_fingerprint_survives_resaving_and_the_shipped_selector_loads(tmp_path):
         tensors = load_file(str(f))
         save_file(dict(reversed(list(tensors.items()))), str(f), metadata={"note": "resaved"})
     assert model_fingerprint(copy) == model_fingerprint(src)
-    from vllm_anisotropic.selector.policy import ShapeSelector
     from vllm_anisotropic.selector.shipped import SHIPPED_DIR
 
     shipped = sorted(SHIPPED_DIR.glob("*/"))

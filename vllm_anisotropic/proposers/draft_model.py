@@ -318,7 +318,7 @@ class DraftTreeState(RequestState):
             s = self.sampling
             shape = selector.choose(root_features(root_law, len(context_tokens), 0.0 if s.greedy else s.temperature,
                                                   1.0 if s.greedy else s.top_p))
-            self.proposer.shape_counts[shape] += 1
+            self.proposer.shape_counts[f"{shape.branches},{shape.trunk},{shape.branch_length}"] += 1
         limit = node_budget(1 + shape.num_drafts, max_nodes)
         self.last_info = ProposalInfo(ProposalMode.TREE)
         tree = delayed_tree(self.session, context_tokens, shape, self.sampling, self.generator, root_law)
@@ -342,7 +342,7 @@ class DraftTreeProposer(Proposer):
             from vllm_anisotropic.selector.policy import ShapeSelector  # it imports this module
 
             self.selector = ShapeSelector.load(config.selector)
-        self.shape_counts: Counter[DelayedShape] = Counter()  # shapes the selector chose
+        self.shape_counts: Counter[str] = Counter()  # "K,L1,L2" -> request-steps the selector chose it
         if vocab_size is not None and self.lm.vocab_size != int(vocab_size):
             raise ValueError(f"draft model {config.model!r} has vocab_size {self.lm.vocab_size}, the target "
                              f"{vocab_size}; draft_tree needs a draft model with the target's vocabulary")

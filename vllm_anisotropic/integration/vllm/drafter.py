@@ -98,6 +98,8 @@ class TreeDrafter:
         self._deferred: list = []
         # tree counters -> stats file (VLLM_ANISOTROPIC_TREE_STATS), /metrics and the log (metrics.py)
         self.metrics = TreeMetrics()
+        if isinstance(self.proposer, DraftTreeProposer):
+            self.metrics.selector_shapes = self.proposer.shape_counts  # the proposer counts, the sink writes
         self.sink = MetricsSink(self.metrics, rank=_tp_rank())
 
     # ------------------------------------------------------------------ vLLM custom_class API

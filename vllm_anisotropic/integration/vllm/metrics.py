@@ -86,6 +86,7 @@ class TreeMetrics:
     live_requests: int = 0  # gauge: per-request proposer states alive (dropped on finish / abort)
     tenant_tables: int = 0  # gauge: adjacency tables of cache_salt tenants held (adjacency.TenantTables)
     requests: dict[str, list[int]] = field(default_factory=dict)  # traces (TRACE_ENV only)
+    selector_shapes: dict[str, int] = field(default_factory=dict)  # draft_tree: "K,L1,L2" -> request-steps the selector chose it
 
     def record(self, req_id: str, tree: DraftTree, accepted: Sequence[int], mode: str | None, trace: bool) -> None:
         self.steps += 1
@@ -247,6 +248,14 @@ class TreeMetricsCollector:
             fam = CounterMetricFamily(f"vllm_anisotropic:{name}", doc, labels=["source"])
             for source, key in keys.items():
                 fam.add_metric([source], float(data.get(key, 0)))
+            yield fam
+        shapes = data.get("selector_shapes") or {}
+        if shapes:
+            fam = CounterMetricFamily("vllm_anisotropic:draft_tree_selector_shapes",
+                                      "request-steps in which draft_tree's selector chose the shape (K, L1, L2)",
+                                      labels=["shape"])
+            for shape, count in sorted(shapes.items()):
+                fam.add_metric([shape], float(count))
             yield fam
         budget = self.read(f"{self.path}.budget")
         for name, (key, doc) in _BUDGET_COUNTERS.items():
