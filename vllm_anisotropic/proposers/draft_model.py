@@ -47,6 +47,7 @@ top two tokens are b and x, and x continues with y)::
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,7 @@ __all__ = ["DelayedShape", "DraftLM", "DraftSession", "delayed_tree", "shape_par
            "DraftTreeState", "check_same_vocabulary"]
 
 GREEDY = TargetSampling(temperature=0.0)
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -342,6 +344,10 @@ class DraftTreeProposer(Proposer):
             from vllm_anisotropic.selector.policy import ShapeSelector  # it imports this module
 
             self.selector = ShapeSelector.load(config.selector)
+            if self.selector.verifier != config.verifier:
+                logger.info("draft_tree: selector %s was trained for verifier %r; sampled requests are verified by %r "
+                            "(the output law is the same, the shapes may pay less)", config.selector,
+                            self.selector.verifier, config.verifier)
         self.shape_counts: Counter[str] = Counter()  # "K,L1,L2" -> request-steps the selector chose it
         if vocab_size is not None and self.lm.vocab_size != int(vocab_size):
             raise ValueError(f"draft model {config.model!r} has vocab_size {self.lm.vocab_size}, the target "
