@@ -70,6 +70,14 @@ def test_sink_writes_rank0_only_and_collector_exports(tmp_path, monkeypatch):
     assert samples[("vllm_anisotropic:tree_source_accepted_nodes_total", (("source", "spine"),))] == 1
     assert samples[("vllm_anisotropic:tree_rerun_tokens_total", ())] == 1
     assert samples[("vllm_anisotropic:tree_source_draft_nodes_total", (("source", "draft"),))] == 0
+    assert not any(name.startswith("vllm_anisotropic:draft_tree_selector") for name, _ in samples)  # no selector
+    # draft_tree's selector: one labelled counter per shape it chose
+    m.selector_shapes.update({"1,2,0": 7, "2,0,1": 3})
+    sink.tick(force=True)
+    samples = {(s.name, tuple(s.labels.items())): s.value for fam in TreeMetricsCollector(str(path)).collect()
+               for s in fam.samples}
+    assert samples[("vllm_anisotropic:draft_tree_selector_shapes_total", (("shape", "1,2,0"),))] == 7
+    assert samples[("vllm_anisotropic:draft_tree_selector_shapes_total", (("shape", "2,0,1"),))] == 3
     # a missing file reads as zeros (the API server may scrape before any worker wrote)
     empty = {s.name: s.value for fam in TreeMetricsCollector(str(tmp_path / "none.json")).collect() for s in fam.samples}
     assert empty["vllm_anisotropic:tree_steps_total"] == 0
