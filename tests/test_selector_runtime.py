@@ -89,6 +89,14 @@ def test_proposer_drafts_the_selectors_shape_from_the_roots_features(draft_dir, 
     tree = state.propose(np.array(CONTEXT))
     shape = DelayedShape(best[0], best[1], best[2])
     assert tree.num_nodes == 1 + shape.num_drafts and proposer.shape_counts == {",".join(map(str, best)): 1}
+    # the engine's stats file carries the counts as they are (a Counter came out of asdict with
+    # (key, count) tuples as keys and broke the worker's JSON dump)
+    from dataclasses import asdict
+
+    from vllm_anisotropic.integration.vllm.metrics import TreeMetrics
+
+    dumped = json.loads(json.dumps(asdict(TreeMetrics(selector_shapes=proposer.shape_counts))))
+    assert dumped["selector_shapes"] == {",".join(map(str, best)): 1}
     # the same tree as drafting that shape directly, with the same uniforms
     ref = delayed_tree(proposer.lm.new_session(), CONTEXT, shape, SAMPLED, torch.Generator().manual_seed(5))
     assert tree.tokens.tolist() == ref.tokens.tolist() and tree.parents.tolist() == ref.parents.tolist()

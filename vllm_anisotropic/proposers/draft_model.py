@@ -48,7 +48,6 @@ top two tokens are b and x, and x continues with y)::
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -320,7 +319,8 @@ class DraftTreeState(RequestState):
             s = self.sampling
             shape = selector.choose(root_features(root_law, len(context_tokens), 0.0 if s.greedy else s.temperature,
                                                   1.0 if s.greedy else s.top_p))
-            self.proposer.shape_counts[f"{shape.branches},{shape.trunk},{shape.branch_length}"] += 1
+            key = f"{shape.branches},{shape.trunk},{shape.branch_length}"
+            self.proposer.shape_counts[key] = self.proposer.shape_counts.get(key, 0) + 1
         limit = node_budget(1 + shape.num_drafts, max_nodes)
         self.last_info = ProposalInfo(ProposalMode.TREE)
         tree = delayed_tree(self.session, context_tokens, shape, self.sampling, self.generator, root_law)
@@ -348,7 +348,9 @@ class DraftTreeProposer(Proposer):
                 logger.info("draft_tree: selector %s was trained for verifier %r; sampled requests are verified by %r "
                             "(the output law is the same, the shapes may pay less)", config.selector,
                             self.selector.verifier, config.verifier)
-        self.shape_counts: Counter[str] = Counter()  # "K,L1,L2" -> request-steps the selector chose it
+        # "K,L1,L2" -> request-steps the selector chose it (a plain dict: the metrics' asdict copies
+        # it, and dataclasses.asdict rebuilds a Counter from (key, value) pairs as new keys)
+        self.shape_counts: dict[str, int] = {}
         if vocab_size is not None and self.lm.vocab_size != int(vocab_size):
             raise ValueError(f"draft model {config.model!r} has vocab_size {self.lm.vocab_size}, the target "
                              f"{vocab_size}; draft_tree needs a draft model with the target's vocabulary")
