@@ -35,20 +35,19 @@ per branch depth) for an estimate of tokens per second, reported next to the blo
 from __future__ import annotations
 
 import argparse
-import gzip
 import itertools
 import json
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from vllm_anisotropic.bench.harness import load_model, tree_attention_mask
 from vllm_anisotropic.proposers.draft_model import DelayedShape, DraftLM, delayed_tree
-from vllm_anisotropic.selector.train import step_time
+from vllm_anisotropic.selector.features import entropy
+from vllm_anisotropic.selector.train import read_records, step_time
 from vllm_anisotropic.tree import DraftTree
 from vllm_anisotropic.verifiers.analytic import TOPDOWN, expected_tokens, reach_probabilities
 from vllm_anisotropic.verifiers.sampling import TargetSampling, target_probs
@@ -153,16 +152,11 @@ def _walk(tree: DraftTree, choose) -> list[int]:
         node = nxt
 
 
-def _entropy(p: torch.Tensor) -> float:
-    p = p.double()
-    return float(-(p * p.clamp(min=1e-300).log()).sum())
-
-
 def _features(p_root: torch.Tensor, q_root: torch.Tensor, context_len: int) -> dict:
     """Root statistics (arXiv 2602.16994 App. E scalar features, at the root)."""
     p, q = p_root.double(), q_root.double()
     lp, lq = p.clamp(min=1e-300).log(), q.clamp(min=1e-300).log()
-    return {"context_len": context_len, "entropy_p": _entropy(p), "entropy_q": _entropy(q),
+    return {"context_len": context_len, "entropy_p": entropy(p), "entropy_q": entropy(q),
             "kl_pq": float((p * (lp - lq)).sum()), "kl_qp": float((q * (lq - lp)).sum()),
             "l1": float((p - q).abs().sum())}
 
@@ -280,8 +274,7 @@ def time_passes(target: Target, draft: DraftLM, context: list[int], k_max: int, 
 def summarize(path: str, out=sys.stdout) -> dict:
     """Mean E[tau + 1] per (verifier, action) over the roots, per dataset and temperature; the
     best action per verifier by block efficiency and by Eq. 11 tokens per second."""
-    text = gzip.decompress(Path(path).read_bytes()).decode() if str(path).endswith(".gz") else Path(path).read_text()
-    recs = [json.loads(line) for line in text.splitlines() if line.strip()]
+    recs = read_records(path)
     timing = next((r for r in recs if r.get("kind") == "timing"), None)
     roots = [r for r in recs if r.get("kind") == "root"]
     table = {}

@@ -138,6 +138,9 @@ class IsotropicConfig(AdjacencyConfig):
     """Max context-match continuation."""
 
 
+SHAPE_KEYS = ("trunk", "branches", "branch_length")  # draft_tree's fixed (L1, K, L2)
+
+
 class DraftTreeConfig(ProposerConfig):
     """Delayed-expansion draft-model trees (arXiv 2602.16994 Def. 5.2; ``proposers.draft_model``):
     a trunk of ``trunk`` tokens from the draft model q, then ``branches`` paths of
@@ -180,7 +183,7 @@ class DraftTreeConfig(ProposerConfig):
 
     @model_validator(mode="after")
     def _selector_or_shape(self) -> "DraftTreeConfig":
-        given = sorted({"trunk", "branches", "branch_length"} & self.model_fields_set)
+        given = sorted(set(SHAPE_KEYS) & self.model_fields_set)
         if self.selector not in ("auto", "off") and given:
             raise ValueError(f"selector {self.selector!r} chooses (K, L1, L2) every step; drop {given}, or use "
                              f"selector 'off' for a fixed shape")

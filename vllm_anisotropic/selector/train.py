@@ -35,7 +35,7 @@ import torch
 from vllm_anisotropic.selector.features import FEATURES, record_features
 from vllm_anisotropic.selector.policy import SelectorNet, ShapeSelector, action_grid
 
-__all__ = ["Examples", "load_examples", "step_time", "fit", "evaluate", "cross_validate", "add_parser"]
+__all__ = ["Examples", "load_examples", "read_records", "step_time", "fit", "evaluate", "cross_validate", "add_parser"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ class Examples:
         return len(self.groups)
 
 
-def _read(path: str | Path) -> list[dict]:
+def read_records(path: str | Path) -> list[dict]:
+    """The JSON lines of a ``draft_tree_grid`` record file (``.jsonl`` or ``.jsonl.gz``)."""
     raw = Path(path).read_bytes()
     text = gzip.decompress(raw).decode() if str(path).endswith(".gz") else raw.decode()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
@@ -81,7 +82,7 @@ def load_examples(paths: list[str], verifiers=VERIFIERS, max_drafts: int | None 
     feats, times, groups = [], [], []
     values: dict[str, list] = {v: [] for v in verifiers}
     for path in paths:
-        recs = _read(path)
+        recs = read_records(path)
         timing = next((r for r in recs if r.get("kind") == "timing"), None)
         if timing is None:
             raise ValueError(f"{path}: no timing record (run `python -m vllm_anisotropic.bench.draft_tree_grid` "

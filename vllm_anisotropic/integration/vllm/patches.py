@@ -175,13 +175,14 @@ def _patch_create_speculative_config(engine_args_cls, supported: bool) -> None:
         if method in DRAFT_MODEL_METHODS and "model" in theirs:
             ours["model"] = theirs.pop("model")  # the draft model is ours to run, not vLLM's
         if method in DRAFT_MODEL_METHODS and isinstance(ours.get("model"), str):
+            from vllm_anisotropic.proposers.config import SHAPE_KEYS
             from vllm_anisotropic.selector.shipped import resolve_selector
 
             # "auto": the selector shipped for this (target, draft) pair, if any (only the front
             # door knows the target); the workers then load the resolved directory or none
             asked = ours.get("selector", "auto")
             ours["selector"] = resolve_selector(asked, self.model, ours["model"],
-                                                shape_given=bool({"trunk", "branches", "branch_length"} & set(ours)))
+                                                shape_given=bool(set(SHAPE_KEYS) & set(ours)))
             if asked == "auto":
                 logger.info("draft_tree selector 'auto' -> %s", ours["selector"] if ours["selector"] != "off"
                             else "off (no shipped selector for this target and draft, or a shape was given)")
