@@ -273,13 +273,18 @@ def test_histogram_auc_examples():
     assert np.isnan(histogram_auc(np.array([1.0, 1]), np.array([0.0, 0])))
 
 
-def test_acceptance_prior_is_the_value():
+def test_acceptance_prior_distrusts_the_value():
+    """Before any label P = sigmoid(prior_intercept + logit v): -2 by default (a value of 0.5
+    counts as 0.12), the value itself with prior_intercept 0."""
     model = AcceptanceModel()
     rng = np.random.default_rng(0)
     v = rng.uniform(1e-6, 1 - 1e-6, 1000)
     s = rng.integers(1, 4, 1000)
     d = rng.integers(1, 20, 1000)
-    assert np.allclose(model.predict(s, d, v), v, atol=1e-12)
+    assert np.allclose(model.predict(s, d, v), sigmoid(-2.0 + logit(v)), atol=1e-12)
+    assert model.predict([1], [1], [0.5])[0] == pytest.approx(0.1192, abs=1e-4)
+    trusting = AcceptanceModel(AcceptanceConfig(prior_intercept=0.0))
+    assert np.allclose(trusting.predict(s, d, v), v, atol=1e-12)
     assert model.sweet_spot_depths() == []
     with pytest.raises(ValueError):
         model.predict([NodeSource.ROOT], [1], [0.5])
@@ -337,7 +342,8 @@ def _key_objective(model, source, depth, alpha, beta):
     z = np.asarray(alpha)[..., None] + np.asarray(beta)[..., None] * xbar
     nll = (n[used] * (np.maximum(z, 0) + np.log1p(np.exp(-np.abs(z)))) - a[used] * z).sum(-1)
     k = model.config.prior_strength
-    return nll + 0.5 * k * (np.asarray(alpha) ** 2 + (np.asarray(beta) - 1) ** 2)
+    a0 = model.config.prior_intercept
+    return nll + 0.5 * k * ((np.asarray(alpha) - a0) ** 2 + (np.asarray(beta) - 1) ** 2)
 
 
 @FAST
@@ -363,6 +369,25 @@ def test_acceptance_fit_reaches_the_map(num_trees, top_rate, rank_weight, depth,
     fa, fb = np.meshgrid(np.linspace(ga[i] - 0.05, ga[i] + 0.05, 51), np.linspace(max(gb[i] - 0.01, 0), gb[i] + 0.01, 51), indexing="ij")
     best = min(grid[i], _key_objective(model, 1, depth, fa, fb).min())
     assert _key_objective(model, 1, depth, alpha, beta) <= best + 1e-6 * max(1.0, abs(best)), (alpha, beta)
+
+
+def test_acceptance_refits_early_while_the_data_are_few():
+    """With refit_every 16 the model still refits after its 1st, 2nd, 4th and 8th update: one
+    step of all-rejected nodes at value 0.9 already pulls P(0.9) from the prior's 0.55 to below
+    0.2, and a 3rd update (no refit due) leaves the fit of the 2nd in place."""
+    model = AcceptanceModel(AcceptanceConfig(refit_every=16))
+    src, dep, val = np.ones(200, int), np.ones(200, int), np.full(200, 0.9)
+    assert model.predict([1], [1], [0.9])[0] == pytest.approx(sigmoid(-2.0 + logit(0.9)))
+    model.update(src, dep, val, np.zeros(200, bool))
+    first = model.predict([1], [1], [0.9])[0]
+    assert first < 0.2, first
+    model.update(src, dep, val, np.zeros(200, bool))
+    second = model.predict([1], [1], [0.9])[0]
+    assert second < first
+    model.update(src, dep, val, np.ones(200, bool))  # 3rd update: no refit yet
+    assert model.predict([1], [1], [0.9])[0] == second
+    model.update(src, dep, val, np.ones(200, bool))  # 4th: refit
+    assert model.predict([1], [1], [0.9])[0] > second
 
 
 def test_acceptance_spine_like_key_predicts_its_rate():

@@ -27,13 +27,15 @@ sweet spot / flat / warming
     sweet spot when AUC > ``auc_threshold`` and flat otherwise; a key without enough data is
     warming up.
 
-The calibration map per key (Platt, with the proposer as prior)::
+The calibration map per key (Platt, with the proposer, discounted, as prior)::
 
     P(on path | v) = sigmoid(alpha + beta * logit(v)),  beta >= 0 (isotonic in v)
-    (alpha, beta) = MAP under the prior N((0, 1), I / prior_strength)
+    (alpha, beta) = MAP under the prior N((a0, 1), I / prior_strength),  a0 = prior_intercept
 
-so with no data alpha = 0, beta = 1 and P = v exactly: the model is usable from the first step
-and moves to the data as it arrives. Sufficient statistics are per-key histograms over
+so with no data alpha = a0 = -2, beta = 1 (a value of 0.5 counts as 0.12): the model is usable
+from the first step, distrusts the proposer until labels arrive (GOOSE's first values over-rate
+its nodes many times over), and moves to the data as they arrive (refits after updates 1, 2, 4,
+... and then every ``refit_every``). Sufficient statistics are per-key histograms over
 logit(v) (counts n_b, accepted a_b, sum of logits): memory is fixed (4 sources x (max_depth+1)
 x num_bins), an update is one ``bincount``, and the MAP is a fixed number of vectorised Newton
 steps on the binned likelihood sum_b [a_b log s_b + (n_b - a_b) log(1 - s_b)], s_b = sigmoid(
@@ -138,6 +140,7 @@ class AcceptanceModel:
         self.logit_sum = np.zeros(shape)
         self._params: tuple[np.ndarray, np.ndarray] | None = None  # (alpha, beta) [num_sources, max_depth + 1]
         self._stale_updates = 0  # updates since the last fit (refit after config.refit_every)
+        self._updates = 0  # updates ever: the first refits come after 1, 2, 4, ... of them
 
     # ------------------------------------------------------------------ indexing
     def _keys(self, sources, depths, values) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -176,7 +179,12 @@ class AcceptanceModel:
         self.accepted += np.bincount(flat, weights=y, minlength=size).reshape(self.count.shape)
         self.logit_sum += np.bincount(flat, weights=x, minlength=size).reshape(self.count.shape)
         self._stale_updates += 1
-        if self._stale_updates >= self.config.refit_every:
+        self._updates += 1
+        # refit after config.refit_every updates, and sooner while the data are few (after
+        # updates 1, 2, 4, 8, ...): until the first refit the map is the prior's, whatever the
+        # first labels say
+        early = self._updates < self.config.refit_every and self._updates & (self._updates - 1) == 0
+        if early or self._stale_updates >= self.config.refit_every:
             self._params = None
 
     def predict(self, sources, depths, values) -> np.ndarray:
@@ -232,9 +240,9 @@ class AcceptanceModel:
     def _fit(self) -> tuple[np.ndarray, np.ndarray]:
         """MAP Platt coefficients per key by damped Newton on the binned likelihood (vectorised).
 
-        Objective per key (minimised): NLL(alpha, beta) + k/2 (alpha^2 + (beta - 1)^2), k =
-        prior_strength; gradient g = sum_b (n_b s_b - a_b) [1, xbar_b] + k [alpha, beta - 1],
-        Hessian sum_b n_b s_b (1 - s_b) [1, xbar_b]^T [1, xbar_b] + k I. beta is projected on
+        Objective per key (minimised): NLL(alpha, beta) + k/2 ((alpha - a0)^2 + (beta - 1)^2),
+        k = prior_strength, a0 = prior_intercept; gradient g = sum_b (n_b s_b - a_b) [1, xbar_b]
+        + k [alpha - a0, beta - 1], Hessian sum_b n_b s_b (1 - s_b) [1, xbar_b]^T [1, xbar_b] + k I. beta is projected on
         [0, inf) after each step (isotonic), and each step is the best of a few step sizes along
         the Newton direction (backtracking: the objective never increases). Flat keys under
         sparse gating: beta = 0 and alpha alone, prior centred on the logit of the key's mean
@@ -246,15 +254,15 @@ class AcceptanceModel:
         centers = cfg.logit_min + (np.arange(cfg.num_bins) + 0.5) * (cfg.logit_max - cfg.logit_min) / cfg.num_bins
         with np.errstate(invalid="ignore", divide="ignore"):
             xbar = np.where(n > 0, self.logit_sum / np.where(n > 0, n, 1.0), centers)  # [S, D+1, num_bins]
-        alpha = np.zeros(n.shape[:2])
+        alpha = np.full(n.shape[:2], cfg.prior_intercept)
         beta = np.ones(n.shape[:2])
-        # keys without data keep the prior's MAP (alpha 0, beta 1); the others are fitted on the
+        # keys without data keep the prior's MAP (alpha a0, beta 1); the others are fitted on the
         # bins any of them uses (GOOSE fills 16 of the 36 keys); ~3.4 ms per refit on 16 keys using all bins
         active = n.sum(-1) > 0  # [S, D+1]
         if active.any():
             used = n[active].sum(0) > 0  # [num_bins]
             alpha[active], beta[active] = _newton_platt(
-                n[active][:, used], a[active][:, used], xbar[active][:, used], k, cfg.newton_steps)
+                n[active][:, used], a[active][:, used], xbar[active][:, used], k, cfg.newton_steps, cfg.prior_intercept)
         if cfg.gating == "sparse":
             flat = self.key_status() == 1
             if flat.any():
@@ -297,22 +305,23 @@ class AcceptanceModel:
         return model
 
 
-def _newton_platt(n, a, xbar, k: float, steps: int) -> tuple[np.ndarray, np.ndarray]:
+def _newton_platt(n, a, xbar, k: float, steps: int, a0: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """(alpha, beta) [num_keys]: MAP of ``AcceptanceModel._fit``'s objective for each key's
-    histogram (``n``, ``a``, ``xbar`` [num_keys, num_bins]) by projected Newton with backtracking."""
-    alpha = np.zeros(n.shape[0])
+    histogram (``n``, ``a``, ``xbar`` [num_keys, num_bins]) by projected Newton with backtracking;
+    the prior is centred on (``a0``, 1)."""
+    alpha = np.full(n.shape[0], float(a0))
     beta = np.ones(n.shape[0])
 
     def objective(al, be):  # [..., num_keys] negative log posterior (up to a constant)
         z = al[..., None] + be[..., None] * xbar
         softplus = np.maximum(z, 0.0) + np.log1p(np.exp(-np.abs(z)))
-        return (n * softplus - a * z).sum(-1) + 0.5 * k * (al * al + (be - 1.0) ** 2)
+        return (n * softplus - a * z).sum(-1) + 0.5 * k * ((al - a0) ** 2 + (be - 1.0) ** 2)
 
     for _ in range(steps):
         s = sigmoid(alpha[:, None] + beta[:, None] * xbar)
         r = n * s - a  # [num_keys, num_bins] residual counts
         h = n * s * (1.0 - s)
-        g0 = r.sum(-1) + k * alpha
+        g0 = r.sum(-1) + k * (alpha - a0)
         g1 = (r * xbar).sum(-1) + k * (beta - 1.0)
         h00 = h.sum(-1) + k
         h01 = (h * xbar).sum(-1)
@@ -338,7 +347,7 @@ def _newton_platt(n, a, xbar, k: float, steps: int) -> tuple[np.ndarray, np.ndar
         # that the projection then discards, and the search above crawls (a key stalled at beta
         # 9e-5, its objective 0.012 above the MAP).
         s0 = sigmoid(alpha[:, None] + 0.0 * xbar)
-        bound_a = alpha - ((n * s0 - a).sum(-1) + k * alpha) / ((n * s0 * (1.0 - s0)).sum(-1) + k)
+        bound_a = alpha - ((n * s0 - a).sum(-1) + k * (alpha - a0)) / ((n * s0 * (1.0 - s0)).sum(-1) + k)
         cand_a = np.concatenate([cand_a, bound_a[None]])
         cand_b = np.concatenate([cand_b, np.zeros_like(beta)[None]])
         pick = np.argmin(objective(cand_a, cand_b), axis=0)  # [num_keys]
