@@ -242,8 +242,8 @@ class AcceptanceModel:
 
         Objective per key (minimised): NLL(alpha, beta) + k/2 ((alpha - a0)^2 + (beta - 1)^2),
         k = prior_strength, a0 = prior_intercept; gradient g = sum_b (n_b s_b - a_b) [1, xbar_b]
-        + k [alpha - a0, beta - 1], Hessian sum_b n_b s_b (1 - s_b) [1, xbar_b]^T [1, xbar_b] + k I. beta is projected on
-        [0, inf) after each step (isotonic), and each step is the best of a few step sizes along
+        + k [alpha - a0, beta - 1], Hessian sum_b n_b s_b (1 - s_b) [1, xbar_b]^T [1, xbar_b] + k I.
+        beta is projected on [0, inf) after each step (isotonic), and each step is the best of a few step sizes along
         the Newton direction (backtracking: the objective never increases). Flat keys under
         sparse gating: beta = 0 and alpha alone, prior centred on the logit of the key's mean
         value.
@@ -262,7 +262,8 @@ class AcceptanceModel:
         if active.any():
             used = n[active].sum(0) > 0  # [num_bins]
             alpha[active], beta[active] = _newton_platt(
-                n[active][:, used], a[active][:, used], xbar[active][:, used], k, cfg.newton_steps, cfg.prior_intercept)
+                n[active][:, used], a[active][:, used], xbar[active][:, used], k, cfg.newton_steps,
+                cfg.prior_intercept)
         if cfg.gating == "sparse":
             flat = self.key_status() == 1
             if flat.any():
@@ -305,7 +306,7 @@ class AcceptanceModel:
         return model
 
 
-def _newton_platt(n, a, xbar, k: float, steps: int, a0: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+def _newton_platt(n, a, xbar, k: float, steps: int, a0: float) -> tuple[np.ndarray, np.ndarray]:
     """(alpha, beta) [num_keys]: MAP of ``AcceptanceModel._fit``'s objective for each key's
     histogram (``n``, ``a``, ``xbar`` [num_keys, num_bins]) by projected Newton with backtracking;
     the prior is centred on (``a0``, 1)."""
