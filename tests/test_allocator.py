@@ -273,18 +273,18 @@ def test_histogram_auc_examples():
     assert np.isnan(histogram_auc(np.array([1.0, 1]), np.array([0.0, 0])))
 
 
-def test_acceptance_prior_distrusts_the_value():
-    """Before any label P = sigmoid(prior_intercept + logit v): -2 by default (a value of 0.5
-    counts as 0.12), the value itself with prior_intercept 0."""
+def test_acceptance_prior_is_the_value_or_its_discount():
+    """Before any label P = sigmoid(prior_intercept + logit v): the value itself by default, a
+    discounted value with prior_intercept -2 (0.5 counts as 0.12)."""
     model = AcceptanceModel()
     rng = np.random.default_rng(0)
     v = rng.uniform(1e-6, 1 - 1e-6, 1000)
     s = rng.integers(1, 4, 1000)
     d = rng.integers(1, 20, 1000)
-    assert np.allclose(model.predict(s, d, v), sigmoid(-2.0 + logit(v)), atol=1e-12)
-    assert model.predict([1], [1], [0.5])[0] == pytest.approx(0.1192, abs=1e-4)
-    trusting = AcceptanceModel(AcceptanceConfig(prior_intercept=0.0))
-    assert np.allclose(trusting.predict(s, d, v), v, atol=1e-12)
+    assert np.allclose(model.predict(s, d, v), v, atol=1e-12)
+    discounted = AcceptanceModel(AcceptanceConfig(prior_intercept=-2.0))
+    assert np.allclose(discounted.predict(s, d, v), sigmoid(-2.0 + logit(v)), atol=1e-12)
+    assert discounted.predict([1], [1], [0.5])[0] == pytest.approx(0.1192, abs=1e-4)
     assert model.sweet_spot_depths() == []
     with pytest.raises(ValueError):
         model.predict([NodeSource.ROOT], [1], [0.5])
@@ -373,11 +373,11 @@ def test_acceptance_fit_reaches_the_map(num_trees, top_rate, rank_weight, depth,
 
 def test_acceptance_refits_early_while_the_data_are_few():
     """With refit_every 16 the model still refits after its 1st, 2nd, 4th and 8th update: one
-    step of all-rejected nodes at value 0.9 already pulls P(0.9) from the prior's 0.55 to below
+    step of all-rejected nodes at value 0.9 already pulls P(0.9) from the prior's 0.9 to below
     0.2, and a 3rd update (no refit due) leaves the fit of the 2nd in place."""
     model = AcceptanceModel(AcceptanceConfig(refit_every=16))
     src, dep, val = np.ones(200, int), np.ones(200, int), np.full(200, 0.9)
-    assert model.predict([1], [1], [0.9])[0] == pytest.approx(sigmoid(-2.0 + logit(0.9)))
+    assert model.predict([1], [1], [0.9])[0] == pytest.approx(0.9)
     model.update(src, dep, val, np.zeros(200, bool))
     first = model.predict([1], [1], [0.9])[0]
     assert first < 0.2, first

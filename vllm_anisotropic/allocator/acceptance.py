@@ -27,15 +27,14 @@ sweet spot / flat / warming
     sweet spot when AUC > ``auc_threshold`` and flat otherwise; a key without enough data is
     warming up.
 
-The calibration map per key (Platt, with the proposer, discounted, as prior)::
+The calibration map per key (Platt, with the proposer as prior)::
 
     P(on path | v) = sigmoid(alpha + beta * logit(v)),  beta >= 0 (isotonic in v)
     (alpha, beta) = MAP under the prior N((a0, 1), I / prior_strength),  a0 = prior_intercept
 
-so with no data alpha = a0 = -2, beta = 1 (a value of 0.5 counts as 0.12): the model is usable
-from the first step, distrusts the proposer until labels arrive (GOOSE's first values over-rate
-its nodes many times over), and moves to the data as they arrive (refits after updates 1, 2, 4,
-... and then every ``refit_every``). Sufficient statistics are per-key histograms over
+so with no data alpha = a0 = 0, beta = 1 and P = v exactly: the model is usable from the first
+step and moves to the data as they arrive (refits after updates 1, 2, 4, ... and then every
+``refit_every``: GOOSE's first values over-rate their nodes many times over). Sufficient statistics are per-key histograms over
 logit(v) (counts n_b, accepted a_b, sum of logits): memory is fixed (4 sources x (max_depth+1)
 x num_bins), an update is one ``bincount``, and the MAP is a fixed number of vectorised Newton
 steps on the binned likelihood sum_b [a_b log s_b + (n_b - a_b) log(1 - s_b)], s_b = sigmoid(
