@@ -34,9 +34,9 @@ The calibration map per key (Platt, with the proposer as prior)::
 
 so with no data alpha = a0 = 0, beta = 1 and P = v exactly: the model is usable from the first
 step and moves to the data as they arrive (refits after updates 1, 2, 4, ... and then every
-``refit_every``: GOOSE's first values over-rate their nodes many times over). Sufficient statistics are per-key histograms over
-logit(v) (counts n_b, accepted a_b, sum of logits): memory is fixed (4 sources x (max_depth+1)
-x num_bins), an update is one ``bincount``, and the MAP is a fixed number of vectorised Newton
+``refit_every``: GOOSE's first values over-rate their nodes many times over). Sufficient
+statistics are per-key histograms over logit(v) (counts n_b, accepted a_b, sum of logits):
+memory is fixed (4 sources x (max_depth+1) x num_bins), an update is one ``bincount``, and the MAP is a fixed number of vectorised Newton
 steps on the binned likelihood sum_b [a_b log s_b + (n_b - a_b) log(1 - s_b)], s_b = sigmoid(
 alpha + beta xbar_b), with xbar_b the mean logit of the bin.
 
@@ -242,8 +242,8 @@ class AcceptanceModel:
         Objective per key (minimised): NLL(alpha, beta) + k/2 ((alpha - a0)^2 + (beta - 1)^2),
         k = prior_strength, a0 = prior_intercept; gradient g = sum_b (n_b s_b - a_b) [1, xbar_b]
         + k [alpha - a0, beta - 1], Hessian sum_b n_b s_b (1 - s_b) [1, xbar_b]^T [1, xbar_b] + k I.
-        beta is projected on [0, inf) after each step (isotonic), and each step is the best of a few step sizes along
-        the Newton direction (backtracking: the objective never increases). Flat keys under
+        beta is projected on [0, inf) after each step (isotonic), and each step is the best of a
+        few step sizes along the Newton direction (backtracking: the objective never increases). Flat keys under
         sparse gating: beta = 0 and alpha alone, prior centred on the logit of the key's mean
         value.
         """
