@@ -36,8 +36,8 @@ so with no data alpha = a0 = 0, beta = 1 and P = v exactly: the model is usable 
 step and moves to the data as they arrive (refits after updates 1, 2, 4, ... and then every
 ``refit_every``: GOOSE's first values over-rate their nodes many times over). Sufficient
 statistics are per-key histograms over logit(v) (counts n_b, accepted a_b, sum of logits):
-memory is fixed (4 sources x (max_depth+1) x num_bins), an update is one ``bincount``, and the MAP is a fixed number of vectorised Newton
-steps on the binned likelihood sum_b [a_b log s_b + (n_b - a_b) log(1 - s_b)], s_b = sigmoid(
+memory is fixed (4 sources x (max_depth+1) x num_bins), an update is one ``bincount``, and the
+MAP is a fixed number of vectorised Newton steps on the binned likelihood sum_b [a_b log s_b + (n_b - a_b) log(1 - s_b)], s_b = sigmoid(
 alpha + beta xbar_b), with xbar_b the mean logit of the bin.
 
 Gating (``gating="sparse"``, the default; ECHO Sec. 3.2): at *flat* keys the value does not
@@ -243,8 +243,8 @@ class AcceptanceModel:
         k = prior_strength, a0 = prior_intercept; gradient g = sum_b (n_b s_b - a_b) [1, xbar_b]
         + k [alpha - a0, beta - 1], Hessian sum_b n_b s_b (1 - s_b) [1, xbar_b]^T [1, xbar_b] + k I.
         beta is projected on [0, inf) after each step (isotonic), and each step is the best of a
-        few step sizes along the Newton direction (backtracking: the objective never increases). Flat keys under
-        sparse gating: beta = 0 and alpha alone, prior centred on the logit of the key's mean
+        few step sizes along the Newton direction (backtracking: the objective never increases).
+        Flat keys under sparse gating: beta = 0 and alpha alone, prior centred on the logit of the key's mean
         value.
         """
         cfg = self.config
