@@ -37,8 +37,9 @@ step and moves to the data as they arrive (refits after updates 1, 2, 4, ... and
 ``refit_every``: GOOSE's first values over-rate their nodes many times over). Sufficient
 statistics are per-key histograms over logit(v) (counts n_b, accepted a_b, sum of logits):
 memory is fixed (4 sources x (max_depth+1) x num_bins), an update is one ``bincount``, and the
-MAP is a fixed number of vectorised Newton steps on the binned likelihood sum_b [a_b log s_b + (n_b - a_b) log(1 - s_b)], s_b = sigmoid(
-alpha + beta xbar_b), with xbar_b the mean logit of the bin.
+MAP is a fixed number of vectorised Newton steps on the binned likelihood
+sum_b [a_b log s_b + (n_b - a_b) log(1 - s_b)], s_b = sigmoid(alpha + beta xbar_b), with xbar_b
+the mean logit of the bin.
 
 Gating (``gating="sparse"``, the default; ECHO Sec. 3.2): at *flat* keys the value does not
 separate accepted from rejected nodes, so the model does not resolve it there: beta = 0 and
