@@ -81,6 +81,8 @@ BAD_CONFIGS = [
         "input_value=-1", "greater than or equal to 0"),
     row("offer_factor_negative", {**GOOSE, "allocator_offer_factor": -0.5}, "allocator_offer_factor",
         "input_value=-0.5", "greater than or equal to 0"),
+    row("backoff_negative", {**GOOSE, "allocator_backoff": -1}, "allocator_backoff",
+        "input_value=-1", "greater than or equal to 0"),
     row("gate_explore_every_one", {**GOOSE, "allocator_gate_explore_every": 1}, "allocator_gate_explore_every",
         "input_value=1", "greater than or equal to 2"),
     row("gate_str", {**GOOSE, "allocator_gate": "sometimes"}, "allocator_gate", "'sometimes'", "valid boolean"),

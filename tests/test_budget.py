@@ -141,19 +141,25 @@ def test_calibration_arrives_with_the_first_output():
 
 
 def test_drafter_backoff_after_zero_cuts():
-    """The drafter skips 1, 2, 4, ... proposals after consecutive zero cuts, and resets."""
-    from vllm_anisotropic.integration.vllm.drafter import MAX_BACKOFF, TreeDrafter
+    """The drafter skips 1, 2, 4, ... proposals (capped by ``allocator_backoff``) after
+    consecutive zero cuts, and resets; ``allocator_backoff`` 0 never skips."""
+    from vllm_anisotropic.integration.vllm.config import EngineTreeConfig
+    from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
     from vllm_anisotropic.tree import DraftTree
 
-    d = object.__new__(TreeDrafter)
-    d.acceptance, d.trees, d.zero_streak, d.skip, d.kept_mark = object(), {}, {}, {}, {}
     tree = DraftTree(tokens=[1, 2, 3], parents=[-1, 0, 1])
-    skips = []
-    for _ in range(7):
-        d.trees["r"] = tree
-        d.take_tree("r", ())
-        skips.append(d.skip["r"])
-    assert skips == [1, 2, 4, 8, 16, 16, 16] and MAX_BACKOFF == 16
+    for cap, expected in [(EngineTreeConfig().allocator_backoff, [1, 2, 4, 8, 16, 16, 16]), (4, [1, 2, 4, 4, 4, 4, 4]),
+                          (0, [0] * 7)]:
+        d = object.__new__(TreeDrafter)
+        d.acceptance, d.trees, d.zero_streak, d.skip, d.kept_mark = object(), {}, {}, {}, {}
+        d.max_backoff = cap
+        skips = []
+        for _ in range(7):
+            d.trees["r"] = tree
+            d.take_tree("r", ())
+            skips.append(d.skip["r"])
+        assert skips == expected, cap
+    d.max_backoff = 16
     d.trees["r"] = tree
     d.take_tree("r", [2])
     assert "r" not in d.zero_streak
@@ -170,7 +176,7 @@ def test_drafter_offers_what_the_allocator_has_been_keeping():
 
     d = object.__new__(TreeDrafter)
     d.acceptance, d.trees, d.zero_streak, d.skip, d.kept_mark = object(), {}, {}, {}, {}
-    d.offer_factor = 4.0
+    d.max_backoff, d.offer_factor = 16, 4.0
     tree = DraftTree.chain(list(range(2, 42)), root_token=1)  # 40 drafts
     assert d._offer("r", room=59) is None  # no history: the proposer's budget
     offers = []

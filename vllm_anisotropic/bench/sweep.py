@@ -28,6 +28,8 @@ goose-bN     GOOSE with a fixed budget of N tree nodes (N - 1 drafts), allocator
 goose-auto   GOOSE with the budget allocator (the default ``{"method": "goose"}``)
 goose-auto-full  the same, every tree built at the whole budget (``allocator_offer_factor`` 0)
 goose-nogate the allocator's prediction alone, without the measured gate (``allocator_gate`` false)
+goose-nobackoff  the allocator without the zero-cut backoff (``allocator_backoff`` 0): a request
+             cut to no draft still proposes every step
 goose-never  GOOSE whose allocator never keeps a draft (a steep cost-model file, no probes, no
              gate): the tree path's cost when it drafts every step and decodes plainly (the floor
              of the allocator's own zero cuts; a closed gate drafts nothing, so costs less)
@@ -102,6 +104,7 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "goose-auto": {"method": "goose"},
     "goose-auto-full": {"method": "goose", "allocator_offer_factor": 0},
     "goose-nogate": {"method": "goose", "allocator_gate": False},
+    "goose-nobackoff": {"method": "goose", "allocator_backoff": 0},
     "goose-never": {"method": "goose", "cost_model": "<steep>", "cost_model_online": False, "allocator_probe_every": 0,
                     "allocator_gate": False},
     "tr-auto": {"method": "token_recycling"},

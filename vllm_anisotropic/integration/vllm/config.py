@@ -25,7 +25,7 @@ draft_tree         draft_tree  ``proposers.config.DraftTreeConfig`` (``model``, 
 
 plus the engine-side keys of ``EngineTreeConfig`` (``verifier``, ``sampling_verifier``,
 ``allocator``, ``allocator_probe_every``, ``allocator_gate``, ``allocator_gate_explore_every``,
-``allocator_offer_factor``, ``cost_model``,
+``allocator_offer_factor``, ``allocator_backoff``, ``cost_model``,
 ``cost_model_online``).
 
 How tunables travel (vLLM's ``SpeculativeConfig`` is a pydantic dataclass with
@@ -122,6 +122,11 @@ class EngineTreeConfig(BaseModel):
     mark decaying 20 % a step), so no proposal time goes into nodes it would cut; the list can
     grow by this factor every step when the allocator keeps all of it. 0: always build the
     proposer's whole budget."""
+
+    allocator_backoff: int = Field(default=16, ge=0)
+    """With the allocator on, after the k-th step in a row in which it cut a request to no
+    draft at all, that request skips min(2**(k-1), this) proposals (no tree built, scored or
+    harvested). 0: propose every step."""
 
     cost_model: str | None = None
     """Path of a cost-model JSON (``allocator.CostModel.to_json``) to start from instead of

@@ -44,9 +44,8 @@ from vllm_anisotropic.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TreeDrafter", "MAX_BACKOFF"]
+__all__ = ["TreeDrafter"]
 
-MAX_BACKOFF = 16  # most proposals a request skips in a row while the allocator cuts it to 0
 OFFER_MIN_DRAFTS = 8  # the smallest draft list offered while the allocator keeps few nodes
 OFFER_MEMORY = 0.8  # per-step decay of a request's recent-kept high-water mark
 ACCEPTANCE_REFIT_EVERY = 16  # verified steps between refits of the acceptance model
@@ -84,10 +83,11 @@ class TreeDrafter:
         self.unlabelled: dict[str, list[tuple[int, DraftTree]]] = {}
         self.label_depth = self.acceptance.config.max_depth if self.acceptance is not None else 0
         # backoff while the allocator keeps cutting a request's tree to nothing: after the
-        # k-th zero cut in a row the request skips min(2**(k-1), MAX_BACKOFF) proposals (no
+        # k-th zero cut in a row the request skips min(2**(k-1), allocator_backoff) proposals (no
         # tree, no harvest: plain decoding at plain decoding's host cost), then offers again
         self.zero_streak: dict[str, int] = {}
         self.skip: dict[str, int] = {}
+        self.max_backoff = int(self.config.engine.allocator_backoff)
         # what the allocator has been keeping per request: a high-water mark of the scheduled
         # draft counts that decays by OFFER_MEMORY a step. The next tree is built with at most
         # max(OFFER_MIN_DRAFTS, allocator_offer_factor x mark) drafts: nodes the allocator would
@@ -233,7 +233,7 @@ class TreeDrafter:
             self.kept_mark[req_id] = max(float(n), OFFER_MEMORY * self.kept_mark.get(req_id, 0.0))
             if n == 0:
                 streak = self.zero_streak[req_id] = self.zero_streak.get(req_id, 0) + 1
-                self.skip[req_id] = min(2 ** (streak - 1), MAX_BACKOFF)
+                self.skip[req_id] = min(2 ** (streak - 1), self.max_backoff)
             else:
                 self.zero_streak.pop(req_id, None)
         return tree.truncate(n + 1)
