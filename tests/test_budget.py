@@ -140,19 +140,28 @@ def test_calibration_arrives_with_the_first_output():
     assert b.calibrated and b.cost.predict(16, 16, 0) == pytest.approx(0.002 + 1e-4 * 16, rel=0.05)
 
 
+def _bare_drafter(max_backoff=16, **attrs):
+    """A ``TreeDrafter`` with just the state ``take_tree`` and ``_offer`` read (no vLLM config)."""
+    from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
+
+    d = object.__new__(TreeDrafter)
+    d.acceptance, d.trees, d.zero_streak, d.skip, d.kept_mark = object(), {}, {}, {}, {}
+    d.max_backoff = max_backoff
+    for name, value in attrs.items():
+        setattr(d, name, value)
+    return d
+
+
 def test_drafter_backoff_after_zero_cuts():
     """The drafter skips 1, 2, 4, ... proposals (capped by ``allocator_backoff``) after
     consecutive zero cuts, and resets; ``allocator_backoff`` 0 never skips."""
     from vllm_anisotropic.integration.vllm.config import EngineTreeConfig
-    from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
     from vllm_anisotropic.tree import DraftTree
 
     tree = DraftTree(tokens=[1, 2, 3], parents=[-1, 0, 1])
     for cap, expected in [(EngineTreeConfig().allocator_backoff, [1, 2, 4, 8, 16, 16, 16]), (4, [1, 2, 4, 4, 4, 4, 4]),
                           (0, [0] * 7)]:
-        d = object.__new__(TreeDrafter)
-        d.acceptance, d.trees, d.zero_streak, d.skip, d.kept_mark = object(), {}, {}, {}, {}
-        d.max_backoff = cap
+        d = _bare_drafter(max_backoff=cap)
         skips = []
         for _ in range(7):
             d.trees["r"] = tree
@@ -171,12 +180,10 @@ def test_drafter_backoff_after_zero_cuts():
 def test_drafter_offers_what_the_allocator_has_been_keeping():
     """The next tree's draft budget is max(8, factor x the decaying high-water mark of the
     scheduled drafts), the proposer's own budget when that reaches the room left."""
-    from vllm_anisotropic.integration.vllm.drafter import OFFER_MIN_DRAFTS, TreeDrafter
+    from vllm_anisotropic.integration.vllm.drafter import OFFER_MIN_DRAFTS
     from vllm_anisotropic.tree import DraftTree
 
-    d = object.__new__(TreeDrafter)
-    d.acceptance, d.trees, d.zero_streak, d.skip, d.kept_mark = object(), {}, {}, {}, {}
-    d.max_backoff, d.offer_factor = 16, 4.0
+    d = _bare_drafter(offer_factor=4.0)
     tree = DraftTree.chain(list(range(2, 42)), root_token=1)  # 40 drafts
     assert d._offer("r", room=59) is None  # no history: the proposer's budget
     offers = []

