@@ -147,3 +147,29 @@ def test_examples_from_grid_records(tmp_path):
     (tmp_path / "no_timing.jsonl").write_text(json.dumps(root(0.0, 0, 2.0)) + "\n")
     with pytest.raises(ValueError, match="no timing record"):
         load_examples([str(tmp_path / "no_timing.jsonl")])
+
+
+def test_a_signal_in_an_extra_feature_column_is_learned():
+    # bench.selector_prev trains on the shipped features plus extra columns: the network is
+    # sized from the data, and the decisive signal may sit in a column past the shipped four
+    ex = _synthetic()
+    h = ex.features[:, 0].copy()
+    ex.features[:, 0] = 1.0
+    ex = Examples(np.column_stack([ex.features, h]), ex.values, ex.time, ex.groups, ex.actions)
+    sel = fit(ex, np.arange(0, len(ex), 2), "traversal", seed=0, epochs=300, lr=1e-2)
+    test = np.arange(1, len(ex), 2)
+    best = (ex.values["traversal"] / ex.time).argmax(1)[test]
+    assert (sel.choose_index(ex.features[test]) == best).mean() > 0.95
+
+
+def test_preceding_token_statistics():
+    from vllm_anisotropic.bench.selector_prev import law_stats
+
+    u = torch.full((4,), 0.25)
+    s = law_stats(u, u)
+    assert s["entropy_p_prev"] == pytest.approx(np.log(4)) and s["kl_pq_prev"] == pytest.approx(0.0)
+    p, q = torch.tensor([0.5, 0.5, 0.0, 0.0]), torch.tensor([0.5, 0.25, 0.25, 0.0])
+    s = law_stats(p, q)
+    assert s["kl_pq_prev"] == pytest.approx(0.5 * np.log(2))  # 0.5 log(0.5/0.5) + 0.5 log(0.5/0.25)
+    assert s["l1_prev"] == pytest.approx(0.5) and s["entropy_q_prev"] == pytest.approx(1.5 * np.log(2))
+    assert s["kl_qp_prev"] > 100  # q puts mass where p has none (p clamped at 1e-300)

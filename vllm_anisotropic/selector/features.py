@@ -12,9 +12,9 @@ has at the root and the grid records carry (``bench.draft_tree_grid``):
 * ``temperature``, ``top_p``: the request's (0 and 1 for greedy requests).
 
 Left out: p's statistics (the root's p needs the target's forward that this step's tree is
-for; p at the preceding token is in the previous step's verification, not kept by the drafter),
-hidden states, and latency estimates (constant on one machine: they enter the labels instead,
-``selector.train``).
+for; p at the preceding token added no held-out gain at T = 0, ``bench.selector_prev`` and
+docs/selector.md), hidden states, and latency estimates (constant on one machine: they enter
+the labels instead, ``selector.train``).
 """
 
 from __future__ import annotations

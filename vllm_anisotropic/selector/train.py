@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_anisotropic.selector.features import FEATURES, record_features
+from vllm_anisotropic.selector.features import record_features
 from vllm_anisotropic.selector.policy import SelectorNet, ShapeSelector, action_grid
 
 __all__ = ["Examples", "load_examples", "read_records", "step_time", "fit", "evaluate", "cross_validate", "add_parser"]
@@ -74,8 +74,9 @@ def read_records(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def load_examples(paths: list[str], verifiers=VERIFIERS, max_drafts: int | None = None) -> Examples:
-    """Every root record of ``paths``. A T = 0 root's value under any verifier is its greedy
+def load_examples(paths: list[str], verifiers=VERIFIERS, max_drafts: int | None = None,
+                  features=record_features) -> Examples:
+    """Every root record of ``paths``, its feature vector by ``features(record)``. A T = 0 root's value under any verifier is its greedy
     walk's (every verifier reduces to it); ``block`` only has K = 1 actions, so its missing
     values are 0 (never chosen). Raises ValueError for a file without a timing record."""
     actions = action_grid(max_drafts)
@@ -89,7 +90,7 @@ def load_examples(paths: list[str], verifiers=VERIFIERS, max_drafts: int | None 
                              f"with --time, or --time-only and append its record)")
         t = np.array([step_time(a, timing) for a in actions])
         for r in (r for r in recs if r.get("kind") == "root"):
-            feats.append(record_features(r))
+            feats.append(features(r))
             times.append(t)
             groups.append(f"{r['dataset']}/{r['prompt']}")
             for v in verifiers:
@@ -124,7 +125,7 @@ def fit(ex: Examples, rows: np.ndarray, verifier: str, seed: int = 0, epochs: in
     base_action = best_static(e.numpy(), t.numpy())
     base = e[:, base_action] / t[:, base_action]
     xs = torch.as_tensor((x - mean) / std, dtype=torch.float32)
-    net = SelectorNet(len(FEATURES), len(ex.actions))
+    net = SelectorNet(x.shape[1], len(ex.actions))
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
     steps = range(epochs)
     if progress:

@@ -1,0 +1,67 @@
+"""CPU: what the linear layers of one SmolLM2-135M forward cost by query rows, through vLLM's GEMM.
+
+Every linear weight of the model's shape (30 layers of qkv 576->960, o 576->576, gate_up
+576->3072, down 1536->576, and the 576->49152 output head), bf16, each routed through vLLM's
+CPU dispatch (``dispatch_cpu_unquantized_gemm``: a oneDNN matmul on a pre-packed weight here),
+run in model order on M rows, so the 268 MB of weights stream from memory as in a real forward.
+One thread, as vLLM's CPU worker runs on this 2-core machine. Median of 9 after 2 warm calls.
+Usage: .venv/bin/python scripts/cpu_gemm_rows.py  (record:
+docs/measurements/cpu/gemm_rows_smollm2_2026_11_26.txt)
+"""
+
+import statistics
+import time
+
+import torch
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+LAYERS = 30
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # qkv, o, gate_up, down
+HEAD = (576, 49152)
+ROWS = (1, 2, 3, 4, 5, 8, 16)
+
+
+def linear(i: int, o: int) -> torch.nn.Linear:
+    lin = torch.nn.Linear(i, o, bias=False).to(torch.bfloat16)
+    dispatch_cpu_unquantized_gemm(lin, remove_weight=False)
+    return lin
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layers = [[linear(i, o) for i, o in SHAPES] for _ in range(LAYERS)]
+    head = linear(*HEAD)
+    mb = sum(p.numel() * 2 for layer in layers for lin in layer for p in lin.parameters()) / 2**20
+    mb += head.weight.numel() * 2 / 2**20
+    print(f"torch {torch.__version__}, one thread, {mb:.0f} MiB of bf16 weights")
+    base = None
+    print(f"{'rows':>5} {'layers ms':>10} {'head ms':>8} {'total ms':>9} {'vs 1 row':>9}")
+    for m in ROWS:
+        xs = {i: torch.randn(m, i, dtype=torch.bfloat16) for i, _ in SHAPES}
+
+        def layers_pass():
+            for layer in layers:
+                for lin, (i, _) in zip(layer, SHAPES):
+                    lin.cpu_linear(xs[i], lin.weight, None)
+
+        def head_pass():
+            head.cpu_linear(xs[576], head.weight, None)
+
+        times = {}
+        for name, fn in (("layers", layers_pass), ("head", head_pass)):
+            for _ in range(2):
+                fn()
+            runs = []
+            for _ in range(9):
+                t = time.perf_counter()
+                fn()
+                runs.append(1e3 * (time.perf_counter() - t))
+            times[name] = statistics.median(runs)
+        total = times["layers"] + times["head"]
+        base = base or total
+        print(f"{m:>5} {times['layers']:>10.2f} {times['head']:>8.2f} {total:>9.2f} {total / base:>8.2f}x")
+
+
+if __name__ == "__main__":
+    main()
