@@ -7,24 +7,22 @@ run in model order on M rows, so the 268 MB of weights stream from memory as in 
 One thread, as vLLM's CPU worker runs on this 2-core machine. Median of 9 after 2 warm calls.
 
 With ``--rows-kernel`` (x86 with AVX512-BF16 and g++), the same weights also through
-``scripts/gemm_bf16_rows.cpp`` (built here with g++, called through ctypes; an experiment, not
-used by the package), checked against vLLM's kernel first: every output element of a few shapes
+``vllm_anisotropic.cpu_rows_gemm`` (built with g++, called through ctypes), checked against
+vLLM's kernel first: every output element of a few shapes
 and row counts compared (the share that is bitwise equal, and the largest difference).
 
 Usage: .venv/bin/python scripts/cpu_gemm_rows.py [--rows-kernel]  (records:
 docs/measurements/cpu/gemm_rows_smollm2_2026_11_26.txt, gemm_rows_kernel_smollm2_2026_11_26.txt)
 """
 
-import ctypes
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+from vllm_anisotropic.cpu_rows_gemm import pack
 
 LAYERS = 30
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # qkv, o, gate_up, down
@@ -38,23 +36,11 @@ def linear(i: int, o: int) -> torch.nn.Linear:
     return lin
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N/16][K/2][16][2], the rows kernel's layout."""
-    n, k = w.shape
-    return w.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-
-
 def build_rows_kernel():
-    src = Path(__file__).with_name("gemm_bf16_rows.cpp")
-    lib = Path(tempfile.mkdtemp()) / "libgemm_bf16_rows.so"
-    subprocess.run(["g++", "-O3", "-march=native", "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
-    fn = ctypes.CDLL(str(lib)).gemm_bf16_rows
+    from vllm_anisotropic.cpu_rows_gemm import RowsGemm
 
-    def call(wp: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
-        fn(ctypes.c_void_p(wp.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-           x.shape[0], out.shape[1], x.shape[1])
-
-    return call
+    gemm = RowsGemm()
+    return lambda wp, x, out: gemm(wp, x, out)
 
 
 def check_rows_kernel(call) -> None:

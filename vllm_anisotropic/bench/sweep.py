@@ -49,6 +49,9 @@ NAME+sync    any of the above with vLLM's async scheduling off (``async_scheduli
 NAME+recompute  a tree method whose CPU tree rows always take the masked float32 recompute
              (``VLLM_ANISOTROPIC_TREE_ROWS=recompute``) instead of path rounds through vLLM's
              kernel where the trees are slim (integration/vllm/attention.py)
+NAME+rowsgemm  any of the above with bf16 linear layers on this package's rows GEMM kernel
+             up to 16 rows a step (``VLLM_ANISOTROPIC_CPU_GEMM=rows``, cpu_rows_gemm.py;
+             experimental): compare ``plain+rowsgemm`` with ``goose-auto+rowsgemm``
 
 Example (the bounded run recorded in docs/allocator.md)::
 
@@ -118,7 +121,8 @@ SUFFIX_DIR = Path(__file__).resolve().parents[2] / ".suffix"  # scripts/build_su
 IOMP = "+iomp"
 SYNC = "+sync"
 RECOMPUTE = "+recompute"
-MODIFIERS = (IOMP, SYNC, RECOMPUTE)
+ROWSGEMM = "+rowsgemm"
+MODIFIERS = (IOMP, SYNC, RECOMPUTE, ROWSGEMM)
 
 
 _DRAFT_METHOD = re.compile(r"^(?:draft_model-k(?P<k>[1-9]\d*)|dtree-(?P<b>[1-9])\.(?P<t>\d)\.(?P<l>\d)|dtree-(?P<auto>auto))$")
@@ -196,6 +200,11 @@ def unavailable_reason(method: str, draft: str | None = None) -> str | None:
         return "a draft-model method needs --draft (a registry name or a model directory)"
     if IOMP in modifiers(method) and iomp_library() is None:
         return "no libiomp5.so in this environment (pip install intel-openmp)"
+    if ROWSGEMM in modifiers(method):
+        from vllm_anisotropic.cpu_rows_gemm import unavailable_reason as rows_reason
+
+        if rows_reason():
+            return f"the rows GEMM kernel cannot run here: {rows_reason()}"
     method = base_method(method)
     if method == "suffix" and importlib.util.find_spec("arctic_inference") is None and not SUFFIX_DIR.is_dir():
         return ("vLLM's suffix method imports arctic_inference.suffix_decoding: install arctic-inference "
@@ -208,6 +217,8 @@ def method_env(method: str) -> dict[str, str]:
     on PYTHONPATH and loads only this package's vLLM plugin (arctic-inference's own plugin patches
     vLLM at start-up; vLLM's suffix method needs only its suffix tree); a ``+iomp`` method gets
     ``LD_PRELOAD`` with Intel's OpenMP runtime in front of any preload already set."""
+    if ROWSGEMM in modifiers(method):  # bf16 linears on the rows kernel (patches.py patch 8)
+        return {"VLLM_ANISOTROPIC_CPU_GEMM": "rows", **method_env(method.replace(ROWSGEMM, ""))}
     if RECOMPUTE in modifiers(method):  # CPU tree rows always by the masked recompute (attention.py)
         return {"VLLM_ANISOTROPIC_TREE_ROWS": "recompute", **method_env(method.replace(RECOMPUTE, ""))}
     if IOMP in modifiers(method):

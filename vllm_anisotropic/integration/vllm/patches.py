@@ -37,6 +37,13 @@ Patches (vLLM 0.32; file:line in shared/notes/vllm-0.32-spec-decode-map.md secti
    work it deferred past its reply (the step's harvest, ``drafter.TreeDrafter.observe_batch``)
    while the engine core schedules the next step; any other runner: nothing. In-process
    executors have no such loop; the tree runner then runs it at the start of the next step.
+8. ``model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` (every process; only with
+   ``VLLM_ANISOTROPIC_CPU_GEMM=rows`` on a CPU with AVX512-BF16 and g++; experimental): for a
+   bf16 linear layer that vLLM would give its oneDNN matmul, the layer keeps that matmul for
+   steps of more than ``ROWS_MAX`` rows (prefill, large batches) and runs up to ``ROWS_MAX``
+   rows through ``cpu_rows_gemm`` (one thread only; more threads: vLLM's matmul throughout).
+   The op is ``vllm_anisotropic::rows_linear``, opaque to vLLM's compiled graph. It applies to
+   plain decoding as much as to trees, so a benchmark gives it to both arms (``+rowsgemm``).
 
 The subclasses those classes install override private vLLM methods; ``vllm_surface.py`` lists
 every such name (with the parameters passed through) and every step-object field they read,
@@ -50,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import typing
 from typing import Any
 
@@ -60,6 +68,8 @@ WORKER_CLS = "vllm_anisotropic.integration.vllm.worker.TreeCPUWorker"
 GPU_WORKER_CLS = "vllm_anisotropic.integration.vllm.worker.TreeGPUWorker"
 SCHEDULER_CLS = "vllm_anisotropic.integration.vllm.scheduler.TreeScheduler"
 _MARK = "_vllm_anisotropic_patched"
+CPU_GEMM_ENV = "VLLM_ANISOTROPIC_CPU_GEMM"
+ROWS_MAX = 16  # most rows per step through the rows kernel (above: vLLM's oneDNN matmul)
 
 
 class UnsupportedConfigError(ValueError):
@@ -380,6 +390,79 @@ def _patch_worker_rpc(cls) -> None:
     cls._execute_worker_rpc = _mark(_execute_worker_rpc)
 
 
+# ---------------------------------------------------------------- 8: CPU linear layers (opt-in)
+_ROWS_LAYERS: dict[int, tuple] = {}  # layer id -> (packed weight, vLLM's cpu_linear, N, K)
+
+
+def _rows_linear_op():
+    """``torch.ops.vllm_anisotropic.rows_linear`` (registered once per process)."""
+    import torch
+
+    if hasattr(torch.ops, "vllm_anisotropic") and hasattr(torch.ops.vllm_anisotropic, "rows_linear"):
+        return torch.ops.vllm_anisotropic.rows_linear
+    from vllm_anisotropic.cpu_rows_gemm import RowsGemm
+
+    gemm = RowsGemm()
+
+    # the schema spelled out: this module's annotations are strings (``from __future__``)
+    @torch.library.custom_op("vllm_anisotropic::rows_linear", mutates_args=(),
+                             schema="(Tensor x, Tensor? bias, int layer) -> Tensor")
+    def rows_linear(x, bias, layer):
+        packed, fallback, n, k = _ROWS_LAYERS[layer]
+        rows = x.reshape(-1, k)
+        if rows.shape[0] > ROWS_MAX or torch.get_num_threads() != 1:
+            return fallback(x, None, bias)
+        out = gemm(packed, rows)
+        if bias is not None:
+            out += bias.to(out.dtype)
+        return out.view(*x.shape[:-1], n)
+
+    @rows_linear.register_fake
+    def _(x, bias, layer):
+        return x.new_empty(*x.shape[:-1], _ROWS_LAYERS[layer][2])
+
+    return torch.ops.vllm_anisotropic.rows_linear
+
+
+def _patch_cpu_gemm() -> None:
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers import utils
+    from vllm.platforms import current_platform
+
+    from vllm_anisotropic.cpu_rows_gemm import pack, unavailable_reason
+
+    for name in ("dispatch_cpu_unquantized_gemm", "check_cpu_sgl_kernel"):
+        if not callable(getattr(utils, name, None)):
+            raise RuntimeError(f"{CPU_GEMM_ENV}=rows: vllm.model_executor.layers.utils.{name} is missing in vLLM "
+                               f"{vllm_version()}")
+    if _already(utils, "dispatch_cpu_unquantized_gemm") or not current_platform.is_cpu():
+        return
+    reason = unavailable_reason()
+    if reason:
+        logger.warning("%s=rows ignored: %s", CPU_GEMM_ENV, reason)
+        return
+    original = utils.dispatch_cpu_unquantized_gemm
+    op = _rows_linear_op()
+
+    @functools.wraps(original)
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
+        w = layer.weight
+        eligible = (not w.is_meta and w.ndim == 2 and w.dtype == torch.bfloat16 and w.shape[0] % 16 == 0
+                    and w.shape[1] % 2 == 0 and ops._supports_onednn and not current_platform.is_zen_cpu()
+                    and not utils.check_cpu_sgl_kernel(w.shape[0], w.shape[1], w.dtype))
+        packed = pack(w.data) if eligible else None
+        original(layer, remove_weight)
+        if packed is None:
+            return
+        key = len(_ROWS_LAYERS)
+        _ROWS_LAYERS[key] = (packed, layer.cpu_linear, int(w.shape[0]), int(w.shape[1]))
+        layer.cpu_linear = lambda x, weight, bias, _key=key: op(x, bias, _key)
+
+    utils.dispatch_cpu_unquantized_gemm = _mark(dispatch_cpu_unquantized_gemm)
+    logger.info("%s=rows: bf16 linear layers take the rows GEMM kernel up to %d rows", CPU_GEMM_ENV, ROWS_MAX)
+
+
 def apply() -> bool:
     """Install the patches in this process (idempotent). Returns whether vLLM is supported."""
     from vllm.engine.arg_utils import EngineArgs
@@ -404,4 +487,6 @@ def apply() -> bool:
     from vllm.v1.executor.multiproc_executor import WorkerProc
 
     _patch_worker_rpc(WorkerProc)
+    if os.environ.get(CPU_GEMM_ENV, "") == "rows":
+        _patch_cpu_gemm()
     return True

@@ -39,6 +39,7 @@ OUR_ENV_VARS = (
     TREE_TRACE_ENV,
     "VLLM_ANISOTROPIC_CACHE",
     "VLLM_ANISOTROPIC_QWEN",
+    "VLLM_ANISOTROPIC_CPU_GEMM",
 )
 
 # Process-local registration flag: the only module state, and it is per process by design.
