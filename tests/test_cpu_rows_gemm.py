@@ -146,3 +146,17 @@ def test_engine_runs_tree_steps_through_the_kernel(tiny_model_dir, tiny_prompts,
     assert res["rows"] and max(res["rows"]) <= ROWS_MAX
     assert max(res["rows"]) > 2, "no tree step went through the kernel"
     assert all(r > ROWS_MAX for r in res["fallback"]), res["fallback"][:10]
+
+
+def test_a_failed_build_leaves_vllms_kernels_in_place(monkeypatch, caplog):
+    from vllm.model_executor.layers import utils
+
+    from vllm_anisotropic.integration.vllm import patches
+
+    original = utils.dispatch_cpu_unquantized_gemm
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", original)
+    monkeypatch.setattr(patches, "_rows_linear_op", lambda: (_ for _ in ()).throw(RuntimeError("g++ said no")))
+    with caplog.at_level("WARNING", logger=patches.logger.name):
+        patches._patch_cpu_gemm()
+    assert utils.dispatch_cpu_unquantized_gemm is original
+    assert "g++ said no" in caplog.text

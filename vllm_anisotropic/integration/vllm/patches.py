@@ -443,7 +443,11 @@ def _patch_cpu_gemm() -> None:
         logger.warning("%s=rows ignored: %s", CPU_GEMM_ENV, reason)
         return
     original = utils.dispatch_cpu_unquantized_gemm
-    op = _rows_linear_op()
+    try:
+        op = _rows_linear_op()
+    except RuntimeError as e:  # the build failed (e.g. a g++ without AVX512-BF16 support)
+        logger.warning("%s=rows ignored: %s", CPU_GEMM_ENV, e)
+        return
 
     @functools.wraps(original)
     def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
