@@ -1,8 +1,9 @@
 """Every in-process patch vllm-anisotropic applies to vLLM, in one module, version-checked.
 
-Scope: the front door only -- making ``speculative_config={"method": "goose"}`` (and ``pld``,
+Scope: the front door -- making ``speculative_config={"method": "goose"}`` (and ``pld``,
 ``token_recycling``, ``isotropic``) a valid vLLM configuration that selects this plugin's
-worker, model runner, attention backend and scheduler. Nothing on disk is modified; every
+worker, model runner, attention backend and scheduler -- plus two step-loop hooks (6, 7) and one
+opt-in kernel switch (8). Nothing on disk is modified; every
 patch wraps a vLLM function in the current process and is idempotent. ``plugin.register()``
 calls ``apply()`` in every vLLM process (patches are process-local).
 
