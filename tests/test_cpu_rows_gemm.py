@@ -97,6 +97,13 @@ def test_patch_routes_bf16_layers_and_keeps_vllms_matmul_past_the_row_limit(monk
     # the rows kernel for 1, 4 and ROWS_MAX rows on one thread; vLLM's matmul past the row limit
     # and with two threads
     assert len(calls) == 3
+    # the registry does not keep a freed layer's packed weight
+    import gc
+
+    before = len(patches._ROWS_LAYERS)
+    del bf16
+    gc.collect()
+    assert len(patches._ROWS_LAYERS) == before - 1
 
 
 _ENGINE_SCRIPT = r"""
@@ -112,8 +119,8 @@ def main():
     fallback_rows = []
     llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=512, max_num_seqs=2, seed=0,
               gpu_memory_utilization=0.2, speculative_config={"method": "goose", "budget": 8, "allocator": "off"})
-    for key, (packed, fb, n, k) in list(patches._ROWS_LAYERS.items()):
-        patches._ROWS_LAYERS[key] = (packed, lambda x, w, b, _fb=fb: fallback_rows.append(x.reshape(-1, x.shape[-1]).shape[0]) or _fb(x, w, b), n, k)
+    for entry in list(patches._ROWS_LAYERS.values()):
+        entry.fallback = lambda x, w, b, _fb=entry.fallback: fallback_rows.append(x.reshape(-1, x.shape[-1]).shape[0]) or _fb(x, w, b)
     rows_seen.clear()
     out = llm.generate(sys.argv[2:], SamplingParams(temperature=0, max_tokens=24))
     print(json.dumps({"layers": len(patches._ROWS_LAYERS), "rows": rows_seen, "fallback": fallback_rows,

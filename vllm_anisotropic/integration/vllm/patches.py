@@ -57,9 +57,11 @@ clear error when one of our methods is requested; plain vLLM use is untouched.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import typing
+import weakref
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -392,7 +394,19 @@ def _patch_worker_rpc(cls) -> None:
 
 
 # ---------------------------------------------------------------- 8: CPU linear layers (opt-in)
-_ROWS_LAYERS: dict[int, tuple] = {}  # layer id -> (packed weight, vLLM's cpu_linear, N, K)
+class _RowsLayer:
+    """One routed layer: its packed weight, vLLM's own ``cpu_linear`` and its shape. The layer
+    holds it (``layer._vllm_anisotropic_rows``); the registry only refers to it, so a freed model
+    frees its packed weights."""
+
+    __slots__ = ("packed", "fallback", "n", "k", "__weakref__")
+
+    def __init__(self, packed, fallback, n: int, k: int) -> None:
+        self.packed, self.fallback, self.n, self.k = packed, fallback, n, k
+
+
+_ROWS_LAYERS: "weakref.WeakValueDictionary[int, _RowsLayer]" = weakref.WeakValueDictionary()
+_ROWS_KEYS = itertools.count()
 
 
 def _rows_linear_op():
@@ -409,18 +423,18 @@ def _rows_linear_op():
     @torch.library.custom_op("vllm_anisotropic::rows_linear", mutates_args=(),
                              schema="(Tensor x, Tensor? bias, int layer) -> Tensor")
     def rows_linear(x, bias, layer):
-        packed, fallback, n, k = _ROWS_LAYERS[layer]
-        rows = x.reshape(-1, k)
+        entry = _ROWS_LAYERS[layer]
+        rows = x.reshape(-1, entry.k)
         if rows.shape[0] > ROWS_MAX or torch.get_num_threads() != 1:
-            return fallback(x, None, bias)
-        out = gemm(packed, rows)
+            return entry.fallback(x, None, bias)
+        out = gemm(entry.packed, rows)
         if bias is not None:
             out += bias.to(out.dtype)
-        return out.view(*x.shape[:-1], n)
+        return out.view(*x.shape[:-1], entry.n)
 
     @rows_linear.register_fake
     def _(x, bias, layer):
-        return x.new_empty(*x.shape[:-1], _ROWS_LAYERS[layer][2])
+        return x.new_empty(*x.shape[:-1], _ROWS_LAYERS[layer].n)
 
     return torch.ops.vllm_anisotropic.rows_linear
 
@@ -460,8 +474,9 @@ def _patch_cpu_gemm() -> None:
         original(layer, remove_weight)
         if packed is None:
             return
-        key = len(_ROWS_LAYERS)
-        _ROWS_LAYERS[key] = (packed, layer.cpu_linear, int(w.shape[0]), int(w.shape[1]))
+        key = next(_ROWS_KEYS)
+        layer._vllm_anisotropic_rows = _ROWS_LAYERS[key] = _RowsLayer(packed, layer.cpu_linear, int(w.shape[0]),
+                                                                      int(w.shape[1]))
         layer.cpu_linear = lambda x, weight, bias, _key=key: op(x, bias, _key)
 
     utils.dispatch_cpu_unquantized_gemm = _mark(dispatch_cpu_unquantized_gemm)
