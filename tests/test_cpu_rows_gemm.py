@@ -20,12 +20,12 @@ def gemm():
 
 
 def _vllm_linear(w: torch.Tensor):
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    """vLLM's oneDNN matmul on a pre-packed weight: what it runs for these layers on CPUs without
+    AMX (with AMX, weights under 1 MiB go to its sgl kernel instead; the patch leaves those alone)."""
+    from vllm import _custom_ops as ops
 
-    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).to(torch.bfloat16)
-    lin.weight.data.copy_(w)
-    dispatch_cpu_unquantized_gemm(lin, remove_weight=False)
-    return lambda x: lin.cpu_linear(x, lin.weight, None)
+    handler = ops.create_onednn_mm(w.t(), 32)
+    return lambda x: ops.onednn_mm(handler, x, None)
 
 
 # (N, K): N / 16 = 60, 36, 5 (a remainder after four blocks), 1; K = 576, 1536, 34
@@ -72,10 +72,13 @@ def test_patch_routes_bf16_layers_and_keeps_vllms_matmul_past_the_row_limit(monk
     monkeypatch.setenv(patches.CPU_GEMM_ENV, "rows")
     patches._patch_cpu_gemm()
     torch.manual_seed(1)
-    bf16 = torch.nn.Linear(64, 96, bias=True).to(torch.bfloat16)
+    # 2 MiB of bf16: above vLLM's 1 MiB limit for its small-weight AMX kernel, so routed on every CPU
+    bf16 = torch.nn.Linear(1024, 1024, bias=True).to(torch.bfloat16)
+    small = torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)  # AMX CPUs: vLLM's sgl kernel keeps it
     f32 = torch.nn.Linear(64, 96, bias=False)
     w = bf16.weight.data.clone()
-    utils.dispatch_cpu_unquantized_gemm(bf16, remove_weight=True)
+    for layer in (bf16, small):
+        utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
     utils.dispatch_cpu_unquantized_gemm(f32, remove_weight=False)
     assert bf16.weight.numel() == 0  # vLLM's own dispatch ran (and dropped the weight)
     calls = []
@@ -85,12 +88,16 @@ def test_patch_routes_bf16_layers_and_keeps_vllms_matmul_past_the_row_limit(monk
     assert not calls  # float32 layers keep vLLM's kernel
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(1)
+        small.cpu_linear(torch.randn(2, 64, dtype=torch.bfloat16), small.weight, None)
+        assert len(calls) == (0 if utils.check_cpu_sgl_kernel(96, 64, torch.bfloat16) else 1)
+        calls.clear()
         for n_threads, m in [(1, 1), (1, 4), (1, patches.ROWS_MAX), (1, patches.ROWS_MAX + 1), (1, 40), (2, 4)]:
             torch.set_num_threads(n_threads)
-            x = torch.randn(m, 64, dtype=torch.bfloat16)
+            x = torch.randn(m, 1024, dtype=torch.bfloat16)
             out = bf16.cpu_linear(x, bf16.weight, bf16.bias)
             exact = x.float() @ w.float().T + bf16.bias.float()
-            assert out.shape == (m, 96)
+            assert out.shape == (m, 1024)
             assert (out.float() - exact).abs().max() <= 0.05 * exact.abs().max(), m
     finally:
         torch.set_num_threads(threads)
