@@ -22,7 +22,7 @@ import time
 import torch
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-from vllm_anisotropic.cpu_rows_gemm import pack
+from vllm_anisotropic.cpu_rows_gemm import RowsGemm, pack
 
 LAYERS = 30
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # qkv, o, gate_up, down
@@ -34,13 +34,6 @@ def linear(i: int, o: int) -> torch.nn.Linear:
     lin = torch.nn.Linear(i, o, bias=False).to(torch.bfloat16)
     dispatch_cpu_unquantized_gemm(lin, remove_weight=False)
     return lin
-
-
-def build_rows_kernel():
-    from vllm_anisotropic.cpu_rows_gemm import RowsGemm
-
-    gemm = RowsGemm()
-    return lambda wp, x, out: gemm(wp, x, out)
 
 
 def check_rows_kernel(call) -> None:
@@ -64,7 +57,7 @@ def check_rows_kernel(call) -> None:
 def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    call = build_rows_kernel() if "--rows-kernel" in sys.argv else None
+    call = RowsGemm() if "--rows-kernel" in sys.argv else None
     if call is not None:
         check_rows_kernel(call)
     layers = [[linear(i, o) for i, o in SHAPES] for _ in range(LAYERS)]

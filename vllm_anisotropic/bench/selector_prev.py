@@ -33,16 +33,11 @@ import torch
 from vllm_anisotropic.selector.features import entropy, record_features
 from vllm_anisotropic.selector.train import cross_validate, load_examples, read_records
 
-PREV = ("entropy_p_prev", "entropy_q_prev", "kl_pq_prev", "kl_qp_prev", "l1_prev")
-
-
 def law_stats(p: torch.Tensor, q: torch.Tensor) -> dict:
-    """The five statistics of two [vocab] laws (nats)."""
-    p, q = p.double(), q.double()
-    lp, lq = p.clamp(min=1e-300).log(), q.clamp(min=1e-300).log()
-    return {"entropy_p_prev": entropy(p), "entropy_q_prev": entropy(q),
-            "kl_pq_prev": float((p * (lp - lq)).sum()), "kl_qp_prev": float((q * (lq - lp)).sum()),
-            "l1_prev": float((p - q).abs().sum())}
+    """The grid's five statistics of two [vocab] laws (nats), named for the preceding token."""
+    from vllm_anisotropic.bench.draft_tree_grid import _features
+
+    return {f"{name}_prev": value for name, value in _features(p, q, 0).items() if name != "context_len"}
 
 
 @torch.inference_mode()

@@ -76,9 +76,10 @@ def read_records(path: str | Path) -> list[dict]:
 
 def load_examples(paths: list[str], verifiers=VERIFIERS, max_drafts: int | None = None,
                   features=record_features) -> Examples:
-    """Every root record of ``paths``, its feature vector by ``features(record)``. A T = 0 root's value under any verifier is its greedy
-    walk's (every verifier reduces to it); ``block`` only has K = 1 actions, so its missing
-    values are 0 (never chosen). Raises ValueError for a file without a timing record."""
+    """Every root record of ``paths``, its feature vector by ``features(record)``. A T = 0
+    root's value under any verifier is its greedy walk's (every verifier reduces to it);
+    ``block`` only has K = 1 actions, so its missing values are 0 (never chosen). Raises
+    ValueError for a file without a timing record."""
     actions = action_grid(max_drafts)
     feats, times, groups = [], [], []
     values: dict[str, list] = {v: [] for v in verifiers}
