@@ -107,3 +107,21 @@ def test_repeated_multiprocess_starts_with_speculation_none_dies(
     for start in range(NUM_STARTS):
         result = run_offline_job(job, env=env)  # raises OfflineJobFailed with the log on a death
         assert result.token_ids == plain_run.token_ids, f"start {start}"
+
+
+def test_one_at_a_time_pass_is_timed_and_counted_apart_from_the_batch(tiny_model_dir, tiny_prompts):
+    """``OfflineJob.solo_prompts`` (the demo's one-request-at-a-time pass): each prompt alone,
+    then the batch, in one engine. Fails if the pass's outputs are mixed up or its spec-decode
+    counters leak into the batch's (PLD is deterministic, so the batch alone drafts the same)."""
+    f32 = {**ENGINE_KWARGS, "dtype": "float32"}
+    solo = tiny_prompts[:2][::-1]
+    plain = run_offline_job(OfflineJob(model=str(tiny_model_dir), prompts=tiny_prompts, solo_prompts=solo,
+                                       max_tokens=48, llm_kwargs=f32))
+    both = run_offline_job(OfflineJob(model=str(tiny_model_dir), prompts=tiny_prompts, solo_prompts=solo,
+                                      max_tokens=48, speculative_config=PLD, llm_kwargs=f32))
+    batch = run_offline_job(OfflineJob(model=str(tiny_model_dir), prompts=tiny_prompts, max_tokens=48,
+                                       speculative_config=PLD, llm_kwargs=f32))
+    assert plain.solo.token_ids == [plain.token_ids[1][0], plain.token_ids[0][0]]
+    assert both.solo.token_ids == plain.solo.token_ids and both.token_ids == plain.token_ids == batch.token_ids
+    assert both.solo.spec.num_drafts > 0 and both.solo.generate_seconds > 0
+    assert both.spec == batch.spec and batch.solo is None

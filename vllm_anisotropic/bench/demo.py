@@ -1,7 +1,11 @@
 """The main job: ``vllm-anisotropic demo``.
 
-Runs an offline ``LLM.generate`` batch in real vLLM on a real model over real benchmark
-prompts, side by side: plain decoding, then each speculative method. Prints tokens/s, the
+Runs offline ``LLM.generate`` in real vLLM on a real model over real benchmark prompts, side by
+side: plain decoding, then each speculative method. Each engine first generates
+``--one-at-a-time`` prompts one request at a time (one ``generate`` call each: where
+speculation is meant to pay), then a batch of ``--num-prompts`` other prompts in one call (vLLM
+runs them together: where, on a small CPU, the allocator should keep speculation from costing
+anything). Each pass is timed apart and prints tokens/s, the
 speedup, tau (mean tokens per target forward pass: output tokens / (output tokens - accepted
 drafts), from vLLM's spec-decode counters), the tree metrics
 (spine / branch acceptance, tree size, bypass rate) and how many outputs are token-identical
@@ -83,6 +87,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="engine dtype")
     p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's concurrent-request cap (default: vLLM's)")
+    p.add_argument("--one-at-a-time", type=int, default=8, metavar="N",
+                   help="first, in the same engines, N other prompts per dataset (the next ones) one request at a "
+                        "time, timed apart (0: the batch alone)")
     p.add_argument("--out", type=Path, default=None, help="append a JSONL record per method here")
     p.set_defaults(func=run)
 
@@ -97,16 +104,17 @@ def _resolve_model(name: str) -> Path:
     return prepare_model(name)
 
 
-def build_prompts(model_dir: Path, dataset: str, limit: int) -> list[str]:
+def build_prompts(model_dir: Path, dataset: str, limit: int, skip: int = 0) -> list[str]:
     """Chat-formatted prompts for ``model_dir``'s tokenizer (``dataset`` may be comma-separated;
-    ``limit`` prompts from each)."""
+    ``limit`` prompts from each, after its first ``skip``)."""
     from transformers import AutoTokenizer
 
     from vllm_anisotropic.data import format_prompt, load_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return [
-        format_prompt(p, tokenizer, "chat") for d in dataset.split(",") for p in load_dataset(d.strip(), limit=limit)
+        format_prompt(p, tokenizer, "chat") for d in dataset.split(",")
+        for p in load_dataset(d.strip(), limit=skip + limit)[skip:]
     ]
 
 
@@ -120,21 +128,29 @@ def run(args: argparse.Namespace) -> int:
     for m in methods:
         if m not in DEMO_METHODS:
             raise SystemExit(f"unknown method {m!r}; valid: {', '.join(DEMO_METHODS)}")
+    if args.one_at_a_time < 0:
+        raise SystemExit(f"--one-at-a-time must be >= 0, got {args.one_at_a_time}")
     model_dir = _resolve_model(args.model)
     prompts = build_prompts(model_dir, args.dataset, args.num_prompts)
+    solo_prompts = (build_prompts(model_dir, args.dataset, args.one_at_a_time, skip=args.num_prompts)
+                    if args.one_at_a_time else None)
     llm_kwargs = {"dtype": args.dtype}
     if args.max_num_seqs:
         llm_kwargs["max_num_seqs"] = args.max_num_seqs
-    base = OfflineJob(model=str(model_dir), prompts=prompts, max_tokens=args.max_tokens, llm_kwargs=llm_kwargs)
+    base = OfflineJob(model=str(model_dir), prompts=prompts, solo_prompts=solo_prompts, max_tokens=args.max_tokens,
+                      llm_kwargs=llm_kwargs)
 
-    logger.info("plain decoding: %d prompts x %d tokens (starting vLLM)", len(prompts), args.max_tokens)
+    logger.info("plain decoding: %s%d prompts x %d tokens (starting vLLM)",
+                f"{len(solo_prompts)} prompts one at a time, then " if solo_prompts else "", len(prompts),
+                args.max_tokens)
     plain = run_offline_job(base, timeout=None)
-    lines = [
-        f"model {args.model}  dataset {args.dataset}  prompts {len(prompts)}  max_tokens {args.max_tokens}  "
-        f"greedy  {args.dtype}  ({platform.machine()} CPU, vLLM CPU build)",
-        f"plain     {plain.num_output_tokens:6d} tokens in {plain.generate_seconds:6.2f} s  "
-        f"= {plain.tokens_per_second:7.1f} tokens/s",
-    ]
+    header = f"model {args.model}  dataset {args.dataset}  max_tokens {args.max_tokens}  greedy  {args.dtype}  " \
+             f"({platform.machine()} CPU, vLLM CPU build)"
+    solo_lines = [f"one request at a time ({len(solo_prompts)} prompts, each engine's first pass):",
+                  _rate_line("plain", plain.solo)] if solo_prompts else []
+    batch_lines = [f"batch of {len(prompts)} prompts (one generate call{', after that' if solo_prompts else ''}):",
+                   _rate_line("plain", plain)]
+    detail_lines: list[str] = []
     all_identical = True
     divergent: list[Divergence] = []
     for method in methods:
@@ -155,11 +171,15 @@ def run(args: argparse.Namespace) -> int:
         # equal to the drafter's accepted count). Counting the drafter's tree steps instead would
         # miss the steps a request decodes plainly while the allocator's backoff skips its trees.
         tau = spec.spec.tau
-        lines.append(
-            f"{method:<9} {spec.num_output_tokens:6d} tokens in {spec.generate_seconds:6.2f} s  "
-            f"= {spec.tokens_per_second:7.1f} tokens/s   tau {tau:.2f}  speedup {speedup:.2f}x  "
-            f"identical {identical}/{len(prompts)}"
-        )
+        batch_lines.append(_rate_line(method, spec, plain, identical, len(prompts)))
+        solo_speedup = solo_identical = None
+        if solo_prompts:
+            solo_identical = sum(a == b for a, b in zip(plain.solo.token_ids, spec.solo.token_ids))
+            all_identical &= solo_identical == len(solo_prompts)
+            solo_speedup = spec.solo.tokens_per_second / plain.solo.tokens_per_second
+            solo_lines.append(_rate_line(method, spec.solo, plain.solo, solo_identical, len(solo_prompts)))
+        lines = detail_lines
+        lines.append(f"{method}, {'both passes' if solo_prompts else 'the batch'}:")
         if tree and tree.get("verified_trees"):
             lines.append(
                 f"          spine acceptance {_rate(tree['accepted_spine_nodes'], tree['spine_nodes'])}  "
@@ -193,11 +213,16 @@ def run(args: argparse.Namespace) -> int:
                 "speedup": speedup, "tau": tau, "tau_vllm_counters": spec.spec.tau,
                 "acceptance_rate": spec.spec.acceptance_rate, "identical": identical, "tree_metrics": tree,
                 "budget_metrics": budget,
+                "one_at_a_time": None if not solo_prompts else {
+                    "num_prompts": len(solo_prompts), "plain_tokens_per_s": plain.solo.tokens_per_second,
+                    "spec_tokens_per_s": spec.solo.tokens_per_second, "speedup": solo_speedup,
+                    "tau": spec.solo.spec.tau, "identical": solo_identical},
                 "machine": platform.machine(),
             }
             args.out.parent.mkdir(parents=True, exist_ok=True)
             with open(args.out, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+    lines = [header, *solo_lines, *batch_lines, *detail_lines]
     lines.append(f"outputs identical to plain decoding: {'yes' if all_identical else 'NO'}")
     if not all_identical and args.dtype != "float32":
         lines.append(
@@ -208,13 +233,24 @@ def run(args: argparse.Namespace) -> int:
     if divergent and args.dtype != "float32":
         logger.info("measuring the margins of %d divergences (starting vLLM)", len(divergent))
         probe = base.model_copy(update={
-            "prompts": None, "max_tokens": 1, "logprobs": MARGIN_TOP,
+            "prompts": None, "solo_prompts": None, "max_tokens": 1, "logprobs": MARGIN_TOP,
             "prompt_token_ids": [plain.prompt_token_ids[d.prompt] + plain.token_ids[d.prompt][0][: d.position]
                                  for d in divergent],
         })
         lines += margin_report(divergent, run_offline_job(probe, timeout=None).logprobs)
     print("\n".join(lines))
     return 0 if all_identical else 1
+
+
+def _rate_line(name: str, run, plain=None, identical: int = 0, n: int = 0) -> str:
+    """``name  N tokens in S s = R tokens/s``, and for a speculative ``run`` (an ``OfflineResult``
+    or its ``solo`` pass) its tau, speedup over ``plain`` and identical outputs."""
+    line = (f"  {name:<9} {run.num_output_tokens:6d} tokens in {run.generate_seconds:6.2f} s  "
+            f"= {run.tokens_per_second:7.1f} tokens/s")
+    if plain is not None:
+        line += (f"   tau {run.spec.tau:.2f}  speedup {run.tokens_per_second / plain.tokens_per_second:.2f}x  "
+                 f"identical {identical}/{n}")
+    return line
 
 
 MARGIN_TOP = 5  # top logprobs read at each first differing position

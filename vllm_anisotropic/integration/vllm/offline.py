@@ -45,6 +45,9 @@ class OfflineJob(BaseModel):
     """Text prompts (already chat-formatted). Exactly one of prompts / prompt_token_ids."""
     prompt_token_ids: list[list[int]] | None = None
     """Token-id prompts."""
+    solo_prompts: list[str] | None = None
+    """Text prompts generated first, one request at a time (one ``generate`` call each), in the
+    same engine before the batch; timed apart (``OfflineResult.solo``)."""
     cache_salts: list[str | None] | None = None
     """Per-prompt vLLM ``cache_salt`` (the tenant of prefix caching and of the adjacency tables)."""
     max_tokens: int = Field(64, ge=1)
@@ -89,6 +92,23 @@ class SpecStats(BaseModel):
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
+class SoloPass(BaseModel):
+    """``OfflineJob.solo_prompts``, one request at a time: outputs, time, counters of that pass."""
+
+    token_ids: list[list[int]]
+    """``[num_solo_prompts][num_output_tokens]``."""
+    generate_seconds: float
+    spec: SpecStats
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(c) for c in self.token_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_output_tokens / self.generate_seconds
+
+
 class OfflineResult(BaseModel):
     token_ids: list[list[list[int]]]
     """``[num_prompts][n][num_output_tokens]`` generated token ids."""
@@ -105,6 +125,8 @@ class OfflineResult(BaseModel):
     logprobs: list[list[dict[int, float]]] | None = None
     """With ``OfflineJob.logprobs``: ``[num_prompts][num_output_tokens]`` token id -> logprob of
     the first completion's top tokens (the sampled one included)."""
+    solo: SoloPass | None = None
+    """With ``OfflineJob.solo_prompts``: that pass (``spec`` above counts the batch alone; ``counters`` both passes)."""
 
     @property
     def num_output_tokens(self) -> int:
@@ -115,15 +137,17 @@ class OfflineResult(BaseModel):
         return self.num_output_tokens / self.generate_seconds
 
 
-def _spec_stats(llm, num_output_tokens: int) -> SpecStats:
+def _spec_stats(llm, num_output_tokens: int, before: SpecStats | None = None) -> SpecStats:
+    """vLLM's spec-decode counters so far, less ``before`` (an earlier reading)."""
     counters = {}
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:spec_decode_"):
             counters[metric.name.removeprefix("vllm:spec_decode_")] = getattr(metric, "value", 0)
+    before = before or SpecStats()
     return SpecStats(
-        num_drafts=int(counters.get("num_drafts", 0)),
-        num_draft_tokens=int(counters.get("num_draft_tokens", 0)),
-        num_accepted_tokens=int(counters.get("num_accepted_tokens", 0)),
+        num_drafts=int(counters.get("num_drafts", 0)) - before.num_drafts,
+        num_draft_tokens=int(counters.get("num_draft_tokens", 0)) - before.num_draft_tokens,
+        num_accepted_tokens=int(counters.get("num_accepted_tokens", 0)) - before.num_accepted_tokens,
         num_output_tokens=num_output_tokens,
     )
 
@@ -181,6 +205,15 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
         params = [params_for(job.seed + i) for i in range(len(prompts))]
     else:
         params = params_for(job.seed)
+    solo = None
+    if job.solo_prompts:
+        if job.n != 1 or job.seed_per_prompt:
+            raise ValueError("solo_prompts needs n = 1 and no seed_per_prompt")
+        started = time.perf_counter()
+        solo_ids = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in job.solo_prompts]
+        seconds = time.perf_counter() - started
+        solo = SoloPass(token_ids=solo_ids, generate_seconds=seconds,
+                        spec=_spec_stats(llm, sum(len(c) for c in solo_ids)))
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
@@ -192,7 +225,7 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
         finish_reasons=[[c.finish_reason for c in o.outputs] for o in outputs],
         startup_seconds=startup,
         generate_seconds=seconds,
-        spec=_spec_stats(llm, num_output_tokens),
+        spec=_spec_stats(llm, num_output_tokens, solo.spec if solo else None),
         counters=_counters(llm),
         pid=os.getpid(),
         prompt_token_ids=[list(o.prompt_token_ids or []) for o in outputs],
@@ -200,6 +233,7 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
             [{int(t): float(lp.logprob) for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])]
             for o in outputs
         ],
+        solo=solo,
     )
 
 
