@@ -177,6 +177,31 @@ def test_drafter_backoff_after_zero_cuts():
     assert d.skip["r"] == 1
 
 
+def test_drafter_tells_the_proposer_how_many_requests_draft_this_step():
+    """``Proposer.begin_step`` (draft_tree's selector reads it as its batch size) counts the rows
+    that propose: not a row without a sampled token, an ineligible one, or one in backoff; the
+    backoff still counts down."""
+    from vllm_anisotropic.integration.vllm.metrics import TreeMetrics
+    from vllm_anisotropic.tree import DraftTree
+
+    seen = []
+
+    class Chain:
+        def propose(self, context, max_nodes=None):
+            seen.append(("propose", int(context[-1])))
+            return DraftTree.chain([7], root_token=int(context[-1]))
+
+    proposer = SimpleNamespace(begin_step=lambda n: seen.append(("begin", n)), new_request=lambda tenant=None: Chain())
+    d = _bare_drafter(acceptance=None, unlabelled={}, states={}, tenants={}, probs={}, proposer=proposer,
+                      metrics=TreeMetrics(), max_draft_tokens=4, max_model_len=64, offer_factor=0.0)
+    d.skip = {"c": 2}
+    tokens = np.arange(1, 5 * 64 + 1).reshape(5, 64)
+    out = d.propose_trees(["a", "b", "c", "d", "e"], [True, True, True, False, True],
+                          [[1], [], [1], [1], [1]], np.full(5, 10), tokens)
+    assert seen[0] == ("begin", 2) and [x for x, _ in seen].count("propose") == 2, seen  # rows a and e
+    assert out == [[7], [], [], [], [7]] and d.skip["c"] == 1
+
+
 def test_drafter_offers_what_the_allocator_has_been_keeping():
     """The next tree's draft budget is max(8, factor x the decaying high-water mark of the
     scheduled drafts), the proposer's own budget when that reaches the room left."""

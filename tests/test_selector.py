@@ -9,6 +9,7 @@ Eq. 11 or the T = 0 labels computed from the wrong fields.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 
@@ -19,7 +20,7 @@ import torch
 from vllm_anisotropic.proposers.draft_model import DelayedShape
 from vllm_anisotropic.selector.features import FEATURES
 from vllm_anisotropic.selector.policy import JSON_NAME, WEIGHTS_NAME, SelectorFileError, ShapeSelector, action_grid
-from vllm_anisotropic.selector.train import Examples, cross_validate, fit, load_examples, step_time
+from vllm_anisotropic.selector.train import Examples, cross_validate, fit, format_report, load_examples, step_time
 
 TIMING = {"kind": "timing", "t_q": {"1": 0.1, "2": 0.12, "3": 0.14, "4": 0.2},
           "t_p": {str(n): 0.3 + 0.01 * n for n in range(1, 42)}}
@@ -36,6 +37,42 @@ def test_step_time_is_eq_11():
     # (2, 3, 4): 3 trunk forwards of one token, 4 branch forwards of two, one target pass of 12 nodes
     assert step_time((2, 3, 4), TIMING) == pytest.approx(3 * 0.1 + 4 * 0.12 + 0.3 + 0.01 * 12)
     assert step_time((1, 0, 0), TIMING) == pytest.approx(0.31)
+    # one of 4 requests: its own drafting, a quarter of the forward verifying the 4 trees (48 nodes)
+    timing = {**TIMING, "t_p": {**TIMING["t_p"], "48": 0.9}}
+    assert step_time((2, 3, 4), timing, 4) == pytest.approx(3 * 0.1 + 4 * 0.12 + 0.9 / 4)
+    with pytest.raises(ValueError, match="no target forward of 48 tokens"):
+        step_time((2, 3, 4), TIMING, 4)
+
+
+def test_learns_which_shape_pays_from_the_batch_size(tmp_path):
+    """The same roots at batch sizes 1 and 8, with a target forward that costs little more for
+    more tokens and drafting that each request pays alone: a long chain pays alone, plain
+    decoding in the wide batch. Fails if the batch size is not a feature, the times are not
+    divided by the batch size, or the rows of one root get one batch size."""
+    actions = [(1, 0, 0), (1, 2, 0), (1, 6, 0)]
+    timing = {"kind": "timing", "t_q": {str(k): 0.08 for k in range(1, 5)},
+              "t_p": {str(n): 0.5 + 0.002 * n for n in range(1, 60)}}
+    vals = {f"{k},{l1},{l2}": {"greedy": 1 + sum(0.8 ** d for d in range(1, l1 + 1))} for k, l1, l2 in actions}
+    roots = [{"kind": "root", "temperature": 0.0, "dataset": "d", "prompt": i, "context_len": 50 + i,
+              "features": {"entropy_q": 0.5}, "values": vals} for i in range(40)]
+    path = tmp_path / "grid.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [timing, *roots]))
+    ex = load_examples([str(path)], max_drafts=6, batch_sizes=(1, 8))
+    assert len(ex) == 80 and ex.features[:, 4].tolist() == [0.0, np.log(8)] * 40
+    keep = [ex.actions.index(a) for a in actions]  # the three actions the roots have values for
+    ex = dataclasses.replace(ex, values={v: x[:, keep] for v, x in ex.values.items()}, time=ex.time[:, keep],
+                             actions=actions)
+    best = (ex.values["traversal"] / ex.time).argmax(1)
+    assert set(best[ex.batch == 1]) == {2} and set(best[ex.batch == 8]) == {0}  # chain of 6 alone, plain in 8
+    sel = fit(ex, np.arange(len(ex)), "traversal", seed=0, epochs=300, lr=1e-2)
+    assert (sel.choose_index(ex.features) == best).all()
+    cv = cross_validate(ex, "traversal", folds=4, seed=0, epochs=300, lr=1e-2)
+    one, eight = cv["by_batch_size"]["1"], cv["by_batch_size"]["8"]
+    assert eight["static_per_batch_actions"] == {"1,0,0": 40} and one["static_per_batch_actions"] == {"1,6,0": 40}
+    for part in (one, eight):  # each batch size is its own workload
+        assert part["selector"]["tokens_per_s"] == pytest.approx(part["static_per_batch"]["tokens_per_s"])
+    assert eight["selector"]["tokens_per_s"] > 1.2 * eight["selector_without_batch"]["tokens_per_s"], eight
+    assert "geometric mean over batch sizes 1, 8" in format_report("traversal", cv)
 
 
 def _synthetic(n: int = 240, seed: int = 0) -> Examples:
@@ -48,7 +85,7 @@ def _synthetic(n: int = 240, seed: int = 0) -> Examples:
     accept = np.where(h < 1.5, 0.95, 0.2)
     e = np.stack([(accept[:, None] ** np.arange(1, l1 + l2 + 1)).sum(1) + 1 if l1 + l2 else np.ones(n)
                   for k, l1, l2 in actions], 1)
-    feats = np.stack([h, np.full(n, np.log1p(200)), np.full(n, 0.7), np.ones(n)], 1)
+    feats = np.stack([h, np.full(n, np.log1p(200)), np.full(n, 0.7), np.ones(n), np.zeros(n)], 1)
     return Examples(feats, {"traversal": e, "specinfer": e}, np.tile(t, (n, 1)),
                     np.array([f"d/{i // 2}" for i in range(n)]), actions)
 
@@ -139,7 +176,7 @@ def test_examples_from_grid_records(tmp_path):
     path.write_bytes(gzip.compress("\n".join(json.dumps(r) for r in (TIMING, root(0.0, 0, 2.0), root(0.7, 1, 3.0))).encode()))
     ex = load_examples([str(path)], max_drafts=2)
     assert ex.actions == actions and len(ex) == 2
-    assert ex.features[0].tolist() == pytest.approx([0.25, np.log(100), 0.0, 1.0])
+    assert ex.features[0].tolist() == pytest.approx([0.25, np.log(100), 0.0, 1.0, 0.0])
     assert np.all(ex.values["specinfer"][0] == 2.0)  # T = 0: every verifier is the greedy walk
     assert np.all(ex.values["specinfer"][1] == 2.5) and np.all(ex.values["traversal"][1] == 3.0)
     assert ex.time[0, actions.index((2, 0, 1))] == pytest.approx(0.12 + 0.3 + 0.03)

@@ -42,7 +42,7 @@ def constant_selector(tmp_path, best: tuple[int, int, int], pair: dict | None = 
     n = 64
     e = np.ones((n, len(actions)))
     e[:, actions.index(best)] = 4.0
-    feats = np.random.default_rng(0).normal(1.0, 0.5, (n, 4))
+    feats = np.random.default_rng(0).normal(1.0, 0.5, (n, 5))
     ex = Examples(feats, {"traversal": e}, np.tile([step_time(a, TIMING) for a in actions], (n, 1)),
                   np.array([str(i) for i in range(n)]), actions)
     sel = fit(ex, np.arange(n), "traversal", epochs=200, lr=1e-2)
@@ -61,7 +61,8 @@ def threshold_selector(tmp_path, thresholds: dict[float, float], low=(1, 3, 0), 
     low_pays = h < np.array([thresholds[t] for t in temps])
     actions = [low, high]
     e = np.stack([np.where(low_pays, 3.0, 1.0), np.where(low_pays, 1.0, 3.0)], 1)
-    feats = np.stack([h, np.full(n, np.log1p(100)), temps, np.where(temps > 0, 0.9, 1.0)], 1)
+    # the batch size varies and decides nothing: the choice must not move with it in the engine
+    feats = np.stack([h, np.full(n, np.log1p(100)), temps, np.where(temps > 0, 0.9, 1.0), rng.uniform(0, np.log(8), n)], 1)
     ex = Examples(feats, {"traversal": e}, np.ones((n, 2)), np.array([str(i) for i in range(n)]), actions)
     sel = fit(ex, np.arange(n), "traversal", epochs=400, lr=1e-2)
     assert (sel.choose_index(feats) == np.where(low_pays, 0, 1)).mean() > 0.97
@@ -70,10 +71,11 @@ def threshold_selector(tmp_path, thresholds: dict[float, float], low=(1, 3, 0), 
 
 def test_threshold_selector_switches_with_the_entropy(tmp_path):
     sel = ShapeSelector.load(threshold_selector(tmp_path, {0.0: 6.7, 0.8: 4.0}))
-    assert sel.choose(np.array([6.0, 5.0, 0.0, 1.0])) == DelayedShape(1, 3, 0)
-    assert sel.choose(np.array([7.5, 5.0, 0.0, 1.0])) == DelayedShape(2, 1, 1)
-    assert sel.choose(np.array([3.0, 5.0, 0.8, 0.9])) == DelayedShape(1, 3, 0)
-    assert sel.choose(np.array([5.0, 5.0, 0.8, 0.9])) == DelayedShape(2, 1, 1)
+    for log_b in (0.0, np.log(2), np.log(8)):
+        assert sel.choose(np.array([6.0, 5.0, 0.0, 1.0, log_b])) == DelayedShape(1, 3, 0)
+        assert sel.choose(np.array([7.5, 5.0, 0.0, 1.0, log_b])) == DelayedShape(2, 1, 1)
+        assert sel.choose(np.array([3.0, 5.0, 0.8, 0.9, log_b])) == DelayedShape(1, 3, 0)
+        assert sel.choose(np.array([5.0, 5.0, 0.8, 0.9, log_b])) == DelayedShape(2, 1, 1)
 
 
 @pytest.mark.parametrize("best", [(1, 3, 0), (3, 0, 2)])
@@ -117,7 +119,10 @@ def test_greedy_requests_take_temperature_zero_features(draft_dir, tmp_path):
     choose = proposer.selector.choose
     proposer.selector.choose = lambda f: seen.append(f) or choose(f)
     proposer.new_request().propose(np.array(CONTEXT))
-    assert seen[0][2:].tolist() == [0.0, 1.0]
+    assert seen[0][2:].tolist() == [0.0, 1.0, 0.0]
+    proposer.begin_step(4)  # the engine's drafter: four requests draft in this step
+    proposer.new_request().propose(np.array(CONTEXT))
+    assert seen[1][4] == pytest.approx(np.log(4))
     law = root_law_of(proposer.lm.new_session(), CONTEXT, TargetSampling(temperature=0.0))
     assert seen[0][0] == pytest.approx(root_features(law, len(CONTEXT), 0.0, 1.0)[0])
 

@@ -242,11 +242,16 @@ def draft_root_q(session, context) -> torch.Tensor:
 
 @torch.inference_mode()
 def time_passes(target: Target, draft: DraftLM, context: list[int], k_max: int, l1_max: int, l2_max: int,
-                repeats: int = 3) -> dict:
+                repeats: int = 3, batch_sizes: tuple[int, ...] = (1,), max_drafts: int | None = None) -> dict:
     """Eq. 11's t_p(n) (a tree forward of n nodes) and t_q(K) (q's forward of K tokens after a
-    cached context): median of ``repeats`` runs each, seconds."""
+    cached context): median of ``repeats`` runs each, seconds. t_p is timed at every tree size
+    of the grid (trees of at most ``max_drafts`` drafts) times every one of ``batch_sizes``: b
+    requests' trees verified in one forward cost about one forward of b times the nodes (the
+    linears dominate; the b contexts' attention is left out)."""
     target.reset(context)
-    sizes = sorted({1 + l1 + k * l2 for k in range(1, k_max + 1) for l1 in range(l1_max + 1) for l2 in range(l2_max + 1)})
+    sizes = sorted({b * (1 + l1 + k * l2) for k in range(1, k_max + 1) for l1 in range(l1_max + 1)
+                    for l2 in range(l2_max + 1) for b in batch_sizes
+                    if max_drafts is None or l1 + k * l2 <= max_drafts})
     t_p = {}
     for n in sizes:
         tree = DraftTree(tokens=[context[-1]] * n, parents=[-1] + list(range(n - 1)))
@@ -268,7 +273,7 @@ def time_passes(target: Target, draft: DraftLM, context: list[int], k_max: int, 
             runs.append(time.perf_counter() - t0)
             br.close()
         t_q[k] = float(np.median(runs))
-    return {"t_p": t_p, "t_q": t_q, "context_len": len(context)}
+    return {"t_p": t_p, "t_q": t_q, "context_len": len(context), "batch_sizes": list(batch_sizes)}
 
 
 def summarize(path: str, out=sys.stdout) -> dict:
@@ -351,6 +356,11 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time", action="store_true", help="also record Eq. 11's pass times (first prompt)")
     ap.add_argument("--time-only", action="store_true", help="record Eq. 11's pass times and no roots")
+    ap.add_argument("--time-batch-sizes", default="1",
+                    help="comma-separated batch sizes b: t_p is also timed at b times every tree size (the "
+                         "selector's batch-size labels, selector.train)")
+    ap.add_argument("--time-max-drafts", type=int, default=None,
+                    help="time only trees of at most this many drafts (with large --time-batch-sizes)")
     ap.add_argument("--out", help="JSONL, appended")
     ap.add_argument("--summarize", metavar="JSONL", help="print the tables of a finished run (.jsonl or .jsonl.gz) and exit")
     args = ap.parse_args(argv)
@@ -376,7 +386,9 @@ def main(argv=None) -> None:
     with open(args.out, "a") as f:
         if args.time or args.time_only:
             rec = {"kind": "timing", "dtype": args.dtype,
-                   **time_passes(target, draft, jobs[0][2], args.k_max, args.l1_max, args.l2_max)}
+                   **time_passes(target, draft, jobs[0][2], args.k_max, args.l1_max, args.l2_max,
+                                 batch_sizes=tuple(int(b) for b in args.time_batch_sizes.split(",")),
+                                 max_drafts=args.time_max_drafts)}
             f.write(json.dumps(rec) + "\n")
             f.flush()
         if args.time_only:

@@ -111,7 +111,7 @@ def compare(args) -> int:
           f"5 folds by prompt), split seeds {list(seeds)}:")
     for name, extra in sets.items():
         ex = load_examples(args.records.split(","), max_drafts=args.max_drafts,
-                           features=lambda r, extra=extra: np.concatenate([record_features(r), extra(r)]))
+                           features=lambda r, b, extra=extra: np.concatenate([record_features(r, b), extra(r)]))
         ratios = [cv["selector"]["tokens_per_s"] / cv["static"]["tokens_per_s"]
                   for cv in (cross_validate(ex, "traversal", seed=s) for s in seeds)]
         print(f"  {name:<40} {' '.join(f'{x:.3f}' for x in ratios)}  mean {np.mean(ratios):.3f} "

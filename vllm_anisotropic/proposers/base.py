@@ -112,3 +112,7 @@ class Proposer(abc.ABC):
     def new_request(self, tenant: str | None = None) -> RequestState:
         """A new request's state. ``tenant``: vLLM's ``cache_salt`` of the request; a proposer
         that learns across requests learns per tenant (``adjacency.TenantTables``)."""
+
+    def begin_step(self, num_requests: int) -> None:
+        """The next ``num_requests`` ``propose`` calls draft one engine step's trees (the engine's
+        drafter says so first); default: nothing to adapt."""

@@ -318,7 +318,7 @@ class DraftTreeState(RequestState):
             root_law = root_law_of(self.session, context_tokens, self.sampling)
             s = self.sampling
             shape = selector.choose(root_features(root_law, len(context_tokens), 0.0 if s.greedy else s.temperature,
-                                                  1.0 if s.greedy else s.top_p))
+                                                  1.0 if s.greedy else s.top_p, self.proposer.step_requests))
             key = f"{shape.branches},{shape.trunk},{shape.branch_length}"
             self.proposer.shape_counts[key] = self.proposer.shape_counts.get(key, 0) + 1
         limit = node_budget(1 + shape.num_drafts, max_nodes)
@@ -348,6 +348,8 @@ class DraftTreeProposer(Proposer):
                 logger.info("draft_tree: selector %s was trained for verifier %r; sampled requests are verified by %r "
                             "(the output law is the same, the shapes may pay less)", config.selector,
                             self.selector.verifier, config.verifier)
+        # requests drafting in the current engine step (the selector's batch-size feature)
+        self.step_requests = 1
         # "K,L1,L2" -> request-steps the selector chose it (a plain dict: the metrics' asdict copies
         # it, and dataclasses.asdict rebuilds a Counter from (key, value) pairs as new keys)
         self.shape_counts: dict[str, int] = {}
@@ -357,3 +359,6 @@ class DraftTreeProposer(Proposer):
 
     def new_request(self, tenant: str | None = None) -> DraftTreeState:
         return DraftTreeState(self)
+
+    def begin_step(self, num_requests: int) -> None:
+        self.step_requests = max(1, int(num_requests))

@@ -10,11 +10,17 @@ has at the root and the grid records carry (``bench.draft_tree_grid``):
   drawn from. The drafter computes it anyway (the catch-up forward that ends at the root).
 * ``log_context_len``: log(1 + tokens before and including the root).
 * ``temperature``, ``top_p``: the request's (0 and 1 for greedy requests).
+* ``log_batch_size``: log of the number of requests drafting a tree in this step (the engine's
+  drafter passes it, ``Proposer.begin_step``; the same on every tensor-parallel rank). b
+  requests' trees are verified in one target forward, so a draft token costs each request
+  about t_p(b n) / b of it: the wider the batch, the cheaper the verification against the
+  drafting, which each request pays alone (``selector.train.step_time``).
 
 Left out: p's statistics (the root's p needs the target's forward that this step's tree is
 for; p at the preceding token added no held-out gain at T = 0, ``bench.selector_prev`` and
-docs/selector.md), hidden states, and latency estimates (constant on one machine: they enter
-the labels instead, ``selector.train``).
+docs/selector.md), hidden states, and a latency estimate besides the batch size (on one
+machine the pass times are a function of the batch size: they enter the labels,
+``selector.train``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 
 __all__ = ["FEATURES", "root_features", "record_features"]
 
-FEATURES = ("entropy_q", "log_context_len", "temperature", "top_p")
+FEATURES = ("entropy_q", "log_context_len", "temperature", "top_p", "log_batch_size")
 
 
 def entropy(law: torch.Tensor) -> float:
@@ -34,12 +40,16 @@ def entropy(law: torch.Tensor) -> float:
     return float(-(p * p.clamp(min=1e-300).log()).sum())
 
 
-def root_features(q_root_law: torch.Tensor, context_len: int, temperature: float, top_p: float) -> np.ndarray:
-    """[len(FEATURES)] for one request-step; ``q_root_law`` is the [vocab] law of the first draft."""
-    return np.array([entropy(q_root_law), math.log1p(context_len), float(temperature), float(top_p)])
+def root_features(q_root_law: torch.Tensor, context_len: int, temperature: float, top_p: float,
+                  batch_size: int = 1) -> np.ndarray:
+    """[len(FEATURES)] for one request-step; ``q_root_law`` is the [vocab] law of the first draft,
+    ``batch_size`` the number of requests drafting in the step."""
+    return np.array([entropy(q_root_law), math.log1p(context_len), float(temperature), float(top_p),
+                     math.log(max(int(batch_size), 1))])
 
 
-def record_features(rec: dict) -> np.ndarray:
-    """The same vector from a ``draft_tree_grid`` root record (its ``features`` and sampling)."""
+def record_features(rec: dict, batch_size: int = 1) -> np.ndarray:
+    """The same vector from a ``draft_tree_grid`` root record (its ``features`` and sampling),
+    as if drafted in a step of ``batch_size`` requests."""
     return np.array([float(rec["features"]["entropy_q"]), math.log1p(int(rec["context_len"])),
-                     float(rec["temperature"]), float(rec.get("top_p", 1.0))])
+                     float(rec["temperature"]), float(rec.get("top_p", 1.0)), math.log(batch_size)])

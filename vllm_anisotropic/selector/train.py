@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import logging
@@ -42,26 +43,35 @@ logger = logging.getLogger(__name__)
 VERIFIERS = ("traversal", "specinfer", "spectr", "khisti", "naive_tree", "naive", "nss", "block")
 
 
-def step_time(action: tuple[int, int, int], timing: dict) -> float:
-    """Eq. 11 with pass times measured at one context length: ``L1 t_q(1) + L2 t_q(K) +
-    t_p(1 + L1 + K L2)`` seconds (``timing``: a ``draft_tree_grid --time`` record; keys may be
-    strings, as JSON stores them)."""
+def step_time(action: tuple[int, int, int], timing: dict, batch_size: int = 1) -> float:
+    """Eq. 11 with pass times measured at one context length, for one of ``batch_size`` requests
+    drafting the same shape in a step: ``L1 t_q(1) + L2 t_q(K) + t_p(b (1 + L1 + K L2)) / b``
+    seconds. Each request drafts alone (the engine runs q request by request), the b trees are
+    verified in one target forward (``timing``: a ``draft_tree_grid --time`` record; keys may be
+    strings, as JSON stores them). Raises ValueError if the record lacks that forward's size."""
     k, l1, l2 = action
     t_p = {int(n): float(v) for n, v in timing["t_p"].items()}
     t_q = {int(n): float(v) for n, v in timing["t_q"].items()}
-    return l1 * t_q[1] + l2 * t_q[k] + t_p[1 + l1 + k * l2]
+    n = batch_size * (1 + l1 + k * l2)
+    if n not in t_p:
+        raise ValueError(f"the timing record has no target forward of {n} tokens (action {action} at batch size "
+                         f"{batch_size}); time it with `draft_tree_grid --time-only --time-batch-sizes "
+                         f"{batch_size}`, or leave that batch size out")
+    return l1 * t_q[1] + l2 * t_q[k] + t_p[n] / batch_size
 
 
 @dataclass
 class Examples:
-    """One row per root: features [n, F], E[tau + 1] per verifier [n, A], Eq. 11 time [n, A]
-    (each root under its own file's timing), and the prompt it came from."""
+    """One row per (root, batch size): features [n, F], E[tau + 1] per verifier [n, A], Eq. 11
+    time [n, A] (each root under its own file's timing, or the one given), the prompt it came
+    from and the batch size."""
 
     features: np.ndarray
     values: dict[str, np.ndarray]
     time: np.ndarray
     groups: np.ndarray  # "dataset/prompt"
     actions: list[tuple[int, int, int]]
+    batch: np.ndarray | None = None  # [n] batch size of the row
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -75,32 +85,37 @@ def read_records(path: str | Path) -> list[dict]:
 
 
 def load_examples(paths: list[str], verifiers=VERIFIERS, max_drafts: int | None = None,
-                  features=record_features) -> Examples:
-    """Every root record of ``paths``, its feature vector by ``features(record)``. A T = 0
+                  features=record_features, batch_sizes: tuple[int, ...] = (1,), timing: dict | None = None) -> Examples:
+    """Every root record of ``paths`` once per batch size b of ``batch_sizes``, its feature
+    vector by ``features(record, b)`` and its times by ``step_time(action, timing, b)``, with
+    ``timing`` (a ``draft_tree_grid --time`` record) or else its file's timing record. A T = 0
     root's value under any verifier is its greedy walk's (every verifier reduces to it);
     ``block`` only has K = 1 actions, so its missing values are 0 (never chosen). Raises
-    ValueError for a file without a timing record."""
+    ValueError for a file without a timing record when ``timing`` is None."""
     actions = action_grid(max_drafts)
-    feats, times, groups = [], [], []
+    feats, times, groups, batch = [], [], [], []
     values: dict[str, list] = {v: [] for v in verifiers}
     for path in paths:
         recs = read_records(path)
-        timing = next((r for r in recs if r.get("kind") == "timing"), None)
-        if timing is None:
+        file_timing = timing or next((r for r in recs if r.get("kind") == "timing"), None)
+        if file_timing is None:
             raise ValueError(f"{path}: no timing record (run `python -m vllm_anisotropic.bench.draft_tree_grid` "
                              f"with --time, or --time-only and append its record)")
-        t = np.array([step_time(a, timing) for a in actions])
+        t = {b: np.array([step_time(a, file_timing, b) for a in actions]) for b in batch_sizes}
         for r in (r for r in recs if r.get("kind") == "root"):
-            feats.append(features(r))
-            times.append(t)
-            groups.append(f"{r['dataset']}/{r['prompt']}")
-            for v in verifiers:
-                key = "greedy" if float(r["temperature"]) == 0.0 else v
-                values[v].append([r["values"].get(f"{k},{l1},{l2}", {}).get(key, 0.0) for k, l1, l2 in actions])
+            row = [[r["values"].get(f"{k},{l1},{l2}", {}).get("greedy" if float(r["temperature"]) == 0.0 else v, 0.0)
+                    for k, l1, l2 in actions] for v in verifiers]
+            for b in batch_sizes:
+                feats.append(features(r, b))
+                times.append(t[b])
+                groups.append(f"{r['dataset']}/{r['prompt']}")
+                batch.append(b)
+                for v, vals in zip(verifiers, row):
+                    values[v].append(vals)
     if not groups:
         raise ValueError(f"no root records in {paths}")
     return Examples(np.array(feats), {v: np.array(x) for v, x in values.items()}, np.array(times),
-                    np.array(groups), actions)
+                    np.array(groups), actions, np.array(batch))
 
 
 def _loss(logits: torch.Tensor, e: torch.Tensor, t: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -153,13 +168,26 @@ def evaluate(chosen: np.ndarray, e: np.ndarray, t: np.ndarray) -> dict:
 
 def cross_validate(ex: Examples, verifier: str, folds: int = 5, seed: int = 0, **fit_kwargs) -> dict:
     """Held-out comparison (module docstring): the selector, the best static action of the
-    training folds under ``verifier``, and the same under Traversal."""
+    training folds under ``verifier``, and the same under Traversal. With several batch sizes
+    in ``ex``, also per batch size: the best static action of the training rows of that batch
+    size (a shape tuned by hand for each concurrency), and a selector trained without the batch
+    size (its feature held at 0)."""
     prompts = np.array(sorted(set(ex.groups)))
     order = np.random.default_rng(seed).permutation(len(prompts))
     fold_of = {p: i % folds for i, p in zip(range(len(prompts)), prompts[order])}
     fold = np.array([fold_of[g] for g in ex.groups])
-    picks = {"selector": np.zeros(len(ex), np.int64), "static": np.zeros(len(ex), np.int64),
-             "static_traversal": np.zeros(len(ex), np.int64)}
+    batch = ex.batch if ex.batch is not None else np.ones(len(ex), np.int64)
+    sizes = sorted(set(batch.tolist()))
+    names = ["selector", "static", "static_traversal"] + (["static_per_batch", "selector_without_batch"]
+                                                          if len(sizes) > 1 else [])
+    picks = {name: np.zeros(len(ex), np.int64) for name in names}
+    blind = None
+    if len(sizes) > 1:
+        from vllm_anisotropic.selector.features import FEATURES
+
+        col = FEATURES.index("log_batch_size")
+        blind = dataclasses.replace(ex, features=ex.features.copy())
+        blind.features[:, col] = 0.0
     statics = []
     for f in range(folds):
         train, test = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
@@ -170,27 +198,67 @@ def cross_validate(ex: Examples, verifier: str, folds: int = 5, seed: int = 0, *
         picks["static"][test] = best_static(ex.values[verifier][train], ex.time[train])
         picks["static_traversal"][test] = best_static(ex.values["traversal"][train], ex.time[train])
         statics.append(ex.actions[picks["static"][test[0]]])
-    out = {name: evaluate(p, ex.values["traversal" if name == "static_traversal" else verifier], ex.time)
-           for name, p in picks.items()}
-    oracle = (ex.values[verifier] / ex.time).argmax(1)
-    out["oracle_per_root"] = evaluate(oracle, ex.values[verifier], ex.time)
+        if blind is not None:
+            picks["selector_without_batch"][test] = fit(blind, train, verifier, seed=seed, **fit_kwargs).choose_index(
+                blind.features[test])
+            for b in sizes:
+                tr, te = train[batch[train] == b], test[batch[test] == b]
+                picks["static_per_batch"][te] = best_static(ex.values[verifier][tr], ex.time[tr])
+
+    def scores(rows: np.ndarray) -> dict:
+        out = {name: evaluate(p[rows], ex.values["traversal" if name == "static_traversal" else verifier][rows],
+                              ex.time[rows]) for name, p in picks.items()}
+        oracle = (ex.values[verifier][rows] / ex.time[rows]).argmax(1)
+        out["oracle_per_root"] = evaluate(oracle, ex.values[verifier][rows], ex.time[rows])
+        return out
+
+    out = scores(np.arange(len(ex)))
+    if len(sizes) > 1:
+        out["by_batch_size"] = {}
+        for b in sizes:
+            rows = np.flatnonzero(batch == b)
+            out["by_batch_size"][str(b)] = {**scores(rows), "selector_actions": _counts(ex, picks["selector"][rows]),
+                                            "static_per_batch_actions": _counts(ex, picks["static_per_batch"][rows])}
     out["static_actions"] = [list(a) for a in statics]
-    out["selector_actions"] = {f"{k},{l1},{l2}": int(c) for (k, l1, l2), c in zip(
-        ex.actions, np.bincount(picks["selector"], minlength=len(ex.actions))) if c}
+    out["selector_actions"] = _counts(ex, picks["selector"])
     out["folds"], out["roots"], out["prompts"] = folds, len(ex), len(prompts)
     return out
 
 
+def _counts(ex: Examples, chosen: np.ndarray) -> dict:
+    return {f"{k},{l1},{l2}": int(c) for (k, l1, l2), c in zip(
+        ex.actions, np.bincount(chosen, minlength=len(ex.actions))) if c}
+
+
 def format_report(verifier: str, cv: dict) -> str:
-    lines = [f"held-out ({cv['folds']} folds by prompt, {cv['roots']} roots of {cv['prompts']} prompts), "
-             f"verifier {verifier}:",
-             "| policy | block efficiency | step (ms) | tokens/s | vs best static |", "|---|---:|---:|---:|---:|"]
-    ref = cv["static"]["tokens_per_s"]
-    for name in ("selector", "static", "static_traversal", "oracle_per_root"):
-        s = cv[name]
-        lines.append(f"| {name} | {s['block_efficiency']:.3f} | {1e3 * s['step_s']:.0f} | {s['tokens_per_s']:.3f} | "
-                     f"{s['tokens_per_s'] / ref:.3f}x |")
-    lines.append(f"best static per fold: {cv['static_actions']}; selector's choices: {cv['selector_actions']}")
+    """Tables of ``cross_validate``'s scores. With several batch sizes, one table per batch size
+    (a batch size is its own workload: rows of different batch sizes share no clock, so their
+    pooled tokens/s means nothing), against the best static shape of that batch size."""
+    lines = [f"held-out ({cv['folds']} folds by prompt, {cv['roots']} rows of {cv['prompts']} prompts), "
+             f"verifier {verifier}:"]
+    by_batch = cv.get("by_batch_size", {})
+    parts = [(f"batch size {b}", s) for b, s in by_batch.items()] or [("all rows", cv)]
+    for title, part in parts:
+        ref_name = "static_per_batch" if by_batch else "static"
+        lines += [f"{title}:", f"| policy | block efficiency | step (ms) | tokens/s | vs {ref_name} |",
+                  "|---|---:|---:|---:|---:|"]
+        ref = part[ref_name]["tokens_per_s"]
+        for name in ("selector", "selector_without_batch", "static", "static_per_batch", "static_traversal",
+                     "oracle_per_root"):
+            if name not in part:
+                continue
+            s = part[name]
+            lines.append(f"| {name} | {s['block_efficiency']:.3f} | {1e3 * s['step_s']:.0f} | {s['tokens_per_s']:.3f} | "
+                         f"{s['tokens_per_s'] / ref:.3f}x |")
+        if "static_per_batch_actions" in part:
+            lines.append(f"selector's choices: {part['selector_actions']}; best static of this batch size: "
+                         f"{part['static_per_batch_actions']}")
+    if by_batch:
+        for name in ("selector", "selector_without_batch"):
+            ratios = [part[name]["tokens_per_s"] / part["static_per_batch"]["tokens_per_s"] for part in by_batch.values()]
+            lines.append(f"{name} vs the best static shape of each batch size, geometric mean over batch sizes "
+                         f"{', '.join(by_batch)}: {float(np.exp(np.mean(np.log(ratios)))):.3f}x")
+    lines.append(f"best static per fold (pooled rows): {cv['static_actions']}; selector's choices: {cv['selector_actions']}")
     return "\n".join(lines)
 
 
@@ -206,6 +274,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--epochs", type=int, default=300)
     t.add_argument("--max-drafts", type=int, default=8,
                    help="only actions with at most this many drafts (vLLM's num_speculative_tokens; 0: the whole grid)")
+    t.add_argument("--batch-sizes", default="1",
+                   help="comma-separated batch sizes: every root is a training row at each (the log_batch_size "
+                        "feature; Eq. 11 for one of b requests, selector.train.step_time)")
+    t.add_argument("--timing", default=None,
+                   help="a draft_tree_grid --time-only JSONL whose timing record replaces the record files' (it "
+                        "must hold the target forwards of every batch size, --time-batch-sizes)")
     t.add_argument("--target", default=None, help="name of the target model, stored in the file")
     t.add_argument("--draft", default=None, help="name of the draft model, stored in the file")
     t.set_defaults(func=run_train)
@@ -232,13 +306,28 @@ def _pair(target: str | None, draft: str | None) -> dict:
 
 def run_train(args) -> int:
     paths = [s for s in args.records.split(",") if s]
-    ex = load_examples(paths, max_drafts=args.max_drafts or None)
+    timing = None
+    if args.timing:
+        timing = next((r for r in read_records(args.timing) if r.get("kind") == "timing"), None)
+        if timing is None:
+            raise SystemExit(f"--timing {args.timing}: no timing record in it")
+    try:
+        batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+    except ValueError:
+        raise SystemExit(f"--batch-sizes must be comma-separated integers >= 1, got {args.batch_sizes!r}") from None
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise SystemExit(f"--batch-sizes must be comma-separated integers >= 1, got {args.batch_sizes!r}")
+    try:
+        ex = load_examples(paths, max_drafts=args.max_drafts or None, batch_sizes=batch_sizes, timing=timing)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     report = None
     if args.folds > 1:
         report = cross_validate(ex, args.verifier, folds=args.folds, seed=args.seed, epochs=args.epochs)
         print(format_report(args.verifier, report))
     sel = fit(ex, np.arange(len(ex)), args.verifier, seed=args.seed, epochs=args.epochs, progress=True)
     sel.meta.update({"pair": _pair(args.target, args.draft), "records": [Path(p).name for p in paths],
+                     "batch_sizes": list(batch_sizes), "timing": Path(args.timing).name if args.timing else None,
                      "held_out": report})
     out = sel.save(args.out)
     print(f"saved {out} ({len(ex.actions)} actions, {len(ex)} roots)")

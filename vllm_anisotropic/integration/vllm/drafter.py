@@ -129,14 +129,15 @@ class TreeDrafter:
         starts: dict[str, int] = {}  # req_id -> its token count, the root being the last token
         if self.unlabelled:
             self._label(req_ids, num_tokens_no_spec, token_ids_cpu)
+        # no sampled token: a partial prefill chunk or a discarded request; a skip: the backoff
+        drafting = [bool(sampled_token_ids[i]) and bool(eligible[i]) and self.skip.get(r, 0) <= 0
+                    for i, r in enumerate(req_ids)]
+        self.proposer.begin_step(sum(drafting))
         for i, req_id in enumerate(req_ids):
             num_tokens = int(num_tokens_no_spec[i])
-            # no sampled token: a partial prefill chunk or a discarded request
-            if not sampled_token_ids[i] or not eligible[i]:
-                self.trees.pop(req_id, None)
-                continue
-            if self.skip.get(req_id, 0) > 0:
-                self.skip[req_id] -= 1
+            if not drafting[i]:
+                if sampled_token_ids[i] and eligible[i]:
+                    self.skip[req_id] -= 1
                 self.trees.pop(req_id, None)
                 continue
             state = self.states.get(req_id)
