@@ -127,6 +127,30 @@ def test_greedy_requests_take_temperature_zero_features(draft_dir, tmp_path):
     assert seen[0][0] == pytest.approx(root_features(law, len(CONTEXT), 0.0, 1.0)[0])
 
 
+def test_a_batch_where_no_root_would_draft_skips_q(draft_dir, tmp_path):
+    """A selector that drafts a chain of 3 alone and nothing from 4 requests on, whatever q's
+    entropy: in a step of 4 the proposer decodes plainly without q's root forward (fails if
+    the batch size is not passed, or q runs first), alone it drafts, q catching up."""
+    rng = np.random.default_rng(0)
+    n = 400
+    b = rng.choice([1, 4, 8], n)
+    feats = np.stack([rng.uniform(0, 9, n), np.full(n, np.log1p(100)), np.zeros(n), np.ones(n), np.log(b)], 1)
+    actions = [(1, 0, 0), (1, 3, 0)]
+    e = np.stack([np.where(b == 1, 1.0, 3.0), np.where(b == 1, 3.0, 1.0)], 1)
+    ex = Examples(feats, {"traversal": e}, np.ones((n, 2)), np.array([str(i) for i in range(n)]), actions)
+    path = fit(ex, np.arange(n), "traversal", epochs=300, lr=1e-2).save(tmp_path / "sel-batch")
+    proposer = get_proposer("draft_tree", model=draft_dir, selector=str(path))
+    state = proposer.new_request()
+    proposer.begin_step(4)
+    assert proposer.selector.may_draft(len(CONTEXT), 0.0, 1.0, 4) is False
+    tree = state.propose(np.array(CONTEXT))
+    assert tree.num_nodes == 1 and state.session.forwarded == 0 and proposer.shape_counts == {"1,0,0": 1}
+    proposer.begin_step(1)
+    tree = state.propose(np.array(CONTEXT))
+    assert tree.num_nodes == 4 and state.session.forwarded >= len(CONTEXT)
+    assert proposer.shape_counts == {"1,0,0": 1, "1,3,0": 1}
+
+
 def test_config_budget_and_refusals(draft_dir, tmp_path):
     path = str(constant_selector(tmp_path, (3, 0, 2)))
     assert proposer_config("draft_tree", model=draft_dir, selector=path).budget == 1 + 6

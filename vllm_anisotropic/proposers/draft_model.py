@@ -86,6 +86,9 @@ class DelayedShape:
         return self.trunk + (self.branches * self.branch_length)
 
 
+NO_DRAFTS = DelayedShape(1, 0, 0)  # the root alone: a plain step
+
+
 def shape_parents(shape: DelayedShape) -> np.ndarray:
     """[1 + num_drafts] parents of the tree ``shape`` drafts, in node order (module docstring).
 
@@ -315,12 +318,17 @@ class DraftTreeState(RequestState):
             return root_only(context_tokens)
         if selector is not None:
             # the shape from what is known before any draft is drawn (the i.i.d. branches stay i.i.d.)
+            s, b = self.sampling, self.proposer.step_requests
+            temperature, top_p = (0.0, 1.0) if s.greedy else (s.temperature, s.top_p)
+            if not selector.may_draft(len(context_tokens), temperature, top_p, b):
+                # no root entropy would give drafts at this batch size: no q forward (q's cache
+                # catches up when drafting resumes)
+                self.proposer.count_shape(NO_DRAFTS)
+                self.last_info = ProposalInfo(ProposalMode.PLAIN)
+                return root_only(context_tokens)
             root_law = root_law_of(self.session, context_tokens, self.sampling)
-            s = self.sampling
-            shape = selector.choose(root_features(root_law, len(context_tokens), 0.0 if s.greedy else s.temperature,
-                                                  1.0 if s.greedy else s.top_p, self.proposer.step_requests))
-            key = f"{shape.branches},{shape.trunk},{shape.branch_length}"
-            self.proposer.shape_counts[key] = self.proposer.shape_counts.get(key, 0) + 1
+            shape = selector.choose(root_features(root_law, len(context_tokens), temperature, top_p, b))
+            self.proposer.count_shape(shape)
         limit = node_budget(1 + shape.num_drafts, max_nodes)
         self.last_info = ProposalInfo(ProposalMode.TREE)
         tree = delayed_tree(self.session, context_tokens, shape, self.sampling, self.generator, root_law)
@@ -362,3 +370,8 @@ class DraftTreeProposer(Proposer):
 
     def begin_step(self, num_requests: int) -> None:
         self.step_requests = max(1, int(num_requests))
+
+    def count_shape(self, shape: "DelayedShape") -> None:
+        """One request-step the selector chose ``shape`` (the ``selector_shapes`` metric)."""
+        key = f"{shape.branches},{shape.trunk},{shape.branch_length}"
+        self.shape_counts[key] = self.shape_counts.get(key, 0) + 1

@@ -30,7 +30,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["FEATURES", "root_features", "record_features"]
+__all__ = ["FEATURES", "features_of", "root_features", "record_features"]
 
 FEATURES = ("entropy_q", "log_context_len", "temperature", "top_p", "log_batch_size")
 
@@ -40,12 +40,18 @@ def entropy(law: torch.Tensor) -> float:
     return float(-(p * p.clamp(min=1e-300).log()).sum())
 
 
+def features_of(entropy_q: float, context_len: int, temperature: float, top_p: float,
+                batch_size: int = 1) -> np.ndarray:
+    """[len(FEATURES)] from the scalars (``entropy_q`` in nats)."""
+    return np.array([float(entropy_q), math.log1p(context_len), float(temperature), float(top_p),
+                     math.log(max(int(batch_size), 1))])
+
+
 def root_features(q_root_law: torch.Tensor, context_len: int, temperature: float, top_p: float,
                   batch_size: int = 1) -> np.ndarray:
     """[len(FEATURES)] for one request-step; ``q_root_law`` is the [vocab] law of the first draft,
     ``batch_size`` the number of requests drafting in the step."""
-    return np.array([entropy(q_root_law), math.log1p(context_len), float(temperature), float(top_p),
-                     math.log(max(int(batch_size), 1))])
+    return features_of(entropy(q_root_law), context_len, temperature, top_p, batch_size)
 
 
 def record_features(rec: dict, batch_size: int = 1) -> np.ndarray:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from vllm_anisotropic.proposers.draft_model import DelayedShape
-from vllm_anisotropic.selector.features import FEATURES
+from vllm_anisotropic.selector.features import FEATURES, features_of
 
 __all__ = ["FORMAT", "VERSION", "SelectorFileError", "SelectorNet", "ShapeSelector", "action_grid", "in_paper_grid"]
 
@@ -37,6 +37,7 @@ FORMAT = "vllm-anisotropic-shape-selector"
 VERSION = 1
 JSON_NAME, WEIGHTS_NAME = "selector.json", "selector.safetensors"
 HIDDEN = (64, 32)
+ENTROPY_PROBES = 33  # root entropies ``ShapeSelector.may_draft`` tries before q's root forward
 # arXiv 2602.16994 Eq. 8: K in 1..4, L1 and L2 in 0..8
 K_MAX, L1_MAX, L2_MAX = 4, 8, 8
 
@@ -98,6 +99,18 @@ class ShapeSelector:
     def choose(self, features: np.ndarray) -> DelayedShape:
         k, l1, l2 = self.actions[int(self.choose_index(features)[0])]
         return DelayedShape(branches=k, trunk=l1, branch_length=l2)
+
+    def may_draft(self, context_len: int, temperature: float, top_p: float, batch_size: int) -> bool:
+        """Whether some root entropy of q makes the selector draft here. Everything but the entropy
+        is known before q runs; when no entropy (``ENTROPY_PROBES`` values over the training mean
+        +- 4 standard deviations) gives a shape with drafts, the drafter skips q's root forward
+        and decodes the step plainly, as the selector would have chosen (e.g. a wide batch, where
+        each request's drafting costs more than the shared verification saves)."""
+        col = FEATURES.index("entropy_q")
+        mean, std = float(self.mean[col]), float(self.std[col])
+        probes = np.linspace(max(0.0, mean - 4 * std), mean + 4 * std, ENTROPY_PROBES)
+        rows = np.stack([features_of(h, context_len, temperature, top_p, batch_size) for h in probes])
+        return any(self.actions[i][1] + self.actions[i][0] * self.actions[i][2] > 0 for i in self.choose_index(rows))
 
     # ------------------------------------------------------------------ files
     def save(self, directory: str | Path) -> Path:
