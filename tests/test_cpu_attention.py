@@ -88,6 +88,9 @@ def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads,
 
     if method == "paths" and isa == "amx" and not (cpu_has_amx() and request_amx_permission()):
         pytest.skip("the amx attention kernel needs an AMX CPU (its KV layout is still probed above)")
+    if method == "paths" and isa == "amx" and dtype != torch.bfloat16:
+        # vLLM picks its amx kernel for bf16 only (cpu_attn._get_attn_isa); given float32 it aborts the process
+        pytest.skip("vLLM never runs the amx attention kernel on float32")
     head_size = 64
     torch.manual_seed(1)
     # request 0: 37 context + tree [-1,0,0,1,2] (4 nodes); request 1: plain (1 row);
