@@ -29,8 +29,11 @@ from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_jo
 
 pytestmark = pytest.mark.engine
 
-ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 1024}
-TIGHT_ENGINE_KWARGS = {**ENGINE_KWARGS, "kv_cache_memory_bytes": 1_200_000, "max_num_batched_tokens": 256}
+# float32: greedy identity is exact there; in bf16 vLLM's kernels round differently for different
+# query shapes (on an AMX CPU, bf16 picks its amx attention and sgl GEMMs: 11 of 12 identical, a
+# near-tie), which is not what this test is about
+ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 1024, "dtype": "float32"}
+TIGHT_ENGINE_KWARGS = {**ENGINE_KWARGS, "kv_cache_memory_bytes": 2_400_000, "max_num_batched_tokens": 256}
 MAX_TOKENS = 64
 # Every verified tree is a full 60-node tree: pruning (min score 0.01), the linear bypass and the
 # budget allocator off.
