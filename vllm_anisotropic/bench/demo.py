@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
                   _rate_line("plain", plain.solo)] if solo_prompts else []
     batch_lines = [f"batch of {len(prompts)} prompts (one generate call{', after that' if solo_prompts else ''}):",
                    _rate_line("plain", plain)]
-    detail_lines: list[str] = []
+    lines: list[str] = []  # each method's tree and allocator metrics, printed after the two passes
     all_identical = True
     divergent: list[Divergence] = []
     for method in methods:
@@ -178,7 +178,6 @@ def run(args: argparse.Namespace) -> int:
             all_identical &= solo_identical == len(solo_prompts)
             solo_speedup = spec.solo.tokens_per_second / plain.solo.tokens_per_second
             solo_lines.append(_rate_line(method, spec.solo, plain.solo, solo_identical, len(solo_prompts)))
-        lines = detail_lines
         lines.append(f"{method}, {'both passes' if solo_prompts else 'the batch'}:")
         if tree and tree.get("verified_trees"):
             lines.append(
@@ -222,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             with open(args.out, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
-    lines = [header, *solo_lines, *batch_lines, *detail_lines]
+    lines = [header, *solo_lines, *batch_lines, *lines]
     lines.append(f"outputs identical to plain decoding: {'yes' if all_identical else 'NO'}")
     if not all_identical and args.dtype != "float32":
         lines.append(

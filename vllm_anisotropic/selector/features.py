@@ -57,5 +57,5 @@ def root_features(q_root_law: torch.Tensor, context_len: int, temperature: float
 def record_features(rec: dict, batch_size: int = 1) -> np.ndarray:
     """The same vector from a ``draft_tree_grid`` root record (its ``features`` and sampling),
     as if drafted in a step of ``batch_size`` requests."""
-    return np.array([float(rec["features"]["entropy_q"]), math.log1p(int(rec["context_len"])),
-                     float(rec["temperature"]), float(rec.get("top_p", 1.0)), math.log(batch_size)])
+    return features_of(rec["features"]["entropy_q"], int(rec["context_len"]), rec["temperature"],
+                       rec.get("top_p", 1.0), batch_size)

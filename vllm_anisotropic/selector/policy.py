@@ -108,9 +108,9 @@ class ShapeSelector:
         each request's drafting costs more than the shared verification saves)."""
         col = FEATURES.index("entropy_q")
         mean, std = float(self.mean[col]), float(self.std[col])
-        probes = np.linspace(max(0.0, mean - 4 * std), mean + 4 * std, ENTROPY_PROBES)
-        rows = np.stack([features_of(h, context_len, temperature, top_p, batch_size) for h in probes])
-        return any(self.actions[i][1] + self.actions[i][0] * self.actions[i][2] > 0 for i in self.choose_index(rows))
+        rows = np.tile(features_of(0.0, context_len, temperature, top_p, batch_size), (ENTROPY_PROBES, 1))
+        rows[:, col] = np.linspace(max(0.0, mean - 4 * std), mean + 4 * std, ENTROPY_PROBES)
+        return any(l1 + k * l2 > 0 for k, l1, l2 in (self.actions[i] for i in self.choose_index(rows)))
 
     # ------------------------------------------------------------------ files
     def save(self, directory: str | Path) -> Path:

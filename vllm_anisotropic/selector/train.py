@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_anisotropic.selector.features import record_features
+from vllm_anisotropic.selector.features import FEATURES, record_features
 from vllm_anisotropic.selector.policy import SelectorNet, ShapeSelector, action_grid
 
 __all__ = ["Examples", "load_examples", "read_records", "step_time", "fit", "evaluate", "cross_validate", "add_parser"]
@@ -183,8 +183,6 @@ def cross_validate(ex: Examples, verifier: str, folds: int = 5, seed: int = 0, *
     picks = {name: np.zeros(len(ex), np.int64) for name in names}
     blind = None
     if len(sizes) > 1:
-        from vllm_anisotropic.selector.features import FEATURES
-
         col = FEATURES.index("log_batch_size")
         blind = dataclasses.replace(ex, features=ex.features.copy())
         blind.features[:, col] = 0.0
