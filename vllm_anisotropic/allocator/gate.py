@@ -29,22 +29,26 @@ at eight requests, measured) is kept whole. Then the arm the gate
 exploits follows the latest ~1 / (1 - decay) steps, and the other arm's old steps fade at the
 same pace, so its few recent exploration steps soon outweigh them.
 
-Decisions per bucket of R (``bucket``: exact up to ``exact_buckets``, then powers of two):
+Decisions per bucket of R (``bucket``: exact up to ``exact_buckets``, then powers of two), made
+for blocks of ``block`` consecutive decisions (all plain or all speculative: the engine can
+measure a plain step apart from speculation only between plain steps, see ``GateConfig.block``):
 
-1. warm-up, until the plain arm has ``min_steps`` steps: every other decision is plain (the
-   allocator alone may never choose plain where it believes speculation pays); then until
+1. warm-up, until the plain arm has ``min_steps`` steps: blocks alternate, speculative first
+   (the allocator alone may never choose plain where it believes speculation pays); then until
    the speculative arm has ``min_steps``: the allocator decides;
-2. then exploit the arm with the higher rate, and every ``explore_every``-th decision take the
-   other one, so a closed gate re-opens when speculation starts paying (longer context,
+2. then exploit the arm with the higher rate (speculation only where it is faster by more than
+   ``margin``, 3 %: ties go to plain), and every ``explore_every`` decisions one block takes the
+   other arm, so a closed gate re-opens when speculation starts paying (longer context,
    different text) and an open one notices when it stops.
 
-Example (min_steps 2, explore_every 4): decisions 1..4 allow, plain, allow, plain (warm-up);
-measured plain 100 tokens/s, speculative 80 -> decisions 5, 6, 7 plain, 8 allow (explore).
+Example (block 2, min_steps 2, explore_every 8): decisions 1..4 allow, allow, plain, plain
+(warm-up); measured plain 100 tokens/s, speculative 80 -> 5, 6 plain, 7, 8 allow (the block that
+ends at a multiple of 8 explores), 9..14 plain, 15, 16 allow.
 
 A decision here never looks at a step's own samples (only at past steps' times and token
 counts), so it cannot bias the verifiers' output law. The cost of the gate where speculation
-does pay: the warm-up's plain steps (``min_steps`` per bucket, once) and one plain step in
-``explore_every`` afterwards (~1/32 of the gain).
+does pay: the warm-up's plain blocks (once per bucket) and one plain block in
+``explore_every`` decisions afterwards (~``block`` / ``explore_every`` = 1/32 of the gain).
 
 This is the "measured per-concurrency gate" of docs/allocator.md; ECHO (arXiv 2604.09603)
 has no such guard: its cost model is a fixed profile.
@@ -100,6 +104,7 @@ class GateArm:
 class _Bucket:
     arms: tuple[GateArm, GateArm] = field(default_factory=lambda: (GateArm(), GateArm()))
     decisions: int = 0
+    allow: bool = True  # the decision of the current block
     recent: deque = field(default_factory=deque)  # seconds of the latest ``window`` steps, both arms
 
 
@@ -121,14 +126,21 @@ class SpeculationGate:
         """May the allocator keep drafts in this step of ``num_reqs`` requests? (Counts a decision.)"""
         c = self.config
         b = self._bucket(num_reqs)
+        block, first = divmod(b.decisions, c.block)
         b.decisions += 1
+        if first == 0:  # a new block: decided once for all its steps
+            b.allow = self._decide(b, block)
+        return b.allow
+
+    def _decide(self, b: _Bucket, block: int) -> bool:
+        c = self.config
         plain, spec = b.arms
         if plain.count < c.min_steps:
-            return b.decisions % 2 == 1  # warm-up: alternate, speculative first
+            return block % 2 == 0  # warm-up: alternate, speculative first
         if spec.count < c.min_steps:
             return True
-        explore = b.decisions % c.explore_every == 0
-        return (spec.rate >= plain.rate) != explore
+        explore = (block + 1) * c.block % c.explore_every == 0
+        return (spec.rate > plain.rate * (1.0 + c.margin)) != explore
 
     def observe(self, num_reqs: int, speculative: bool, tokens: int, seconds: float) -> None:
         """One decode step: its requests, arm, emitted tokens and wall seconds."""

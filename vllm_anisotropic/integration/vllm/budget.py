@@ -279,12 +279,18 @@ class BatchBudget:
         rows = sum(beyond.values())
         ctx = sum(n * self._ctx.get(rid, 0) for rid, n in beyond.items())
         speculating = sum(1 for v in spec.values() if v)
-        # the gate's arm: None (prompt tokens in the step), plain, or speculative: the gate let
-        # the step draft (whatever the allocator kept: a step whose drafts were all cut still
-        # paid for proposing, scoring, allocating and harvesting them), it verified drafts, or
-        # it re-runs tokens accepted the step before
+        # the gate's arm: None (prompt tokens in the step), speculative (the gate let the step
+        # draft, whatever the allocator kept: a step whose drafts were all cut still paid for
+        # proposing, scoring, allocating and harvesting them; it verified drafts; or it re-runs
+        # tokens accepted the step before), plain only if the workers draft nothing after it
+        # either. A plain step that drafts for the next (the last of a plain block) is no arm's:
+        # it ran 5-12 ms over a plain step at sixteen requests beyond the proposing the runner
+        # times (GateConfig.block), and counted as plain it made plain decoding look slow.
         decode = not scheduler_output.scheduled_new_reqs and all(rid in self._decoding for rid in num)
-        arm = (self._drafting or speculating > 0 or any(self._decoding[rid] > 0 for rid in num)) if decode else None
+        arm = None
+        if decode:
+            spec_step = self._drafting or speculating > 0 or any(self._decoding[rid] > 0 for rid in num)
+            arm = True if spec_step else (False if not (self.gate is not None and self.propose_next) else None)
         self._step = (len(num), scheduler_output.total_num_scheduled_tokens, rows, ctx, speculating, self._t_cut, arm)
 
     # ------------------------------------------------------------------ 4
