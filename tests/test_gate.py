@@ -2,7 +2,8 @@
 
 What each test would catch: a reversed comparison (exploiting the slower arm), rates computed
 upside down (seconds per token), an exploration that never or always happens, a warm-up that
-never measures the plain arm, a tie (arms within the margin) that speculates, old data that never fades (a closed gate that cannot re-open),
+never measures the plain arm, a tie (arms within the margin) that speculates, plain steps that
+are not measured in blocks, old data that never fades (a closed gate that cannot re-open),
 arms mixed across batch sizes, and in the hook: prefill steps counted as decode steps,
 re-run steps counted as plain, the wrong token count, a closed gate that still keeps drafts or
 probes.
@@ -44,7 +45,7 @@ def test_allocator_decides_while_the_speculative_arm_warms_up():
     for _ in range(40):
         decisions.append(gate.allows(2))
         gate.observe(2, False, 2, 0.02)  # plain whatever was allowed
-    assert decisions[:4] == [True, True, False, False] and all(decisions[4:])
+    assert decisions[:3] == [True, False, False] and all(decisions[3:])
 
 
 
@@ -60,27 +61,23 @@ def _run(gate, num_reqs, plain_rate, spec_rate, decisions, tokens=8):
 
 
 def test_docstring_example_warm_up_then_exploit_then_explore():
-    gate = SpeculationGate(GateConfig(block=2, min_steps=2, explore_every=8))
+    gate = SpeculationGate(GateConfig(block=2, min_steps=2, explore_every=4))
     T, F = True, False
-    assert _run(gate, 8, plain_rate=100.0, spec_rate=80.0, decisions=16) == [T, T, F, F, F, F, T, T,
-                                                                            F, F, F, F, F, F, T, T]
-
-
-def _exploring(decision, block=4, explore_every=32):
-    """Whether the 1-based ``decision`` (after the warm-up) lies in a block that explores."""
-    return ((decision - 1) // block + 1) * block % explore_every == 0
+    assert _run(gate, 8, plain_rate=100.0, spec_rate=80.0, decisions=12) == [T, F, F, T, F, F, F, T, F, F, F, T]
 
 
 @pytest.mark.parametrize("plain_rate, spec_rate", [(100.0, 80.0), (100.0, 125.0)])
 def test_exploits_the_faster_arm_and_explores_the_other_every_nth_step(plain_rate, spec_rate):
-    gate = SpeculationGate(GateConfig(min_steps=12, explore_every=32))  # blocks of 4
+    gate = SpeculationGate(GateConfig(min_steps=12, explore_every=32))  # plain blocks of 4, plain explored every 128
     decisions = _run(gate, 4, plain_rate, spec_rate, 24 + 320)
     warm, rest = decisions[:24], decisions[24:]
-    assert warm == ([True] * 4 + [False] * 4) * 3
+    assert warm == ([True] + [False] * 4) * 3 + [True] * 9  # plain blocks until 12 plain steps, then the allocator
     faster = spec_rate > plain_rate
-    assert sum(d == faster for d in rest) == 320 - 40  # blocks 29-32, 61-64, ..., 317-320 explore
-    assert [i + 25 for i, d in enumerate(rest) if d != faster] == [d for d in range(25, 345) if _exploring(d)]
-    assert [d for d in range(25, 345) if _exploring(d)][:5] == [29, 30, 31, 32, 61]
+    others = [i + 25 for i, d in enumerate(rest) if d != faster]
+    if faster:  # open: a plain block at decisions 128 and 256
+        assert others == [128, 129, 130, 131, 256, 257, 258, 259]
+    else:  # closed: decisions 32, 64, ..., 320 speculate
+        assert others == list(range(32, 345, 32))
     rates = gate.rates()[4]
     assert rates["plain_rate"] == pytest.approx(plain_rate) and rates["spec_rate"] == pytest.approx(spec_rate)
 
@@ -91,18 +88,18 @@ def test_speculation_must_beat_plain_by_the_margin(spec_rate, exploits_spec):
     # vs 322.6 tokens/s kept the gate open while the cell lost); a clear win still opens it
     gate = SpeculationGate(GateConfig(min_steps=12, explore_every=32))
     rest = _run(gate, 16, 100.0, spec_rate, 24 + 64)[24:]
-    assert sum(rest) == (64 - 8 if exploits_spec else 8), rest  # blocks 29-32 and 61-64 explore
+    assert sum(rest) == (64 if exploits_spec else 2), rest  # closed, decisions 32 and 64 explore
 
 
 def test_a_closed_gate_reopens_when_speculation_starts_paying():
     gate = SpeculationGate(GateConfig(min_steps=12, explore_every=32))
     before = _run(gate, 8, 100.0, 80.0, 200)
-    assert [i + 1 for i, d in enumerate(before[24:], 24) if d] == [d for d in range(25, 201) if _exploring(d)]  # closed but exploring
+    assert [i + 1 for i, d in enumerate(before[24:], 24) if d] == [32, 64, 96, 128, 160, 192]  # closed but exploring
     # the text changes: speculation now delivers 150 tokens/s; the exploration steps see it
     after = _run(gate, 8, 100.0, 150.0, 600)
-    first_open = next(i for i, d in enumerate(after) if d and not _exploring(i + 201))
+    first_open = next(i for i, d in enumerate(after) if d and (i + 201) % 32)
     assert first_open < 400  # old slow steps fade with the plain steps too (decay 0.995)
-    assert all(after[-60:][i] != _exploring(i + 741) for i in range(60))  # open since, exploring plain
+    assert all(after[-60:][i] != (768 <= i + 741 <= 771) for i in range(60))  # open since, a plain block at 768
 
 
 def test_batch_sizes_are_separate():
@@ -151,32 +148,31 @@ def test_hook_sorts_decode_steps_into_arms_and_counts_emitted_tokens():
     assert reqs[0].spec_token_ids  # warm-up's first decision lets the allocator decide
     _step(b, reqs, [[1, 2, 3], [4]])
     assert (arms[1].count, arms[1].tokens, arms[0].count) == (1, 4, 0)
-    # no drafts, but "a" re-runs 2 accepted tree tokens: speculation's cost, speculative arm
+    # the warm-up's plain block (decisions 2-5). Its first step re-runs 2 tokens the step before
+    # accepted: the switch's cost, neither arm's (sustained speculation re-runs them inside
+    # steps that verify drafts)
     reqs = [_req("a", 0, rerun=2), _req("b", 0)]
     b.cut(reqs)
+    assert not b._drafting and not b.propose_next
     _step(b, reqs, [[5], [6]])
-    assert (arms[1].count, arms[0].count) == (2, 0)
-    # steps the gate let draft (warm-up decisions 3, 4: the first block), nothing kept: they paid
-    # for drafting, speculative
-    for count in (3, 4):
+    assert (arms[1].count, arms[0].count) == (1, 0)
+    # then plain decode steps, no re-runs, nothing drafted after them: plain arm
+    for count in (1, 2):
         reqs = [_req("a", 0), _req("b", 0)]
         b.cut(reqs)
         _step(b, reqs, [[7], [8]])
-        assert (arms[1].count, arms[0].count) == (count, 0)
-    # decode steps the gate made plain (decisions 5-7 of the plain block), no re-runs, and the
-    # workers draft nothing after them: plain arm
-    for count in (1, 2, 3):
-        reqs = [_req("a", 0), _req("b", 0)]
-        b.cut(reqs)
-        assert not b._drafting and not b.propose_next
-        _step(b, reqs, [[7], [8]])
-        assert (arms[0].count, arms[1].count) == (count, 4) and arms[0].tokens == pytest.approx(2 * count, rel=0.02)
-    # the block's last plain step drafts for the next block (decision 9 speculates): no arm's
+        assert (arms[0].count, arms[1].count) == (count, 1) and arms[0].tokens == pytest.approx(2 * count, rel=0.01)
+    # the block's last step drafts for the next one (decision 6 speculates): neither arm's
     reqs = [_req("a", 0), _req("b", 0)]
     b.cut(reqs)
     assert not b._drafting and b.propose_next
     _step(b, reqs, [[7], [8]])
-    assert (arms[0].count, arms[1].count) == (3, 4)
+    assert (arms[0].count, arms[1].count) == (2, 1)
+    # a step the gate let draft (decision 6), nothing kept: it paid for drafting, speculative
+    reqs = [_req("a", 0), _req("b", 0)]
+    b.cut(reqs)
+    _step(b, reqs, [[7], [8]])
+    assert (arms[0].count, arms[1].count) == (2, 2)
     # a request still in its prompt, or a new request scheduled: no arm
     reqs = [_req("a", 0), SimpleNamespace(request_id="c", spec_token_ids=[], num_tokens=100, num_computed_tokens=50,
                                           num_prompt_tokens=100)]
@@ -185,7 +181,7 @@ def test_hook_sorts_decode_steps_into_arms_and_counts_emitted_tokens():
     reqs = [_req("a", 0)]
     b.cut(reqs)
     _step(b, reqs, [[9]], new_reqs=[SimpleNamespace(req_id="d")])
-    assert (arms[0].count, arms[1].count, b.gate._bucket(1).arms[0].count) == (3, 4, 0)
+    assert (arms[0].count, arms[1].count, b.gate._bucket(1).arms[0].count) == (2, 2, 0)
 
 
 def test_closed_gate_keeps_no_drafts_and_no_probe():
@@ -194,13 +190,13 @@ def test_closed_gate_keeps_no_drafts_and_no_probe():
         b.gate.observe(2, False, 2, 0.005)
         b.gate.observe(2, True, 3, 0.03)
     closed = 0
-    for _ in range(128):
+    for _ in range(32):
         reqs = [_req("a", 3), _req("b", 3)]
         _offer(b, {"a": [0.99] * 3, "b": [0.99] * 3})
         b.cut(reqs)
         closed += not any(r.spec_token_ids for r in reqs)
-    assert closed == 124  # decisions 125-128 explore: the allocator decides (and keeps the drafts)
-    assert b.metrics.gate_plain_steps == 124 and b.metrics.probe_steps == 0
+    assert closed == 31  # decision 32 explores: the allocator decides (and keeps the drafts)
+    assert b.metrics.gate_plain_steps == 31 and b.metrics.probe_steps == 0
     # gate off: the allocator (flat prior cost, confident nodes) keeps drafts every step
     b = _budget(allocator_gate=False)
     reqs = [_req("a", 3), _req("b", 3)]
@@ -233,19 +229,17 @@ def test_closed_gate_stops_drafting_one_step_ahead():
         b.gate.observe(2, False, 2, 0.005)
         b.gate.observe(2, True, 3, 0.03)
     flags = []
-    for _ in range(256):  # dormant: the workers sent no drafts
+    for _ in range(64):  # dormant: the workers sent no drafts
         b.cut([_req("a", 0), _req("b", 0)])
         flags.append(b.propose_next)
-    # one exploring block of 4 in 128 decisions (flags[i] is decision i + 2: 125-128, 253-256)
-    assert [i + 2 for i, f in enumerate(flags) if f] == [125, 126, 127, 128, 253, 254, 255, 256], flags
-    assert b.metrics.gate_plain_steps == 256 - flags[:-1].count(True)  # decode steps the gate kept plain
-    while not b.propose_next:  # up to the step before the next exploring block
+    assert flags.count(True) == 2 and flags[-1] is False, flags  # one exploring decision in 32
+    assert b.metrics.gate_plain_steps == 64 - flags[:-1].count(True)  # decode steps the gate kept plain
+    while not b.propose_next:  # up to the step before the next exploring decision
         b.cut([_req("a", 0), _req("b", 0)])
-    for step in range(4):  # the exploring block: the allocator decides, and keeps the confident drafts
-        reqs = [_req("a", 3), _req("b", 3)]
-        _offer(b, {"a": [0.99] * 3, "b": [0.99] * 3})
-        b.cut(reqs)
-        assert all(r.spec_token_ids for r in reqs) and b.propose_next is (step < 3)
+    reqs = [_req("a", 3), _req("b", 3)]
+    _offer(b, {"a": [0.99] * 3, "b": [0.99] * 3})
+    b.cut(reqs)  # the exploring step: the allocator decides, and keeps the confident drafts
+    assert all(r.spec_token_ids for r in reqs) and b.propose_next is False
     reqs = [_req("a", 3), _req("b", 3)]
     _offer(b, {"a": [0.99] * 3, "b": [0.99] * 3})
     b.cut(reqs)  # drafts that arrive although the gate said plain (the batch changed) are cut

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from vllm_anisotropic.config_base import StrictConfig
 
@@ -100,19 +100,20 @@ class GateConfig(AllocatorModelConfig):
 
     min_steps: int = Field(default=8, ge=1)
     """Decode steps each arm needs at a batch size before the rates decide anything. The
-    warm-up alternates blocks of ``block`` steps, and the engine counts at most block - 2 steps
-    of a plain block as plain (see ``block``): ~4 x this many decisions per bucket."""
+    warm-up alternates one speculative step and one plain block, of which the engine counts
+    ``block`` - 2 to ``block`` - 1 steps as plain: ~3 x this many decisions per bucket."""
     block: int = Field(default=4, ge=1)
-    """The gate decides for blocks of this many consecutive steps at a batch size (all plain or
-    all speculative), so that plain steps can be measured apart from speculation: in the
-    engine, the first step of a plain block re-runs the tokens accepted before it and the last
-    drafts for the speculative step after it (both are speculation's), so only the ones in
-    between are the plain arm's. Measured on the AMX Xeon at sixteen requests (SmolLM2-135M):
-    a plain step followed by a drafting one took 49.8-60.8 ms against 43.2 ms for one between
-    plain steps, 5-12 ms beyond the proposing the runner times; with single-step alternation
-    every warm-up plain step was such a step, the plain arm read 249 tokens/s where vLLM's plain
-    engine ran 372, and the gate stayed open on a losing arm (docs/allocator.md). The engine
-    needs at least 3."""
+    """Every switch from speculation to plain decoding lasts this many steps at a batch size,
+    so that plain steps can be measured apart from speculation: in the engine, the first step
+    of a plain block re-runs the tokens the speculative step before it accepted and the last
+    drafts for the speculative step after it, and neither is counted in an arm (budget.py),
+    so only the ones in between are the plain arm's. Measured on the AMX Xeon at 9-16 requests
+    (SmolLM2-135M): a plain step followed by a drafting one took 49.8-60.8 ms against 43.4 ms
+    for one between plain steps, 2-12 ms beyond the proposing the runner times; with single
+    plain steps between speculative ones every warm-up and exploring plain step was such a
+    step, the plain arm read 269 tokens/s where vLLM's plain engine ran the same cell's steps
+    at 329, and the gate stayed open on a losing arm (docs/allocator.md). The engine needs at
+    least 3."""
     margin: float = Field(default=0.03, ge=0.0, lt=1.0)
     """The gate exploits speculation only while its arm's rate exceeds the plain arm's by more
     than this fraction; within it, plain. The arms are estimates from a few dozen steps each
@@ -120,19 +121,15 @@ class GateConfig(AllocatorModelConfig):
     be slower than plain: a tie is not a reason to speculate. Where speculation pays on the AMX
     Xeon (1 to 8 requests) the arms differ by 25-56 %; at sixteen they stood at 322.6 vs 326.7
     tokens/s and the gate stayed open on that 1 % while the cell lost (docs/allocator.md)."""
-    explore_every: int = Field(default=128, ge=2)
-    """Every this-many steps at a batch size, one block (``block`` steps) takes the arm the
-    gate would not: what keeping the other arm measured costs (~``block`` / this of the
-    difference, 3 % at the defaults). A multiple of ``block``."""
+    explore_every: int = Field(default=32, ge=2)
+    """A closed gate lets every this-many-th decision at a batch size speculate (one step), so
+    it re-opens when speculation starts paying: costs ~1/this of the difference."""
+    explore_plain_every: int = Field(default=128, ge=2)
+    """An open gate starts a plain block (``block`` steps) every this-many-th decision at a
+    batch size, to refresh the plain arm: costs ~``block``/this of the difference (1/32)."""
     decay: float = Field(default=0.995, gt=0.0, le=1.0)
     """Decay of both arms' sums per decode step at the batch size (memory ~ 1 / (1 - decay) =
     200 steps, of which ~6 are the other arm's exploration steps)."""
-
-    @model_validator(mode="after")
-    def _explore_in_whole_blocks(self):
-        if self.explore_every % self.block:
-            raise ValueError(f"explore_every={self.explore_every} must be a multiple of block={self.block}")
-        return self
     clip: float = Field(default=3.0, gt=1.0)
     """A step's seconds count at most this many times the median of its bucket's recent steps
     (stalls from outside the engine; genuinely slower steps stay below ~3x)."""
@@ -140,8 +137,8 @@ class GateConfig(AllocatorModelConfig):
     """Recent steps per bucket whose median sets the clip (clipping starts after window / 4)."""
     exact_buckets: int = Field(default=4, ge=1)
     """Batch sizes up to this have their own bucket; larger ones share power-of-two buckets
-    (5..8 -> 8). Each bucket pays its own warm-up (~4 x ``min_steps`` decisions, half of them
-    drafting): with exact buckets up to 8, a batch of 8 draining to 0 warmed up 7, 6, 5 afresh,
-    about 30% of the steps of a 24-prompt cell at concurrency 8, drafting where it loses. A shared
+    (5..8 -> 8). Each bucket pays its own warm-up (~3 x ``min_steps`` decisions; with the
+    warm-up of the time, 2 x 16 decisions, half of them drafting, exact buckets up to 8 and a
+    batch of 8 draining to 0 warmed up 7, 6, 5 afresh, about 30% of the steps of a 24-prompt cell at concurrency 8, drafting where it loses. A shared
     bucket's rates are dominated by its largest batch size, where speculation pays least: the
     error leans towards plain decoding."""

@@ -29,26 +29,31 @@ at eight requests, measured) is kept whole. Then the arm the gate
 exploits follows the latest ~1 / (1 - decay) steps, and the other arm's old steps fade at the
 same pace, so its few recent exploration steps soon outweigh them.
 
-Decisions per bucket of R (``bucket``: exact up to ``exact_buckets``, then powers of two), made
-for blocks of ``block`` consecutive decisions (all plain or all speculative: the engine can
-measure a plain step apart from speculation only between plain steps, see ``GateConfig.block``):
+Decisions per bucket of R (``bucket``: exact up to ``exact_buckets``, then powers of two).
+Plain decisions come in blocks: every switch from speculation to plain lasts ``block`` steps,
+because the engine can measure a plain step apart from speculation only between plain steps
+(``GateConfig.block``); speculative decisions are single steps.
 
-1. warm-up, until the plain arm has ``min_steps`` steps: blocks alternate, speculative first
-   (the allocator alone may never choose plain where it believes speculation pays); then until
-   the speculative arm has ``min_steps``: the allocator decides;
+1. warm-up, until the plain arm has ``min_steps`` steps: one speculative step, one plain
+   block, and again (the allocator alone may never choose plain where it believes speculation
+   pays); then until the speculative arm has ``min_steps``: the allocator decides;
 2. then exploit the arm with the higher rate (speculation only where it is faster by more than
-   ``margin``, 3 %: ties go to plain), and every ``explore_every`` decisions one block takes the
-   other arm, so a closed gate re-opens when speculation starts paying (longer context,
-   different text) and an open one notices when it stops.
+   ``margin``, 3 %: ties go to plain). A closed gate speculates every ``explore_every``-th
+   decision, so it re-opens soon when speculation starts paying (longer context, different
+   text: the speculative rate moves with the text); an open one starts a plain block every
+   ``explore_plain_every``-th decision (a plain step's rate depends on the batch and context
+   sizes, not on the text, so it needs fewer refreshes), and notices at once when the
+   speculative rate falls.
 
-Example (block 2, min_steps 2, explore_every 8): decisions 1..4 allow, allow, plain, plain
-(warm-up); measured plain 100 tokens/s, speculative 80 -> 5, 6 plain, 7, 8 allow (the block that
-ends at a multiple of 8 explores), 9..14 plain, 15, 16 allow.
+Example (block 2, min_steps 2, explore_every 4): decisions 1..4 allow, plain, plain (a block),
+allow (warm-up; then the speculative arm's second step); measured plain 100 tokens/s,
+speculative 80 -> 5..7 plain, 8 allow (explores), 9..11 plain, 12 allow, ...
 
 A decision here never looks at a step's own samples (only at past steps' times and token
 counts), so it cannot bias the verifiers' output law. The cost of the gate where speculation
 does pay: the warm-up's plain blocks (once per bucket) and one plain block in
-``explore_every`` decisions afterwards (~``block`` / ``explore_every`` = 1/32 of the gain).
+``explore_plain_every`` decisions afterwards (``block`` / ``explore_plain_every`` = 1/32 of
+the gain at the defaults).
 
 This is the "measured per-concurrency gate" of docs/allocator.md; ECHO (arXiv 2604.09603)
 has no such guard: its cost model is a fixed profile.
@@ -104,7 +109,8 @@ class GateArm:
 class _Bucket:
     arms: tuple[GateArm, GateArm] = field(default_factory=lambda: (GateArm(), GateArm()))
     decisions: int = 0
-    allow: bool = True  # the decision of the current block
+    allow: bool = False  # the latest decision (False first: the warm-up starts speculating)
+    plain_left: int = 0  # decisions left in the current plain block
     recent: deque = field(default_factory=deque)  # seconds of the latest ``window`` steps, both arms
 
 
@@ -124,23 +130,28 @@ class SpeculationGate:
 
     def allows(self, num_reqs: int) -> bool:
         """May the allocator keep drafts in this step of ``num_reqs`` requests? (Counts a decision.)"""
-        c = self.config
         b = self._bucket(num_reqs)
-        block, first = divmod(b.decisions, c.block)
         b.decisions += 1
-        if first == 0:  # a new block: decided once for all its steps
-            b.allow = self._decide(b, block)
-        return b.allow
+        if b.plain_left > 0:  # inside a plain block
+            b.plain_left -= 1
+            allow = False
+        else:
+            allow = self._decide(b)
+            if not allow and b.allow:  # from speculation to plain: a whole block
+                b.plain_left = self.config.block - 1
+        b.allow = allow
+        return allow
 
-    def _decide(self, b: _Bucket, block: int) -> bool:
+    def _decide(self, b: _Bucket) -> bool:
         c = self.config
         plain, spec = b.arms
         if plain.count < c.min_steps:
-            return block % 2 == 0  # warm-up: alternate, speculative first
+            return not b.allow  # warm-up: one speculative step, one plain block, ...
         if spec.count < c.min_steps:
             return True
-        explore = (block + 1) * c.block % c.explore_every == 0
-        return (spec.rate > plain.rate * (1.0 + c.margin)) != explore
+        if spec.rate > plain.rate * (1.0 + c.margin):
+            return b.decisions % c.explore_plain_every != 0
+        return b.decisions % c.explore_every == 0
 
     def observe(self, num_reqs: int, speculative: bool, tokens: int, seconds: float) -> None:
         """One decode step: its requests, arm, emitted tokens and wall seconds."""

@@ -31,8 +31,9 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    vLLM's scheduling, forward, sampling, verification and the next proposals) refines the cost
    model online; the worker's start-up sweep (``cost_calibration`` on the first
    ``ModelRunnerOutput``) fits it first. Decode steps (no prompt tokens) also feed the gate:
-   their emitted tokens and time, in the plain or the speculative arm (the gate let the step
-   draft, drafts verified, or accepted tokens re-run). The workers' seconds spent proposing
+   their emitted tokens and time, in the speculative arm (the gate let the step draft, drafts
+   verified, or accepted tokens re-run) or the plain arm (none of those, and the workers draft
+   nothing after the step; a plain step that drafts for the next is neither arm's). The workers' seconds spent proposing
    the next step's drafts (``tree_propose_s``, timed by the runner) are moved out of the step
    that proposed them: the cost model never sees them (they are sunk when the allocator
    cuts), the gate charges them to the step that verifies the drafts.
@@ -117,7 +118,8 @@ class BatchBudget:
                  stats_path: str | None = None) -> None:
         self.enabled = engine_config.allocator == "auto"
         self.probe_every = int(engine_config.allocator_probe_every)
-        self.gate = (SpeculationGate(GateConfig(explore_every=int(engine_config.allocator_gate_explore_every)))
+        self.gate = (SpeculationGate(GateConfig(explore_every=int(engine_config.allocator_gate_explore_every),
+                                                     explore_plain_every=4 * int(engine_config.allocator_gate_explore_every)))
                      if self.enabled and engine_config.allocator_gate else None)
         self.online = bool(engine_config.cost_model_online)
         self.max_batched = int(scheduler_config.max_num_batched_tokens)
@@ -281,16 +283,21 @@ class BatchBudget:
         speculating = sum(1 for v in spec.values() if v)
         # the gate's arm: None (prompt tokens in the step), speculative (the gate let the step
         # draft, whatever the allocator kept: a step whose drafts were all cut still paid for
-        # proposing, scoring, allocating and harvesting them; it verified drafts; or it re-runs
-        # tokens accepted the step before), plain only if the workers draft nothing after it
-        # either. A plain step that drafts for the next (the last of a plain block) is no arm's:
-        # it ran 5-12 ms over a plain step at sixteen requests beyond the proposing the runner
-        # times (GateConfig.block), and counted as plain it made plain decoding look slow.
+        # proposing, scoring, allocating and harvesting them; or it verified drafts), plain
+        # (none of that, no accepted tokens re-run, and the workers draft nothing after it), or
+        # None for the two steps where the gate switches arms (GateConfig.block): a plain step
+        # that drafts for the next ran 2-12 ms over a plain step at 9-16 requests beyond the
+        # proposing the runner times, and counted as plain it made plain decoding look slow; a
+        # plain step that re-runs the tokens a speculative step accepted (one per switch back)
+        # counted as speculative made speculation look ~20 % slower than it runs when sustained
+        # (where re-runs ride in steps that verify drafts)
         decode = not scheduler_output.scheduled_new_reqs and all(rid in self._decoding for rid in num)
         arm = None
         if decode:
-            spec_step = self._drafting or speculating > 0 or any(self._decoding[rid] > 0 for rid in num)
-            arm = True if spec_step else (False if not (self.gate is not None and self.propose_next) else None)
+            if self._drafting or speculating > 0:
+                arm = True
+            elif not any(self._decoding[rid] > 0 for rid in num) and not (self.gate is not None and self.propose_next):
+                arm = False
         self._step = (len(num), scheduler_output.total_num_scheduled_tokens, rows, ctx, speculating, self._t_cut, arm)
 
     # ------------------------------------------------------------------ 4

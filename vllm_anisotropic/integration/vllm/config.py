@@ -49,7 +49,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vllm_anisotropic.allocator import GateConfig
 from vllm_anisotropic.proposers import PROPOSERS, proposer_config
 
 __all__ = [
@@ -113,10 +112,10 @@ class EngineTreeConfig(BaseModel):
     (``allocator.SpeculationGate``; docs/allocator.md). false: the allocator's prediction alone
     decides."""
 
-    allocator_gate_explore_every: int = Field(default=128, ge=4)
-    """Every this-many steps at a batch size, the gate takes the arm it would not for one block
-    of 4 steps (so a closed gate can re-open and an open one can close): costs ~4/this of the
-    difference. A multiple of 4 (``allocator.GateConfig.block``)."""
+    allocator_gate_explore_every: int = Field(default=32, ge=2)
+    """Every this-many-th step at a batch size a closed gate speculates (so it can re-open),
+    and every 4 x this-many-th an open gate decodes plainly for a block of 4 steps (so it can
+    close): costs ~1/this of the difference either way."""
 
     allocator_offer_factor: float = Field(default=4.0, ge=0.0)
     """With the allocator on, each request's next tree is built with at most
@@ -137,15 +136,6 @@ class EngineTreeConfig(BaseModel):
     cost_model_online: bool = True
     """Refine the cost model from every measured step (false: keep the start-up fit or the
     ``cost_model`` file as it is)."""
-
-    @field_validator("allocator_gate_explore_every")
-    @classmethod
-    def _whole_blocks(cls, every: int) -> int:
-        block = GateConfig.model_fields["block"].default
-        if every % block:
-            raise ValueError(f"allocator_gate_explore_every={every} is not a multiple of {block} (the gate decides "
-                             f"for blocks of {block} steps); valid: {every - every % block} or {every - every % block + block}")
-        return every
 
     @field_validator("cost_model")
     @classmethod
