@@ -137,8 +137,8 @@ class GateConfig(AllocatorModelConfig):
     """Recent steps per bucket whose median sets the clip (clipping starts after window / 4)."""
     exact_buckets: int = Field(default=4, ge=1)
     """Batch sizes up to this have their own bucket; larger ones share power-of-two buckets
-    (5..8 -> 8). Each bucket pays its own warm-up (~3 x ``min_steps`` decisions; with the
-    warm-up of the time, 2 x 16 decisions, half of them drafting, exact buckets up to 8 and a
-    batch of 8 draining to 0 warmed up 7, 6, 5 afresh, about 30% of the steps of a 24-prompt cell at concurrency 8, drafting where it loses. A shared
-    bucket's rates are dominated by its largest batch size, where speculation pays least: the
-    error leans towards plain decoding."""
+    (5..8 -> 8). Each bucket pays its own warm-up (~3 x ``min_steps`` decisions). With the
+    warm-up of the time (2 x 16 decisions, half of them drafting) and exact buckets up to 8, a
+    batch of 8 draining to 0 warmed up 7, 6, 5 afresh, about 30% of the steps of a 24-prompt
+    cell at concurrency 8, drafting where it loses. A shared bucket's rates are dominated by its
+    largest batch size, where speculation pays least: the error leans towards plain decoding."""

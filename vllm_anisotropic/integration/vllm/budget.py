@@ -31,10 +31,10 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    vLLM's scheduling, forward, sampling, verification and the next proposals) refines the cost
    model online; the worker's start-up sweep (``cost_calibration`` on the first
    ``ModelRunnerOutput``) fits it first. Decode steps (no prompt tokens) also feed the gate:
-   their emitted tokens and time, in the speculative arm (the gate let the step draft, drafts
-   verified, or accepted tokens re-run) or the plain arm (none of those, and the workers draft
-   nothing after the step; a plain step that drafts for the next is neither arm's). The workers' seconds spent proposing
-   the next step's drafts (``tree_propose_s``, timed by the runner) are moved out of the step
+   their emitted tokens and time, in the speculative arm (the gate let the step draft, or
+   drafts verified) or the plain arm (neither, no accepted tokens re-run, and the workers
+   draft nothing after the step); the steps where the gate switches arms are neither arm's
+   (``on_scheduled``). The workers' seconds spent proposing the next step's drafts (``tree_propose_s``, timed by the runner) are moved out of the step
    that proposed them: the cost model never sees them (they are sunk when the allocator
    cuts), the gate charges them to the step that verifies the drafts.
    Predicted vs realized accepted drafts feed the metrics.
@@ -289,7 +289,7 @@ class BatchBudget:
         # that drafts for the next ran 2-12 ms over a plain step at 9-16 requests beyond the
         # proposing the runner times, and counted as plain it made plain decoding look slow; a
         # plain step that re-runs the tokens a speculative step accepted (one per switch back)
-        # counted as speculative made speculation look ~20 % slower than it runs when sustained
+        # counted as speculative would make speculation look slower than it runs when sustained
         # (where re-runs ride in steps that verify drafts)
         decode = not scheduler_output.scheduled_new_reqs and all(rid in self._decoding for rid in num)
         arm = None
