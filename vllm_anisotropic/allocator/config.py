@@ -124,9 +124,10 @@ class GateConfig(AllocatorModelConfig):
     explore_every: int = Field(default=32, ge=2)
     """A closed gate lets every this-many-th decision at a batch size speculate (one step), so
     it re-opens when speculation starts paying: costs ~1/this of the difference."""
-    explore_plain_every: int = Field(default=128, ge=2)
+    explore_plain_every: int | None = Field(default=None, ge=2)
     """An open gate starts a plain block (``block`` steps) every this-many-th decision at a
-    batch size, to refresh the plain arm: costs ~``block``/this of the difference (1/32)."""
+    batch size, to refresh the plain arm: costs ~``block``/this of the difference. None:
+    ``block`` x ``explore_every`` (128 at the defaults: 1/32, as for a closed gate)."""
     decay: float = Field(default=0.995, gt=0.0, le=1.0)
     """Decay of both arms' sums per decode step at the batch size (memory ~ 1 / (1 - decay) =
     200 steps, of which ~6 are the other arm's exploration steps)."""

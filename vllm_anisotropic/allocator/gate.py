@@ -119,6 +119,8 @@ class SpeculationGate:
 
     def __init__(self, config: GateConfig | None = None) -> None:
         self.config = config or GateConfig()
+        c = self.config
+        self._explore_plain_every = c.explore_plain_every or c.block * c.explore_every
         self._buckets: dict[int, _Bucket] = {}
 
     def _bucket(self, num_reqs: int) -> _Bucket:
@@ -150,7 +152,7 @@ class SpeculationGate:
         if spec.count < c.min_steps:
             return True
         if spec.rate > plain.rate * (1.0 + c.margin):
-            return b.decisions % c.explore_plain_every != 0
+            return b.decisions % self._explore_plain_every != 0
         return b.decisions % c.explore_every == 0
 
     def observe(self, num_reqs: int, speculative: bool, tokens: int, seconds: float) -> None:

@@ -34,9 +34,10 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    their emitted tokens and time, in the speculative arm (the gate let the step draft, or
    drafts verified) or the plain arm (neither, no accepted tokens re-run, and the workers
    draft nothing after the step); the steps where the gate switches arms are neither arm's
-   (``on_scheduled``). The workers' seconds spent proposing the next step's drafts (``tree_propose_s``, timed by the runner) are moved out of the step
-   that proposed them: the cost model never sees them (they are sunk when the allocator
-   cuts), the gate charges them to the step that verifies the drafts.
+   (``on_scheduled``). The workers' seconds spent proposing the next step's drafts
+   (``tree_propose_s``, timed by the runner) are moved out of the step that proposed them:
+   the cost model never sees them (they are sunk when the allocator cuts), the gate charges
+   them to the step that verifies the drafts.
    Predicted vs realized accepted drafts feed the metrics.
 
 Cost-model start: a linear prior (``PRIOR_BASE_S`` + ``PRIOR_PER_TOKEN_S`` per query token)
@@ -118,8 +119,7 @@ class BatchBudget:
                  stats_path: str | None = None) -> None:
         self.enabled = engine_config.allocator == "auto"
         self.probe_every = int(engine_config.allocator_probe_every)
-        self.gate = (SpeculationGate(GateConfig(explore_every=int(engine_config.allocator_gate_explore_every),
-                                                     explore_plain_every=4 * int(engine_config.allocator_gate_explore_every)))
+        self.gate = (SpeculationGate(GateConfig(explore_every=int(engine_config.allocator_gate_explore_every)))
                      if self.enabled and engine_config.allocator_gate else None)
         self.online = bool(engine_config.cost_model_online)
         self.max_batched = int(scheduler_config.max_num_batched_tokens)
@@ -285,18 +285,16 @@ class BatchBudget:
         # draft, whatever the allocator kept: a step whose drafts were all cut still paid for
         # proposing, scoring, allocating and harvesting them; or it verified drafts), plain
         # (none of that, no accepted tokens re-run, and the workers draft nothing after it), or
-        # None for the two steps where the gate switches arms (GateConfig.block): a plain step
-        # that drafts for the next ran 2-12 ms over a plain step at 9-16 requests beyond the
-        # proposing the runner times, and counted as plain it made plain decoding look slow; a
-        # plain step that re-runs the tokens a speculative step accepted (one per switch back)
-        # counted as speculative would make speculation look slower than it runs when sustained
-        # (where re-runs ride in steps that verify drafts)
+        # None for the two steps where the gate switches arms (GateConfig.block says why): the
+        # plain step that drafts for the next, and the one that re-runs what the last
+        # speculative step accepted (sustained speculation re-runs inside verifying steps).
+        # Without a gate the arm is never read.
         decode = not scheduler_output.scheduled_new_reqs and all(rid in self._decoding for rid in num)
         arm = None
         if decode:
             if self._drafting or speculating > 0:
                 arm = True
-            elif not any(self._decoding[rid] > 0 for rid in num) and not (self.gate is not None and self.propose_next):
+            elif not self.propose_next and not any(self._decoding[rid] > 0 for rid in num):
                 arm = False
         self._step = (len(num), scheduler_output.total_num_scheduled_tokens, rows, ctx, speculating, self._t_cut, arm)
 
