@@ -132,6 +132,19 @@ def test_greedy_host_walk_equals_the_packed_walk():
             assert (a.accepted, a.bonus_token) == (b.accepted, b.bonus_token)
             checked += 1
             accepted += len(a.accepted)
+        # the engine's form: the trees' rows where they lie among other rows (``starts``), here
+        # after a gap row each and in reverse order; would catch starts ignored or misapplied
+        gaps = torch.randn(len(trees), vocab).to(logits.dtype)
+        parts, starts, at = [], [0] * len(trees), 0
+        for k in reversed(range(len(trees))):
+            first = sum(t.num_nodes for t in trees[:k])
+            parts += [gaps[k : k + 1], logits[first : first + trees[k].num_nodes]]
+            starts[k] = at + 1
+            at += 1 + trees[k].num_nodes
+        placed = v.verify_host(trees, torch.cat(parts), starts)
+        assert [(a.accepted, a.bonus_token) for a in placed] == [(a.accepted, a.bonus_token) for a in host]
     assert checked > 500 and accepted > 300  # the walks went deep, not only root bonuses
     with pytest.raises(ValueError, match="logits rows"):
         v.verify_host(trees, logits[:-1])
+    with pytest.raises(ValueError, match="run past"):
+        v.verify_host(trees, logits, [0] * (len(trees) - 1) + [rows - trees[-1].num_nodes + 1])

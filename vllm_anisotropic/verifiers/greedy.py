@@ -127,19 +127,29 @@ class GreedyVerifier(TopDownVerifier):
             descend(batch, rows, cand, y, cur, accepted, num_acc, bonus, active)
         return BatchVerifyResult(accepted=accepted, num_accepted=num_acc, bonus_tokens=bonus)
 
-    def verify_host(self, trees, logits: torch.Tensor) -> list[VerifyResult]:
+    def verify_host(self, trees, logits: torch.Tensor, starts: list[int] | None = None) -> list[VerifyResult]:
         """The same walk for CPU logits, tree by tree (module docstring).
 
         ``logits``: ``[sum of num_nodes, vocab_size]``, tree k's ``num_nodes`` rows in node
-        order after tree k - 1's. Returns one ``VerifyResult`` per tree: the same accepted path
-        and bonus token as ``verify_batch`` (same argmax, same child priority).
+        order after tree k - 1's; or, with ``starts``, any rows, tree k's ``num_nodes`` rows
+        from row ``starts[k]`` on (the engine's logits as they are, no copy of the tree rows).
+        Returns one ``VerifyResult`` per tree: the same accepted path and bonus token as
+        ``verify_batch`` (same argmax, same child priority).
         """
-        offsets, total = [], 0
-        for tree in trees:
-            offsets.append(total)
-            total += tree.num_nodes
-        if total != logits.shape[0]:
-            raise ValueError(f"{total} tree nodes but {logits.shape[0]} logits rows")
+        if starts is None:
+            offsets, total = [], 0
+            for tree in trees:
+                offsets.append(total)
+                total += tree.num_nodes
+            if total != logits.shape[0]:
+                raise ValueError(f"{total} tree nodes but {logits.shape[0]} logits rows")
+        else:
+            offsets = [int(s) for s in starts]
+            if len(offsets) != len(trees):
+                raise ValueError(f"{len(offsets)} starts for {len(trees)} trees")
+            bad = [k for k, (s, t) in enumerate(zip(offsets, trees)) if s < 0 or s + t.num_nodes > logits.shape[0]]
+            if bad:
+                raise ValueError(f"trees {bad} run past the {logits.shape[0]} logits rows")
         kids = [tree.children_lists() for tree in trees]
         tokens = [tree.tokens.tolist() for tree in trees]
         cur = [0] * len(trees)

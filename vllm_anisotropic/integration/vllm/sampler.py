@@ -155,10 +155,11 @@ class TreeRejectionSampler(nn.Module):
     @staticmethod
     def _verify_rows(verifier, rows, walk, rows_of, logits, sampling, generator) -> dict:
         trees = [walk[i] for i in rows]
+        if sampling is None and not logits.is_cuda and hasattr(verifier, "verify_host"):
+            # the walk reads the rows it visits where they are (no copy of every tree row)
+            return dict(zip(rows, verifier.verify_host(trees, logits, [rows_of[i].start for i in rows])))
         # [sum of num_nodes, vocab_size]; tree k's rows are its 1 + n logits rows
         tree_logits = torch.cat([logits[rows_of[i]] for i in rows])
-        if sampling is None and not tree_logits.is_cuda and hasattr(verifier, "verify_host"):
-            return dict(zip(rows, verifier.verify_host(trees, tree_logits)))
         batch = pack_trees(trees, device=tree_logits.device)
         if sampling is None:
             out = verifier.verify_batch(batch, tree_logits)
