@@ -2,7 +2,9 @@
 "What a speculative step costs at sixteen requests", 2026-11-27). Wraps the runner's, drafter's,
 sampler's and scheduler's methods with timers and writes one JSON line per engine step:
 requests R, query tokens Q, new requests, drafts scheduled, step seconds (schedule to
-update_from_output), tokens sampled and each phase's milliseconds.
+update_from_output), tokens sampled and each phase's milliseconds. With PROFILE_FORWARD=1 it
+also runs torch.profiler over the first 15 forwards at 16 requests with 20-40 query tokens (no
+new request) and prints their operators' self CPU time per forward.
 
     python phases_c16_amx_2026_11_27_harness.py METHOD MAX_NUM_SEQS PROMPTS_PER_DATASET OUT.jsonl
 """
@@ -31,7 +33,34 @@ def wrap(cls, name, label=None):
             T[label] = T.get(label, 0.0) + time.perf_counter() - t0
     setattr(cls, name, w)
 tree = method.startswith(("goose", "tr-"))
+PROF = {"n": 0, "tables": []}
+
+
+def profile_forwards(cls) -> None:
+    """torch.profiler around ``_model_forward`` of the steps described in the docstring."""
+    import torch
+    ex, fwd = cls.execute_model, cls._model_forward
+
+    @functools.wraps(ex)
+    def execute_model(self, so, *a, **k):
+        self._sl_q = so.total_num_scheduled_tokens if so.num_scheduled_tokens and not so.scheduled_new_reqs else 0
+        return ex(self, so, *a, **k)
+
+    @functools.wraps(fwd)
+    def model_forward(self, *a, **k):
+        if self.input_batch.num_reqs == 16 and 20 <= getattr(self, "_sl_q", 0) <= 40 and PROF["n"] < 15:
+            PROF["n"] += 1
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+                out = fwd(self, *a, **k)
+            PROF["tables"].append(p.key_averages())
+            return out
+        return fwd(self, *a, **k)
+
+    cls.execute_model, cls._model_forward = execute_model, model_forward
+
 R = RN.TreeCPUModelRunner if tree else CPUModelRunner
+if os.environ.get("PROFILE_FORWARD") == "1":
+    profile_forwards(R)
 for n in ["execute_model", "_prepare_inputs", "_model_forward", "_sample", "sample_tokens", "_bookkeeping_sync",
           "_update_states", "_calc_spec_decode_metadata", "_build_attention_metadata", "propose_draft_token_ids", "take_draft_token_ids"]:
     if hasattr(R, n):
@@ -89,4 +118,15 @@ for rep in range(int(os.environ.get("REPS", "1"))):
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"RESULT {method} seqs {seqs} rep {rep}: {tokens} tokens {s:.2f} s {tokens/s:.1f} tok/s", flush=True)
 LOG.close()
+if PROF["tables"]:
+    from collections import defaultdict
+    agg = defaultdict(lambda: [0.0, 0])
+    for t in PROF["tables"]:
+        for e in t:
+            agg[e.key][0] += e.self_cpu_time_total
+            agg[e.key][1] += e.count
+    nst = len(PROF["tables"])
+    print(f"PROFILED {nst} forwards (R=16, Q 20-40): self CPU ms per forward")
+    for k, (us, c) in sorted(agg.items(), key=lambda x: -x[1][0])[:25]:
+        print(f"  {us / nst / 1e3:8.3f} ms  {c / nst:6.1f} calls  {k}")
 os._exit(0)
