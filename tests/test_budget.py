@@ -13,8 +13,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
-from vllm_anisotropic.allocator import CostModel
+from vllm_anisotropic.allocator import TREE, CostModel
 from vllm_anisotropic.integration.vllm.budget import BatchBudget
 from vllm_anisotropic.integration.vllm.config import EngineTreeConfig
 
@@ -119,7 +120,7 @@ def test_a_step_refines_the_cost_model_and_counts_acceptance(tmp_path):
                           scheduled_new_reqs=[])
     b.on_scheduled(out)
     r, q, t, c, d, _, arm = b._step
-    assert arm is True  # a decode step with drafts: the gate's speculative arm
+    assert arm == TREE  # a decode step with drafts: the gate's speculative (tree) arm
     assert (r, q, t) == (2, 2 + sum(kept.values()), sum(kept.values()))
     assert d == sum(1 for n in kept.values() if n) >= 1  # requests that speculate
     assert c == kept["a"] * 50 + kept["b"] * 70
@@ -360,7 +361,7 @@ def test_harvest_runs_later_with_the_bigram_key_of_its_own_step():
     after_eager = tables(eager)
 
     d = object.__new__(TreeDrafter)
-    d.states, d._deferred, d.metrics = {}, [], TreeMetrics()
+    d.states, d._deferred, d.metrics, d.chain_trees = {}, [], TreeMetrics(), set()
     d.sink = SimpleNamespace(trace=False, tick=lambda force=False: None)
     state = d.states["r"] = get_proposer("goose", vocab_size=vocab).new_request()
     assert state.propose(context).tokens.tolist() == tree.tokens.tolist()
@@ -376,3 +377,41 @@ def test_harvest_runs_later_with_the_bigram_key_of_its_own_step():
     late = tables(state)
     assert np.array_equal(late[0], after_eager[0]) and late[1] == after_eager[1]
     assert d._deferred == [] and nxt.num_nodes >= 1
+
+
+def test_a_chain_step_drafts_spine_chains_unranked_and_harvests_nothing():
+    # the gate's chain steps (allocator.gate): each request's context-match spine alone, at most
+    # allocator_chain_drafts tokens, no probabilities (nothing ranks or labels it), and its
+    # verified rows never reach the adjacency table; a tree step after it is ranked and harvested
+    from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
+    from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
+    from vllm_anisotropic.proposers import GooseConfig
+
+    vocab = 64
+    spec = TreeSpecConfig.build("goose", {"allocator_chain_drafts": 3})
+    assert spec.chain_steps and not TreeSpecConfig.build("goose", {"allocator_chains": False}).chain_steps
+    assert not TreeSpecConfig.build("token_recycling", {}).chain_steps  # no chain to draft alone
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(method="goose", num_speculative_tokens=59),
+                          additional_config={"vllm_anisotropic": spec.to_additional_config()},
+                          model_config=SimpleNamespace(get_vocab_size=lambda: vocab, max_model_len=512))
+    d = TreeDrafter(cfg)
+    context = np.array([5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], np.int64)
+    tokens = np.zeros((2, 512), np.int64)
+    tokens[0, : len(context)] = context
+    tokens[1, : len(context)] = context[::-1]
+    num = np.array([len(context), len(context)])
+    drafts = d.propose_trees(["a", "b"], [True, True], [[7], [5]], num, tokens, chains=True)
+    assert drafts[0] == [8, 9, 10]  # the spine, cut to 3 tokens
+    assert d.probs == {} and d.unlabelled == {} and d.chain_trees == {"a", "b"}
+    tree = d.take_tree("a", drafts[0])
+    state = d.states["a"]
+    table = state.table.unigram_ids.copy()
+    logits = torch.randn(tree.num_nodes, vocab, generator=torch.Generator().manual_seed(0))
+    d.observe_batch([("a", tree, [1, 2], slice(0, tree.num_nodes))], logits)
+    d.run_deferred()
+    assert np.array_equal(state.table.unigram_ids, table)  # nothing harvested
+    assert state.spine_acceptance > GooseConfig().initial_spine_acceptance  # the spine EMA still learns
+    # a tree step: ranked (probabilities for the allocator), and its rows harvested
+    tokens[0, len(context) : len(context) + 3] = [8, 9, 10]  # accepted 8, 9 and the bonus 10
+    drafts = d.propose_trees(["a"], [True], [[10]], num[:1] + 3, tokens[:1], chains=False)
+    assert d.chain_trees == set() and len(d.probs["a"]) == len(drafts[0]) > 0

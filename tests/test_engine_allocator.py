@@ -68,6 +68,11 @@ def test_allocator_is_on_by_default_and_lossless(model_dir, prompts, plain, tmp_
     gate = budget["gate"]
     assert sum(g["plain_steps"] for g in gate.values()) > 0 and sum(g["spec_steps"] for g in gate.values()) > 0, gate
     assert 0 < budget["gate_plain_steps"] <= budget["steps_without_drafts"], budget
+    # GOOSE drafts chains alone, so the gate also measured chain steps (its warm-up alternates the
+    # two speculative kinds) and they verified spine chains, not cut, within allocator_chain_drafts
+    assert sum(g["chain_steps"] for g in gate.values()) > 0, gate
+    assert budget["chain_steps"] > 0 and budget["chain_drafts"] > 0, budget
+    assert budget["chain_drafts"] <= 5 * budget["chain_steps"] * len(prompts), budget
 
 
 def test_steep_cost_model_means_plain_decoding(model_dir, prompts, plain, tmp_path):

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_anisotropic.allocator import GateConfig, SpeculationGate
+from vllm_anisotropic.allocator import CHAIN, PLAIN, TREE, GateConfig, SpeculationGate
 from vllm_anisotropic.allocator.gate import bucket
 from vllm_anisotropic.integration.vllm.budget import BatchBudget
 from vllm_anisotropic.integration.vllm.config import EngineTreeConfig
@@ -76,8 +76,8 @@ def test_exploits_the_faster_arm_and_explores_the_other_every_nth_step(plain_rat
     others = [i + 25 for i, d in enumerate(rest) if d != faster]
     if faster:  # open: a plain block at decisions 128 and 256
         assert others == [128, 129, 130, 131, 256, 257, 258, 259]
-    else:  # closed: decisions 32, 64, ..., 320 speculate
-        assert others == list(range(32, 345, 32))
+    else:  # closed (20 % short of opening: the longest period), decisions 56, 88, ..., 344 speculate
+        assert others == list(range(56, 345, 32))
     rates = gate.rates()[4]
     assert rates["plain_rate"] == pytest.approx(plain_rate) and rates["spec_rate"] == pytest.approx(spec_rate)
 
@@ -88,13 +88,28 @@ def test_speculation_must_beat_plain_by_the_margin(spec_rate, exploits_spec):
     # vs 322.6 tokens/s kept the gate open while the cell lost); a clear win still opens it
     gate = SpeculationGate(GateConfig(min_steps=12, explore_every=32))
     rest = _run(gate, 16, 100.0, spec_rate, 24 + 64)[24:]
-    assert sum(rest) == (64 if exploits_spec else 2), rest  # closed, decisions 32 and 64 explore
+    # closed on a near tie: explored at the shortest period, 32 // 8 = 4 decisions after the
+    # warm-up's last (25), then after each plain block of 4 (29, 34, ..., 84)
+    explored = [i + 25 for i, d in enumerate(rest) if d]
+    assert explored == (list(range(25, 89)) if exploits_spec else list(range(29, 89, 5))), explored
+
+
+@pytest.mark.parametrize("shortfall, period", [(0.40, 32), (0.20, 32), (0.10, 16), (0.05, 8), (0.02, 4), (0.0, 4)])
+def test_a_closed_gate_explores_in_proportion_to_how_close_speculation_is(shortfall, period):
+    # explore_every where speculation falls 20 % or more short of opening (the plain rate x 1.03),
+    # proportionally more often closer: an arm that nearly pays is measured often, a clear loser
+    # rarely (an exploring step costs at most ~0.2 / 32 of the tokens either way)
+    gate = SpeculationGate(GateConfig(min_steps=12, explore_every=32, block=1))
+    rest = _run(gate, 16, 100.0, 103.0 * (1 - shortfall) - 1e-9, 24 + 128)[24:]
+    explored = [i + 25 for i, d in enumerate(rest) if d]
+    assert explored == list(range(24 + period, 24 + 129, period)), explored
 
 
 def test_a_closed_gate_reopens_when_speculation_starts_paying():
     gate = SpeculationGate(GateConfig(min_steps=12, explore_every=32))
     before = _run(gate, 8, 100.0, 80.0, 200)
-    assert [i + 1 for i, d in enumerate(before[24:], 24) if d] == [32, 64, 96, 128, 160, 192]  # closed but exploring
+    # closed (20 % short) but exploring every 32 decisions from the warm-up's last (24)
+    assert [i + 1 for i, d in enumerate(before[24:], 24) if d] == [56, 88, 120, 152, 184]
     # the text changes: speculation now delivers 150 tokens/s; the exploration steps see it
     after = _run(gate, 8, 100.0, 150.0, 600)
     first_open = next(i for i, d in enumerate(after) if d and (i + 201) % 32)
@@ -232,14 +247,14 @@ def test_closed_gate_stops_drafting_one_step_ahead():
     for _ in range(64):  # dormant: the workers sent no drafts
         b.cut([_req("a", 0), _req("b", 0)])
         flags.append(b.propose_next)
-    assert flags.count(True) == 2 and flags[-1] is False, flags  # one exploring decision in 32
+    assert flags.count(True) == 2 and flags[-1] == PLAIN, flags  # one exploring decision in 32
     assert b.metrics.gate_plain_steps == 64 - flags[:-1].count(True)  # decode steps the gate kept plain
     while not b.propose_next:  # up to the step before the next exploring decision
         b.cut([_req("a", 0), _req("b", 0)])
     reqs = [_req("a", 3), _req("b", 3)]
     _offer(b, {"a": [0.99] * 3, "b": [0.99] * 3})
     b.cut(reqs)  # the exploring step: the allocator decides, and keeps the confident drafts
-    assert all(r.spec_token_ids for r in reqs) and b.propose_next is False
+    assert all(r.spec_token_ids for r in reqs) and b.propose_next == PLAIN
     reqs = [_req("a", 3), _req("b", 3)]
     _offer(b, {"a": [0.99] * 3, "b": [0.99] * 3})
     b.cut(reqs)  # drafts that arrive although the gate said plain (the batch changed) are cut
@@ -247,7 +262,7 @@ def test_closed_gate_stops_drafting_one_step_ahead():
     # gate off: the workers always draft
     b = _budget(allocator_gate=False)
     b.cut([_req("a", 0)])
-    assert b.propose_next is True
+    assert b.propose_next == TREE
 
 
 def test_steps_the_gate_let_draft_are_speculative_even_when_every_draft_is_cut():
@@ -297,3 +312,66 @@ def test_proposal_time_is_charged_to_the_step_that_verifies_the_drafts():
                                          tree_propose_s=propose_s))
     assert [round(s, 3) for s in seen] == [0.006, 0.010]
     assert observed == [0.006, 0.014]
+
+
+# ---------------------------------------------------------------- chain steps (a third arm)
+
+
+def _run_kinds(gate, num_reqs, rates, decisions, tokens=8):
+    """Drive ``decisions`` steps with ``gate.decide``; each kind measured at ``rates[kind]``."""
+    out = []
+    for _ in range(decisions):
+        kind = gate.decide(num_reqs)
+        out.append(kind)
+        gate.observe(num_reqs, kind, tokens, tokens / rates[kind])
+    return out
+
+
+@pytest.mark.parametrize("tree_rate, chain_rate, best", [(90.0, 120.0, CHAIN), (130.0, 120.0, TREE),
+                                                         (122.0, 120.0, CHAIN), (80.0, 90.0, PLAIN)])
+def test_the_gate_speculates_with_the_faster_kind(tree_rate, chain_rate, best):
+    # the two speculative kinds are measured apart; trees must beat chains by the margin (122 vs
+    # 120 is a tie, and a tie goes to the cheaper chains); plain decoding is compared with the
+    # kind the gate would pick, so chains at 90 do not open it against plain at 100
+    gate = SpeculationGate(GateConfig(min_steps=8, explore_every=32, chains=True))
+    kinds = _run_kinds(gate, 16, {PLAIN: 100.0, TREE: tree_rate, CHAIN: chain_rate}, 400)
+    late = kinds[-200:]  # the rest: an open gate's plain blocks (every 128th) and the other kind (1 in 32)
+    assert late.count(best) >= 180, (best, late)
+    rates = gate.rates()[16]
+    assert rates["chain_steps"] >= 8 and rates["spec_steps"] >= 8 and rates["plain_steps"] >= 8, rates
+    assert rates["chain_rate"] == pytest.approx(chain_rate) and rates["spec_rate"] == pytest.approx(tree_rate)
+
+
+def test_the_kinds_warm_up_in_turn_and_the_slower_one_is_explored():
+    gate = SpeculationGate(GateConfig(min_steps=4, block=2, explore_every=8, chains=True))
+    kinds = _run_kinds(gate, 4, {PLAIN: 50.0, TREE: 60.0, CHAIN: 100.0}, 200)
+    spec = [k for k in kinds if k != PLAIN]
+    assert spec[:8] == [CHAIN, TREE] * 4  # the less measured kind first, a tie to chains
+    # then chains, trees every 8th speculative decision (and never two in a row)
+    assert spec[8:].count(TREE) == len(spec[8:]) // 8, spec
+    # without chains the gate never picks them, and decide() is allows()
+    gate = SpeculationGate(GateConfig(min_steps=4, block=2, explore_every=8))
+    assert set(_run_kinds(gate, 4, {PLAIN: 50.0, TREE: 60.0, CHAIN: 1e9}, 200)) == {PLAIN, TREE}
+
+
+def test_a_chain_step_keeps_the_chains_as_drafted_and_is_the_chain_arm():
+    b = _budget()
+    b.gate = SpeculationGate(GateConfig(chains=True))
+    b._allowed = CHAIN  # the gate chose a chain step for this step one step ahead
+    arms = b.gate._bucket(3).arms
+    # chains arrive without probabilities (nothing ranked them); "b" is a tree whose leading chain
+    # is 2 nodes (the first step, before the workers heard of the gate); "c" has 7 chain drafts
+    b.on_draft_ids(SimpleNamespace(req_ids=["a", "b", "c"], tree_probs=[None, [0.9, 0.8, 0.7], None],
+                                   tree_chains=[3, 2, 7]))
+    reqs = [_req("a", 3), _req("b", 3), _req("c", 7)]
+    b.cut(reqs)
+    assert [len(r.spec_token_ids) for r in reqs] == [3, 2, 5]  # chains whole, a tree to its chain, at most 5
+    assert b.metrics.chain_steps == 1 and b.metrics.chain_drafts == 10
+    _step(b, reqs, [[1, 2], [3], [4, 5, 6]])
+    assert (arms[CHAIN].count, arms[CHAIN].tokens, arms[TREE].count, arms[PLAIN].count) == (1, 6, 0, 0)
+    # a plain step clears drafts that carry no probabilities too
+    b._allowed = PLAIN
+    b.on_draft_ids(SimpleNamespace(req_ids=["a"], tree_probs=[None], tree_chains=[3]))
+    reqs = [_req("a", 3)]
+    b.cut(reqs)
+    assert reqs[0].spec_token_ids == []

@@ -21,7 +21,7 @@ from .allocate import (
 )
 from .config import AcceptanceConfig, CostModelConfig, GateConfig
 from .cost import CostModel, CostSample
-from .gate import SpeculationGate
+from .gate import CHAIN, PLAIN, TREE, SpeculationGate
 from .tree_probs import (cap_by_tree, capped, continuation_labels, cut_trees, order_by_probability, rank_trees,
                          raw_probs, tree_probs)
 
@@ -34,6 +34,9 @@ __all__ = [
     "CostSample",
     "GateConfig",
     "SpeculationGate",
+    "PLAIN",
+    "TREE",
+    "CHAIN",
     "StepCost",
     "allocate",
     "cap_by_tree",

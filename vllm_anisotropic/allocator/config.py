@@ -124,6 +124,15 @@ class GateConfig(AllocatorModelConfig):
     explore_every: int = Field(default=32, ge=2)
     """A closed gate lets every this-many-th decision at a batch size speculate (one step), so
     it re-opens when speculation starts paying: costs ~1/this of the difference."""
+    explore_shortfall: float = Field(default=0.2, gt=0.0, le=1.0)
+    """A closed gate explores every ``explore_every``-th decision while speculation falls short
+    of opening by this fraction or more, and proportionally more often when it falls short by
+    less (down to every ``explore_every`` // 8-th): an exploring step then costs at most ~this /
+    ``explore_every`` of the tokens (0.6 % at the defaults), and an arm that nearly pays is
+    measured often enough to open within ~100 decode steps (a sixteen-request bench cell on the
+    AMX Xeon). Measured there, in process, 48 prompts: chain steps at 530-550 tokens/s against
+    plain's 597 while the requests were young, 550-960 later; every 32nd decision took ~200
+    decisions to open the gate again (docs/allocator.md)."""
     explore_plain_every: int | None = Field(default=None, ge=2)
     """An open gate starts a plain block (``block`` steps) every this-many-th decision at a
     batch size, to refresh the plain arm: costs ~``block``/this of the difference. None:
@@ -136,6 +145,11 @@ class GateConfig(AllocatorModelConfig):
     (stalls from outside the engine; genuinely slower steps stay below ~3x)."""
     window: int = Field(default=64, ge=4)
     """Recent steps per bucket whose median sets the clip (clipping starts after window / 4)."""
+    chains: bool = False
+    """Measure chain steps (the proposer's chain alone: no branches, ranking, cut or harvest)
+    as a third arm beside plain and tree steps, and speculate with the faster kind
+    (``gate.SpeculationGate.kind``). The engine sets it for proposers that draft chains
+    (``Proposer.drafts_chains``) unless ``allocator_chains`` is false."""
     exact_buckets: int = Field(default=4, ge=1)
     """Batch sizes up to this have their own bucket; larger ones share power-of-two buckets
     (5..8 -> 8). Each bucket pays its own warm-up (~3 x ``min_steps`` decisions). With the

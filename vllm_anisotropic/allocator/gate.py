@@ -39,8 +39,10 @@ because the engine can measure a plain step apart from speculation only between 
    pays); then until the speculative arm has ``min_steps``: the allocator decides;
 2. then exploit the arm with the higher rate (speculation only where it is faster by more than
    ``margin``, 3 %: ties go to plain). A closed gate speculates every ``explore_every``-th
-   decision, so it re-opens soon when speculation starts paying (longer context, different
-   text: the speculative rate moves with the text); an open one starts a plain block every
+   decision where speculation falls short by ``explore_shortfall`` (20 %) or more, and
+   proportionally more often where it is closer (``_explore_period``), so it re-opens soon
+   when speculation starts paying (longer context, different text: the speculative rate
+   moves with the text); an open one starts a plain block every
    ``explore_plain_every``-th decision (a plain step's rate depends on the batch and context
    sizes, not on the text, so it needs fewer refreshes), and notices at once when the
    speculative rate falls.
@@ -55,6 +57,18 @@ does pay: the warm-up's plain blocks (once per bucket) and one plain block in
 ``explore_plain_every`` decisions afterwards (``block`` / ``explore_plain_every`` = 1/32 of
 the gain at the defaults).
 
+**Chain steps** (``GateConfig.chains``, for proposers that can draft a chain alone: GOOSE's
+context-match spine). The speculative arm splits in two kinds, measured apart: *tree* steps
+(the proposer's whole tree, ranked by the acceptance model, cut by the allocator, its rows
+harvested) and *chain* steps (each request's spine chain alone, up to ``chain_drafts`` tokens:
+no branches, no ranking or labelling, no cut, no harvest; a step then costs what vLLM's
+``ngram`` step costs, measured on the AMX Xeon at sixteen requests: 33.6 vs 33.4 ms for 19.5
+tokens, against 41.3 ms for a GOOSE tree step). Where the gate speculates it picks the kind:
+each kind first gets ``min_steps`` steps (the less measured one goes first, a tie to chains),
+then the faster one, trees only when they are faster by more than ``margin`` (ties go to the
+cheaper chains), the other explored every ``explore_every``-th speculative decision. The
+speculative rate that plain decoding is compared with is the chosen kind's.
+
 This is the "measured per-concurrency gate" of docs/allocator.md; ECHO (arXiv 2604.09603)
 has no such guard: its cost model is a fixed profile.
 """
@@ -68,9 +82,10 @@ from dataclasses import dataclass, field
 
 from .config import GateConfig
 
-__all__ = ["SpeculationGate", "GateArm", "bucket"]
+__all__ = ["SpeculationGate", "GateArm", "bucket", "PLAIN", "TREE", "CHAIN"]
 
-PLAIN, SPEC = 0, 1
+# a step's kind (the gate's arms; ``decide``): True / False in ``observe`` read as TREE / PLAIN
+PLAIN, TREE, CHAIN = 0, 1, 2
 
 
 def bucket(num_reqs: int, exact_buckets: int) -> int:
@@ -107,10 +122,12 @@ class GateArm:
 
 @dataclass
 class _Bucket:
-    arms: tuple[GateArm, GateArm] = field(default_factory=lambda: (GateArm(), GateArm()))
+    arms: tuple[GateArm, GateArm, GateArm] = field(default_factory=lambda: (GateArm(), GateArm(), GateArm()))  # PLAIN, TREE, CHAIN
     decisions: int = 0
+    spec_decisions: int = 0  # decisions that chose a speculative kind (``kind``)
     allow: bool = False  # the latest decision (False first: the warm-up starts speculating)
     plain_left: int = 0  # decisions left in the current plain block
+    explored: int = 0  # the decision of a closed gate's last exploring step (or the last open one)
     recent: deque = field(default_factory=deque)  # seconds of the latest ``window`` steps, both arms
 
 
@@ -144,19 +161,64 @@ class SpeculationGate:
         b.allow = allow
         return allow
 
+    def decide(self, num_reqs: int) -> int:
+        """The kind of the next step of ``num_reqs`` requests: PLAIN, TREE or CHAIN (counts a
+        decision). Without ``chains`` the same as ``allows`` (TREE for True)."""
+        if not self.allows(num_reqs):
+            return PLAIN
+        return self.kind(num_reqs) if self.config.chains else TREE
+
+    def kind(self, num_reqs: int) -> int:
+        """Which speculative kind a step the gate lets speculate runs (module docstring)."""
+        c = self.config
+        b = self._bucket(num_reqs)
+        _, tree, chain = b.arms
+        if min(tree.count, chain.count) < c.min_steps:
+            return TREE if tree.count < chain.count else CHAIN
+        b.spec_decisions += 1
+        best, other = (TREE, CHAIN) if tree.rate > chain.rate * (1.0 + c.margin) else (CHAIN, TREE)
+        return other if b.spec_decisions % c.explore_every == 0 else best
+
+    def _spec_arm(self, b: _Bucket) -> GateArm:
+        """The speculative arm plain decoding is compared with: the tree arm, or with
+        ``chains`` the kind ``kind`` exploits (both kinds warmed up) or the less measured one."""
+        _, tree, chain = b.arms
+        if not self.config.chains:
+            return tree
+        if min(tree.count, chain.count) < self.config.min_steps:
+            return tree if tree.count < chain.count else chain
+        return tree if tree.rate > chain.rate * (1.0 + self.config.margin) else chain
+
     def _decide(self, b: _Bucket) -> bool:
         c = self.config
-        plain, spec = b.arms
-        if plain.count < c.min_steps:
-            return not b.allow  # warm-up: one speculative step, one plain block, ...
-        if spec.count < c.min_steps:
-            return True
+        plain, spec = b.arms[PLAIN], self._spec_arm(b)
+        if plain.count < c.min_steps or spec.count < c.min_steps:
+            b.explored = b.decisions  # a closed gate's first exploring step comes a period after the warm-up
+            # warm-up: one speculative step, one plain block, ...; then the allocator decides
+            return not b.allow if plain.count < c.min_steps else True
         if spec.rate > plain.rate * (1.0 + c.margin):
+            b.explored = b.decisions
             return b.decisions % self._explore_plain_every != 0
-        return b.decisions % c.explore_every == 0
+        if b.decisions - b.explored >= self._explore_period(plain.rate, spec.rate):
+            b.explored = b.decisions
+            return True
+        return False
 
-    def observe(self, num_reqs: int, speculative: bool, tokens: int, seconds: float) -> None:
-        """One decode step: its requests, arm, emitted tokens and wall seconds."""
+    def _explore_period(self, plain_rate: float, spec_rate: float) -> int:
+        """Decisions between two exploring steps of a closed gate: ``explore_every`` where the
+        speculative arm falls short of opening by ``explore_shortfall`` or more, proportionally
+        fewer (down to ``explore_every`` // 8) where it is closer, so an exploring step costs at
+        most ~``explore_shortfall`` / ``explore_every`` of a step's tokens either way, and an arm
+        that is nearly paying (chain steps as the text starts repeating itself) gets measured
+        often enough to open within a cell."""
+        c = self.config
+        shortfall = 1.0 - spec_rate / (plain_rate * (1.0 + c.margin)) if plain_rate > 0 else 1.0
+        period = round(c.explore_every * min(max(shortfall, 0.0) / c.explore_shortfall, 1.0))
+        return max(period, max(c.explore_every // 8, 1))
+
+    def observe(self, num_reqs: int, speculative: bool | int, tokens: int, seconds: float) -> None:
+        """One decode step: its requests, arm (PLAIN / TREE / CHAIN; False / True = PLAIN /
+        TREE), emitted tokens and wall seconds."""
         if seconds <= 0:
             return
         c = self.config
@@ -165,14 +227,16 @@ class SpeculationGate:
         b.recent.append(seconds)
         for arm in b.arms:
             arm.fade(c.decay)
-        b.arms[SPEC if speculative else PLAIN].add(tokens, clipped)
+        b.arms[int(speculative)].add(tokens, clipped)
 
     def rates(self) -> dict[int, dict[str, float]]:
         """Per bucket: each arm's rate (tokens/s; 0 before its first step) and steps, and the
-        decisions made."""
-        return {
-            key: {"plain_rate": b.arms[PLAIN].rate, "plain_steps": b.arms[PLAIN].count,
-                  "spec_rate": b.arms[SPEC].rate, "spec_steps": b.arms[SPEC].count,
-                  "decisions": b.decisions}
-            for key, b in sorted(self._buckets.items())
-        }
+        decisions made (``spec_`` is the tree arm; ``chain_`` with ``chains``)."""
+        out = {}
+        for key, b in sorted(self._buckets.items()):
+            out[key] = {"plain_rate": b.arms[PLAIN].rate, "plain_steps": b.arms[PLAIN].count,
+                        "spec_rate": b.arms[TREE].rate, "spec_steps": b.arms[TREE].count,
+                        "decisions": b.decisions}
+            if self.config.chains:
+                out[key].update(chain_rate=b.arms[CHAIN].rate, chain_steps=b.arms[CHAIN].count)
+        return out

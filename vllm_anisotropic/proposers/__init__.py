@@ -47,6 +47,7 @@ from vllm_anisotropic.proposers.token_recycling import TokenRecyclingProposer
 __all__ = [
     "PROPOSERS",
     "get_proposer",
+    "drafts_chains",
     "proposer_config",
     "Proposer",
     "RequestState",
@@ -92,3 +93,8 @@ def get_proposer(name: str, vocab_size: int | None = None, **options) -> Propose
     config = proposer_config(name, **options)
     cls = PROPOSERS[name][0]
     return cls(config, vocab_size=vocab_size)
+
+
+def drafts_chains(name: str, **options) -> bool:
+    """Whether the proposer ``name`` with ``options`` drafts chains alone (``propose_chain``)."""
+    return PROPOSERS[name][0].drafts_chains(proposer_config(name, **options))

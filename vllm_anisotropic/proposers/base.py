@@ -11,6 +11,9 @@ returns a per-request
   step". ``max_nodes`` (root included) lowers the proposer's own budget for this call: the
   engine's drafter passes it when the allocator has been keeping far fewer nodes than the
   budget, so no time goes into building nodes that will be cut.
+* ``state.propose_chain(context_tokens, max_drafts) -> DraftTree`` -- a chain alone, for
+  proposers whose ``Proposer.drafts_chains(config)`` is true (GOOSE: its context-match spine):
+  the measured gate's cheap speculative steps (``allocator.gate``).
 * ``state.observe(tree, accepted, logits)`` -- after verification: ``accepted`` are the
   accepted node indices (root excluded, root->leaf order, ``VerifyResult.accepted``) and
   ``logits`` the target logits of every verified node, ``[num_nodes, vocab_size]`` (row i =
@@ -88,6 +91,11 @@ class RequestState(abc.ABC):
     # in for ``logits`` in ``observe``); None: it reads no logits
     harvest_top_k: int | None = None
 
+    def propose_chain(self, context_tokens: np.ndarray, max_drafts: int) -> DraftTree:
+        """A chain alone, at most ``max_drafts`` tokens below the root (the measured gate's chain
+        steps, ``allocator.gate``); only proposers whose ``drafts_chains`` says so have one."""
+        raise NotImplementedError(f"{type(self).__name__} drafts no chains alone")
+
     def observe(self, tree: DraftTree, accepted: Sequence[int], logits: torch.Tensor | None) -> None:
         """Learn from a verified tree; default: nothing to learn."""
 
@@ -112,6 +120,12 @@ class Proposer(abc.ABC):
     def new_request(self, tenant: str | None = None) -> RequestState:
         """A new request's state. ``tenant``: vLLM's ``cache_salt`` of the request; a proposer
         that learns across requests learns per tenant (``adjacency.TenantTables``)."""
+
+    @classmethod
+    def drafts_chains(cls, config) -> bool:
+        """Whether states made with ``config`` have a ``propose_chain`` (a chain cheaper than
+        their trees); default: no."""
+        return False
 
     def begin_step(self, num_requests: int) -> None:
         """The next ``num_requests`` ``propose`` calls draft one engine step's trees (the engine's

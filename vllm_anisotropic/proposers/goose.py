@@ -234,24 +234,39 @@ class GooseState(HarvestingState):
         length = len(hit.draft) if cfg.bypass_signal == "draft_length" else hit.match_length
         return length >= cfg.bypass_min_length
 
+    def _spine(self, context: np.ndarray, limit: int) -> tuple[ContextMatch, bool]:
+        """The context match of ``context`` (its continuation at most ``limit`` tokens), from the
+        request's own context or else the tenant's finished requests; (match, from the store)."""
+        self._prev_root = int(context[-2]) if len(context) >= 2 else -1
+        if self._prompt_len < 0:
+            self._prompt_len = len(context) - 1  # the first proposal follows the prefill's token
+        if not self.config.context_spine:
+            return _NO_MATCH, False
+        self.matcher.sync(context)
+        hit = self.matcher.match(limit)
+        if not hit.found and self.store is not None:
+            draft, n = self.store.match(self.matcher.tokens, limit)
+            if n:
+                return ContextMatch(draft, n, n, False, -1), True
+        return hit, False
+
+    def propose_chain(self, context_tokens, max_drafts: int) -> DraftTree:
+        """The spine alone, at most ``max_drafts`` tokens (root-only without a match): a chain
+        step of the measured gate (``allocator.gate``), the linear bypass without its test."""
+        context = np.asarray(context_tokens)
+        limit = max(0, min(self.config.max_continuation, int(max_drafts)))
+        hit, _ = self._spine(context, limit) if limit else (_NO_MATCH, False)
+        self.last_info = ProposalInfo(ProposalMode.BYPASS if hit.found else ProposalMode.PLAIN,
+                                      spine_len=len(hit.draft), ngram=hit.ngram, match_length=hit.match_length,
+                                      consensus=hit.consensus)
+        return spine_chain(int(context[-1]), hit.draft[:limit], self.spine_acceptance)
+
     def propose(self, context_tokens, max_nodes: int | None = None) -> DraftTree:
         cfg = self.config
         budget = node_budget(cfg.budget, max_nodes)
         context = np.asarray(context_tokens)
         root = int(context[-1])
-        self._prev_root = int(context[-2]) if len(context) >= 2 else -1
-        if self._prompt_len < 0:
-            self._prompt_len = len(context) - 1  # the first proposal follows the prefill's token
-        hit = _NO_MATCH
-        from_store = False
-        if cfg.context_spine:
-            self.matcher.sync(context)
-            limit = min(cfg.max_continuation, budget - 1)
-            hit = self.matcher.match(limit)
-            if not hit.found and self.store is not None:
-                draft, n = self.store.match(self.matcher.tokens, limit)
-                if n:
-                    hit, from_store = ContextMatch(draft, n, n, False, -1), True
+        hit, from_store = self._spine(context, min(cfg.max_continuation, budget - 1))
         r = spine_ratio_tier(self.spine_acceptance, cfg.tier_thresholds, cfg.tier_ratios)
         info = dict(ngram=hit.ngram, match_length=hit.match_length, consensus=hit.consensus, spine_ratio=r)
         if not from_store and self._is_bypass(hit):  # another request's text is no bypass signal
@@ -311,6 +326,10 @@ class GooseProposer(Proposer):
     def _new_table(self) -> AdjacencyTable:
         c = self.config
         return AdjacencyTable(self.vocab_size, c.top_k, bigram=c.bigram, bigram_capacity=c.bigram_capacity)
+
+    @classmethod
+    def drafts_chains(cls, config: GooseConfig) -> bool:
+        return bool(config.context_spine)  # the spine; without it there is no chain to draft
 
     def new_request(self, tenant: str | None = None) -> GooseState:
         store = self.stores.for_request(tenant) if self.stores is not None else None

@@ -52,7 +52,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from vllm_anisotropic.allocator import CostModel, CostSample, GateConfig, SpeculationGate, allocate, request_caps
+from vllm_anisotropic.allocator import (CHAIN, PLAIN, TREE, CostModel, CostSample, GateConfig, SpeculationGate, allocate,
+                                       request_caps)
 
 logger = logging.getLogger(__name__)
 log = logging.getLogger("vllm.anisotropic")
@@ -72,6 +73,8 @@ class BudgetMetrics:
 
     steps: int = 0  # decode steps where a request had drafts to cut, or the gate made plain
     steps_without_drafts: int = 0  # of which: the allocator kept no draft at all
+    chain_steps: int = 0  # of the steps: chain steps of the gate (the proposers' chains alone, not cut)
+    chain_drafts: int = 0  # draft tokens those chain steps verified
     probe_steps: int = 0
     gate_plain_steps: int = 0  # of the steps without drafts: those the measured gate made plain
     tree_rows: int = 0  # draft nodes kept by the allocator
@@ -91,7 +94,8 @@ class BudgetMetrics:
         return (
             f"vllm-anisotropic budget: steps {self.steps}, mean tree rows {self.tree_rows / steps:.1f} "
             f"of {self.tree_rows_offered / steps:.1f} offered, steps without drafts "
-            f"{self.steps_without_drafts / steps:.2f} (gate {self.gate_plain_steps / steps:.2f}), accepted predicted {self.predicted_accepted:.0f} "
+            f"{self.steps_without_drafts / steps:.2f} (gate {self.gate_plain_steps / steps:.2f}), chain steps "
+            f"{self.chain_steps / steps:.2f}, accepted predicted {self.predicted_accepted:.0f} "
             f"realized {self.realized_accepted}, cost model error {err:.3f}"
         )
 
@@ -116,11 +120,15 @@ class BatchBudget:
     """Scheduler-side allocator state (see module docstring)."""
 
     def __init__(self, scheduler_config, model_config, num_speculative_tokens: int, engine_config,
-                 stats_path: str | None = None) -> None:
+                 stats_path: str | None = None, chains: bool = False) -> None:
+        """``chains``: the proposer drafts chains alone and ``allocator_chains`` is on
+        (``TreeSpecConfig.chain_steps``): the gate measures chain steps as a third arm."""
         self.enabled = engine_config.allocator == "auto"
         self.probe_every = int(engine_config.allocator_probe_every)
-        self.gate = (SpeculationGate(GateConfig(explore_every=int(engine_config.allocator_gate_explore_every)))
+        self.gate = (SpeculationGate(GateConfig(explore_every=int(engine_config.allocator_gate_explore_every),
+                                                chains=bool(chains)))
                      if self.enabled and engine_config.allocator_gate else None)
+        self.chain_drafts = int(engine_config.allocator_chain_drafts)
         self.online = bool(engine_config.cost_model_online)
         self.max_batched = int(scheduler_config.max_num_batched_tokens)
         self.max_model_len = int(model_config.max_model_len)
@@ -142,19 +150,19 @@ class BatchBudget:
         self._unscored: list[tuple] = []  # measured steps whose cost-model error is not counted yet
         self._decoding: dict[str, int] = {}  # req_id -> accepted tokens it re-runs, of requests past their prompt
         self._t_cut = time.perf_counter()  # start of the latest cut
-        # whether the measured gate let the step being scheduled draft (its drafts were proposed for it);
-        # such a step is the gate's speculative arm whatever the allocator then keeps
-        self._drafting = False
+        # the kind the measured gate chose for the step being scheduled (its drafts were proposed
+        # for it): TREE or CHAIN, the gate's arm whatever the allocator then keeps; PLAIN: none
+        self._drafting = PLAIN
         # worker seconds spent proposing the drafts of the step after the one just measured
         # (``tree_propose_s`` of the previous output): moved from that step's time to the step
         # that verifies them
         self._propose_carry = 0.0
         # the gate's decision for the coming step (None: none made yet, ask at the cut), and
-        # whether the worker should draft after the step being scheduled (``propose_next``,
-        # sent with the scheduler output: TreeScheduler.schedule -> runner)
-        self._allowed: bool | None = None
+        # what the workers draft after the step being scheduled (``propose_next``: PLAIN =
+        # nothing, TREE, CHAIN; sent with the scheduler output: TreeScheduler.schedule -> runner)
+        self._allowed: int | None = None
         self.start_coefficients: dict[str, float] = {}  # the cost model fitted on the worker's start-up sweep
-        self.propose_next = True
+        self.propose_next = TREE
         self._last_log = -LOG_INTERVAL_S
         self._last_write = -WRITE_INTERVAL_S
 
@@ -165,12 +173,11 @@ class BatchBudget:
             return
         chains = getattr(draft_token_ids, "tree_chains", None) or [0] * len(probs)
         for req_id, p, c in zip(draft_token_ids.req_ids, probs, chains):
+            self.chains[req_id] = int(c)  # a chain step's chain has no probabilities (nothing ranks it)
             if p is None:
                 self.probs.pop(req_id, None)
-                self.chains.pop(req_id, None)
             else:
                 self.probs[req_id] = np.asarray(p, np.float64)
-                self.chains[req_id] = int(c)
 
     # ------------------------------------------------------------------ 2
     def cut(self, running) -> None:
@@ -182,19 +189,23 @@ class BatchBudget:
         self._decoding = {r.request_id: r.num_tokens - r.num_computed_tokens - 1 for r in running
                           if r.num_computed_tokens >= r.num_prompt_tokens}
         live = {r.request_id for r in running}
-        for req_id in [r for r in self.probs if r not in live]:
-            del self.probs[req_id]
-            self.chains.pop(req_id, None)
-        self._drafting = False
+        for req_id in [r for r in self.chains if r not in live]:
+            self.probs.pop(req_id, None)
+            del self.chains[req_id]
+        self._drafting = PLAIN
         if not self.enabled:
             return
-        # the gate's decision for this step was made one step ahead (so that the worker drafts
-        # only for steps that may speculate); the decision for the next step is made now
-        allowed = True
+        # the gate's decision for this step was made one step ahead (so that the workers draft
+        # only for steps that may speculate, and the kind of drafts the step verifies); the
+        # decision for the next step is made now
+        mode = TREE
         if self.gate is not None:
-            allowed = self._allowed if self._allowed is not None else self.gate.allows(len(running))
-            self._allowed = self.propose_next = self.gate.allows(len(running)) if running else allowed
-        self._drafting = allowed and self.gate is not None
+            mode = self._allowed if self._allowed is not None else self.gate.decide(len(running))
+            self._allowed = self.propose_next = self.gate.decide(len(running)) if running else mode
+            self._drafting = mode
+        if mode == CHAIN:
+            self._chain_step(running)
+            return
         reqs, probs = [], []
         owed = 0
         for r in running:
@@ -204,8 +215,8 @@ class BatchBudget:
                 if len(p) == len(r.spec_token_ids):
                     reqs.append(r)
                     probs.append(np.clip(p, 0.0, 1.0))
-        if not allowed:
-            self._gate_plain(reqs, probs)
+        if mode == PLAIN:
+            self._gate_plain(running, probs)
             return
         if not reqs:
             return
@@ -252,11 +263,12 @@ class BatchBudget:
             self._score()
             self.cost.refit()
 
-    def _gate_plain(self, reqs, probs) -> None:
+    def _gate_plain(self, running, probs) -> None:
         """The gate made this step plain: no drafts, no probe, no allocation. Counted as a step
         when some request had drafts or is decoding (the worker drafts nothing while the gate
         stays closed, so most such steps arrive without drafts)."""
-        if not reqs and not self._decoding:
+        drafted = [r for r in running if r.spec_token_ids]
+        if not drafted and not self._decoding:
             return
         m = self.metrics
         m.steps += 1
@@ -265,8 +277,29 @@ class BatchBudget:
         m.tree_rows_offered += int(sum(len(p) for p in probs))
         m.last_budget = 0
         m.last_predicted_speedup = 1.0
-        for r in reqs:
+        for r in drafted:
             r.spec_token_ids = []
+
+    def _chain_step(self, running) -> None:
+        """The gate chose a chain step: every request verifies its chain as proposed (the
+        workers drafted chains alone: no probabilities, no allocation), at most
+        ``chain_drafts`` tokens, and a tree that arrived instead (the first step, before the
+        workers heard of the gate) only its leading chain."""
+        drafted = [r for r in running if r.spec_token_ids]
+        if not drafted and not self._decoding:
+            return
+        m = self.metrics
+        m.steps += 1
+        m.chain_steps += 1
+        kept = 0
+        for r in drafted:
+            n = min(len(r.spec_token_ids), self.chains.get(r.request_id, 0), self.chain_drafts)
+            r.spec_token_ids = r.spec_token_ids[:n]
+            kept += n
+        m.chain_drafts += kept
+        m.last_budget = kept
+        if not kept:
+            m.steps_without_drafts += 1
 
     # ------------------------------------------------------------------ 3
     def on_scheduled(self, scheduler_output) -> None:
@@ -292,10 +325,10 @@ class BatchBudget:
         decode = not scheduler_output.scheduled_new_reqs and all(rid in self._decoding for rid in num)
         arm = None
         if decode:
-            if self._drafting or speculating > 0:
-                arm = True
-            elif not self.propose_next and not any(self._decoding[rid] > 0 for rid in num):
-                arm = False
+            if self._drafting != PLAIN or speculating > 0:
+                arm = self._drafting if self._drafting != PLAIN else TREE
+            elif self.propose_next == PLAIN and not any(self._decoding[rid] > 0 for rid in num):
+                arm = PLAIN
         self._step = (len(num), scheduler_output.total_num_scheduled_tokens, rows, ctx, speculating, self._t_cut, arm)
 
     # ------------------------------------------------------------------ 4

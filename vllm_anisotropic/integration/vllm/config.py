@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vllm_anisotropic.proposers import PROPOSERS, proposer_config
+from vllm_anisotropic.proposers import PROPOSERS, drafts_chains, proposer_config
 
 __all__ = [
     "TREE_METHODS",
@@ -116,6 +116,17 @@ class EngineTreeConfig(BaseModel):
     """Every this-many-th step at a batch size a closed gate speculates (so it can re-open),
     and every 4 x this-many-th an open gate decodes plainly for a block of 4 steps (so it can
     close): costs ~1/this of the difference either way."""
+
+    allocator_chains: bool = True
+    """With the gate on, and for proposers that draft a chain alone (GOOSE: the context-match
+    spine), the gate measures *chain steps* beside plain and tree steps: each request's chain of
+    at most ``allocator_chain_drafts`` tokens, with no branches, ranking, cut or harvest, at the
+    host cost of vLLM's ``ngram`` step; it speculates with whichever kind has measured faster
+    at the batch size (docs/allocator.md). false: tree steps only."""
+
+    allocator_chain_drafts: int = Field(default=5, ge=1)
+    """Most draft tokens of a chain step (vLLM's ``ngram`` with k = 5 is the chain method that
+    gained at sixteen requests on the AMX Xeon; docs/allocator.md)."""
 
     allocator_offer_factor: float = Field(default=4.0, ge=0.0)
     """With the allocator on, each request's next tree is built with at most
@@ -222,6 +233,14 @@ class TreeSpecConfig(BaseModel):
     def budget(self) -> int:
         """Tree nodes including the root (the proposer config's ``budget``)."""
         return int(proposer_config(self.proposer_name, **self.proposer_options).budget)
+
+    @property
+    def chain_steps(self) -> bool:
+        """Whether the measured gate may choose chain steps (``allocator_chains`` and a
+        proposer that drafts chains alone: ``Proposer.drafts_chains``)."""
+        e = self.engine
+        return (e.allocator == "auto" and e.allocator_gate and e.allocator_chains
+                and drafts_chains(self.proposer_name, **self.proposer_options))
 
     def to_additional_config(self) -> dict[str, Any]:
         return self.model_dump()

@@ -72,6 +72,10 @@ class TreeDrafter:
         # the tenant whose adjacency table the request reads and feeds
         self.tenants: dict[str, str] = {}
         self.trees: dict[str, DraftTree] = {}
+        # requests whose pending tree is a chain step's chain (``propose_trees(chains=True)``):
+        # verified without harvesting their rows
+        self.chain_trees: set[str] = set()
+        self.chain_drafts = int(self.config.engine.allocator_chain_drafts)
         # budget allocator (budget.py): calibrated P(node on the accepted path) of each pending
         # tree's draft list, learned from every verified tree; None when the allocator is off
         self.acceptance = (AcceptanceModel(AcceptanceConfig(refit_every=ACCEPTANCE_REFIT_EVERY))
@@ -119,24 +123,29 @@ class TreeDrafter:
         num_tokens_no_spec: np.ndarray,  # [max_num_reqs]
         token_ids_cpu: np.ndarray,  # [max_num_reqs, max_model_len]
         laws: Sequence | None = None,
+        chains: bool = False,
     ) -> list[list[int]]:
         """One draft list per batch row: ``tree.tokens[1:]`` of the request's new tree.
 
         ``laws``: per batch row, ``(TargetSampling, seed)`` of the request (the runner's
         ``request_law``), read when a proposer that samples from a draft model creates the
-        request's state (``DraftTreeState.set_sampling``); None: greedy."""
+        request's state (``DraftTreeState.set_sampling``); None: greedy.
+        ``chains``: the measured gate chose a chain step (``allocator.gate``): each request's
+        chain alone (``propose_chain``, at most ``allocator_chain_drafts`` tokens), not ranked,
+        not labelled, and its verified rows not harvested (``observe_batch``); the backoff
+        neither applies nor counts."""
         new: dict[str, DraftTree] = {}
         starts: dict[str, int] = {}  # req_id -> its token count, the root being the last token
         if self.unlabelled:
             self._label(req_ids, num_tokens_no_spec, token_ids_cpu)
         # no sampled token: a partial prefill chunk or a discarded request; a skip: the backoff
-        drafting = [bool(sampled_token_ids[i]) and bool(eligible[i]) and self.skip.get(r, 0) <= 0
+        drafting = [bool(sampled_token_ids[i]) and bool(eligible[i]) and (chains or self.skip.get(r, 0) <= 0)
                     for i, r in enumerate(req_ids)]
         self.proposer.begin_step(sum(drafting))
         for i, req_id in enumerate(req_ids):
             num_tokens = int(num_tokens_no_spec[i])
             if not drafting[i]:
-                if sampled_token_ids[i] and eligible[i]:
+                if sampled_token_ids[i] and eligible[i] and not chains:
                     self.skip[req_id] -= 1
                 self.trees.pop(req_id, None)
                 continue
@@ -148,7 +157,10 @@ class TreeDrafter:
                 self.metrics.live_requests = len(self.states)
                 self.metrics.tenant_tables = getattr(getattr(self.proposer, "tables", None), "num_tenants", 0)
             room = min(self.max_draft_tokens, self.max_model_len - num_tokens - 1)
-            tree = state.propose(token_ids_cpu[i, :num_tokens], self._offer(req_id, room))
+            if chains:
+                tree = state.propose_chain(token_ids_cpu[i, :num_tokens], min(self.chain_drafts, max(room, 0)))
+            else:
+                tree = state.propose(token_ids_cpu[i, :num_tokens], self._offer(req_id, room))
             assert int(tree.tokens[0]) == int(token_ids_cpu[i, num_tokens - 1]), "root must be the last token"
             tree = tree.truncate(max(room, 0) + 1)
             if tree.draft_probs is not None and self.acceptance is not None:
@@ -156,11 +168,12 @@ class TreeDrafter:
             new[req_id] = tree
             starts[req_id] = num_tokens
         self.probs = {}
-        if self.acceptance is not None and new:
+        self.chain_trees = set(new) if chains else set()
+        if self.acceptance is not None and new and not chains:
             self._rank(new)
         for req_id, tree in new.items():
             self.trees[req_id] = tree
-            if self.acceptance is not None and tree.num_nodes > 1:
+            if self.acceptance is not None and tree.num_nodes > 1 and not chains:
                 self.unlabelled.setdefault(req_id, []).append((starts[req_id], tree))
         return [new[r].tokens[1:].tolist() if r in new else [] for r in req_ids]
 
@@ -172,6 +185,7 @@ class TreeDrafter:
         for req_id in req_ids:
             self.trees.pop(req_id, None)
         self.probs = {}
+        self.chain_trees = set()
         return [[] for _ in req_ids]
 
     def _rank(self, new: dict[str, DraftTree]) -> None:
@@ -270,6 +284,10 @@ class TreeDrafter:
         (``runner.TreeRunnerMixin._update_states``), in both cases before anything else of the
         next step: the same order on every tensor-parallel rank and in every executor.
         """
+        if self.chain_trees:  # a chain step's chains: learn (spine EMA, metrics) without the rows
+            for req_id, tree, accepted, rows in [it for it in items if it[0] in self.chain_trees]:
+                self.observe(req_id, tree, accepted, None)
+            items = [it for it in items if it[0] not in self.chain_trees]
         ks = [st.harvest_top_k for st in (self.states.get(r) for r, *_ in items) if st is not None]
         ks = [k for k in ks if k]
         if not ks:

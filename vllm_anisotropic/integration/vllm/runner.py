@@ -38,6 +38,7 @@ import torch
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from vllm_anisotropic.allocator import CHAIN, PLAIN, TREE
 from vllm_anisotropic.integration.vllm.config import DRAFT_MODEL_METHODS
 from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
 from vllm_anisotropic.integration.vllm.sampler import TreeRejectionSampler, harvest_plain
@@ -357,7 +358,8 @@ class TreeRunnerMixin:
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         assert isinstance(sampled_token_ids, list)
         req_ids = list(self.input_batch.req_ids)
-        if getattr(scheduler_output, "tree_propose", True) is False:
+        kind = int(getattr(scheduler_output, "tree_propose", TREE))
+        if kind == PLAIN:
             # the measured gate keeps the next step plain: no trees (so no harvest next step)
             return self.drafter.rest(req_ids)
         t0 = time.perf_counter()
@@ -373,6 +375,7 @@ class TreeRunnerMixin:
             self.input_batch.num_tokens_no_spec,
             self.input_batch.token_ids_cpu,
             laws,
+            chains=kind == CHAIN,
         )
         self._propose_s += time.perf_counter() - t0
         return drafts

@@ -48,14 +48,16 @@ class TreeScheduler(Scheduler):
         spec = vllm_config.speculative_config
         tree = TreeSpecConfig.from_additional_config(spec.method, vllm_config.additional_config)
         self.budget = BatchBudget(vllm_config.scheduler_config, vllm_config.model_config,
-                                  spec.num_speculative_tokens, tree.engine, stats_path=budget_stats_path())
+                                  spec.num_speculative_tokens, tree.engine, stats_path=budget_stats_path(),
+                                  chains=tree.chain_steps)
 
     def schedule(self, *args, **kwargs):
         self.budget.cut(self.running)
         out = super().schedule(*args, **kwargs)
         self.budget.on_scheduled(out)
-        # whether the workers draft after this step: False while the measured gate keeps the
-        # next step plain (budget.BatchBudget.cut decides one step ahead); pickled with the output
+        # what the workers draft after this step: PLAIN (nothing) while the measured gate keeps
+        # the next step plain, TREE or CHAIN (budget.BatchBudget.cut decides one step ahead);
+        # pickled with the output
         out.tree_propose = self.budget.propose_next
         # the tenant (cache_salt) of each new request, for the worker's per-tenant adjacency
         # tables (proposers.adjacency.TenantTables): vLLM's NewRequestData does not carry it.
