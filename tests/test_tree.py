@@ -131,3 +131,20 @@ def test_pack_roundtrip(ts, data):
     for f in ("node_offsets", "tokens", "parents", "local_parents", "depths", "positions", "tree_index",
               "root_index", "children", "slots"):
         assert torch.equal(getattr(r, f), getattr(ref, f)), f
+
+
+def test_unchecked_spine_equals_the_checked_chain():
+    # DraftTree.spine skips the checks (the engine's chain steps build one per request and step):
+    # it must be the very tree the checked constructor builds, and pass its checks
+    values = np.array([1.0, 0.5, 0.25, 0.125])
+    fast = DraftTree.spine(7, np.array([3, 9, 4]), values)
+    slow = DraftTree(tokens=[7, 3, 9, 4], parents=[-1, 0, 1, 2],
+                     sources=[NodeSource.ROOT, NodeSource.SPINE, NodeSource.SPINE, NodeSource.SPINE], values=values)
+    fast.validate()
+    for name in ("tokens", "parents", "sources", "values", "multiplicity"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert fast.draft_probs is None and fast.depths.tolist() == [0, 1, 2, 3]
+    root_only = DraftTree.spine(7, np.zeros(0, np.int64), np.ones(1))
+    root_only.validate()
+    assert root_only.num_nodes == 1 and root_only.sources.tolist() == [NodeSource.ROOT]

@@ -292,18 +292,8 @@ class DraftTree:
             return self
         # A prefix of a valid tree is valid (parents come first): no re-validation, and the
         # prefix-closed caches (depths, ancestor masks) are sliced rather than rebuilt.
-        out = object.__new__(DraftTree)
-        fields = {
-            "tokens": self.tokens[:n],
-            "parents": self.parents[:n],
-            "sources": self.sources[:n],
-            "values": self.values[:n],
-            "draft_probs": None if self.draft_probs is None else self.draft_probs[:n],
-            "multiplicity": self.multiplicity[:n],
-            "_cache": {},
-        }
-        for name, value in fields.items():
-            object.__setattr__(out, name, value)
+        out = DraftTree._unchecked(self.tokens[:n], self.parents[:n], self.sources[:n], self.values[:n],
+                                   None if self.draft_probs is None else self.draft_probs[:n], self.multiplicity[:n])
         for key in ("depths", "abits"):
             if key in self._cache:
                 out._cache[key] = self._cache[key][:n]
@@ -332,6 +322,30 @@ class DraftTree:
             draft_probs=None if self.draft_probs is None else self.draft_probs[torch.from_numpy(order)],
             multiplicity=self.multiplicity[order],
         )
+
+    @staticmethod
+    def _unchecked(tokens, parents, sources, values, draft_probs, multiplicity) -> "DraftTree":
+        """A tree from arrays already in their final dtypes whose invariants the caller
+        guarantees (a prefix of a valid tree, a chain built as one): no checks, no copies."""
+        out = object.__new__(DraftTree)
+        for name, value in (("tokens", tokens), ("parents", parents), ("sources", sources), ("values", values),
+                            ("draft_probs", draft_probs), ("multiplicity", multiplicity), ("_cache", {})):
+            object.__setattr__(out, name, value)
+        return out
+
+    @staticmethod
+    def spine(root_token: int, spine, values: np.ndarray) -> "DraftTree":
+        """The chain root -> spine[0] -> spine[1] -> ..., SPINE nodes with ``values``
+        ([1 + len(spine)] float64), built without the checks (valid by construction: the
+        engine's chain steps build one per request and step). Token ids must be >= 0."""
+        m = len(spine)
+        tokens = np.empty(m + 1, np.int64)
+        tokens[0] = root_token
+        tokens[1:] = spine
+        sources = np.full(m + 1, NodeSource.SPINE, np.int8)
+        sources[0] = NodeSource.ROOT
+        return DraftTree._unchecked(tokens, np.arange(-1, m, dtype=np.int64), sources,
+                                    np.ascontiguousarray(values, np.float64), None, np.ones(m + 1, np.int64))
 
     @staticmethod
     def chain(tokens, root_token: int = 0, source: NodeSource = NodeSource.SPINE, draft_probs=None) -> "DraftTree":

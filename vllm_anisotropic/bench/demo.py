@@ -198,11 +198,13 @@ def run(args: argparse.Namespace) -> int:
             gate = budget.get("gate") or {}
             if gate:
                 # per batch size: what the measured gate saw in each arm (tokens/s of decode steps)
-                lines.append("          measured gate (tokens/s, plain vs speculative decode steps): " + ", ".join(
+                lines.append("          measured gate (tokens/s of decode steps, plain vs trees vs chains): " + ", ".join(
                     f"{r} req {g['plain_rate']:.0f} vs {g['spec_rate']:.0f}"
-                    f"{' (plain)' if g['spec_rate'] < g['plain_rate'] else ''}"
+                    + (f" vs {g['chain_rate']:.0f}" if g.get("chain_steps") else "")
+                    + (" (plain)" if max(g["spec_rate"], g.get("chain_rate", 0.0)) < g["plain_rate"] else "")
                     for r, g in sorted(gate.items(), key=lambda kv: int(kv[0])) if g["plain_steps"] and g["spec_steps"])
-                    + f"; {budget.get('gate_plain_steps', 0) / steps:.0%} of steps made plain by it")
+                    + f"; {budget.get('gate_plain_steps', 0) / steps:.0%} of steps made plain by it, "
+                    + f"{budget.get('chain_steps', 0) / steps:.0%} chain steps")
         if args.out:
             record = {
                 "model": args.model, "dataset": args.dataset, "num_prompts": len(prompts),

@@ -109,13 +109,7 @@ def _filtered(successors: SuccessorFn, prev: int, token: int, min_score: float, 
 def spine_chain(root_token: int, spine: np.ndarray, spine_acceptance: float) -> DraftTree:
     """The linear bypass tree: root -> d_1 -> ... -> d_m, SPINE nodes, values p_s ** i."""
     v = min(max(float(spine_acceptance), 1e-3), 1.0)
-    m = len(spine)
-    return DraftTree(
-        tokens=np.concatenate([[int(root_token)], np.asarray(spine, np.int64)]),
-        parents=np.arange(-1, m, dtype=np.int64),
-        sources=np.array([NodeSource.ROOT] + [NodeSource.SPINE] * m, np.int8),
-        values=v ** np.arange(m + 1, dtype=np.float64),
-    )
+    return DraftTree.spine(int(root_token), spine, v ** np.arange(len(spine) + 1, dtype=np.float64))
 
 
 def build_spine_tree(
