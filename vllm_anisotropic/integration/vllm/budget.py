@@ -24,7 +24,10 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    decides one step ahead: the decision for step t + 1 is made in step t's cut and sent to the
    workers with step t's scheduler output (``propose_next`` -> ``tree_propose``), so that
    while it stays closed the workers draft nothing (no trees, no harvest, no scoring) and a
-   plain step costs what plain decoding costs.
+   plain step costs what plain decoding costs. With ``chains`` (GOOSE) the gate may instead
+   choose a *chain step* (``allocator.gate``, third arm): the workers draft each request's
+   chain alone (no ranking, labelling or harvest) and ``_chain_step`` keeps it as drafted, at
+   most ``allocator_chain_drafts`` tokens.
 3. ``on_scheduled``: the step's composition (requests, query tokens, tree rows, context tokens
    of the tree rows, requests with drafts).
 4. ``on_output``: the step's wall time (``update_from_output`` - start of ``cut``: the cut,
