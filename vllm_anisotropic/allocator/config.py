@@ -128,7 +128,9 @@ class GateConfig(AllocatorModelConfig):
     """A closed gate explores every ``explore_every``-th decision while speculation falls short
     of opening by this fraction or more, and proportionally more often when it falls short by
     less (down to every ``explore_every`` // 8-th): an exploring step then costs at most ~this /
-    ``explore_every`` of the tokens (0.6 % at the defaults), and an arm that nearly pays is
+    ``explore_every`` of the tokens (0.6 % at the defaults) plus the switch steps around it (the
+    plain step that drafts for it and the one that re-runs what it accepted: ~10 % of a step
+    each at 64 requests on the AMX Xeon, docs/allocator.md), and an arm that nearly pays is
     measured often enough to open within ~100 decode steps (a sixteen-request bench cell on the
     AMX Xeon). Measured there, in process, 48 prompts: chain steps at 530-550 tokens/s against
     plain's 597 while the requests were young, 550-960 later; every 32nd decision took ~200

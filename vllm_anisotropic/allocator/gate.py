@@ -208,7 +208,8 @@ class SpeculationGate:
         """Decisions between two exploring steps of a closed gate: ``explore_every`` where the
         speculative arm falls short of opening by ``explore_shortfall`` or more, proportionally
         fewer (down to ``explore_every`` // 8) where it is closer, so an exploring step costs at
-        most ~``explore_shortfall`` / ``explore_every`` of a step's tokens either way, and an arm
+        most ~``explore_shortfall`` / ``explore_every`` of a step's tokens either way (besides
+        the switch steps of the plain block around it, which no arm counts), and an arm
         that is nearly paying (chain steps as the text starts repeating itself) gets measured
         often enough to open within a cell."""
         c = self.config
