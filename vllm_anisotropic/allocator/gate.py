@@ -170,28 +170,28 @@ class SpeculationGate:
 
     def kind(self, num_reqs: int) -> int:
         """Which speculative kind a step the gate lets speculate runs (module docstring)."""
-        c = self.config
         b = self._bucket(num_reqs)
-        _, tree, chain = b.arms
-        if min(tree.count, chain.count) < c.min_steps:
-            return TREE if tree.count < chain.count else CHAIN
+        best = self._best_kind(b)
+        if min(b.arms[TREE].count, b.arms[CHAIN].count) < self.config.min_steps:
+            return best  # warm-up: the less measured kind
         b.spec_decisions += 1
-        best, other = (TREE, CHAIN) if tree.rate > chain.rate * (1.0 + c.margin) else (CHAIN, TREE)
-        return other if b.spec_decisions % c.explore_every == 0 else best
+        other = TREE if best == CHAIN else CHAIN
+        return other if b.spec_decisions % self.config.explore_every == 0 else best
 
-    def _spec_arm(self, b: _Bucket) -> GateArm:
-        """The speculative arm plain decoding is compared with: the tree arm, or with
-        ``chains`` the kind ``kind`` exploits (both kinds warmed up) or the less measured one."""
-        _, tree, chain = b.arms
+    def _best_kind(self, b: _Bucket) -> int:
+        """TREE without ``chains``; with them, while either kind has fewer than ``min_steps``
+        steps the less measured one (a tie to chains), then trees only when faster than chains by
+        more than ``margin``."""
+        tree, chain = b.arms[TREE], b.arms[CHAIN]
         if not self.config.chains:
-            return tree
+            return TREE
         if min(tree.count, chain.count) < self.config.min_steps:
-            return tree if tree.count < chain.count else chain
-        return tree if tree.rate > chain.rate * (1.0 + self.config.margin) else chain
+            return TREE if tree.count < chain.count else CHAIN
+        return TREE if tree.rate > chain.rate * (1.0 + self.config.margin) else CHAIN
 
     def _decide(self, b: _Bucket) -> bool:
         c = self.config
-        plain, spec = b.arms[PLAIN], self._spec_arm(b)
+        plain, spec = b.arms[PLAIN], b.arms[self._best_kind(b)]  # plain against the kind ``kind`` takes
         if plain.count < c.min_steps or spec.count < c.min_steps:
             b.explored = b.decisions  # a closed gate's first exploring step comes a period after the warm-up
             # warm-up: one speculative step, one plain block, ...; then the allocator decides

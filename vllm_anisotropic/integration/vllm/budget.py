@@ -266,15 +266,23 @@ class BatchBudget:
             self._score()
             self.cost.refit()
 
+    def _gate_step(self, running) -> list | None:
+        """The running requests with drafts, for a step whose kind the gate chose (plain or
+        chains), counted as a step; None (not counted) when no request has drafts or decodes."""
+        drafted = [r for r in running if r.spec_token_ids]
+        if not drafted and not self._decoding:
+            return None
+        self.metrics.steps += 1
+        return drafted
+
     def _gate_plain(self, running, probs) -> None:
         """The gate made this step plain: no drafts, no probe, no allocation. Counted as a step
         when some request had drafts or is decoding (the worker drafts nothing while the gate
         stays closed, so most such steps arrive without drafts)."""
-        drafted = [r for r in running if r.spec_token_ids]
-        if not drafted and not self._decoding:
+        drafted = self._gate_step(running)
+        if drafted is None:
             return
         m = self.metrics
-        m.steps += 1
         m.steps_without_drafts += 1
         m.gate_plain_steps += 1
         m.tree_rows_offered += int(sum(len(p) for p in probs))
@@ -288,11 +296,10 @@ class BatchBudget:
         workers drafted chains alone: no probabilities, no allocation), at most
         ``chain_drafts`` tokens, and a tree that arrived instead (the first step, before the
         workers heard of the gate) only its leading chain."""
-        drafted = [r for r in running if r.spec_token_ids]
-        if not drafted and not self._decoding:
+        drafted = self._gate_step(running)
+        if drafted is None:
             return
         m = self.metrics
-        m.steps += 1
         m.chain_steps += 1
         kept = 0
         for r in drafted:
