@@ -379,10 +379,10 @@ def test_harvest_runs_later_with_the_bigram_key_of_its_own_step():
     assert d._deferred == [] and nxt.num_nodes >= 1
 
 
-def test_a_chain_step_drafts_spine_chains_scored_and_harvests_nothing():
+def test_a_chain_step_drafts_spine_chains_unranked_and_harvests_nothing():
     # the gate's chain steps (allocator.gate): each request's context-match spine alone, at most
-    # allocator_chain_drafts tokens, scored and labelled but not reordered, and its verified
-    # rows never reach the adjacency table; a tree step after it is ranked and harvested
+    # allocator_chain_drafts tokens, no probabilities (nothing ranks or labels it), and its
+    # verified rows never reach the adjacency table; a tree step after it is ranked and harvested
     from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
     from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
     from vllm_anisotropic.proposers import GooseConfig
@@ -402,9 +402,7 @@ def test_a_chain_step_drafts_spine_chains_scored_and_harvests_nothing():
     num = np.array([len(context), len(context)])
     drafts = d.propose_trees(["a", "b"], [True, True], [[7], [5]], num, tokens, chains=True)
     assert drafts[0] == [8, 9, 10]  # the spine, cut to 3 tokens
-    # scored like trees (the scheduler cuts their tails) and labelled later, in chain order
-    assert d.chain_trees == {"a", "b"} and set(d.unlabelled) == {"a", "b"}
-    assert len(d.probs["a"]) == 3 and d.probs["a"] == sorted(d.probs["a"], reverse=True)
+    assert d.probs == {} and d.unlabelled == {} and d.chain_trees == {"a", "b"}
     tree = d.take_tree("a", drafts[0])
     state = d.states["a"]
     table = state.table.unigram_ids.copy()

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_anisotropic.allocator import CHAIN, PLAIN, TREE, CostModel, GateConfig, SpeculationGate
+from vllm_anisotropic.allocator import CHAIN, PLAIN, TREE, GateConfig, SpeculationGate
 from vllm_anisotropic.allocator.gate import bucket
 from vllm_anisotropic.integration.vllm.budget import BatchBudget
 from vllm_anisotropic.integration.vllm.config import EngineTreeConfig
@@ -352,27 +352,6 @@ def test_the_kinds_warm_up_in_turn_and_the_slower_one_is_explored():
     # without chains the gate never picks them, and decide() is allows()
     gate = SpeculationGate(GateConfig(min_steps=4, block=2, explore_every=8))
     assert set(_run_kinds(gate, 4, {PLAIN: 50.0, TREE: 60.0, CHAIN: 1e9}, 200)) == {PLAIN, TREE}
-
-
-@pytest.mark.parametrize("slope, kept", [(0.0, [3, 2, 0]), (0.002, [2, 0, 0]), (1.0, [0, 0, 0])])
-def test_a_chain_step_cuts_the_chains_unlikely_tails_at_query_token_cost(slope, kept):
-    # chains come scored (the drafter's acceptance model): the cut is ``allocate`` with each draft
-    # costing one query token (``slope`` s) and no tree-row cost (the steep tree_row must not
-    # apply: chains run in vLLM's causal attention). Flat: every chain up to
-    # allocator_chain_drafts (3); 0.002 s a token at ~115 tokens/s: a draft pays above p ~0.25,
-    # so "a" keeps its two likely drafts and "b" nothing; 1 s a token: nothing
-    b = _budget(allocator_chain_drafts=3)
-    b.gate = SpeculationGate(GateConfig(chains=True))
-    b.cost = CostModel.from_coefficients([0.0], base=0.02, slopes=[slope], tree_row=1.0)
-    b._allowed = CHAIN
-    b.on_draft_ids(SimpleNamespace(req_ids=["a", "b", "c"], tree_probs=[[0.95, 0.9, 0.05, 0.01], [0.1, 0.05], []],
-                                   tree_chains=[4, 2, 0]))
-    reqs = [_req("a", 4), _req("b", 2), _req("c", 0)]
-    b.cut(reqs)
-    assert [len(r.spec_token_ids) for r in reqs] == kept
-    assert reqs[0].spec_token_ids == [1, 2, 3][: kept[0]]  # a prefix
-    assert b.metrics.chain_steps == 1 and b.metrics.chain_drafts == sum(kept)
-    assert b._kept.get("a", 0.0) == pytest.approx(sum([0.95, 0.9, 0.05][: kept[0]]))
 
 
 def test_a_chain_step_keeps_the_chains_as_drafted_and_is_the_chain_arm():

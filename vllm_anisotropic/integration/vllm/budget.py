@@ -26,9 +26,8 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    while it stays closed the workers draft nothing (no trees, no harvest, no scoring) and a
    plain step costs what plain decoding costs. With ``chains`` (GOOSE) the gate may instead
    choose a *chain step* (``allocator.gate``, third arm): the workers draft each request's
-   chain alone (scored by the acceptance model; no branches, reordering or harvest) and
-   ``_chain_step`` cuts it at most ``allocator_chain_drafts`` tokens, then by ``allocate``
-   with query-token costs only (``_ChainCost``).
+   chain alone (no ranking, labelling or harvest) and ``_chain_step`` keeps it as drafted, at
+   most ``allocator_chain_drafts`` tokens.
 3. ``on_scheduled``: the step's composition (requests, query tokens, tree rows, context tokens
    of the tree rows, requests with drafts).
 4. ``on_output``: the step's wall time (``update_from_output`` - start of ``cut``: the cut,
@@ -177,7 +176,7 @@ class BatchBudget:
             return
         chains = getattr(draft_token_ids, "tree_chains", None) or [0] * len(probs)
         for req_id, p, c in zip(draft_token_ids.req_ids, probs, chains):
-            self.chains[req_id] = int(c)
+            self.chains[req_id] = int(c)  # a chain step's chain has no probabilities (nothing ranks it)
             if p is None:
                 self.probs.pop(req_id, None)
             else:
@@ -226,7 +225,9 @@ class BatchBudget:
             return
         self._refresh_cost()
         ctx = np.array([r.num_computed_tokens for r in reqs], np.float64)
-        caps = self._caps(running, reqs, owed)
+        caps = dict(num_reqs=len(running), fixed_query_tokens=max(owed, len(running)),
+                    token_budget=max(self.max_batched - owed, 0), max_per_request=self.max_per_request,
+                    headroom=[self.max_model_len - r.num_tokens - 1 for r in reqs], base_tokens=len(running))
         alloc = allocate(probs, self.cost, ctx_lens=ctx, **caps)
         # Chains only: cut every list inside its leading chain. A chain is verified by vLLM's own
         # causal attention (no masked recompute of tree rows), so its rows cost query tokens only:
@@ -252,18 +253,6 @@ class BatchBudget:
         m.last_budget = int(cuts.sum())
         m.tree_rows += m.last_budget
         m.last_predicted_speedup = float(alloc.speedup)
-        self._apply(reqs, probs, cuts, ctx)
-
-    def _caps(self, running, reqs, owed: int) -> dict:
-        """``allocate``'s caps for ``reqs`` (the requests with drafts) in a step of ``running``
-        requests that owes ``owed`` query tokens without drafts."""
-        return dict(num_reqs=len(running), fixed_query_tokens=max(owed, len(running)),
-                    token_budget=max(self.max_batched - owed, 0), max_per_request=self.max_per_request,
-                    headroom=[self.max_model_len - r.num_tokens - 1 for r in reqs], base_tokens=len(running))
-
-    def _apply(self, reqs, probs, cuts, ctx) -> None:
-        """Cut each request's draft list to its ``cuts`` prefix; remember the predicted accepted
-        tokens and context length of the kept ones (calibration, cost-model error)."""
         for r, p, n, c in zip(reqs, probs, cuts, ctx):
             r.spec_token_ids = r.spec_token_ids[: int(n)]
             if n:
@@ -303,31 +292,20 @@ class BatchBudget:
             r.spec_token_ids = []
 
     def _chain_step(self, running) -> None:
-        """The gate chose a chain step: every request's chain (the workers drafted chains alone;
-        a tree that arrived instead, the first step before the workers heard of the gate, only
-        its leading chain), at most ``chain_drafts`` tokens, cut by ``allocate`` with the
-        chain cost model (``_ChainCost``: query tokens only) on the chains' calibrated
-        probabilities: at a batch size where a verified token costs more, the chains' unlikely
-        tails go (a request whose chain is unlikely drafts nothing). No probe: the gate
-        explores. Kept as drafted when some chain came without probabilities."""
+        """The gate chose a chain step: every request verifies its chain as proposed (the
+        workers drafted chains alone: no probabilities, no allocation), at most
+        ``chain_drafts`` tokens, and a tree that arrived instead (the first step, before the
+        workers heard of the gate) only its leading chain."""
         drafted = self._gate_step(running)
         if drafted is None:
             return
         m = self.metrics
         m.chain_steps += 1
-        probs = []
+        kept = 0
         for r in drafted:
             n = min(len(r.spec_token_ids), self.chains.get(r.request_id, 0), self.chain_drafts)
             r.spec_token_ids = r.spec_token_ids[:n]
-            p = self.probs.get(r.request_id)
-            probs.append(np.clip(p[:n], 0.0, 1.0) if p is not None and len(p) >= n else None)
-        if drafted and all(p is not None for p in probs):
-            self._refresh_cost()
-            owed = sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in running)
-            alloc = allocate(probs, _ChainCost(self.cost), **self._caps(running, drafted, owed))
-            m.last_predicted_speedup = float(alloc.speedup)
-            self._apply(drafted, probs, alloc.cuts, [r.num_computed_tokens for r in drafted])
-        kept = sum(len(r.spec_token_ids) for r in drafted)
+            kept += n
         m.chain_drafts += kept
         m.last_budget = kept
         if not kept:

@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, rank_trees, tree_probs
+from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, rank_trees
 from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
 from vllm_anisotropic.integration.vllm.cpu_gemm import use_vllm_cpu_gemm
 from vllm_anisotropic.integration.vllm.metrics import MetricsSink, TreeMetrics
@@ -131,10 +131,9 @@ class TreeDrafter:
         ``request_law``), read when a proposer that samples from a draft model creates the
         request's state (``DraftTreeState.set_sampling``); None: greedy.
         ``chains``: the measured gate chose a chain step (``allocator.gate``): each request's
-        chain alone (``propose_chain``, at most ``allocator_chain_drafts`` tokens), scored and
-        labelled like a tree (the scheduler cuts it by its probabilities) but not reordered,
-        and its verified rows not harvested (``observe_batch``); the backoff neither applies
-        nor counts."""
+        chain alone (``propose_chain``, at most ``allocator_chain_drafts`` tokens), not ranked,
+        not labelled, and its verified rows not harvested (``observe_batch``); the backoff
+        neither applies nor counts."""
         new: dict[str, DraftTree] = {}
         starts: dict[str, int] = {}  # req_id -> its token count, the root being the last token
         if self.unlabelled:
@@ -170,11 +169,11 @@ class TreeDrafter:
             starts[req_id] = num_tokens
         self.probs = {}
         self.chain_trees = set(new) if chains else set()
-        if self.acceptance is not None and new:
-            self._score_chains(new) if chains else self._rank(new)
+        if self.acceptance is not None and new and not chains:
+            self._rank(new)
         for req_id, tree in new.items():
             self.trees[req_id] = tree
-            if self.acceptance is not None and tree.num_nodes > 1:
+            if self.acceptance is not None and tree.num_nodes > 1 and not chains:
                 self.unlabelled.setdefault(req_id, []).append((starts[req_id], tree))
         return [new[r].tokens[1:].tolist() if r in new else [] for r in req_ids]
 
@@ -196,12 +195,6 @@ class TreeDrafter:
         trees, probs = rank_trees(list(new.values()), self.acceptance)
         for req_id, tree, p in zip(list(new), trees, probs):
             new[req_id] = tree
-            self.probs[req_id] = p.tolist()
-
-    def _score_chains(self, new: dict[str, DraftTree]) -> None:
-        """Calibrated probabilities of a chain step's chains (the scheduler cuts their unlikely
-        tails: ``budget.BatchBudget._chain_step``); a chain is already in value order."""
-        for req_id, p in zip(list(new), tree_probs(list(new.values()), self.acceptance)):
             self.probs[req_id] = p.tolist()
 
     def _label(self, req_ids, num_tokens_no_spec, token_ids_cpu) -> None:
