@@ -117,6 +117,22 @@ def test_a_closed_gate_reopens_when_speculation_starts_paying():
     assert all(after[-60:][i] != (768 <= i + 741 <= 771) for i in range(60))  # open since, a plain block at 768
 
 
+@pytest.mark.parametrize("above_rate, spec_first", [(130.0, True), (70.0, False)])
+def test_a_new_smaller_bucket_speculates_first_below_an_open_one(above_rate, spec_first):
+    # the tail of a batch: requests finish and the batch shrinks into buckets never seen. Below
+    # a bucket whose warm-up measured speculation faster (16 at 130 vs 100), bucket 8 speculates
+    # through its speculative warm-up first (4 steps here), then measures plain in a block; below
+    # a closed one it warms up as any bucket (one speculative step, one plain block of 4, ...)
+    gate = SpeculationGate(GateConfig(min_steps=4, explore_every=32))
+    _run(gate, 16, 100.0, above_rate, 40)
+    T, F = True, False
+    warm = _run(gate, 8, 100.0, 120.0, 14)
+    # then plain measured (a block of 4) and speculation, faster at 8 too, exploited
+    assert warm == ([T] * 4 + [F] * 4 + [T] * 6 if spec_first else [T] + [F] * 4 + [T] * 9)
+    gate.allows(4)
+    assert gate._bucket(4).spec_first  # the nearest warmed-up bucket above decides: 8, open (16 may be closed)
+
+
 def test_batch_sizes_are_separate():
     gate = SpeculationGate(GateConfig(min_steps=4, explore_every=32))
     _run(gate, 1, 100.0, 130.0, 40)  # speculation pays alone
