@@ -158,13 +158,23 @@ class SpeculationGate:
         faster than plain decoding (by ``margin``): speculation's gain only grows as the batch
         shrinks (measured on the AMX Xeon: 1.67x at one request to 1.15x at eight), so a new
         smaller bucket (the tail of a batch, as its requests finish) speculates first."""
-        c = self.config
         for k in sorted(k for k in self._buckets if k > key):
-            b = self._buckets[k]
-            plain, spec = b.arms[PLAIN], b.arms[self._best_kind(b)]
-            if plain.count >= c.min_steps and spec.count >= c.min_steps:
-                return spec.rate > plain.rate * (1.0 + c.margin)
+            verdict = self._verdict(*self._compared(self._buckets[k]))
+            if verdict is not None:
+                return verdict
         return False
+
+    def _compared(self, b: _Bucket) -> tuple[GateArm, GateArm]:
+        """The arms the gate compares: plain, and the kind ``kind`` takes."""
+        return b.arms[PLAIN], b.arms[self._best_kind(b)]
+
+    def _verdict(self, plain: GateArm, spec: GateArm) -> bool | None:
+        """None while either arm has fewer than ``min_steps`` steps (the warm-up); then whether
+        speculation is faster than plain by more than ``margin``."""
+        c = self.config
+        if plain.count < c.min_steps or spec.count < c.min_steps:
+            return None
+        return spec.rate > plain.rate * (1.0 + c.margin)
 
     def allows(self, num_reqs: int) -> bool:
         """May the allocator keep drafts in this step of ``num_reqs`` requests? (Counts a decision.)"""
@@ -210,15 +220,16 @@ class SpeculationGate:
 
     def _decide(self, b: _Bucket) -> bool:
         c = self.config
-        plain, spec = b.arms[PLAIN], b.arms[self._best_kind(b)]  # plain against the kind ``kind`` takes
-        if plain.count < c.min_steps or spec.count < c.min_steps:
+        plain, spec = self._compared(b)
+        verdict = self._verdict(plain, spec)
+        if verdict is None:
             b.explored = b.decisions  # a closed gate's first exploring step comes a period after the warm-up
             # warm-up: one speculative step, one plain block, ...; then the allocator decides
             # (speculating first in a bucket below one where speculation pays: ``_open_above``)
             if b.spec_first and spec.count < c.min_steps:
                 return True
             return not b.allow if plain.count < c.min_steps else True
-        if spec.rate > plain.rate * (1.0 + c.margin):
+        if verdict:
             b.explored = b.decisions
             return b.decisions % self._explore_plain_every != 0
         if b.decisions - b.explored >= self._explore_period(plain.rate, spec.rate):
