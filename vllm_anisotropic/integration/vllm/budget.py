@@ -66,7 +66,7 @@ __all__ = ["BatchBudget", "BudgetMetrics"]
 PRIOR_BASE_S = 0.02
 PRIOR_PER_TOKEN_S = 0.0005
 LOG_INTERVAL_S = 10.0
-WRITE_INTERVAL_S = 0.5
+WRITE_INTERVAL_S = 1.0
 SCORE_BATCH = 64  # measured steps scored against the cost model in one vectorised call
 
 
