@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import deque
 from typing import NamedTuple
 
@@ -356,7 +357,7 @@ class CostModel:
         (``refresh``). The engine's scheduler does that, so that the steps in which nothing is
         allocated (the measured gate keeps them plain) pay for no fit at all."""
         row = tuple(float(x) for x in sample)
-        if len(row) != _COLUMNS or not row[5] > 0 or not np.all(np.isfinite(row)):
+        if len(row) != _COLUMNS or not row[5] > 0 or not all(map(math.isfinite, row)):
             raise ValueError("a cost sample is (num_reqs, query_tokens, tree_rows, ctx_tokens, spec_reqs, seconds > 0), "
                              f"got {sample}")
         self._online.append(row)  # type: ignore[arg-type]

@@ -158,8 +158,9 @@ class MetricsSink:
 
 def write_json_atomic(path: str, obj: dict) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
+    text = json.dumps(obj)  # one call into the C encoder (json.dump encodes piece by piece in Python)
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
+        f.write(text)
     os.replace(tmp, path)
 
 

@@ -187,7 +187,10 @@ class TreeRunnerMixin:
             self.drafter.drop(req_id)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.drafter.drop_tree(req_id)
-        return super()._update_states(scheduler_output)
+        out = super()._update_states(scheduler_output)
+        if scheduler_output.finished_req_ids and not self.input_batch.num_reqs:
+            self.drafter.sink.tick(force=True)  # the batch drained: the stats file is current
+        return out
 
     def after_reply(self) -> None:
         """Called by the worker process after it has sent a reply (``patches.py`` patch 7): the
