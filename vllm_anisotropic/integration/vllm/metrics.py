@@ -9,7 +9,7 @@ API-server process, and vLLM's ``SchedulerStats`` cannot carry extra fields acro
 msgspec boundary):
 
 1. ``TreeMetrics.record`` in the worker, once per verified request-step (``drafter.observe``);
-2. every ``WRITE_INTERVAL_S`` and when a request finishes, rank 0 writes the counters as JSON
+2. at most every ``WRITE_INTERVAL_S`` and when the batch drains, rank 0 writes the counters as JSON
    (atomic rename) to the file named by ``VLLM_ANISOTROPIC_TREE_STATS``. ``plugin.register``
    creates a temporary file name in the first vLLM process (the user's / API server's) when
    the variable is unset; every process vLLM starts afterwards inherits it;
