@@ -85,6 +85,8 @@ BAD_CONFIGS = [
         "input_value=-1", "greater than or equal to 0"),
     row("gate_explore_every_one", {**GOOSE, "allocator_gate_explore_every": 1}, "allocator_gate_explore_every",
         "input_value=1", "greater than or equal to 2"),
+    row("gate_margin_one", {**GOOSE, "allocator_gate_margin": 1.0}, "allocator_gate_margin",
+        "input_value=1.0", "less than 1"),
     row("gate_str", {**GOOSE, "allocator_gate": "sometimes"}, "allocator_gate", "'sometimes'", "valid boolean"),
     row("verifier_unknown", {**GOOSE, "verifier": "specinfer"}, "verifier", "'specinfer'", "'greedy'"),
     row("sampling_verifier_unknown", {**GOOSE, "sampling_verifier": "typical"}, "sampling_verifier", "'typical'",

@@ -107,6 +107,17 @@ def test_off_cuts_nothing(tmp_path):
     assert len(reqs[0].spec_token_ids) == 12
 
 
+
+def test_the_gate_tunables_reach_the_gate():
+    """``allocator_gate_margin`` and ``allocator_gate_explore_every`` are the gate's, not left at
+    its defaults (a key validated and then dropped would read as tuned)."""
+    default = _budget(allocator_gate=True).gate.config
+    b = _budget(allocator_gate=True, allocator_gate_margin=default.margin + 0.2,
+                allocator_gate_explore_every=default.explore_every + 3)
+    assert b.gate.config.margin == pytest.approx(default.margin + 0.2)
+    assert b.gate.config.explore_every == default.explore_every + 3
+    assert _budget(allocator_gate=False).gate is None
+
 def test_a_step_refines_the_cost_model_and_counts_acceptance(tmp_path):
     b = _budget(tmp_path, CostModel.from_coefficients([0.0], base=0.01, tree_row=1e-4))
     reqs = [_req("a", 4, num_tokens=51, computed=50), _req("b", 2, num_tokens=71, computed=70)]

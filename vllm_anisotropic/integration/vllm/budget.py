@@ -129,6 +129,7 @@ class BatchBudget:
         self.enabled = engine_config.allocator == "auto"
         self.probe_every = int(engine_config.allocator_probe_every)
         self.gate = (SpeculationGate(GateConfig(explore_every=int(engine_config.allocator_gate_explore_every),
+                                                margin=float(engine_config.allocator_gate_margin),
                                                 chains=bool(chains)))
                      if self.enabled and engine_config.allocator_gate else None)
         self.chain_drafts = int(engine_config.allocator_chain_drafts)

@@ -24,7 +24,7 @@ draft_tree         draft_tree  ``proposers.config.DraftTreeConfig`` (``model``, 
 =================  ==========  ====================================================
 
 plus the engine-side keys of ``EngineTreeConfig`` (``verifier``, ``sampling_verifier``,
-``allocator``, ``allocator_probe_every``, ``allocator_gate``, ``allocator_gate_explore_every``,
+``allocator``, ``allocator_probe_every``, ``allocator_gate``, ``allocator_gate_margin``, ``allocator_gate_explore_every``,
 ``allocator_offer_factor``, ``allocator_backoff``, ``cost_model``,
 ``cost_model_online``).
 
@@ -111,6 +111,13 @@ class EngineTreeConfig(BaseModel):
     have measured more tokens per second than plain decode steps at that batch size
     (``allocator.SpeculationGate``; docs/allocator.md). false: the allocator's prediction alone
     decides."""
+
+    allocator_gate_margin: float = Field(default=0.03, ge=0.0, lt=1.0)
+    """The gate speculates at a batch size only where speculative steps measured faster than
+    plain ones by more than this fraction (and takes tree steps over chain steps only where
+    faster by more than it): the costs of speculation outside a step's own time (requests
+    finishing out of step, so a draining batch and new requests' prompts take more steps) are
+    not in the comparison."""
 
     allocator_gate_explore_every: int = Field(default=32, ge=2)
     """Every this-many-th step at a batch size a closed gate speculates (so it can re-open),
