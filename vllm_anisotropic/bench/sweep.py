@@ -29,7 +29,8 @@ goose-auto   GOOSE with the budget allocator (the default ``{"method": "goose"}`
 goose-auto-full  the same, every tree built at the whole budget (``allocator_offer_factor`` 0)
 goose-nogate the allocator's prediction alone, without the measured gate (``allocator_gate`` false)
 goose-trees  the allocator and gate with tree steps only, no chain steps (``allocator_chains`` false)
-goose-m10    the allocator and gate with a 10 % margin (``allocator_gate_margin`` 0.10; default 3 %)
+goose-m3     the allocator and gate with a 3 % margin (``allocator_gate_margin`` 0.03; the default
+             before 2026-11-27's evening, 10 % since)
 goose-nobackoff  the allocator without the zero-cut backoff (``allocator_backoff`` 0): a request
              cut to no draft still proposes every step
 goose-never  GOOSE whose allocator never keeps a draft (a steep cost-model file, no probes, no
@@ -110,7 +111,7 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "goose-auto-full": {"method": "goose", "allocator_offer_factor": 0},
     "goose-nogate": {"method": "goose", "allocator_gate": False},
     "goose-trees": {"method": "goose", "allocator_chains": False},
-    "goose-m10": {"method": "goose", "allocator_gate_margin": 0.10},
+    "goose-m3": {"method": "goose", "allocator_gate_margin": 0.03},
     "goose-nobackoff": {"method": "goose", "allocator_backoff": 0},
     "goose-never": {"method": "goose", "cost_model": "<steep>", "cost_model_online": False, "allocator_probe_every": 0,
                     "allocator_gate": False},

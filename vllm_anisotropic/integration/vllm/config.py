@@ -112,7 +112,7 @@ class EngineTreeConfig(BaseModel):
     (``allocator.SpeculationGate``; docs/allocator.md). false: the allocator's prediction alone
     decides."""
 
-    allocator_gate_margin: float = Field(default=0.03, ge=0.0, lt=1.0)
+    allocator_gate_margin: float = Field(default=0.10, ge=0.0, lt=1.0)
     """The gate speculates at a batch size only where speculative steps measured faster than
     plain ones by more than this fraction (and takes tree steps over chain steps only where
     faster by more than it): the costs of speculation outside a step's own time (requests
