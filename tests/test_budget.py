@@ -107,7 +107,6 @@ def test_off_cuts_nothing(tmp_path):
     assert len(reqs[0].spec_token_ids) == 12
 
 
-
 def test_the_gate_tunables_reach_the_gate():
     """``allocator_gate_margin`` and ``allocator_gate_explore_every`` are the gate's, not left at
     its defaults (a key validated and then dropped would read as tuned)."""
@@ -117,6 +116,7 @@ def test_the_gate_tunables_reach_the_gate():
     assert b.gate.config.margin == pytest.approx(default.margin + 0.2)
     assert b.gate.config.explore_every == default.explore_every + 3
     assert _budget(allocator_gate=False).gate is None
+
 
 def test_a_step_refines_the_cost_model_and_counts_acceptance(tmp_path):
     b = _budget(tmp_path, CostModel.from_coefficients([0.0], base=0.01, tree_row=1e-4))

@@ -42,9 +42,9 @@ because the engine can measure a plain step apart from speculation only between 
    in a bench of 64 requests the buckets of 1-8 live ~3-6 steps each, and warming up
    plain-first spent them mostly plain where speculation pays most;
 2. then exploit the arm with the higher rate (speculation only where it is faster by more than
-   ``margin``, 10 %: ties go to plain; ``GateConfig.margin`` says why). A closed gate speculates every ``explore_every``-th
-   decision where speculation falls short by ``explore_shortfall`` (20 %) or more, and
-   proportionally more often where it is closer (``_explore_period``), so it re-opens soon
+   ``margin``, 10 %: ties go to plain; ``GateConfig.margin`` says why). A closed gate
+   speculates every ``explore_every``-th decision where speculation falls short by
+   ``explore_shortfall`` (20 %) or more, and proportionally more often where it is closer (``_explore_period``), so it re-opens soon
    when speculation starts paying (longer context, different text: the speculative rate
    moves with the text); an open one starts a plain block every
    ``explore_plain_every``-th decision (a plain step's rate depends on the batch and context

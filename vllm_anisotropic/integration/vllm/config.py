@@ -49,6 +49,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vllm_anisotropic.allocator.config import GateConfig
 from vllm_anisotropic.proposers import PROPOSERS, drafts_chains, proposer_config
 
 __all__ = [
@@ -112,12 +113,10 @@ class EngineTreeConfig(BaseModel):
     (``allocator.SpeculationGate``; docs/allocator.md). false: the allocator's prediction alone
     decides."""
 
-    allocator_gate_margin: float = Field(default=0.10, ge=0.0, lt=1.0)
+    allocator_gate_margin: float = Field(default=GateConfig.model_fields["margin"].default, ge=0.0, lt=1.0)
     """The gate speculates at a batch size only where speculative steps measured faster than
-    plain ones by more than this fraction (and takes tree steps over chain steps only where
-    faster by more than it): the costs of speculation outside a step's own time (requests
-    finishing out of step, so a draining batch and new requests' prompts take more steps) are
-    not in the comparison."""
+    plain ones by more than this fraction, and takes tree steps over chain steps likewise
+    (``allocator.GateConfig.margin`` has the default and why)."""
 
     allocator_gate_explore_every: int = Field(default=32, ge=2)
     """Every this-many-th step at a batch size a closed gate speculates (so it can re-open),
