@@ -1,17 +1,23 @@
 """``vllm-anisotropic profile-host``: where a speculative step's host time goes, in real vLLM.
 
 Runs one offline batch with vLLM's engine core in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) under ``cProfile`` and prints, per step, the wall time
-and the cumulative time of the tree path's host work: the drafter (``propose_trees``), the
-allocator's cut (``BatchBudget.cut``), the tree bookkeeping of ``_prepare_inputs``
-(``take_tree``, positions), the attention plan, the tree walk (``TreeRejectionSampler``), the
-harvest (``observe_batch``) and the metrics -- each against the model forward. cProfile slows
-Python code more than the torch kernels it calls, so the shares are upper bounds; the totals
-printed without the profiler (``--no-profile``) are the honest step times.
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and prints, per engine step:
+
+* the wall time, the model forward (``_model_forward`` of vLLM's runner, timed here) and
+  everything else, for any method (plain decoding, vLLM's ngram, ours);
+* the plugin's own host work phase by phase, from the clocks the per-step path keeps
+  (``integration/vllm/host_clock.py``: ``propose``, ``prepare``, ``plan``, ``walk``, ``kv``,
+  ``harvest``, ``reply``, ``states`` in the worker; ``cut``, ``scheduled``, ``on_output``,
+  ``update`` in the scheduler), their sum, and the tree rows' attention (compute inside the
+  forward, listed apart); for vLLM's ngram, its ``propose``.
+
+By default the batch also runs under ``cProfile`` (which slows Python code more than the torch
+kernels it calls: the shares are upper bounds) and prints its top functions;
+``--no-profile`` gives the honest step times. ``--json`` writes the numbers.
 
 Example::
 
-    vllm-anisotropic profile-host --method goose --max-num-seqs 8 --num-prompts 8 --max-tokens 64
+    vllm-anisotropic profile-host --method goose-nogate --max-num-seqs 8 --no-profile
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import os
+import platform
 import pstats
 import tempfile
 import time
@@ -59,6 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-profile", action="store_true", help="time the batch without cProfile")
     p.add_argument("--top", type=int, default=25, help="also print the top N functions by own time")
     p.add_argument("--dump", type=Path, default=None, help="also write the raw cProfile stats here (pstats format)")
+    p.add_argument("--json", type=Path, default=None, help="append the per-step numbers to this JSONL file")
     p.set_defaults(func=run)
 
 
@@ -83,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
               **{**CPU_LLM_DEFAULTS, "dtype": args.dtype, **extra, **method_llm_kwargs(args.method)})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
+    probe = StepProbe(llm)
     prof = None if args.no_profile else cProfile.Profile()
     t0 = time.perf_counter()
     if prof:
@@ -94,6 +104,14 @@ def run(args: argparse.Namespace) -> int:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"{args.method} max_num_seqs {args.max_num_seqs}: {tokens} tokens in {seconds:.2f} s"
           f"{' (under cProfile)' if prof else ''} = {tokens / seconds:.1f} tokens/s")
+    report = probe.report(seconds)
+    print(format_report(report))
+    if args.json:
+        record = {"method": args.method, "max_num_seqs": args.max_num_seqs, "num_prompts": len(prompts),
+                  "max_tokens": args.max_tokens, "dtype": args.dtype, "profiled": prof is not None,
+                  "tokens": tokens, "seconds": seconds, "cpu": _cpu_model(), **report}
+        with open(args.json, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
     if prof is None:
         return 0
     stats = pstats.Stats(prof)
@@ -111,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     # the target's forward: the outermost model ``forward`` vLLM runs (llama.py, qwen2.py, ...)
     forward_s = max((v[3] for (file, _, name), v in stats.stats.items()
                      if "vllm/model_executor/models/" in file and name == "forward"), default=0.0)
-    print(f"{n} model steps: {seconds / n * 1e3:.1f} ms/step wall, model forward {forward_s / n * 1e3:.1f} ms/step, "
+    print(f"cProfile: {n} model steps: {seconds / n * 1e3:.1f} ms/step wall, model forward {forward_s / n * 1e3:.1f} ms/step, "
           f"everything else (host) {(total_s - forward_s) / n * 1e3:.1f} ms/step = {(total_s - forward_s) / total_s:.1%}")
     print(f"{'phase':<42} {'ms/step':>8} {'share':>6}")
     for label, suffix, func in PHASES:
@@ -121,3 +139,99 @@ def run(args: argparse.Namespace) -> int:
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.top)
     print(buf.getvalue())
     return 0
+
+
+# the plugin's host phases (host_clock.py), worker then scheduler, in per-step order
+HOST_PHASES = ("states", "propose", "reply", "cut", "scheduled", "prepare", "plan", "walk", "kv", "harvest",
+               "on_output", "update")
+
+
+class StepProbe:
+    """Per-step numbers of an in-process engine: steps, model-forward seconds (a timer around the
+    runner's ``_model_forward``), the plugin's host clocks (reset now) and vLLM's own proposer's
+    seconds (``drafter.propose``, methods like ngram)."""
+
+    def __init__(self, llm) -> None:
+        core = llm.llm_engine.engine_core.engine_core
+        self.runner = core.model_executor.driver_worker.worker.model_runner
+        self.scheduler = core.scheduler
+        self.forward_s = 0.0
+        self.steps = 0
+        self.vllm_propose_s = 0.0
+        runner = self.runner
+        forward = runner._model_forward
+
+        def timed_forward(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.forward_s += time.perf_counter() - t0
+                self.steps += 1
+
+        runner._model_forward = timed_forward
+        drafter = getattr(runner, "drafter", None)
+        if drafter is not None and not hasattr(drafter, "host_clock") and hasattr(drafter, "propose"):
+            propose = drafter.propose
+
+            def timed_propose(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return propose(*args, **kwargs)
+                finally:
+                    self.vllm_propose_s += time.perf_counter() - t0
+
+            drafter.propose = timed_propose
+        for clock in self.clocks():
+            clock.reset()
+
+    def clocks(self) -> list:
+        out = []
+        drafter = getattr(self.runner, "drafter", None)
+        if drafter is not None and hasattr(drafter, "host_clock"):
+            out.append(drafter.host_clock)
+        budget = getattr(self.scheduler, "budget", None)
+        if budget is not None:
+            out.append(budget.host_clock)
+        return out
+
+    def report(self, seconds: float) -> dict:
+        n = max(self.steps, 1)
+        phases: dict[str, float] = {}
+        for clock in self.clocks():
+            for k, v in clock.seconds.items():
+                phases[k] = phases.get(k, 0.0) + v
+        host = sum(phases.get(k, 0.0) for k in HOST_PHASES)
+        tree_rows = phases.get("tree_rows", 0.0) - phases.get("plan", 0.0)
+        return {
+            "steps": self.steps,
+            "wall_ms": seconds / n * 1e3,
+            "forward_ms": self.forward_s / n * 1e3,
+            "outside_forward_ms": (seconds - self.forward_s) / n * 1e3,
+            "plugin_host_ms": host / n * 1e3,
+            "tree_rows_ms": max(tree_rows, 0.0) / n * 1e3,
+            "vllm_propose_ms": self.vllm_propose_s / n * 1e3,
+            "phases_ms": {k: phases[k] / n * 1e3 for k in HOST_PHASES if k in phases},
+        }
+
+
+def format_report(r: dict) -> str:
+    lines = [f"{r['steps']} model steps: {r['wall_ms']:.2f} ms/step wall, model forward {r['forward_ms']:.2f} "
+             f"(of which tree rows' attention {r['tree_rows_ms']:.2f}), outside the forward "
+             f"{r['outside_forward_ms']:.2f} ms/step",
+             f"plugin's own host work {r['plugin_host_ms']:.3f} ms/step"
+             + (f"; vLLM's proposer {r['vllm_propose_ms']:.3f} ms/step" if r["vllm_propose_ms"] else "")]
+    for k, v in r["phases_ms"].items():
+        lines.append(f"  {k:<10} {v:8.3f} ms/step")
+    return "\n".join(lines)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import numpy as np
 import torch
@@ -133,11 +134,15 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         (``_tree_rows_paths``) unless the trees are bushy, then by the masked recompute
         (``_tree_rows``); decided once per step (``_path_plan``)."""
         block_size = kv_cache.shape[2]
-        if key is not None and value is not None and self._path_plan(
-                plan, attn_metadata, block_size, query.dtype, layer.isa) is not None:
+        t0 = time.perf_counter()
+        paths = key is not None and value is not None and self._path_plan(
+            plan, attn_metadata, block_size, query.dtype, layer.isa) is not None
+        _clock(plan, t0)
+        if paths:
             self._tree_rows_paths(layer, query, key, value, kv_cache, attn_metadata, plan, output)
         else:
             self._tree_rows(layer, query, kv_cache, attn_metadata, plan, output)
+        _clock(plan, t0, "tree_rows")  # compute inside the forward (plan included), not host work
 
     # ------------------------------------------------------------ path rounds (vLLM's kernel)
     def _path_plan(self, plan, attn_metadata, block_size: int, dtype: torch.dtype, isa: str):
@@ -301,7 +306,9 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         num_blocks, num_kv_heads, block_size, two_hs = kv_cache.shape
         head_size = two_hs // 2
         layout = kv_layout(layer.isa, kv_cache.dtype, block_size, head_size)
+        t0 = time.perf_counter()
         blocks, rows, valid, mask = self._gather_plan(plan, attn_metadata, block_size)
+        _clock(plan, t0)
         num_reqs, max_nodes = rows.shape
         group = self.num_queries_per_kv
         # [R * B, num_kv_heads, 2 * block_size * head_size]: whole blocks, one copy
@@ -332,6 +339,13 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             plan.cache[key] = mask.unsqueeze(1).expand(r, num_kv_heads, group, n, length).reshape(
                 r * num_kv_heads, group * n, length)
         return plan.cache[key]
+
+
+def _clock(plan, t0: float, phase: str = "plan") -> None:
+    """The seconds since ``t0`` go to the plan's host clock under ``phase``."""
+    clock = getattr(plan, "clock", None)
+    if clock is not None:
+        clock.add(phase, time.perf_counter() - t0)
 
 
 def bit_permutation(off: torch.Tensor, base: int, block_size: int, head_size: int) -> tuple[int, ...] | None:

@@ -57,6 +57,7 @@ import numpy as np
 
 from vllm_anisotropic.allocator import (CHAIN, PLAIN, TREE, CostModel, CostSample, GateConfig, SpeculationGate, allocate,
                                        request_caps)
+from vllm_anisotropic.integration.vllm.host_clock import HostClock, timed
 
 logger = logging.getLogger(__name__)
 log = logging.getLogger("vllm.anisotropic")
@@ -167,10 +168,12 @@ class BatchBudget:
         self._allowed: int | None = None
         self.start_coefficients: dict[str, float] = {}  # the cost model fitted on the worker's start-up sweep
         self.propose_next = TREE
+        self.host_clock = HostClock()  # the allocator's host work per phase (host_clock.py)
         self._last_log = -LOG_INTERVAL_S
         self._last_write = -WRITE_INTERVAL_S
 
     # ------------------------------------------------------------------ 1
+    @timed("update")
     def on_draft_ids(self, draft_token_ids) -> None:
         probs = getattr(draft_token_ids, "tree_probs", None)
         if probs is None:
@@ -184,6 +187,7 @@ class BatchBudget:
                 self.probs[req_id] = np.asarray(p, np.float64)
 
     # ------------------------------------------------------------------ 2
+    @timed("cut")
     def cut(self, running) -> None:
         """Cut ``request.spec_token_ids`` of the running requests (see module docstring)."""
         self._t_cut = time.perf_counter()  # the step's time starts here: the cut is part of its cost
@@ -313,6 +317,7 @@ class BatchBudget:
             m.steps_without_drafts += 1
 
     # ------------------------------------------------------------------ 3
+    @timed("scheduled")
     def on_scheduled(self, scheduler_output) -> None:
         num = scheduler_output.num_scheduled_tokens
         if not num:
@@ -343,6 +348,7 @@ class BatchBudget:
         self._step = (len(num), scheduler_output.total_num_scheduled_tokens, rows, ctx, speculating, self._t_cut, arm)
 
     # ------------------------------------------------------------------ 4
+    @timed("on_output")
     def on_output(self, scheduler_output, model_runner_output) -> None:
         now = time.perf_counter()
         calibration = getattr(model_runner_output, "cost_calibration", None)

@@ -36,6 +36,7 @@ import torch
 from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, rank_trees
 from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
 from vllm_anisotropic.integration.vllm.cpu_gemm import use_vllm_cpu_gemm
+from vllm_anisotropic.integration.vllm.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.metrics import MetricsSink, TreeMetrics
 from vllm_anisotropic.proposers import DraftTreeProposer, get_proposer
 from vllm_anisotropic.proposers.adjacency import TopKRows
@@ -105,6 +106,7 @@ class TreeDrafter:
         if isinstance(self.proposer, DraftTreeProposer):
             self.metrics.selector_shapes = self.proposer.shape_counts  # the proposer counts, the sink writes
         self.sink = MetricsSink(self.metrics, rank=_tp_rank())
+        self.host_clock = HostClock()  # the worker's host work per phase (host_clock.py)
 
     # ------------------------------------------------------------------ vLLM custom_class API
     def propose(self, *args, **kwargs):
@@ -265,6 +267,7 @@ class TreeDrafter:
         self.metrics.record(req_id, tree, accepted, mode, trace=self.sink.trace)
         self.sink.tick()
 
+    @timed("harvest")
     def observe_batch(self, items, logits: torch.Tensor) -> None:
         """``observe`` for every tree of a step, with one top-k over all their logits rows.
 
@@ -305,6 +308,11 @@ class TreeDrafter:
 
     def run_deferred(self) -> None:
         """Apply the harvests ``observe_batch`` left for later, oldest first."""
+        if self._deferred:
+            self._run_deferred()
+
+    @timed("harvest")
+    def _run_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
         for work in deferred:
             work()

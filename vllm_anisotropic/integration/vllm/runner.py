@@ -41,6 +41,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm_anisotropic.allocator import CHAIN, PLAIN, TREE
 from vllm_anisotropic.integration.vllm.config import DRAFT_MODEL_METHODS
 from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
+from vllm_anisotropic.integration.vllm.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.sampler import TreeRejectionSampler, harvest_plain
 from vllm_anisotropic.tree import DraftTree
 from vllm_anisotropic.verifiers.sampling import TargetSampling
@@ -74,6 +75,7 @@ class TreePlan:
     query_end: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     cache: dict = field(default_factory=dict)
+    clock: HostClock | None = None  # where the attention override adds the seconds of its plan
 
 
 @dataclass
@@ -179,14 +181,20 @@ class TreeRunnerMixin:
         self._propose_s = 0.0  # seconds drafting since the last output (sent as tree_propose_s)
 
     # ------------------------------------------------------------------ request lifecycle
+    @property
+    def host_clock(self) -> HostClock:
+        return self.drafter.host_clock
+
     def _update_states(self, scheduler_output):
         # the previous step's harvest, unless the worker ran it after its reply (after_reply)
         self.drafter.run_deferred()
+        t0 = time.perf_counter()
         self.drafter.tenants.update(getattr(scheduler_output, "tree_tenants", None) or {})
         for req_id in scheduler_output.finished_req_ids:
             self.drafter.drop(req_id)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.drafter.drop_tree(req_id)
+        self.host_clock.add("states", time.perf_counter() - t0)
         out = super()._update_states(scheduler_output)
         if scheduler_output.finished_req_ids and not self.input_batch.num_reqs:
             self.drafter.sink.tick(force=True)  # the batch drained: the stats file is current
@@ -210,6 +218,7 @@ class TreeRunnerMixin:
                 out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
             finally:
                 self.speculative_config = spec
+        t0 = time.perf_counter()
         logits_indices, spec_decode_metadata, max_num_sampled = out
         if spec_decode_metadata is not None and not any(spec_decode_metadata.num_draft_tokens):
             # No drafts anywhere in this step (the allocator kept none, or nothing was proposed):
@@ -255,7 +264,9 @@ class TreeRunnerMixin:
         if trees:
             self._tree_step = TreeStep(req_ids, trees)
         if plan.req_index:
+            plan.clock = self.host_clock
             self._tree_plan = plan
+        self.host_clock.add("prepare", time.perf_counter() - t0)
         return out
 
     def _attention_plan(self, plan: TreePlan):
@@ -294,12 +305,14 @@ class TreeRunnerMixin:
 
     def take_draft_token_ids(self):
         out = super().take_draft_token_ids()
+        t0 = time.perf_counter()
         if out is not None and self.drafter.acceptance is not None:
             # the allocator's input (budget.BatchBudget.on_draft_ids): travels with the pickled output
             out.tree_probs = [self.drafter.probs.get(r) for r in out.req_ids]
             # leading chain of each pending tree: cuts inside it need no masked tree attention
             out.tree_chains = [chain_prefix(t) if (t := self.drafter.trees.get(r)) is not None else 0
                                for r in out.req_ids]
+        self.host_clock.add("reply", time.perf_counter() - t0)
         return out
 
     def calibrate_step_cost(self, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), repeats: int = 3) -> list:
@@ -358,6 +371,7 @@ class TreeRunnerMixin:
         return out
 
     # ------------------------------------------------------------------ drafting
+    @timed("propose")
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         assert isinstance(sampled_token_ids, list)
         req_ids = list(self.input_batch.req_ids)

@@ -30,7 +30,7 @@ unchanged.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import time
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ class TreeRejectionSampler(nn.Module):
         self.generator = torch.Generator(device=device).manual_seed(int(getattr(runner.model_config, "seed", 0) or 0))
 
     def forward(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata):
+        t0 = time.perf_counter()
         step = self.runner.take_tree_step()
         walk = {} if step is None else {i: t for i, t in step.trees.items() if t.num_nodes > 1}
         if not walk:
@@ -81,11 +82,13 @@ class TreeRejectionSampler(nn.Module):
         for i in range(batch_size):
             if num_draft[i] and i not in walk:
                 raise RuntimeError(f"batch row {i} has {num_draft[i]} drafts but no draft tree")
+        t_vllm = time.perf_counter()
         bonus_out = self.sampler(
             logits=logits[metadata.bonus_logits_indices],
             sampling_metadata=sampling_metadata,
             predict_bonus_token=True,
         )
+        t_vllm = time.perf_counter() - t_vllm  # vLLM's sampler: not the plugin's host work
         # [batch_size, 1]
         bonus = bonus_out.sampled_token_ids
         width = metadata.max_spec_len + 1
@@ -110,7 +113,9 @@ class TreeRejectionSampler(nn.Module):
                 harvest.append((step.req_ids[i], tree, [], slice(cu_sampled[i] - 1, cu_sampled[i])))
         rows = sorted(results)
         out[rows] = host[rows].to(out.device)
-        self.runner.drafter.observe_batch(harvest, logits)
+        t_harvest = time.perf_counter()
+        self.runner.drafter.observe_batch(harvest, logits)  # timed as the harvest
+        t_harvest = time.perf_counter() - t_harvest
 
         logprobs = None
         if bonus_out.logprobs_tensors is not None:
@@ -125,6 +130,7 @@ class TreeRejectionSampler(nn.Module):
             )
         from vllm.v1.outputs import SamplerOutput
 
+        self.runner.host_clock.add("walk", time.perf_counter() - t0 - t_vllm - t_harvest)
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
     def _verify(self, walk: dict, rows_of: dict, logits: torch.Tensor, sampling_metadata) -> dict:

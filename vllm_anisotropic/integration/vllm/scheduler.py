@@ -29,6 +29,8 @@ vLLM leaves ``num_computed_tokens = 103`` (root + 2), we set ``101``; the reques
 
 from __future__ import annotations
 
+import time
+
 from vllm.v1.core.sched.scheduler import Scheduler
 
 __all__ = ["TreeScheduler"]
@@ -58,12 +60,14 @@ class TreeScheduler(Scheduler):
         # what the workers draft after this step: PLAIN (nothing) while the measured gate keeps
         # the next step plain, TREE or CHAIN (budget.BatchBudget.cut decides one step ahead);
         # pickled with the output
+        t0 = time.perf_counter()
         out.tree_propose = self.budget.propose_next
         # the tenant (cache_salt) of each new request, for the worker's per-tenant adjacency
         # tables (proposers.adjacency.TenantTables): vLLM's NewRequestData does not carry it.
         # An extra attribute, pickled with the output to every worker like kv_in_place.
         out.tree_tenants = {r.req_id: self.requests[r.req_id].cache_salt for r in out.scheduled_new_reqs
                             if r.req_id in self.requests and self.requests[r.req_id].cache_salt is not None}
+        self.budget.host_clock.add("scheduled", time.perf_counter() - t0)
         return out
 
     def update_draft_token_ids(self, draft_token_ids, *args, **kwargs):
@@ -77,6 +81,7 @@ class TreeScheduler(Scheduler):
         sampled = model_runner_output.sampled_token_ids
         if not sampled:
             return outputs
+        t0 = time.perf_counter()
         # accepted paths 1 -> 2 -> ... -> c keep their KV (runner.sample_tokens); re-run the rest
         kv_in_place = getattr(model_runner_output, "kv_in_place", None) or {}
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
@@ -92,6 +97,7 @@ class TreeScheduler(Scheduler):
                 request.num_computed_tokens -= rerun
         if not self.running:
             self.budget.flush()
+        self.budget.host_clock.add("update", time.perf_counter() - t0)
         return outputs
 
     def _apply_drafts(self, model_runner_output, outputs):
