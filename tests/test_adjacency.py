@@ -60,10 +60,10 @@ def test_bigram_lru_bound():
         t.update([key], [key + 1], rows, sc)
         if key == 3:
             t.successors(0, 1)  # refresh (0, 1): it survives the next evictions
-    assert len(t) == cap
-    keys = set(t._bigram_slots)
+    assert len(t) == cap and t.evictions == 2
+    keys = t.bigram_key_set()
     assert 0 * vocab + 1 in keys and 1 * vocab + 2 not in keys and 5 * vocab + 6 in keys
-    assert sorted(t._bigram_slots.values()) == list(range(cap))
+    assert sorted(t.bigram_slot(k // vocab, k % vocab) for k in keys) == list(range(cap))
 
 
 def test_harvest_tree_keys():
@@ -81,7 +81,10 @@ def test_memory_numbers():
     for vocab, mb in ((49152, 3.93), (151936, 12.15)):
         m = AdjacencyTable(vocab, 10).memory_bytes()
         assert abs(m["unigram"] / 1e6 - mb) < 0.01
-        assert m["bigram_rows"] == 65536 * 10 * 8
+        assert m["bigram_rows"] == 65536 * 10 * 8 and m["bigram_index"] == 65536 * 16
+        assert m["total"] == m["unigram"] + m["bigram_rows"] + m["bigram_index"]
+    assert AdjacencyTable(None).memory_bytes()["total"] == 0
+    assert AdjacencyTable(8, 2, bigram_capacity=100).bigram_capacity == 128  # a power of two
 
 
 def test_tenants_never_read_each_others_tables():
@@ -115,3 +118,41 @@ def test_tenants_never_read_each_others_tables():
     tc = tables.for_request("c")  # evicts b, the least recently used
     assert tables.num_tenants == 2 and tables.for_request("a") is ta and tables.for_request("c") is tc
     assert tables.for_request("b") is not tb  # b starts cold
+
+
+def test_bigram_table_matches_a_set_associative_lru_model():
+    """The compiled bigram tier against a plain model of its documented rule (kernels.table):
+    key k lives in one of the WAYS slots after its home slot; an update takes the key's own slot,
+    else the first empty one, else the least recently used one of the window; a lookup hit
+    refreshes. 2,000 random updates and lookups on 32 slots (keys collide and evict)."""
+    from vllm_anisotropic.kernels import table as tk
+
+    vocab, cap = 50, 32
+    t = AdjacencyTable(vocab, top_k=1, bigram_capacity=cap)
+    keys = [-1] * cap
+    stamps = [0] * cap
+    rows = {}
+    clock = 0
+    rng = np.random.default_rng(7)
+    for step in range(2000):
+        prev, tok = int(rng.integers(0, 12)), int(rng.integers(0, 12))
+        key = prev * vocab + tok
+        window = [(int(tk._home(key, cap - 1)) + w) % cap for w in range(tk.WAYS)]
+        if rng.random() < 0.6:  # update
+            t.update([prev], [tok], np.array([[step % vocab]], np.int32), np.array([[0.5]], np.float32))
+            slot = next((s for s in window if keys[s] in (key, -1)), None)
+            if slot is None:
+                slot = min(window, key=lambda s: stamps[s])
+            keys[slot] = key
+            clock += 1
+            stamps[slot] = clock
+            rows[key] = step % vocab
+        else:  # lookup
+            got = t.successors(prev, tok)[0].tolist()
+            slot = next((s for s in window if keys[s] == key), None)
+            if slot is not None:
+                clock += 1
+                stamps[slot] = clock
+                assert got == [rows[key]], step
+        assert t.bigram_keys.tolist() == keys and t.bigram_stamps.tolist() == stamps, step
+    assert len(t) == sum(k >= 0 for k in keys) and t.evictions > 0

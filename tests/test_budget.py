@@ -153,15 +153,25 @@ def test_calibration_arrives_with_the_first_output():
 
 
 def _bare_drafter(max_backoff=16, **attrs):
-    """A ``TreeDrafter`` with just the state ``take_tree`` and ``_offer`` read (no vLLM config)."""
+    """A ``TreeDrafter`` with just the state ``take_step`` and ``_offer`` read (no vLLM config)."""
     from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
 
     d = object.__new__(TreeDrafter)
-    d.acceptance, d.trees, d.zero_streak, d.skip, d.kept_mark = object(), {}, {}, {}, {}
+    d.acceptance, d.pending, d.zero_streak, d.skip, d.kept_mark = object(), {}, {}, {}, {}
     d.max_backoff = max_backoff
     for name, value in attrs.items():
         setattr(d, name, value)
     return d
+
+
+def _take(d, tree, scheduled, req_id="r"):
+    """``tree`` pending for ``req_id``, then taken by a step that scheduled ``scheduled``."""
+    from vllm_anisotropic.integration.vllm.drafter import _Proposal
+    from vllm_anisotropic.tree import FlatTrees
+
+    proposal = _Proposal(FlatTrees.from_trees([tree]), None, np.array([-1]), np.array([1], np.int8), False)
+    d.pending = {req_id: (proposal, 0)}
+    return d.take_step([req_id], {req_id: list(scheduled)})
 
 
 def test_drafter_backoff_after_zero_cuts():
@@ -176,16 +186,13 @@ def test_drafter_backoff_after_zero_cuts():
         d = _bare_drafter(max_backoff=cap)
         skips = []
         for _ in range(7):
-            d.trees["r"] = tree
-            d.take_tree("r", ())
+            _take(d, tree, ())
             skips.append(d.skip["r"])
         assert skips == expected, cap
     d.max_backoff = 16
-    d.trees["r"] = tree
-    d.take_tree("r", [2])
+    _take(d, tree, [2])
     assert "r" not in d.zero_streak
-    d.trees["r"] = tree
-    d.take_tree("r", ())
+    _take(d, tree, ())
     assert d.skip["r"] == 1
 
 
@@ -204,7 +211,7 @@ def test_drafter_tells_the_proposer_how_many_requests_draft_this_step():
             return DraftTree.chain([7], root_token=int(context[-1]))
 
     proposer = SimpleNamespace(begin_step=lambda n: seen.append(("begin", n)), new_request=lambda tenant=None: Chain())
-    d = _bare_drafter(acceptance=None, unlabelled={}, states={}, tenants={}, probs={}, proposer=proposer,
+    d = _bare_drafter(acceptance=None, unlabelled={}, states={}, tenants={}, proposer=proposer,
                       metrics=TreeMetrics(), max_draft_tokens=4, max_model_len=64, offer_factor=0.0)
     d.skip = {"c": 2}
     tokens = np.arange(1, 5 * 64 + 1).reshape(5, 64)
@@ -225,8 +232,7 @@ def test_drafter_offers_what_the_allocator_has_been_keeping():
     assert d._offer("r", room=59) is None  # no history: the proposer's budget
     offers = []
     for kept in (2, 5, 0, 0, 12):
-        d.trees["r"] = tree
-        d.take_tree("r", list(range(2, 2 + kept)))
+        _take(d, tree, range(2, 2 + kept))
         offers.append(d._offer("r", room=59))
     # marks 2, 5, 4, 3.2, 12 -> drafts 8, 20, 16, 13 (ceil 12.8), 48 -> nodes + 1
     assert offers == [OFFER_MIN_DRAFTS + 1, 21, 17, 14, 49], offers
@@ -271,17 +277,18 @@ def test_drafter_learns_from_trees_the_allocator_cut():
     nodes only (the old way) never moves them: nothing was verified."""
     from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel
     from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
-    from vllm_anisotropic.tree import DraftTree
+    from vllm_anisotropic.tree import DraftTree, FlatTrees
 
     d = object.__new__(TreeDrafter)
     d.acceptance = AcceptanceModel(AcceptanceConfig(refit_every=1))
     d.unlabelled, d.label_depth = {}, 8
     spine = DraftTree(tokens=[0, 7, 8, 9], parents=[-1, 0, 1, 2], sources=[0, 1, 1, 1], values=[1, 0.1, 0.01, 0.001])
+    flat = FlatTrees.from_trees([DraftTree.chain([5], root_token=3), spine])  # the spine is tree 1
     before = d.acceptance.predict([1, 1, 1], [1, 2, 3], spine.values[1:])
     tokens = np.zeros((1, 4000), np.int64)
     n = 10
     for step in range(300):
-        d.unlabelled.setdefault("r", []).append((n, spine))  # offered at n tokens, then cut to 0
+        d.unlabelled.setdefault("r", []).append((n, flat, 1))  # offered at n tokens, then cut to 0
         tokens[0, n : n + 3] = [7, 8, 5]  # what the target emitted after the root
         n += 3
         d._label(["r"], np.array([n]), tokens)
@@ -289,7 +296,7 @@ def test_drafter_learns_from_trees_the_allocator_cut():
     assert np.allclose(before, spine.values[1:], rtol=1e-6)  # the prior: the values
     assert after[0] > 0.9 and after[1] > 0.9 and after[2] < 0.1, after
     # a tree waits until enough tokens follow its root, and leaves with the request
-    d.unlabelled = {"r": [(n, spine)]}
+    d.unlabelled = {"r": [(n, flat, 1)]}
     d._label(["r"], np.array([n + 2]), tokens)
     assert len(d.unlabelled["r"]) == 1
     d._label(["r"], np.array([n + 3]), tokens)
@@ -339,7 +346,7 @@ def time_now() -> float:
 
 
 def test_harvest_runs_later_with_the_bigram_key_of_its_own_step():
-    """``observe_batch`` counts a step's trees at once and harvests their rows later
+    """``observe_step`` counts a step's trees at once and harvests their rows later
     (``run_deferred``): the next proposal is built from the tables as they were (one step of
     lag), and the late harvest writes exactly what harvesting at once would have, bigram key
     included, though that proposal has moved the state's ``_prev_root`` on.
@@ -349,9 +356,12 @@ def test_harvest_runs_later_with_the_bigram_key_of_its_own_step():
     the harvest (counters short by a step), rows read from logits vLLM may overwrite."""
     import torch
 
-    from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
+    from vllm_anisotropic.integration.vllm.drafter import StepTrees, TreeDrafter
+    from vllm_anisotropic.integration.vllm.host_clock import HostClock
     from vllm_anisotropic.integration.vllm.metrics import TreeMetrics
     from vllm_anisotropic.proposers import get_proposer
+    from vllm_anisotropic.proposers.adjacency import TopKRows
+    from vllm_anisotropic.tree import FlatTrees
 
     vocab = 64
     context = np.array([5, 6, 7, 5, 6, 7, 5, 6], np.int64)
@@ -359,26 +369,27 @@ def test_harvest_runs_later_with_the_bigram_key_of_its_own_step():
 
     def tables(state):
         t = state.table
-        bigram = {k: t.bigram_ids[s].tolist() for k, s in t._bigram_slots.items()}
+        bigram = {int(k): t.bigram_ids[s].tolist() for s, k in enumerate(t.bigram_keys.tolist()) if k >= 0}
         return t.unigram_ids.copy(), bigram
 
     # at once: harvest, then propose the next tree
     eager = get_proposer("goose", vocab_size=vocab).new_request()
     tree = eager.propose(context)
     n = tree.num_nodes
-    from vllm_anisotropic.proposers.adjacency import TopKRows
-
     eager.observe(tree, [], TopKRows.of(logits[:n], eager.harvest_top_k))
     after_eager = tables(eager)
 
     d = object.__new__(TreeDrafter)
-    d.states, d._deferred, d.metrics, d.chain_trees = {}, [], TreeMetrics(), set()
+    d.proposer = get_proposer("goose", vocab_size=vocab)
+    d.states, d._deferred, d.metrics, d.host_clock = {}, [], TreeMetrics(), HostClock()
     d.sink = SimpleNamespace(trace=False, tick=lambda force=False: None)
-    state = d.states["r"] = get_proposer("goose", vocab_size=vocab).new_request()
+    state = d.states["r"] = d.proposer.new_request()
     assert state.propose(context).tokens.tolist() == tree.tokens.tolist()
     before = tables(state)
     buffer = logits.clone()
-    d.observe_batch([("r", tree, [], slice(0, n))], buffer)
+    step = StepTrees(["r"], np.array([0]), FlatTrees.from_trees([tree]), np.array([context[-2]]),
+                     np.array([1], np.int8), np.zeros(1, bool))
+    d.observe_step(step, np.full((1, 1), -1), np.zeros(1, np.int64), np.array([0]), buffer)
     assert d.metrics.verified_trees + d.metrics.plain_steps == 1  # counted now
     assert np.array_equal(tables(state)[0], before[0]) and tables(state)[1] == before[1]  # not harvested yet
     buffer.fill_(0.0)  # vLLM reuses its logits buffer
@@ -413,16 +424,20 @@ def test_a_chain_step_drafts_spine_chains_unranked_and_harvests_nothing():
     num = np.array([len(context), len(context)])
     drafts = d.propose_trees(["a", "b"], [True, True], [[7], [5]], num, tokens, chains=True)
     assert drafts[0] == [8, 9, 10]  # the spine, cut to 3 tokens
-    assert d.probs == {} and d.unlabelled == {} and d.chain_trees == {"a", "b"}
-    tree = d.take_tree("a", drafts[0])
+    assert d.pending["a"][0].probs is None and d.unlabelled == {} and d.pending["a"][0].chains
+    assert d.pending_probs(["a", "b"]) == [None, None]
+    step = d.take_step(["a", "b"], {"a": drafts[0], "b": drafts[1]})
+    assert step.chains.all() and step.req_ids == ["a", "b"] and step.trees.tree(0).tokens.tolist() == [7, 8, 9, 10]
     state = d.states["a"]
     table = state.table.unigram_ids.copy()
-    logits = torch.randn(tree.num_nodes, vocab, generator=torch.Generator().manual_seed(0))
-    d.observe_batch([("a", tree, [1, 2], slice(0, tree.num_nodes))], logits)
+    logits = torch.randn(step.trees.num_nodes, vocab, generator=torch.Generator().manual_seed(0))
+    accepted = np.full((2, 3), -1)
+    accepted[0, :2] = [1, 2]
+    d.observe_step(step, accepted, np.array([2, 0]), step.trees.offsets[:-1], logits)
     d.run_deferred()
     assert np.array_equal(state.table.unigram_ids, table)  # nothing harvested
     assert state.spine_acceptance > GooseConfig().initial_spine_acceptance  # the spine EMA still learns
     # a tree step: ranked (probabilities for the allocator), and its rows harvested
     tokens[0, len(context) : len(context) + 3] = [8, 9, 10]  # accepted 8, 9 and the bonus 10
     drafts = d.propose_trees(["a"], [True], [[10]], num[:1] + 3, tokens[:1], chains=False)
-    assert d.chain_trees == set() and len(d.probs["a"]) == len(drafts[0]) > 0
+    assert not d.pending["a"][0].chains and len(d.pending_probs(["a"])[0]) == len(drafts[0]) > 0

@@ -1,4 +1,4 @@
-"""Incremental context matcher vs the stateless PLD oracle (proposers.pld)."""
+"""Context matcher (the compiled backward scan) vs the stateless PLD oracle (proposers.pld)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def test_worked_example():
     assert hit.ngram == 2 and hit.position == 2 and hit.draft.tolist() == [7, 5, 6]
     m.extend([9])
     assert m.lookup(2) == -1  # (6, 9) never occurred
-    assert m._index[2][(5, 6)] == 5  # the old suffix is now an earlier occurrence
+    m.extend([5, 6])
+    assert m.lookup(2) == 5  # the old suffix (follow position 5) is now the latest earlier occurrence
 
 
 def test_no_match_and_short_context():
@@ -53,7 +54,7 @@ def test_consensus_and_match_length():
     st.lists(st.integers(1, 6), min_size=1, max_size=30),
 )
 def test_incremental_matches_oracle(tokens, chunks):
-    """Grow the context in random chunks; after every chunk the index agrees with a rescan."""
+    """Grow the context in random chunks; after every chunk the scan agrees with the oracle."""
     m = ContextMatcher((3, 4, 5), max_continuation=7)
     pos = 0
     for c in chunks + [len(tokens)]:

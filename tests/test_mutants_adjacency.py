@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_anisotropic.proposers.adjacency import AdjacencyTable, TopKRows, _last_occurrence
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable, TopKRows
 from vllm_anisotropic.proposers.context_match import ContextMatcher
 from vllm_anisotropic.tree import DraftTree
 
@@ -19,12 +19,6 @@ def _rows(*ids):
 
 
 # ------------------------------------------------------------------------ adjacency harvest
-def test_last_occurrence_golden():
-    assert _last_occurrence(np.array([4, 7, 4])).tolist() == [2, 1]
-    assert _last_occurrence(np.array([5, 5, 5])).tolist() == [2]
-    assert _last_occurrence(np.array([3, 1, 2])).tolist() == [1, 2, 0]
-
-
 def test_update_last_duplicate_wins_and_narrow_rows():
     """Duplicate keys in one call: the last row wins in both tiers. Rows narrower than top_k
     leave the rest empty (-1), which lookups drop. prev 0 is a real token (bigram used)."""
@@ -50,12 +44,14 @@ def test_bigram_overwrite_refreshes_and_keeps_its_slot():
     t = AdjacencyTable(10, top_k=2, bigram_capacity=2)
     t.update([1], [2], *_rows([3, 4]))
     t.update([2], [3], *_rows([5, 6]))
+    slot_12, slot_23 = t.bigram_slot(1, 2), t.bigram_slot(2, 3)
+    assert sorted([slot_12, slot_23]) == [0, 1]
     t.update([1], [2], *_rows([7, 8]))  # overwrite: refreshes (1, 2), same slot
-    assert t._bigram_slots[1 * 10 + 2] == 0
+    assert t.bigram_slot(1, 2) == slot_12 and len(t) == 2
     t.update([4], [5], *_rows([9, 1]))  # full: evicts (2, 3), the least recently used
-    assert set(t._bigram_slots) == {1 * 10 + 2, 4 * 10 + 5}
+    assert t.bigram_key_set() == {1 * 10 + 2, 4 * 10 + 5} and t.evictions == 1 and len(t) == 2
     assert t.successors(1, 2)[0].tolist() == [7, 8] and t.successors(4, 5)[0].tolist() == [9, 1]
-    assert t._bigram_slots[4 * 10 + 5] == 1  # reused the evicted row
+    assert t.bigram_slot(4, 5) == slot_23 and t.bigram_slot(2, 3) == -1  # reused the evicted row
     unigram_only = AdjacencyTable(10, top_k=2, bigram=False)
     unigram_only.update([1], [2], *_rows([3, 4]))
     assert len(unigram_only) == 0 and unigram_only.successors(1, 2)[0].tolist() == [3, 4]
@@ -77,7 +73,7 @@ def test_harvest_sequence_keys_and_chunks():
         assert t.successors(-1, 3)[0].tolist() == [2]  # unigram 3: the last row for 3 (row 2)
         assert t.successors(5, 3)[0].tolist() == [2] and t.successors(3, 5)[0].tolist() == [1]
         assert t.successors(3, 6)[0].tolist() == [3] and t.successors(6, 5)[0].tolist() == [4]
-        assert set(t._bigram_slots) == {3 * vocab + 5, 5 * vocab + 3, 3 * vocab + 6, 6 * vocab + 5}
+        assert t.bigram_key_set() == {3 * vocab + 5, 5 * vocab + 3, 3 * vocab + 6, 6 * vocab + 5}
         assert t.num_harvested == 5
 
 
@@ -98,7 +94,7 @@ def test_harvest_topk_rows_and_tree_root_key():
     tree = DraftTree(tokens=[4, 5], parents=[-1, 0])
     t2 = AdjacencyTable(vocab, top_k=1)
     t2.harvest_tree(tree, 3, logits[:2])  # root keyed (3, 4)
-    assert set(t2._bigram_slots) == {3 * vocab + 4, 4 * vocab + 5}
+    assert t2.bigram_key_set() == {3 * vocab + 4, 4 * vocab + 5}
     t3 = AdjacencyTable(vocab, top_k=2)
     t3.harvest([0], [1], TopKRows.of(logits[:1], 2))  # exactly top_k precomputed columns; prev 0
     assert t3.successors(0, 1)[0].tolist() == [0, 1] and len(t3) == 1
@@ -133,28 +129,28 @@ def test_lookup_needs_an_earlier_occurrence_and_limits():
 def test_sync_appends_only_the_tail_and_consensus_needs_two():
     m = ContextMatcher((2, 3), max_continuation=3)
     m.sync([5, 6, 7, 5, 6])
-    assert m._index[2] == {(5, 6): 2, (6, 7): 3, (7, 5): 4} and m._index[3] == {(5, 6, 7): 3, (6, 7, 5): 4}
+    assert m.lookup(2) == 2 and m.lookup(3) == -1  # (5, 6) at f = 2; (7, 5, 6) never earlier
     hit = m.match()
     assert hit.ngram == 2 and hit.draft.tolist() == [7, 5, 6] and not hit.consensus  # only n = 2 hits
     m.sync([5, 6, 7, 5, 6, 7])
-    assert m._index[2][(5, 6)] == 5 and m._index[3][(6, 7, 5)] == 4
+    assert m.lookup(2) == 3 and m.lookup(3) == 3  # (6, 7) and (5, 6, 7) latest at f = 3
     hit = m.match()
     assert hit.ngram == 3 and hit.draft.tolist() == [5, 6, 7] and hit.consensus  # n = 2 and 3 agree on 5
-    m.sync([5, 6, 7, 5, 6, 7])  # same context: nothing re-indexed
-    assert m._index[2][(5, 6)] == 5
+    m.sync([5, 6, 7, 5, 6, 7])  # same context: nothing appended
+    assert m.tokens == [5, 6, 7, 5, 6, 7] and len(m) == 6
 
 
 def test_sync_rebuilds_when_the_boundary_token_changed():
-    """After any sync the index equals a fresh matcher's on the same context: a boundary
-    token that changed (here the last indexed one) forces a rebuild even when the token before
-    it, or the new token, happens to equal some indexed token."""
+    """After any sync the context equals a fresh matcher's: a boundary token that changed (here
+    the last kept one) replaces the context even when the token before it, or the new token,
+    happens to equal some kept token."""
     for old, new in (([1, 2, 2], [1, 2, 5, 1, 2]), ([1, 5, 2], [1, 5, 5, 1, 5])):
         m = ContextMatcher((2,), max_continuation=4)
         m.sync(old)
         m.sync(new)
         fresh = ContextMatcher((2,), max_continuation=4)
         fresh.sync(new)
-        assert m.tokens == new and m._index == fresh._index
+        assert m.tokens == new and all(m.lookup(n) == fresh.lookup(n) for n in (1, 2, 3))
         assert m.match().draft.tolist() == fresh.match().draft.tolist()
 
 

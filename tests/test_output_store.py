@@ -88,7 +88,7 @@ def test_goose_takes_a_spine_from_a_finished_request_of_its_tenant_only():
     first = prop.new_request()
     first.propose(_chat([10, 11] + header, [40]))  # the first proposal: prompt + 1 token
     first.propose(_chat([10, 11] + header, [40, 41, 42, 43, 44, 45]))
-    first.finish()
+    first.finish(_chat([10, 11] + header, [40, 41, 42, 43, 44, 45]))
     second = prop.new_request()
     tree = second.propose(_chat([20, 21] + header, [40]))  # no match of its own
     spine = tree.tokens[tree.sources == NodeSource.SPINE].tolist()
@@ -97,7 +97,7 @@ def test_goose_takes_a_spine_from_a_finished_request_of_its_tenant_only():
     other = GooseProposer(cfg.model_copy(update={"cross_request_spine": False}), vocab_size=100)
     st2 = other.new_request()
     st2.propose(_chat([10, 11] + header, [40, 41, 42, 43, 44, 45]))
-    st2.finish()
+    st2.finish(_chat([10, 11] + header, [40, 41, 42, 43, 44, 45]))
     tree = other.new_request().propose(_chat([20, 21] + header, [40]))
     assert not np.any(tree.sources == NodeSource.SPINE)
     salted = prop.new_request(tenant="b").propose(_chat([20, 21] + header, [40]))

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["NodeSource", "DraftTree", "TreeBatch", "pack_trees", "SOURCE_PRIORITY"]
+__all__ = ["NodeSource", "DraftTree", "FlatTrees", "TreeBatch", "pack_trees", "SOURCE_PRIORITY"]
 
 
 class NodeSource(enum.IntEnum):
@@ -64,7 +64,8 @@ SOURCE_PRIORITY: dict[NodeSource, int] = {
     NodeSource.BRANCH: 1,
     NodeSource.DRAFT: 1,
 }
-_PRIORITY_BY_CODE = np.array([SOURCE_PRIORITY[NodeSource(c)] for c in range(len(NodeSource))])
+# [len(NodeSource)] the rank of each source code in the child priority order (SOURCE_PRIORITY)
+PRIORITY_BY_CODE = np.array([SOURCE_PRIORITY[NodeSource(c)] for c in range(len(NodeSource))])
 
 
 def _as_int64(x) -> np.ndarray:
@@ -226,7 +227,7 @@ class DraftTree:
 
         def build():
             kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
-            rank = _PRIORITY_BY_CODE[self.sources]
+            rank = PRIORITY_BY_CODE[self.sources]
             order = np.lexsort((np.arange(self.num_nodes), rank))  # by rank, then index
             for j in order:
                 if j > 0:
@@ -389,6 +390,267 @@ class DraftTree:
 
     def with_draft_probs(self, draft_probs: torch.Tensor | None) -> "DraftTree":
         return DraftTree(self.tokens, self.parents, self.sources, self.values, draft_probs, self.multiplicity)
+
+@dataclass(frozen=True, eq=False)
+class FlatTrees:
+    """Many trees as flat host arrays: the form the engine's per-step path passes between its
+    stages (proposer -> allocator -> positions and attention plan -> walk -> harvest and metrics).
+
+    Tree k holds nodes ``offsets[k] .. offsets[k + 1] - 1``, root first, each tree in
+    parent-before-child (value) order as a ``DraftTree``; ``parents`` are *local* (index within
+    the tree, -1 for the root), ``depths`` are stored, not recomputed. Worked example, two trees
+    (root 5 with children 6, 7; root 9 alone)::
+
+        offsets  = [0, 3, 4]
+        tokens   = [5, 6, 7, 9]
+        parents  = [-1, 0, 0, -1]
+        depths   = [0, 1, 1, 0]
+        sizes()  = [3, 1];  tree_index() = [0, 0, 0, 1];  global_parents() = [-1, 0, 0, -1]
+
+    ``multiplicity`` and ``draft_probs`` (one entry per tree: its ``[nodes, vocab_size]`` rows or
+    None) are set only for draft-model trees. ``tree(k)`` gives tree k as a ``DraftTree`` (views,
+    no copy).
+    """
+
+    # [num_trees + 1] int64 cumulative node counts
+    offsets: np.ndarray
+    # [num_nodes] int64
+    tokens: np.ndarray
+    # [num_nodes] int64 local parent index, -1 for roots
+    parents: np.ndarray
+    # [num_nodes] int8 NodeSource codes
+    sources: np.ndarray
+    # [num_nodes] float64
+    values: np.ndarray
+    # [num_nodes] int64
+    depths: np.ndarray
+    # [num_nodes] int64 or None (all 1)
+    multiplicity: np.ndarray | None = None
+    # per tree: [its nodes, vocab_size] or None; the whole list None when no tree has them
+    draft_probs: list | None = None
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def num_trees(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def sizes(self) -> np.ndarray:
+        """[num_trees] int64 nodes per tree (root included)."""
+        return np.diff(self.offsets)
+
+    def tree_index(self) -> np.ndarray:
+        """[num_nodes] int64 the tree each node belongs to."""
+        return np.repeat(np.arange(self.num_trees), self.sizes())
+
+    def global_parents(self) -> np.ndarray:
+        """[num_nodes] int64 parent as a flat index, -1 for roots."""
+        base = np.repeat(self.offsets[:-1], self.sizes())
+        return np.where(self.parents >= 0, self.parents + base, -1)
+
+    # ------------------------------------------------------------------ conversions
+    @staticmethod
+    def empty() -> "FlatTrees":
+        z = np.zeros(0, np.int64)
+        return FlatTrees(np.zeros(1, np.int64), z, z, np.zeros(0, np.int8), np.zeros(0), z)
+
+    @staticmethod
+    def from_trees(trees) -> "FlatTrees":
+        """Pack ``DraftTree``s (no copy of their per-node logic: depths are the trees' own)."""
+        if not trees:
+            return FlatTrees.empty()
+        sizes = np.fromiter((t.num_nodes for t in trees), np.int64, len(trees))
+        offsets = np.zeros(len(trees) + 1, np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        drafts = [t.draft_probs for t in trees]
+        mult = np.concatenate([t.multiplicity for t in trees])
+        return FlatTrees(
+            offsets=offsets,
+            tokens=np.concatenate([t.tokens for t in trees]),
+            parents=np.concatenate([t.parents for t in trees]),
+            sources=np.concatenate([t.sources for t in trees]),
+            values=np.concatenate([t.values for t in trees]),
+            depths=np.concatenate([t.depths for t in trees]),
+            multiplicity=None if np.all(mult == 1) else mult,
+            draft_probs=drafts if any(q is not None for q in drafts) else None,
+        )
+
+    @staticmethod
+    def concat(parts: list["FlatTrees"]) -> "FlatTrees":
+        """The trees of ``parts``, in order, as one batch."""
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return FlatTrees.empty()
+        sizes = np.concatenate([p.sizes() for p in parts])
+        offsets = np.zeros(sizes.shape[0] + 1, np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        mult = None
+        if any(p.multiplicity is not None for p in parts):
+            mult = np.concatenate([np.ones(p.num_nodes, np.int64) if p.multiplicity is None else p.multiplicity
+                                   for p in parts])
+        q = None
+        if any(p.draft_probs is not None for p in parts):
+            q = [x for p in parts for x in (p.draft_probs if p.draft_probs is not None else [None] * p.num_trees)]
+        return FlatTrees(offsets, *(np.concatenate([getattr(p, f) for p in parts])
+                                    for f in ("tokens", "parents", "sources", "values", "depths")), mult, q)
+
+    def tree(self, k: int) -> DraftTree:
+        """Tree k as a ``DraftTree`` over views of these arrays (its depths cached)."""
+        a, b = int(self.offsets[k]), int(self.offsets[k + 1])
+        mult = np.ones(b - a, np.int64) if self.multiplicity is None else self.multiplicity[a:b]
+        q = None if self.draft_probs is None else self.draft_probs[k]
+        out = DraftTree._unchecked(self.tokens[a:b], self.parents[a:b], self.sources[a:b], self.values[a:b], q, mult)
+        out._cache["depths"] = self.depths[a:b]
+        return out
+
+    def trees(self) -> list[DraftTree]:
+        return [self.tree(k) for k in range(self.num_trees)]
+
+    # ------------------------------------------------------------------ edits (vectorised)
+    def _gather(self, nodes: np.ndarray, sizes: np.ndarray, draft_probs=None) -> "FlatTrees":
+        offsets = np.zeros(sizes.shape[0] + 1, np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        return FlatTrees(
+            offsets=offsets,
+            tokens=self.tokens[nodes],
+            parents=self.parents[nodes],
+            sources=self.sources[nodes],
+            values=self.values[nodes],
+            depths=self.depths[nodes],
+            multiplicity=None if self.multiplicity is None else self.multiplicity[nodes],
+            draft_probs=draft_probs,
+        )
+
+    def select(self, index) -> "FlatTrees":
+        """Trees ``index`` (any order, repeats allowed) as a new batch.
+        ``sizes [3, 1, 2]``, index ``[2, 0]`` -> trees with 2 and 3 nodes."""
+        index = np.asarray(index, np.int64)
+        sizes = self.sizes()[index]
+        starts = self.offsets[:-1][index]
+        nodes = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes) + np.arange(int(sizes.sum()))
+        q = None if self.draft_probs is None else [self.draft_probs[k] for k in index.tolist()]
+        return self._gather(nodes, sizes, q)
+
+    def prefix(self, keep) -> "FlatTrees":
+        """The first ``keep[k]`` nodes of tree k (``1 <= keep[k]``; more than the tree has: all):
+        ``DraftTree.truncate`` of every tree at once, a valid subtree by the node order."""
+        keep = np.minimum(np.asarray(keep, np.int64), self.sizes())
+        if keep.shape != (self.num_trees,) or np.any(keep < 1):
+            raise ValueError(f"keep must hold one count >= 1 per tree ({self.num_trees}), got {keep}")
+        local = np.arange(self.num_nodes) - np.repeat(self.offsets[:-1], self.sizes())
+        nodes = np.flatnonzero(local < np.repeat(keep, self.sizes()))
+        q = None if self.draft_probs is None else [
+            None if p is None else p[:n] for p, n in zip(self.draft_probs, keep.tolist())]
+        return self._gather(nodes, keep, q)
+
+    def permuted(self, order) -> "FlatTrees":
+        """The same trees with their nodes listed in ``order``: a permutation of the flat nodes
+        that keeps every tree's nodes in its own range, its root first and every parent before
+        its children (``DraftTree.reordered`` of every tree at once).
+        ``parents [-1, 0, 0, 2 | -1]``, order ``[0, 2, 3, 1, 4]`` -> ``[-1, 0, 1, 0 | -1]``."""
+        order = np.asarray(order, np.int64)
+        n = self.num_nodes
+        inverse = np.empty(n, np.int64)
+        inverse[order] = np.arange(n)
+        gp = self.global_parents()[order]
+        base = np.repeat(self.offsets[:-1], self.sizes())
+        parents = np.where(gp >= 0, inverse[np.maximum(gp, 0)] - base, -1)
+        q = None
+        if self.draft_probs is not None:
+            local = order - base
+            q = [None if p is None else p[torch.from_numpy(local[a:b])]
+                 for p, a, b in zip(self.draft_probs, self.offsets[:-1].tolist(), self.offsets[1:].tolist())]
+        return FlatTrees(self.offsets, self.tokens[order], parents, self.sources[order], self.values[order],
+                         self.depths[order], None if self.multiplicity is None else self.multiplicity[order], q)
+
+    def path_mask(self, accepted: np.ndarray, num_accepted: np.ndarray) -> np.ndarray:
+        """``[num_nodes]`` bool: the node is on its tree's accepted path, given ``accepted``
+        ``[num_trees, D]`` local node indices (the first ``num_accepted[t]`` of row t count).
+        offsets ``[0, 3, 5]``, accepted ``[[1, 2], [1, -1]]``, counts ``[2, 1]`` -> nodes 1, 2, 4."""
+        on_path = np.zeros(self.num_nodes, bool)
+        if accepted.size:
+            valid = np.arange(accepted.shape[1])[None, :] < num_accepted[:, None]
+            on_path[(self.offsets[:-1, None] + accepted)[valid]] = True
+        return on_path
+
+    def chain_prefix(self) -> np.ndarray:
+        """[num_trees] int64 c_k: nodes 1..c_k of tree k form a chain below its root
+        (``parents[1..c] == [0..c-1]``). ``parents [-1, 0, 1, 0, 2 | -1, 0]`` -> ``[2, 1]``."""
+        local = np.arange(self.num_nodes) - np.repeat(self.offsets[:-1], self.sizes())
+        off = (local > 0) & (self.parents != local - 1)
+        # first node off the chain per tree (its local index), or the tree's size
+        first = np.where(off, local, np.iinfo(np.int64).max)
+        sizes = self.sizes()
+        out = sizes.copy()
+        nonempty = sizes > 0
+        if self.num_nodes:
+            out[nonempty] = np.minimum(np.minimum.reduceat(first, self.offsets[:-1][nonempty]), sizes[nonempty])
+        return np.maximum(out - 1, 0)
+
+    def ancestor_bits(self) -> np.ndarray:
+        """[num_nodes] uint64 bit-packed ancestor masks, local bits (bit j of node i: j is i or
+        an ancestor of i); every tree must have <= 64 nodes. One pass per depth level.
+        ``parents [-1, 0, 0, 1]`` -> ``[0b1, 0b11, 0b101, 0b1011]``."""
+        if self.num_trees and int(self.sizes().max()) > 64:
+            raise ValueError("ancestor_bits needs <= 64 nodes per tree")
+        local = (np.arange(self.num_nodes) - np.repeat(self.offsets[:-1], self.sizes())).astype(np.uint64)
+        bits = np.left_shift(np.uint64(1), local)
+        gp = self.global_parents()
+        for d in range(1, int(self.depths.max(initial=0)) + 1):
+            lvl = np.flatnonzero(self.depths == d)
+            bits[lvl] |= bits[gp[lvl]]
+        return bits
+
+    def to_batch(self, device="cpu", prompt_lens=None) -> "TreeBatch":
+        """The verifiers' ``TreeBatch`` of these trees, built with array operations (the same
+        batch as ``pack_trees(self.trees())``)."""
+        n, r = self.num_nodes, self.num_trees
+        if r == 0:
+            raise ValueError("to_batch needs at least one tree")
+        sizes = self.sizes()
+        gp = self.global_parents()
+        mult = np.ones(n, np.int64) if self.multiplicity is None else self.multiplicity
+        # children of every node in priority order (rank, then index), -1 padded
+        kids = np.flatnonzero(gp >= 0)
+        order = kids[np.lexsort((kids, PRIORITY_BY_CODE[self.sources[kids]], gp[kids]))]
+        counts = np.bincount(gp[order], minlength=n) if order.size else np.zeros(n, np.int64)
+        group_start = np.zeros(n + 1, np.int64)
+        np.cumsum(counts, out=group_start[1:])
+        rank_in_group = np.arange(order.size) - group_start[gp[order]]
+        children = np.full((n, max(int(counts.max(initial=0)), 1)), -1, np.int64)
+        children[gp[order], rank_in_group] = order
+        # child multiset: each child repeated by its multiplicity, in the same order
+        reps = mult[order]
+        slot_counts = np.bincount(gp[order], weights=reps, minlength=n).astype(np.int64) if order.size else counts
+        slot_start = np.zeros(n + 1, np.int64)
+        np.cumsum(slot_counts, out=slot_start[1:])
+        rep_parent = np.repeat(gp[order], reps)
+        slots = np.full((n, max(int(slot_counts.max(initial=0)), 1)), -1, np.int64)
+        slots[rep_parent, np.arange(rep_parent.size) - slot_start[rep_parent]] = np.repeat(order, reps)
+        plen = np.zeros(r, np.int64) if prompt_lens is None else np.asarray(prompt_lens, np.int64)
+        bits = self.ancestor_bits().view(np.int64) if int(sizes.max()) <= 64 else None
+        t64 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int64)).to(device)  # noqa: E731
+        return TreeBatch(
+            node_offsets=t64(self.offsets),
+            tokens=t64(self.tokens),
+            parents=t64(gp),
+            local_parents=t64(self.parents),
+            depths=t64(self.depths),
+            positions=t64(self.depths + np.repeat(plen, sizes)),
+            tree_index=t64(self.tree_index()),
+            root_index=t64(self.offsets[:-1]),
+            sources=t64(self.sources),
+            values=torch.from_numpy(np.ascontiguousarray(self.values, np.float64)).to(device),
+            children=t64(children),
+            slots=t64(slots),
+            ancestor_bits=None if bits is None else t64(bits),
+            max_depth=int(self.depths.max()),
+            unmerged=bool(np.all(mult == 1)),
+        )
 
 
 @dataclass(frozen=True)

@@ -276,7 +276,7 @@ class TreeDecoder:
                 if len(res.tokens) >= max_new_tokens or tok in eos:
                     done = True
                     break
-        state.finish()
+        state.finish(np.asarray(context))
         res.wall_s = time.perf_counter() - t_start
         return res
 

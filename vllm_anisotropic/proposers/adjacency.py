@@ -22,13 +22,19 @@ harvest
     and bigram entry ``(t_{i-1}, t_i)`` are overwritten by the top-K of ``softmax(logits[i])``.
     Within one batch, the last row for a key wins (deterministic).
 
-Memory (``memory_bytes``): unigram ``V * K * (4 + 4)`` bytes (int32 ids, float32 scores):
-3.9 MB at V = 49,152 and 12.2 MB at V = 151,936 for K = 10. The bigram tier is bounded by
-``bigram_capacity`` entries (default 65,536): ``capacity * K * 8`` bytes of rows (5.2 MB) plus
-the key -> slot OrderedDict (measured ~150 bytes per entry in CPython: 9.7 MB at capacity), so
-at most ~27 MB in all at V = 151,936 and ~19 MB at V = 49,152. Eviction is
-least-recently-used: a lookup hit or an overwrite refreshes an entry; inserting into a full
-table evicts the least recently used entry and reuses its row.
+Storage (array-backed, so lookups and updates run in compiled kernels, ``kernels.table``):
+the unigram tier is dense, ``[vocab_size, K]`` int32 ids and float32 scores; the bigram tier is
+an open-addressing hash table of ``bigram_capacity`` slots (a power of two): ``[capacity]``
+int64 keys ``prev * vocab_size + token`` (-1 = empty), ``[capacity]`` int64 last-use stamps and
+``[capacity, K]`` rows. A key lives in one of the ``WAYS`` = 8 slots that follow its hash (linear
+probing, never deleted: a slot is only ever overwritten), so a lookup reads at most 8 keys. A
+lookup hit or an overwrite refreshes the entry's stamp; inserting a key whose 8 slots are all
+taken evicts the least recently used of them (an 8-way set-associative LRU: exact LRU whenever
+the capacity is at most 8).
+
+Memory (``memory_bytes``, fixed at allocation, nothing grows): unigram ``V * K * 8`` bytes
+(3.9 MB at V = 49,152, 12.2 MB at V = 151,936 for K = 10), bigram ``capacity * (16 + 8 K)``
+bytes (6.3 MB at the default 65,536 slots, K = 10): at most 18.5 MB a table at V = 151,936.
 
 Tenants (``TenantTables``): with ``shared_table`` every request of one tenant reads and feeds
 one table, the hot start of Token Recycling. A shared table is a side channel: what one
@@ -42,23 +48,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections import OrderedDict
 
 import numpy as np
 import torch
 
+from vllm_anisotropic import kernels
 from vllm_anisotropic.proposers.base import RequestState
 from vllm_anisotropic.tree import DraftTree
 
 __all__ = ["AdjacencyTable", "MAX_TENANT_TABLES", "TenantTables", "TopKRows", "topk_scores"]
 
 _EMPTY = -1
+_CLOCK, _HELD, _EVICTED = 0, 1, 2  # AdjacencyTable.counters (kernels.table: CLOCK, HELD, EVICTED)
+_NO_ROW = (np.zeros(0, np.int32), np.zeros(0, np.float32))
 MAX_TENANT_TABLES = 64  # salted tables kept per proposer (least recently used evicted)
 
 
 def topk_scores(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Batched top-k of ``softmax(logits)``.
+    """Batched top-k of ``softmax(logits)``, from the top-k of the logits and one log-sum-exp
+    per row: ``p_j = exp(l_j - lse(l))`` for the k largest ``l_j`` (same ids and order as the top-k
+    of the softmax; no normalised copy of the vocabulary is written).
 
     Args:
         logits: ``[num_tokens, vocab_size]`` raw target logits (any float dtype, any device).
@@ -69,9 +79,14 @@ def topk_scores(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     """
     assert logits.ndim == 2, logits.shape
     k = min(int(k), int(logits.shape[-1]))
-    # p = softmax(l) then top-k of p (same order as top-k of l). torch.logsumexp has a slow
-    # CPU path (~100 ms for one 49k row in torch 2.13), softmax does not.
-    probs, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+    x = logits.to(torch.float32, copy=True)  # [num_tokens, vocab_size], ours to overwrite
+    top, ids = torch.topk(x, k, dim=-1)
+    # p_j = exp(l_j - m) / sum_i exp(l_i - m), m = the row's largest logit (top[:, 0]); the sum
+    # is taken in place on the copy (softmax's normalised [rows, vocab] output is a second pass
+    # over memory: 190 vs 68 us a 49k row at 16 rows, one CPU thread)
+    m = top[:, :1]
+    total = x.sub_(m).exp_().sum(dim=-1, keepdim=True)
+    probs = torch.exp(top - m) / total
     return ids.to(torch.int32).cpu().numpy(), probs.cpu().numpy().astype(np.float32)
 
 
@@ -98,21 +113,11 @@ class TopKRows:
         return TopKRows(ids, scores, int(logits.shape[-1]))
 
 
-def _last_occurrence(keys: np.ndarray) -> np.ndarray:
-    """Indices of the last occurrence of each distinct key (sorted by key).
-
-    ``keys [4, 7, 4] -> [2, 1]`` (key 4 last at 2, key 7 at 1).
-    """
-    rev = keys[::-1]
-    _, first_in_rev = np.unique(rev, return_index=True)
-    return len(keys) - 1 - first_in_rev
-
-
 class AdjacencyTable:
-    """Two-tier successor table (dense unigram + bounded LRU bigram); see module docstring.
+    """Two-tier successor table (dense unigram + bounded hash-table bigram); see module docstring.
 
-    ``vocab_size=None`` allocates the unigram tier lazily at the first harvest (its size read
-    from the logits), so a proposer can be built before the model's vocabulary is known.
+    ``vocab_size=None`` allocates the arrays lazily at the first harvest (its size read from the
+    logits), so a proposer can be built before the model's vocabulary is known.
     """
 
     def __init__(
@@ -124,18 +129,22 @@ class AdjacencyTable:
     ) -> None:
         if top_k < 1:
             raise ValueError("top_k must be >= 1")
+        if bigram_capacity < 1:
+            raise ValueError("bigram_capacity must be >= 1")
         self.top_k = int(top_k)
         self.use_bigram = bool(bigram)
-        self.bigram_capacity = int(bigram_capacity)
+        self.bigram_capacity = 1 << (int(bigram_capacity) - 1).bit_length()  # a power of two
         self.vocab_size: int | None = None
         # [vocab_size, top_k] int32 successor ids (-1 = empty); [vocab_size, top_k] float32 scores
         self.unigram_ids: np.ndarray | None = None
         self.unigram_scores: np.ndarray | None = None
-        # bigram tier: key (prev * vocab_size + token) -> slot, in LRU order (oldest first)
-        self._bigram_slots: OrderedDict[int, int] = OrderedDict()
-        # [bigram_capacity, top_k] rows, allocated with the unigram tier
+        # bigram tier: [capacity] int64 keys (-1 = empty) and last-use stamps, [capacity, top_k] rows
+        self.bigram_keys: np.ndarray | None = None
+        self.bigram_stamps: np.ndarray | None = None
         self.bigram_ids: np.ndarray | None = None
         self.bigram_scores: np.ndarray | None = None
+        # [3] int64: the stamp clock, bigram entries held, evictions (mutated by the kernels)
+        self.counters = np.zeros(3, np.int64)
         self.num_harvested = 0
         if vocab_size is not None:
             self._allocate(int(vocab_size))
@@ -144,10 +153,17 @@ class AdjacencyTable:
         self.vocab_size = vocab_size
         self.unigram_ids = np.full((vocab_size, self.top_k), _EMPTY, np.int32)
         self.unigram_scores = np.zeros((vocab_size, self.top_k), np.float32)
-        if self.use_bigram:
-            cap = self.bigram_capacity
-            self.bigram_ids = np.full((cap, self.top_k), _EMPTY, np.int32)
-            self.bigram_scores = np.zeros((cap, self.top_k), np.float32)
+        cap = self.bigram_capacity if self.use_bigram else 1
+        self.bigram_keys = np.full(cap, _EMPTY, np.int64)
+        self.bigram_stamps = np.zeros(cap, np.int64)
+        self.bigram_ids = np.full((cap, self.top_k), _EMPTY, np.int32)
+        self.bigram_scores = np.zeros((cap, self.top_k), np.float32)
+
+    @property
+    def arrays(self) -> tuple:
+        """The arrays the kernels read and write, in ``kernels.table``'s argument order."""
+        return (self.unigram_ids, self.unigram_scores, self.bigram_keys, self.bigram_stamps, self.bigram_ids,
+                self.bigram_scores, self.counters)
 
     # ------------------------------------------------------------------ state
     @property
@@ -156,33 +172,47 @@ class AdjacencyTable:
 
     def __len__(self) -> int:
         """Number of bigram entries held."""
-        return len(self._bigram_slots)
+        return int(self.counters[_HELD])
+
+    @property
+    def evictions(self) -> int:
+        """Bigram entries evicted so far (their 8 slots were full)."""
+        return int(self.counters[_EVICTED])
+
+    def bigram_slot(self, prev_token: int, token: int) -> int:
+        """The slot holding bigram ``(prev_token, token)``, or -1 (no refresh)."""
+        if self.bigram_keys is None or not self.use_bigram:
+            return -1
+        return int(kernels.load("table").find(self.bigram_keys, int(prev_token) * self.vocab_size + int(token)))
+
+    def bigram_key_set(self) -> set[int]:
+        """The bigram keys held (``prev * vocab_size + token``)."""
+        if self.bigram_keys is None or not self.use_bigram:
+            return set()
+        return set(self.bigram_keys[self.bigram_keys >= 0].tolist())
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes held: unigram arrays, bigram arrays, bigram dict (measured), total."""
-        uni = 0 if self.unigram_ids is None else self.unigram_ids.nbytes + self.unigram_scores.nbytes
-        bi = 0 if self.bigram_ids is None else self.bigram_ids.nbytes + self.bigram_scores.nbytes
-        d = sys.getsizeof(self._bigram_slots) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in self._bigram_slots.items())
-        return {"unigram": uni, "bigram_rows": bi, "bigram_index": d, "total": uni + bi + d}
+        """Bytes held: unigram arrays, bigram rows, bigram keys and stamps, total."""
+        if self.unigram_ids is None:
+            return {"unigram": 0, "bigram_rows": 0, "bigram_index": 0, "total": 0}
+        uni = self.unigram_ids.nbytes + self.unigram_scores.nbytes
+        bi = self.bigram_ids.nbytes + self.bigram_scores.nbytes
+        index = self.bigram_keys.nbytes + self.bigram_stamps.nbytes
+        return {"unigram": uni, "bigram_rows": bi, "bigram_index": index, "total": uni + bi + index}
 
     # ------------------------------------------------------------------ lookup
     def successors(self, prev_token: int, token: int) -> tuple[np.ndarray, np.ndarray]:
-        """Successor ids and scores of ``(prev_token, token)``: the bigram row when present,
-        else the unigram row of ``token``; only the filled entries (possibly none).
+        """Successor ids and scores of ``(prev_token, token)``: the bigram row when present
+        (its stamp refreshed), else the unigram row of ``token``; only the filled entries.
 
         ``prev_token < 0`` skips the bigram tier.
         """
         if self.unigram_ids is None or not 0 <= token < self.vocab_size:
-            return np.zeros(0, np.int32), np.zeros(0, np.float32)
-        if self.use_bigram and prev_token >= 0:
-            key = int(prev_token) * self.vocab_size + int(token)
-            slot = self._bigram_slots.get(key)
-            if slot is not None:
-                self._bigram_slots.move_to_end(key)  # LRU refresh
-                ids, scores = self.bigram_ids[slot], self.bigram_scores[slot]
-                filled = ids >= 0
-                return ids[filled], scores[filled]
-        ids, scores = self.unigram_ids[token], self.unigram_scores[token]
+            return _NO_ROW
+        tk = kernels.load("table")
+        tier, row = tk.lookup(*self.arrays, int(prev_token), int(token), self.vocab_size, self.use_bigram)
+        ids, scores = (self.bigram_ids[row], self.bigram_scores[row]) if tier == tk.BIGRAM else (
+            self.unigram_ids[row], self.unigram_scores[row])
         filled = ids >= 0
         return ids[filled], scores[filled]
 
@@ -194,45 +224,20 @@ class AdjacencyTable:
         top_ids: np.ndarray,  # [num_tokens, top_k] int32
         top_scores: np.ndarray,  # [num_tokens, top_k] float32
     ) -> None:
-        """Overwrite the rows of ``tokens`` (and bigram keys) with the given successors.
-
-        Duplicate keys in one call: the last row wins.
-        """
-        tokens = np.asarray(tokens, np.int64).reshape(-1)
-        prev_tokens = np.asarray(prev_tokens, np.int64).reshape(-1)
+        """Overwrite the rows of ``tokens`` (and bigram keys) with the given successors, in
+        order (duplicate keys in one call: the last row wins). Rows narrower than ``top_k``
+        leave the rest empty; wider ones are cut to ``top_k``."""
+        tokens = np.ascontiguousarray(tokens, np.int64).reshape(-1)
+        prev_tokens = np.ascontiguousarray(prev_tokens, np.int64).reshape(-1)
         n = tokens.shape[0]
         assert prev_tokens.shape == (n,) and top_ids.shape[0] == n and top_scores.shape == top_ids.shape
         if n == 0:
             return
         if self.unigram_ids is None:
             raise ValueError("vocab_size unknown: harvest logits first or pass vocab_size")
-        k = min(self.top_k, top_ids.shape[1])
-        ids = np.full((n, self.top_k), _EMPTY, np.int32)
-        scores = np.zeros((n, self.top_k), np.float32)
-        ids[:, :k] = top_ids[:, :k]
-        scores[:, :k] = top_scores[:, :k]
-        last = _last_occurrence(tokens)
-        self.unigram_ids[tokens[last]] = ids[last]
-        self.unigram_scores[tokens[last]] = scores[last]
-        if self.use_bigram:
-            for i in range(n):  # in order, so the last duplicate wins
-                if prev_tokens[i] >= 0:
-                    self._put_bigram(int(prev_tokens[i]) * self.vocab_size + int(tokens[i]), ids[i], scores[i])
+        kernels.load("table").update(*self.arrays, prev_tokens, tokens, np.ascontiguousarray(top_ids, np.int32),
+                  np.ascontiguousarray(top_scores, np.float32), self.vocab_size, self.use_bigram)
         self.num_harvested += n
-
-    def _put_bigram(self, key: int, ids: np.ndarray, scores: np.ndarray) -> None:
-        slots = self._bigram_slots
-        slot = slots.get(key)
-        if slot is not None:
-            slots.move_to_end(key)
-        elif len(slots) < self.bigram_capacity:
-            slot = len(slots)
-            slots[key] = slot
-        else:
-            _, slot = slots.popitem(last=False)  # evict the least recently used entry
-            slots[key] = slot
-        self.bigram_ids[slot] = ids
-        self.bigram_scores[slot] = scores
 
     def harvest(
         self,

@@ -14,7 +14,7 @@ returns a per-request
 * ``state.propose_chain(context_tokens, max_drafts) -> DraftTree`` -- a chain alone, for
   proposers whose ``Proposer.drafts_chains(config)`` is true (GOOSE: its context-match spine):
   the measured gate's cheap speculative steps (``allocator.gate``).
-* ``state.observe(tree, accepted, logits)`` -- after verification: ``accepted`` are the
+* ``state.observe(tree, accepted, logits, prev_root=None)`` -- after verification: ``accepted`` are the
   accepted node indices (root excluded, root->leaf order, ``VerifyResult.accepted``) and
   ``logits`` the target logits of every verified node, ``[num_nodes, vocab_size]`` (row i =
   next-token logits after node i's path), or None when the caller cannot provide them.
@@ -41,7 +41,7 @@ import torch
 
 from vllm_anisotropic.tree import DraftTree
 
-__all__ = ["ProposalMode", "ProposalInfo", "RequestState", "Proposer", "node_budget", "root_only"]
+__all__ = ["MODE_CODES", "ProposalMode", "ProposalInfo", "RequestState", "Proposer", "node_budget", "root_only"]
 
 
 class ProposalMode(str, enum.Enum):
@@ -52,6 +52,10 @@ class ProposalMode(str, enum.Enum):
     CHAIN = "chain"  # a baseline linear chain (PLD)
     PLAIN = "plain"  # root only: no source had anything; one plain decoding step
 
+
+# int8 codes of the modes in per-step arrays (one per request of a batch proposal)
+MODE_CODES: dict[ProposalMode, int] = {ProposalMode.PLAIN: 0, ProposalMode.TREE: 1, ProposalMode.BYPASS: 2,
+                                       ProposalMode.CHAIN: 3}
 
 @dataclass(frozen=True)
 class ProposalInfo:
@@ -96,8 +100,10 @@ class RequestState(abc.ABC):
         steps, ``allocator.gate``); only proposers whose ``drafts_chains`` says so have one."""
         raise NotImplementedError(f"{type(self).__name__} drafts no chains alone")
 
-    def observe(self, tree: DraftTree, accepted: Sequence[int], logits: torch.Tensor | None) -> None:
-        """Learn from a verified tree; default: nothing to learn."""
+    def observe(self, tree: DraftTree, accepted: Sequence[int], logits: torch.Tensor | None,
+                prev_root: int | None = None) -> None:
+        """Learn from a verified tree (``prev_root``: the context token before its root, for
+        states keyed by it; None: the one ``propose`` saw last); default: nothing to learn."""
 
     def observe_later(self, tree: DraftTree, accepted: Sequence[int]) -> Callable[[torch.Tensor | None], None]:
         """``observe(tree, accepted, logits)`` to call after the next ``propose``; a state whose
@@ -107,8 +113,9 @@ class RequestState(abc.ABC):
     def observe_prefill(self, prompt_tokens, logits: torch.Tensor | None) -> None:
         """Harvest prefill logits; default: nothing."""
 
-    def finish(self) -> None:
-        """The request finished or was aborted; default: nothing to keep."""
+    def finish(self, context_tokens=None) -> None:
+        """The request finished or was aborted (``context_tokens``: its prompt and output, when
+        the caller has them); default: nothing to keep."""
 
 
 class Proposer(abc.ABC):

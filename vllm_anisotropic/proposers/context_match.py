@@ -28,20 +28,19 @@ match length
     signal can be read either as this or as the draft length; ``goose.GooseConfig.bypass_signal``
     picks one explicitly.
 
-Incremental index (amortized O(1) per appended token, no rescans)
------------------------------------------------------------------
-For each n, a dict maps the n-gram (a tuple of token ids) to its latest follow position. When
-the context grows from L to L' tokens, exactly the n-grams with follow positions in
-``[L, L' - 1]`` become eligible (those ending at positions ``L-1 .. L'-2``), so each appended
-token inserts one key per n. Worked example, n = 2::
+Lookup: one backward scan (a compiled kernel, ``kernels.match.match_tokens``)
+----------------------------------------------------------------
+From the last follow position down, the scan measures how many tokens before ``f`` equal the
+context's last tokens (up to the longest n); the first ``f`` where that count reaches ``n`` is
+n's latest occurrence, and the scan stops once the longest n is found (every shorter n is found
+at the same or a later ``f``). O(L) per lookup with no index to keep: ~1 ns a token compiled,
+and nothing to rebuild when a request's context is rolled back. ``kernels.match.match_rows`` runs it
+for every request of an engine step over vLLM's token array in place (as vLLM's n-gram proposer
+does). Worked example, n = 2::
 
-    tokens = [5, 6, 7, 5, 6]      L = 5
-    indexed: (5,6)->2, (6,7)->3, (7,5)->4        # (5,6) ending at 4 is the suffix: not yet
-    query suffix (5,6) -> f = 2 -> draft [7, 5, 6]
-    append 9 -> L = 6: insert (5,6)->5 (the old suffix is now an earlier occurrence)
-
-A rollback (context shorter than the index, or a different token at the boundary) rebuilds the
-index from scratch (O(L)); the speculative decoding loop only ever appends.
+    tokens = [5, 6, 7, 5, 6]      L = 5, suffix (5, 6)
+    f = 4: tokens[3] = 5 != 6 -> 0 matched;  f = 3: tokens[2] = 7 != 6 -> 0
+    f = 2: tokens[1] = 6, tokens[0] = 5 -> 2 matched -> n = 2 at f = 2 -> draft [7, 5, 6]
 """
 
 from __future__ import annotations
@@ -49,6 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from vllm_anisotropic import kernels
 
 __all__ = ["ContextMatch", "ContextMatcher"]
 
@@ -77,13 +78,13 @@ _NO_MATCH = ContextMatch(np.zeros(0, np.int64), 0, 0, False, -1)
 
 
 class ContextMatcher:
-    """Per-request n-gram index over the growing context (see module docstring).
+    """Per-request context with the n-gram lookup (see module docstring).
 
     Usage::
 
         m = ContextMatcher((3, 4, 5), max_continuation=20)
-        m.sync(context)        # appends only the new tail: amortized O(new tokens)
-        hit = m.match()        # O(max_continuation + max_match_length)
+        m.sync(context)        # keeps the context (appends the new tail)
+        hit = m.match()        # one backward scan
     """
 
     def __init__(
@@ -98,73 +99,67 @@ class ContextMatcher:
         if max_continuation < 1:
             raise ValueError("max_continuation must be >= 1")
         self.ngram_sizes = sizes  # longest first
+        self.sizes = np.asarray(sizes, np.int64)
         self.max_continuation = int(max_continuation)
         self.max_match_length = max(int(max_match_length), sizes[0])
         self.reset()
 
     def reset(self) -> None:
-        # the context as a Python list: O(1) append, cheap tuple slices for keys
-        self._tokens: list[int] = []
-        # n -> {n-gram tuple: latest follow position f}
-        self._index: dict[int, dict[tuple, int]] = {n: {} for n in self.ngram_sizes}
+        self._buf = np.zeros(64, np.int64)
+        self._len = 0
 
     def __len__(self) -> int:
-        return len(self._tokens)
+        return self._len
 
     @property
     def tokens(self) -> list[int]:
-        return self._tokens
+        return self._buf[: self._len].tolist()
+
+    def token_array(self) -> np.ndarray:
+        """The context as a read-only view ``[len]`` int64."""
+        view = self._buf[: self._len]
+        view.flags.writeable = False
+        return view
 
     # ------------------------------------------------------------------ updates
     def extend(self, new_tokens) -> None:
-        """Append tokens; inserts one key per n-gram size per token (amortized O(1))."""
-        toks = self._tokens
-        old_len = len(toks)
-        toks.extend(int(t) for t in new_tokens)
-        new_len = len(toks)
-        # follow positions f in [old_len, new_len - 1] become eligible; n-gram = toks[f-n : f]
-        for n, index in self._index.items():
-            for f in range(max(old_len, n), new_len):
-                index[tuple(toks[f - n : f])] = f
+        """Append tokens."""
+        new = np.asarray(new_tokens, np.int64).reshape(-1)
+        need = self._len + new.shape[0]
+        if need > self._buf.shape[0]:
+            grown = np.zeros(max(need, 2 * self._buf.shape[0]), np.int64)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : need] = new
+        self._len = need
 
     def sync(self, context) -> None:
-        """Make the index describe ``context`` (a 1-D int sequence).
-
-        Appends the new tail when ``context`` extends the indexed tokens (checked at the
-        boundary token only, O(1)); otherwise rebuilds (O(len(context))).
-        """
-        n_old = len(self._tokens)
-        n_new = len(context)
-        if n_new >= n_old and (n_old == 0 or int(context[n_old - 1]) == self._tokens[n_old - 1]):
+        """Make the kept context equal ``context`` (a 1-D int sequence): appends the new tail
+        when ``context`` extends it, else replaces it."""
+        context = np.asarray(context)
+        n_old, n_new = self._len, context.shape[0]
+        if n_new >= n_old and (n_old == 0 or int(context[n_old - 1]) == int(self._buf[n_old - 1])):
             if n_new > n_old:
-                self.extend(np.asarray(context[n_old:]).tolist())
+                self.extend(context[n_old:])
             return
         self.reset()
-        self.extend(np.asarray(context).tolist())
+        self.extend(context)
 
     # ------------------------------------------------------------------ queries
     def lookup(self, n: int) -> int:
         """Follow position of the latest earlier occurrence of the last n tokens, or -1."""
-        toks = self._tokens
-        if len(toks) < n + 1:
-            return -1
-        return self._index[n].get(tuple(toks[len(toks) - n :]), -1)
+        f, _, _, _ = kernels.load("match").match_tokens(self._buf, self._len, np.array([int(n)], np.int64), int(n))
+        return int(f)
 
     def match(self, max_continuation: int | None = None) -> ContextMatch:
         """Longest-n match, its draft, consensus flag and backward match length."""
-        toks = self._tokens
-        num_tokens = len(toks)
         limit = self.max_continuation if max_continuation is None else int(max_continuation)
-        follows = [(n, self.lookup(n)) for n in self.ngram_sizes]
-        hits = [(n, f) for n, f in follows if f >= 0]
-        if not hits or limit <= 0:
+        if limit <= 0:
             return _NO_MATCH
-        n, f = hits[0]  # longest n first
-        first = toks[f]
-        agree = sum(1 for _, g in hits if toks[g] == first)
-        # match length: extend the n-gram match backwards, j tokens before the suffix end
-        length = n
-        while length < self.max_match_length and f - 1 - length >= 0 and toks[f - 1 - length] == toks[num_tokens - 1 - length]:
-            length += 1
-        draft = np.asarray(toks[f : f + limit], dtype=np.int64)
-        return ContextMatch(draft=draft, ngram=n, match_length=length, consensus=agree >= 2, position=f)
+        f, n, length, consensus = kernels.load("match").match_tokens(self._buf, self._len, self.sizes,
+                                                                     self.max_match_length)
+        if n == 0:
+            return _NO_MATCH
+        draft = self._buf[f : min(f + limit, self._len)].copy()
+        return ContextMatch(draft=draft, ngram=int(n), match_length=int(length), consensus=bool(consensus),
+                            position=int(f))

@@ -50,34 +50,33 @@ children and any prefix is a valid subtree (``DraftTree.truncate``).
 
 from __future__ import annotations
 
-import heapq
 import math
-from typing import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState, TenantTables
-from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, node_budget
+from vllm_anisotropic import kernels
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState, TenantTables, TopKRows
+from vllm_anisotropic.proposers.base import MODE_CODES, ProposalInfo, ProposalMode, Proposer, node_budget
 from vllm_anisotropic.proposers.config import GooseConfig
-from vllm_anisotropic.proposers.context_match import ContextMatch, ContextMatcher
 from vllm_anisotropic.proposers.output_store import OutputStore
-from vllm_anisotropic.proposers.treebuild import TreeBuilder
-from vllm_anisotropic.tree import DraftTree, NodeSource
+from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource
 
 __all__ = [
     "harmonic_allocation",
     "spine_ratio_tier",
     "build_spine_tree",
     "spine_chain",
+    "GooseBatch",
     "GooseState",
     "GooseProposer",
+    "propose_spine_trees",
 ]
 
-# (prev_token, token) -> ([n] successor ids best first, [n] scores)
-SuccessorFn = Callable[[int, int], tuple[np.ndarray, np.ndarray]]
-
-_NO_MATCH = ContextMatch(np.zeros(0, np.int64), 0, 0, False, -1)
+# an empty table: every lookup misses (a table allocated only at its first harvest)
+_NO_TABLE = (np.zeros((0, 1), np.int32), np.zeros((0, 1), np.float32), np.full(1, -1, np.int64), np.zeros(1, np.int64),
+             np.zeros((1, 1), np.int32), np.zeros((1, 1), np.float32), np.zeros(3, np.int64))
 
 
 def harmonic_allocation(total: int, num_nodes: int) -> list[int]:
@@ -86,10 +85,7 @@ def harmonic_allocation(total: int, num_nodes: int) -> list[int]:
     ``total 20, m 4 -> H = 2.083 -> [9, 4, 3, 2]`` (sum <= total; the remainder is left to
     the BFS extension).
     """
-    if num_nodes <= 0 or total <= 0:
-        return [0] * max(num_nodes, 0)
-    h = sum(1.0 / j for j in range(1, num_nodes + 1))
-    return [int(math.floor(total * (1.0 / i) / h)) for i in range(1, num_nodes + 1)]
+    return kernels.load("goose").harmonic_widths(int(total), int(num_nodes)).tolist() if num_nodes > 0 else []
 
 
 def spine_ratio_tier(p_s: float, thresholds=(0.2, 0.4), ratios=(0.15, 0.30, 0.50)) -> float:
@@ -101,22 +97,40 @@ def spine_ratio_tier(p_s: float, thresholds=(0.2, 0.4), ratios=(0.15, 0.30, 0.50
     return ratios[2]
 
 
-def _filtered(successors: SuccessorFn, prev: int, token: int, min_score: float, exclude: int) -> list[tuple[int, float]]:
-    ids, scores = successors(int(prev), int(token))
-    return [(int(t), float(s)) for t, s in zip(ids, scores) if s >= min_score and s > 0.0 and int(t) != exclude]
-
-
 def spine_chain(root_token: int, spine: np.ndarray, spine_acceptance: float) -> DraftTree:
     """The linear bypass tree: root -> d_1 -> ... -> d_m, SPINE nodes, values p_s ** i."""
     v = min(max(float(spine_acceptance), 1e-3), 1.0)
     return DraftTree.spine(int(root_token), spine, v ** np.arange(len(spine) + 1, dtype=np.float64))
 
 
+def _table_args(table: AdjacencyTable | None) -> tuple:
+    """The kernels' table arguments: the seven arrays, the vocabulary size, the bigram switch."""
+    if table is None or table.unigram_ids is None:
+        return (*_NO_TABLE, 0, False)
+    return (*table.arrays, int(table.vocab_size), bool(table.use_bigram))
+
+
+def _build(table, roots, prevs, spines, spine_offsets, modes, budgets, ratios, p_s, *, max_depth, rho, min_score,
+           spine_branches) -> tuple[FlatTrees, np.ndarray]:
+    """``kernels.goose.build_trees`` over one table; (trees, build index of every node)."""
+    sizes = np.maximum(budgets, np.diff(spine_offsets) + 1)
+    cap = int(sizes.sum())
+    tokens, parents, depths, build = (np.empty(cap, np.int64) for _ in range(4))
+    sources = np.empty(cap, np.int8)
+    values = np.empty(cap, np.float64)
+    offsets = np.empty(roots.shape[0] + 1, np.int64)
+    total = kernels.load("goose").build_trees(*_table_args(table), roots, prevs, spines, spine_offsets, modes, budgets, ratios, p_s,
+                           int(max_depth), float(rho), float(min_score), bool(spine_branches),
+                           tokens, parents, sources, values, depths, build, offsets)
+    flat = FlatTrees(offsets, tokens[:total], parents[:total], sources[:total], values[:total], depths[:total])
+    return flat, build[:total]
+
+
 def build_spine_tree(
     root_token: int,
     prev_token: int,
     spine: np.ndarray,
-    successors: SuccessorFn,
+    table: AdjacencyTable,
     *,
     budget: int = 60,
     max_depth: int = 6,
@@ -125,171 +139,209 @@ def build_spine_tree(
     min_branch_score: float = 0.01,
     spine_acceptance: float = 0.3,
     spine_branches: bool = True,
-) -> DraftTree:
-    """GOOSE Algorithm 1 (see module docstring for the arithmetic and the step-4 order).
+    with_build_order: bool = False,
+):
+    """GOOSE Algorithm 1 for one tree (see module docstring for the arithmetic and the step-4
+    order; the compiled kernel is ``kernels.goose.build_trees``).
 
     Args:
         root_token: the anchor t_a (last accepted token), node 0.
         prev_token: the context token before the root (bigram key of the root), -1 if none.
         spine: ``[m]`` context-match draft d (may be empty: a TR-only tree).
-        successors: adjacency lookup ``(prev, token) -> (ids, scores)``, best first.
+        table: the adjacency table the successors come from (bigram row, else unigram row).
         budget: B, nodes including the root.
         max_depth: D, depth of a branch subtree below its branching node.
         spine_ratio: r; spine_branch_ratio: rho.
         min_branch_score: successors scoring below are pruned (C.1).
         spine_acceptance: p_s, for the node values only.
         spine_branches: False = ablation 'w/o spine branches' (all branch slots at the root).
+        with_build_order: also return ``[num_nodes]`` the build index of each node.
 
     Returns:
-        A ``DraftTree`` with ``<= budget`` nodes in value order.
+        A ``DraftTree`` with ``<= budget`` nodes in value order (and the build order).
     """
-    spine = np.asarray(spine, np.int64).reshape(-1)
-    builder = TreeBuilder(root_token)
-    draft_budget = int(budget) - 1
-    if draft_budget <= 0:
-        return builder.finish()
-    v = min(max(float(spine_acceptance), 1e-3), 1.0)
+    spine = np.ascontiguousarray(spine, np.int64).reshape(-1)
+    gk = kernels.load("goose")
+    flat, build = _build(table, np.array([root_token], np.int64), np.array([prev_token], np.int64), spine,
+                         np.array([0, spine.shape[0]], np.int64), np.array([gk.TREE], np.int64),
+                         np.array([max(int(budget), 1)], np.int64), np.array([spine_ratio], np.float64),
+                         np.array([spine_acceptance], np.float64), max_depth=max_depth, rho=spine_branch_ratio,
+                         min_score=min_branch_score, spine_branches=spine_branches)
+    tree = flat.tree(0)
+    return (tree, build) if with_build_order else tree
 
-    # line 1-3: split the budget
-    b_s = min(len(spine), int(math.floor(budget * spine_ratio)), draft_budget)
-    rest = draft_budget - b_s
-    if spine_branches:
-        b_r = int(math.ceil(rest * (1.0 - spine_branch_ratio)))
-        b_sigma = rest - b_r
+
+@dataclass(frozen=True)
+class GooseBatch:
+    """One step's proposals for a batch of GOOSE requests (``propose_spine_trees``)."""
+
+    trees: FlatTrees  # request r's tree is tree r
+    modes: np.ndarray  # [R] int8 ``base.MODE_CODES`` of each proposal (plain, tree, bypass)
+    prev_roots: np.ndarray  # [R] int64 the token before each root (its bigram key's first token), -1: none
+    spine_lens: np.ndarray  # [R] int64 spine tokens drafted (context match or store)
+    ngrams: np.ndarray  # [R] int64 n of the match (0: none)
+    match_lengths: np.ndarray  # [R] int64 its backward match length
+    consensus: np.ndarray  # [R] bool >= 2 n-gram lengths agree on the first draft token
+    spine_ratios: np.ndarray  # [R] float64 the spine ratio r of each tree (Sec. 4.3 tier)
+
+
+def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows, lengths, max_nodes=None,
+                        chain_drafts=None) -> GooseBatch:
+    """GOOSE proposals (Algorithm 2 routing + Algorithm 1) for a batch of requests at once.
+
+    ``token_ids`` ``[*, max_len]``: request r's context is ``token_ids[rows[r], :lengths[r]]``
+    (vLLM's token array, read in place), its last token the root. ``max_nodes`` ``[R]``: each
+    call's node budget below the proposer's own (<= 0: the proposer's). ``chain_drafts`` ``[R]``:
+    a chain step (each request's spine alone, at most that many tokens) instead of trees.
+
+    Stages: one compiled context match for every request (``kernels.match.match_rows``); the
+    tenant's cross-request store for requests without a match of their own; the routing
+    (bypass: consensus or a long match, never from the store; spine ratio tier from p_s); one
+    compiled tree build per adjacency table (``kernels.goose.build_trees``).
+    """
+    gk = kernels.load("goose")
+    cfg = states[0].config
+    rows = np.ascontiguousarray(rows, np.int64)
+    lengths = np.ascontiguousarray(lengths, np.int64)
+    num = rows.shape[0]
+    budgets = np.full(num, cfg.budget, np.int64)
+    if max_nodes is not None:
+        given = np.asarray(max_nodes, np.int64)
+        budgets = np.where(given > 0, np.maximum(1, np.minimum(budgets, given)), budgets)
+    chains = chain_drafts is not None
+    if chains:
+        limits = np.minimum(cfg.max_continuation, np.maximum(np.asarray(chain_drafts, np.int64), 0))
     else:
-        b_r, b_sigma = rest, 0
+        limits = np.minimum(cfg.max_continuation, budgets - 1)
+    roots = token_ids[rows, lengths - 1].astype(np.int64)
+    prevs = np.where(lengths >= 2, token_ids[rows, np.maximum(lengths - 2, 0)], -1).astype(np.int64)
+    p_s = np.fromiter((s.spine_acceptance for s in states), np.float64, num)
+    for s, prev, length in zip(states, prevs.tolist(), lengths.tolist()):
+        s._prev_root = prev
+        if s._prompt_len < 0:
+            s._prompt_len = length - 1  # the first proposal follows the prefill's token
+    # the context match of every request
+    found = np.zeros(num, bool)
+    spine_lens = np.zeros(num, np.int64)
+    consensus = np.zeros(num, bool)
+    match_len = np.zeros(num, np.int64)
+    ngrams = np.zeros(num, np.int64)
+    follow = np.zeros(num, np.int64)
+    store_drafts: dict[int, np.ndarray] = {}
+    if cfg.context_spine:
+        out = np.empty((num, 4), np.int64)
+        kernels.load("match").match_rows(token_ids, rows, lengths, np.asarray(sorted(set(cfg.ngram_sizes), reverse=True), np.int64),
+                   max(32, max(cfg.ngram_sizes)), out)
+        found = (out[:, 1] > 0) & (limits > 0)
+        follow = out[:, 0]
+        spine_lens = np.where(found, np.minimum(limits, lengths - follow), 0)
+        ngrams = np.where(found, out[:, 1], 0)
+        match_len, consensus = np.where(found, out[:, 2], 0), found & (out[:, 3] > 0)
+        # the tenant's finished requests, for requests without a match of their own
+        longest = max(cfg.ngram_sizes)
+        for r in np.flatnonzero(~found & (limits > 0)).tolist():
+            store = states[r].store
+            if store is None:
+                continue
+            length = int(lengths[r])
+            draft, n = store.match(token_ids[rows[r], max(0, length - longest):length], int(limits[r]))
+            if n:
+                store_drafts[r] = np.asarray(draft, np.int64)
+                spine_lens[r] = draft.shape[0]
+                ngrams[r] = match_len[r] = n
+    from_store = np.zeros(num, bool)
+    from_store[list(store_drafts)] = True
+    has_spine = found | from_store
+    # the spines, back to back
+    spine_offsets = np.zeros(num + 1, np.int64)
+    np.cumsum(spine_lens, out=spine_offsets[1:])
+    within = np.arange(int(spine_offsets[-1])) - np.repeat(spine_offsets[:-1], spine_lens)
+    spines = token_ids[np.repeat(rows, spine_lens), np.repeat(follow, spine_lens) + within].astype(np.int64)
+    for r, draft in store_drafts.items():
+        spines[spine_offsets[r]:spine_offsets[r + 1]] = draft
+    # routing
+    if chains:
+        modes = np.full(num, gk.CHAIN, np.int64)
+        info = np.where(has_spine, MODE_CODES[ProposalMode.BYPASS], MODE_CODES[ProposalMode.PLAIN])
+    else:
+        signal = spine_lens if cfg.bypass_signal == "draft_length" else match_len
+        bypass = found & ~from_store & bool(cfg.bypass) & (
+            (bool(cfg.consensus_bypass) & consensus) | (signal >= cfg.bypass_min_length))
+        modes = np.where(bypass, gk.CHAIN, gk.TREE).astype(np.int64)
+        info = np.where(bypass, MODE_CODES[ProposalMode.BYPASS], MODE_CODES[ProposalMode.TREE])
+    t1, t2 = cfg.tier_thresholds
+    ratios = np.where(p_s < t1, cfg.tier_ratios[0], np.where(p_s < t2, cfg.tier_ratios[1], cfg.tier_ratios[2]))
+    kw = dict(max_depth=cfg.max_depth, rho=cfg.spine_branch_ratio, min_score=cfg.min_branch_score,
+              spine_branches=cfg.spine_branches)
+    # one build per adjacency table (one table for every request of a tenant)
+    groups: dict[int, list[int]] = {}
+    for r, s in enumerate(states):
+        groups.setdefault(id(s.table), []).append(r)
+    parts = []
+    for members in groups.values():
+        idx = np.asarray(members, np.int64)
+        sub_spines = spines if len(groups) == 1 else np.concatenate(
+            [spines[spine_offsets[r]:spine_offsets[r + 1]] for r in members] + [np.zeros(0, np.int64)])
+        sub_offsets = spine_offsets if len(groups) == 1 else np.concatenate([[0], np.cumsum(spine_lens[idx])])
+        flat, _ = _build(states[members[0]].table, roots[idx], prevs[idx], sub_spines, sub_offsets, modes[idx],
+                         budgets[idx], ratios[idx], p_s[idx], **kw)
+        parts.append((idx, flat))
+    trees = parts[0][1] if len(parts) == 1 else _in_order(parts, num)
+    sizes = trees.sizes()
+    info = np.where(sizes > 1, info, MODE_CODES[ProposalMode.PLAIN]).astype(np.int8)
+    spine_lens = np.where(modes == gk.CHAIN, sizes - 1, np.minimum(spine_lens, np.bincount(
+        trees.tree_index()[trees.sources == NodeSource.SPINE], minlength=num)))
+    return GooseBatch(trees, info, prevs, spine_lens, ngrams, match_len, consensus,
+                      np.where(chains, np.nan, ratios))
 
-    # lines 4-7: lay the spine; spine_nodes[i] = node of d_i (spine_nodes[0] = root)
-    spine_nodes = [0]
-    for i in range(b_s):
-        spine_nodes.append(builder.add(spine_nodes[-1], spine[i], NodeSource.SPINE, v ** (i + 1), 0))
 
-    def next_spine(i: int) -> int:  # the spine child of spine node i (excluded as a duplicate)
-        return int(spine[i]) if i < b_s else -1
-
-    # lines 8-12: first-level branches (root: b_r, spine node i: a_i harmonic), best first
-    heap: list[tuple[float, int, int, int]] = []  # (-value, tie, node, next candidate rank)
-    cand: dict[int, list[tuple[int, float]]] = {}
-    tie = 0
-
-    def push_children(node: int) -> None:
-        nonlocal tie
-        if builder.branch_depths[node] >= max_depth:
-            return
-        prev = builder.tokens[builder.parents[node]] if node > 0 else prev_token
-        cand[node] = _filtered(successors, prev, builder.tokens[node], min_branch_score, -1)
-        if cand[node]:
-            heapq.heappush(heap, (-builder.values[node] * cand[node][0][1], tie, node, 0))
-            tie += 1
-
-    allocations = [b_r] + harmonic_allocation(b_sigma, b_s)
-    for i, width in enumerate(allocations):  # i = 0: root, i >= 1: spine node d_i
-        if width <= 0:
-            continue
-        node = spine_nodes[i]
-        prev = prev_token if i == 0 else builder.tokens[spine_nodes[i - 1]]
-        for tok, score in _filtered(successors, prev, builder.tokens[node], min_branch_score, next_spine(i))[:width]:
-            if len(builder) - 1 >= draft_budget:
-                break
-            child = builder.add(node, tok, NodeSource.BRANCH, builder.values[node] * score, 1)
-            push_children(child)
-
-    # line 13: extend branch leaves through the table, best path value first, depth <= D
-    while heap and len(builder) - 1 < draft_budget:
-        _, _, node, rank = heapq.heappop(heap)
-        tok, score = cand[node][rank]
-        child = builder.add(node, tok, NodeSource.BRANCH, builder.values[node] * score, builder.branch_depths[node] + 1)
-        if rank + 1 < len(cand[node]):
-            heapq.heappush(heap, (-builder.values[node] * cand[node][rank + 1][1], tie, node, rank + 1))
-            tie += 1
-        push_children(child)
-    return builder.finish()
+def _in_order(parts: list[tuple[np.ndarray, FlatTrees]], num: int) -> FlatTrees:
+    """The trees of several table groups, back in request order."""
+    joined = FlatTrees.from_trees([t for _, flat in parts for t in flat.trees()])
+    where = np.concatenate([idx for idx, _ in parts])
+    inverse = np.empty(num, np.int64)
+    inverse[where] = np.arange(num)
+    return joined.select(inverse)
 
 
 class GooseState(HarvestingState):
-    """Per-request GOOSE state: context index, spine-acceptance EMA, the (shared) table."""
+    """Per-request GOOSE state: spine-acceptance EMA, the (shared) table, the tenant's store.
+
+    The per-step path proposes for a whole batch (``propose_spine_trees``); ``propose`` and
+    ``propose_chain`` are that for one context (tests, the exact harness)."""
 
     def __init__(self, config: GooseConfig, table: AdjacencyTable, store: OutputStore | None = None) -> None:
         self.config = config
         self.table = table
         self.store = store  # the tenant's finished requests (cross_request_spine), or None
         self._prompt_len = -1
-        self.matcher = ContextMatcher(config.ngram_sizes, config.max_continuation)
         self.spine_acceptance = float(config.initial_spine_acceptance)  # p_s (EMA)
         self._prev_root = -1
         self.last_info = ProposalInfo(ProposalMode.PLAIN)
 
-    def _is_bypass(self, hit: ContextMatch) -> bool:
-        cfg = self.config
-        if not (cfg.bypass and hit.found):
-            return False
-        if cfg.consensus_bypass and hit.consensus:
-            return True
-        length = len(hit.draft) if cfg.bypass_signal == "draft_length" else hit.match_length
-        return length >= cfg.bypass_min_length
+    def _one(self, context_tokens, max_nodes=None, chain_drafts=None) -> DraftTree:
+        context = np.ascontiguousarray(context_tokens, np.int64).reshape(1, -1)
+        batch = propose_spine_trees([self], context, [0], [context.shape[1]],
+                                    None if max_nodes is None else [node_budget(self.config.budget, max_nodes)],
+                                    None if chain_drafts is None else [int(chain_drafts)])
+        self.last_info = ProposalInfo(_MODES[int(batch.modes[0])], spine_len=int(batch.spine_lens[0]),
+                                      ngram=int(batch.ngrams[0]), match_length=int(batch.match_lengths[0]),
+                                      consensus=bool(batch.consensus[0]), spine_ratio=float(batch.spine_ratios[0]))
+        return batch.trees.tree(0)
 
-    def _spine(self, context: np.ndarray, limit: int) -> tuple[ContextMatch, bool]:
-        """The context match of ``context`` (its continuation at most ``limit`` tokens), from the
-        request's own context or else the tenant's finished requests; (match, from the store)."""
-        self._prev_root = int(context[-2]) if len(context) >= 2 else -1
-        if self._prompt_len < 0:
-            self._prompt_len = len(context) - 1  # the first proposal follows the prefill's token
-        if not self.config.context_spine:
-            return _NO_MATCH, False
-        self.matcher.sync(context)
-        hit = self.matcher.match(limit)
-        if not hit.found and self.store is not None:
-            draft, n = self.store.match(self.matcher.tokens, limit)
-            if n:
-                return ContextMatch(draft, n, n, False, -1), True
-        return hit, False
+    def propose(self, context_tokens, max_nodes: int | None = None) -> DraftTree:
+        return self._one(context_tokens, max_nodes)
 
     def propose_chain(self, context_tokens, max_drafts: int) -> DraftTree:
         """The spine alone, at most ``max_drafts`` tokens (root-only without a match): a chain
         step of the measured gate (``allocator.gate``), the linear bypass without its test."""
-        context = np.asarray(context_tokens)
-        limit = max(0, min(self.config.max_continuation, int(max_drafts)))
-        hit, _ = self._spine(context, limit) if limit else (_NO_MATCH, False)
-        self.last_info = ProposalInfo(ProposalMode.BYPASS if hit.found else ProposalMode.PLAIN,
-                                      spine_len=len(hit.draft), ngram=hit.ngram, match_length=hit.match_length,
-                                      consensus=hit.consensus)
-        return spine_chain(int(context[-1]), hit.draft[:limit], self.spine_acceptance)
+        return self._one(context_tokens, chain_drafts=max_drafts)
 
-    def propose(self, context_tokens, max_nodes: int | None = None) -> DraftTree:
-        cfg = self.config
-        budget = node_budget(cfg.budget, max_nodes)
-        context = np.asarray(context_tokens)
-        root = int(context[-1])
-        hit, from_store = self._spine(context, min(cfg.max_continuation, budget - 1))
-        r = spine_ratio_tier(self.spine_acceptance, cfg.tier_thresholds, cfg.tier_ratios)
-        info = dict(ngram=hit.ngram, match_length=hit.match_length, consensus=hit.consensus, spine_ratio=r)
-        if not from_store and self._is_bypass(hit):  # another request's text is no bypass signal
-            tree = spine_chain(root, hit.draft, self.spine_acceptance)
-            self.last_info = ProposalInfo(ProposalMode.BYPASS, spine_len=len(hit.draft), **info)
-            return tree
-        tree = build_spine_tree(
-            root,
-            self._prev_root,
-            hit.draft,
-            self.table.successors,
-            budget=budget,
-            max_depth=cfg.max_depth,
-            spine_ratio=r,
-            spine_branch_ratio=cfg.spine_branch_ratio,
-            min_branch_score=cfg.min_branch_score,
-            spine_acceptance=self.spine_acceptance,
-            spine_branches=cfg.spine_branches,
-        )
-        mode = ProposalMode.TREE if tree.num_nodes > 1 else ProposalMode.PLAIN
-        spine_len = int(np.count_nonzero(tree.sources == NodeSource.SPINE))
-        self.last_info = ProposalInfo(mode, spine_len=spine_len, **info)
-        return tree
-
-    def finish(self) -> None:
+    def finish(self, context_tokens=None) -> None:
         """The request is done: its prompt's tail and output go to the cross-request store."""
-        if self.store is not None and self._prompt_len >= 0:
+        if self.store is not None and self._prompt_len >= 0 and context_tokens is not None:
             start = max(0, self._prompt_len - self.config.store_prompt_tail)
-            self.store.add(self.matcher.tokens[start:])
+            self.store.add(np.asarray(context_tokens)[start:])
             self.store = None  # once
 
     def observe(self, tree: DraftTree, accepted, logits: torch.Tensor | None, prev_root: int | None = None) -> None:
@@ -302,6 +354,9 @@ class GooseState(HarvestingState):
             acc = int(np.count_nonzero(is_spine[np.asarray(accepted, np.int64)])) if len(accepted) else 0
             c = self.config.ema_coef
             self.spine_acceptance = (1.0 - c) * self.spine_acceptance + c * acc / num_spine
+
+
+_MODES = {code: mode for mode, code in MODE_CODES.items()}
 
 
 class GooseProposer(Proposer):
@@ -333,3 +388,39 @@ class GooseProposer(Proposer):
     def table(self) -> AdjacencyTable | None:
         """The table of requests without a tenant (None without ``shared_table``)."""
         return self.tables.default
+
+    def propose_batch(self, states, token_ids, rows, lengths, max_nodes=None, chain_drafts=None) -> GooseBatch:
+        return propose_spine_trees(states, token_ids, rows, lengths, max_nodes, chain_drafts)
+
+    def learn_batch(self, states, trees: FlatTrees, on_path: np.ndarray, prev_roots: np.ndarray,
+                    top: TopKRows | None) -> None:
+        """Algorithm 2 lines 15-16 for a step's verified trees at once: every node's top-k
+        successors (``top``, rows in node order; None: learn the EMA only) into its request's
+        table, keyed (parent token, token), the root (token before it, root); p_s updated from
+        the accepted spine nodes (``on_path`` ``[num_nodes]``: the node is on the accepted path)."""
+        spine = trees.sources == NodeSource.SPINE
+        starts = trees.offsets[:-1]
+        num_spine = np.add.reduceat(spine, starts) if trees.num_nodes else np.zeros(0, np.int64)
+        acc_spine = np.add.reduceat(spine & on_path, starts) if trees.num_nodes else np.zeros(0, np.int64)
+        c = self.config.ema_coef
+        for s, n, a in zip(states, num_spine.tolist(), acc_spine.tolist()):
+            if n and s is not None:
+                s.spine_acceptance = (1.0 - c) * s.spine_acceptance + c * a / n
+        if top is None:
+            return
+        prev = trees.tokens[np.maximum(trees.global_parents(), 0)]
+        prev[starts] = prev_roots
+        groups: dict[int, list[int]] = {}
+        for k, s in enumerate(states):
+            if s is not None:
+                groups.setdefault(id(s.table), []).append(k)
+        sizes = trees.sizes()
+        for members in groups.values():
+            table = states[members[0]].table
+            if len(members) == trees.num_trees:
+                nodes = slice(None)
+            else:
+                idx = np.asarray(members, np.int64)
+                nodes = np.repeat(starts[idx], sizes[idx]) + (
+                    np.arange(int(sizes[idx].sum())) - np.repeat(np.cumsum(sizes[idx]) - sizes[idx], sizes[idx]))
+            table.harvest(prev[nodes], trees.tokens[nodes], top[nodes])

@@ -14,11 +14,12 @@ rows are widened to float32 before the argmax (``rows_argmax``: exact, and on CP
 than torch's bf16 argmax); one gather, one conversion and one reduction per depth step for
 the whole batch (few large ops: on a shared CPU every parallel region can stall).
 
-On a CPU, ``verify_host`` walks the trees without packing them: per depth step one
-``rows_argmax`` over the rows the walk visits, then a Python descent per tree over its
-``children_lists`` (a handful of nodes each). It replaces the ~20 small tensor ops per depth
-step of the packed walk, each ~5-10 us on a CPU, and ``pack_trees``: at four requests with
-3-drafts trees (in-process, cProfile) pack + walk took ~1.3 ms per step.
+On a CPU, ``walk_flat`` walks a step's trees in their flat form (``tree.FlatTrees``, the
+engine's per-step batch): per depth step one ``rows_argmax`` over the rows the walk visits, then
+one compiled descent over every active tree (``kernels.walk.descend_flat``: the first child in priority order
+whose token is the argmax). It replaces the ~20 small tensor ops per depth step of the packed
+walk, each ~5-10 us on a CPU, and the packing itself; ``verify_host`` is the same walk for a
+list of ``DraftTree``s.
 
 On a GPU (``dense=None`` and CUDA logits, or ``dense=True``) the walk instead takes one argmax
 over every node row of the batch and descends with fixed shapes (``descend_all``): no host
@@ -28,12 +29,15 @@ never visits (cheap on a GPU, not on a CPU).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from vllm_anisotropic import kernels
+from vllm_anisotropic.tree import FlatTrees, PRIORITY_BY_CODE
 from vllm_anisotropic.verifiers.base import BatchVerifyResult, VerifyResult
 from vllm_anisotropic.verifiers.topdown import TopDownVerifier, descend, descend_all
 
-__all__ = ["GreedyVerifier", "rows_argmax"]
+__all__ = ["GreedyVerifier", "rows_argmax", "walk_flat"]
 
 # rows widened to float32 per chunk: 64 x 151,936 x 4 B = 39 MB; one chunk per depth step for
 # batches of <= 64 trees, so each step runs one gather, one conversion and one reduction
@@ -170,3 +174,28 @@ class GreedyVerifier(TopDownVerifier):
                     still.append(b)
             active = still
         return [VerifyResult(a, y) for a, y in zip(accepted, bonus)]
+
+
+def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The greedy walk of every tree of a flat batch: tree t's ``num_nodes`` logits rows start
+    at ``starts[t]`` (row j after node j's path). Returns ``accepted [T, max(max_depth, 1)]``
+    local node indices (-1 padded), ``num_accepted [T]`` and ``bonus [T]``, all int64: the
+    path and bonus token ``GreedyVerifier.verify_batch`` gives (same argmax, same priority)."""
+    num = trees.num_trees
+    ranks = PRIORITY_BY_CODE[trees.sources].astype(np.int8)
+    max_depth = int(trees.depths.max(initial=0))
+    accepted = np.full((num, max(max_depth, 1)), -1, np.int64)
+    num_accepted = np.zeros(num, np.int64)
+    bonus = np.zeros(num, np.int64)
+    cur = np.zeros(num, np.int64)
+    active = np.ones(num, bool)
+    y = np.zeros(num, np.int64)
+    starts = np.asarray(starts, np.int64)
+    descend = kernels.load("walk").descend_flat
+    live = num
+    while live:
+        idx = np.flatnonzero(active)
+        y[idx] = rows_argmax(logits, torch.from_numpy(starts[idx] + cur[idx]).to(logits.device)).cpu().numpy()
+        live = descend(trees.tokens, trees.parents, ranks, trees.offsets, active, y, cur, accepted, num_accepted,
+                            bonus)
+    return accepted, num_accepted, bonus

@@ -1,25 +1,28 @@
-"""The worker-side tree drafter: per-request proposer state and the req_id -> tree side table.
+"""The worker-side tree drafter: per-request proposer state and the step's trees as flat arrays.
 
-Scope: bookkeeping between vLLM's flat draft lists and our ``DraftTree``s. The tree runner
-(``runner.py``) calls it at three points of a step:
+Scope: bookkeeping between vLLM's flat draft lists and our trees. The tree runner
+(``runner.py``) calls it at three points of a step, each on the whole batch at once:
 
 1. ``propose_trees`` after the step's bookkeeping (where vLLM runs ``custom_class``
-   proposers): one ``DraftTree`` per eligible request from its context (prompt + output); the
-   list handed to vLLM is the tree's non-root tokens in value order, ``tree.tokens[1:]``.
-2. ``take_tree`` in the next step's ``_prepare_inputs``: vLLM may schedule only a prefix of
-   that list (token budget, ``max_model_len``); the tree is cut with ``truncate(1 + n)``,
-   which is a valid subtree because nodes are in parent-before-child value order.
-3. ``observe_batch`` after verification: the logits of every verified node (root included) go
-   to the proposer state (adjacency-table harvest, spine-acceptance EMA), applied after the
-   step's reply (``run_deferred``), so the next tree is proposed from the tables as they were
-   one step earlier.
+   proposers): the next trees of every eligible request as one ``FlatTrees`` (GOOSE: one batched
+   proposal, ``goose.propose_spine_trees``; other proposers one tree per request, packed), ranked
+   by the acceptance model (``allocator.rank_flat``); vLLM gets each tree's non-root tokens in
+   value order.
+2. ``take_step`` in the next step's ``_prepare_inputs``: vLLM may schedule only a prefix of each
+   list (token budget, ``max_model_len``, the allocator's cut); the pending trees are cut to it
+   (``FlatTrees.prefix``: value order makes every prefix a subtree) and checked against it.
+   The result (``StepTrees``) is what the positions, the attention plan and the walk read.
+3. ``observe_step`` after verification: the metrics now; the learning (adjacency-table
+   harvest from one top-k over every verified row, the spine-acceptance EMA) after the step's
+   reply (``run_deferred``), so the next tree is proposed from the tables as they were one step
+   earlier.
 
 State lives per request (``Proposer.new_request(tenant)``, the tenant being the request's
-``cache_salt``), created at the first proposal and
-dropped when the request finishes or is aborted (``drop``); a preempted request keeps its
-proposer state but loses its pending tree (``drop_tree``).
+``cache_salt``), created at the first proposal and dropped when the request finishes or is
+aborted (``drop``); a preempted request keeps its proposer state but loses its pending tree
+(``drop_tree``).
 
-Example: tree tokens ``[r, 5, 9, 7]`` parents ``[-1, 0, 0, 1]`` -> vLLM draft list
+Example: pending tree tokens ``[r, 5, 9, 7]`` parents ``[-1, 0, 0, 1]`` -> vLLM draft list
 ``[5, 9, 7]``; vLLM schedules ``[5, 9]`` -> verified tree tokens ``[r, 5, 9]`` parents
 ``[-1, 0, 0]``.
 """
@@ -28,28 +31,63 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, rank_trees
+from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, rank_flat
 from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
 from vllm_anisotropic.integration.vllm.cpu_gemm import use_vllm_cpu_gemm
 from vllm_anisotropic.integration.vllm.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.metrics import MetricsSink, TreeMetrics
 from vllm_anisotropic.proposers import DraftTreeProposer, get_proposer
 from vllm_anisotropic.proposers.adjacency import TopKRows
-from vllm_anisotropic.proposers.base import RequestState
-from vllm_anisotropic.tree import DraftTree
+from vllm_anisotropic.proposers.base import MODE_CODES, ProposalMode, RequestState
+from vllm_anisotropic.tree import FlatTrees
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TreeDrafter"]
+__all__ = ["TreeDrafter", "StepTrees"]
 
 OFFER_MIN_DRAFTS = 8  # the smallest draft list offered while the allocator keeps few nodes
 OFFER_MEMORY = 0.8  # per-step decay of a request's recent-kept high-water mark
 ACCEPTANCE_REFIT_EVERY = 16  # verified steps between refits of the acceptance model
+_PLAIN = MODE_CODES[ProposalMode.PLAIN]
+
+
+@dataclass
+class _Proposal:
+    """Trees proposed after one step; each waits for a step that schedules its request."""
+
+    trees: FlatTrees
+    probs: np.ndarray | None  # [num_nodes] calibrated P(on the accepted path), roots 1; None: not ranked
+    prev_roots: np.ndarray  # [R] int64 token before each root (the root's bigram key), -1: none
+    modes: np.ndarray  # [R] int8 proposal modes (base.MODE_CODES)
+    chains: bool  # a chain step's chains: verified without harvesting their rows
+    _chain_lens: np.ndarray | None = None
+
+    def chain_lens(self) -> np.ndarray:
+        """[R] leading chain of each tree (``FlatTrees.chain_prefix``), computed once."""
+        if self._chain_lens is None:
+            self._chain_lens = self.trees.chain_prefix()
+        return self._chain_lens
+
+
+@dataclass
+class StepTrees:
+    """The trees one step verifies, in batch-row order (``TreeDrafter.take_step``).
+
+    ``rows[t]`` is tree t's batch row; ``trees`` holds each tree cut to what vLLM scheduled
+    (root-only trees included: their root row is harvested); ``req_ids[t]`` its request."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # [T] int64
+    trees: FlatTrees
+    prev_roots: np.ndarray  # [T] int64
+    modes: np.ndarray  # [T] int8
+    chains: np.ndarray  # [T] bool: a chain step's chain (verified, its rows not harvested)
 
 
 class TreeDrafter:
@@ -72,20 +110,18 @@ class TreeDrafter:
         # req_id -> vLLM cache_salt of requests that have one (scheduler.TreeScheduler.schedule):
         # the tenant whose adjacency table the request reads and feeds
         self.tenants: dict[str, str] = {}
-        self.trees: dict[str, DraftTree] = {}
-        # requests whose pending tree is a chain step's chain (``propose_trees(chains=True)``):
-        # verified without harvesting their rows
-        self.chain_trees: set[str] = set()
+        # req_id -> (the proposal holding its next tree, the tree's index there): kept until a
+        # step schedules the request (one that is not scheduled meanwhile keeps its drafts)
+        self.pending: dict[str, tuple[_Proposal, int]] = {}
         self.chain_drafts = int(self.config.engine.allocator_chain_drafts)
         # budget allocator (budget.py): calibrated P(node on the accepted path) of each pending
-        # tree's draft list, learned from every verified tree; None when the allocator is off
+        # tree's draft list, learned from every offered tree; None when the allocator is off
         self.acceptance = (AcceptanceModel(AcceptanceConfig(refit_every=ACCEPTANCE_REFIT_EVERY))
                            if self.config.engine.allocator == "auto" else None)
-        self.probs: dict[str, list[float]] = {}
         # req_id -> [(tokens the request had when the tree was proposed, the offered tree)]: every
         # offered tree, cut or not, is labelled from the tokens that follow its root once they
         # are known (allocator.continuation_labels), up to the acceptance model's depth buckets
-        self.unlabelled: dict[str, list[tuple[int, DraftTree]]] = {}
+        self.unlabelled: dict[str, list] = {}
         self.label_depth = self.acceptance.config.max_depth if self.acceptance is not None else 0
         # backoff while the allocator keeps cutting a request's tree to nothing: after the
         # k-th zero cut in a row the request skips min(2**(k-1), allocator_backoff) proposals (no
@@ -99,7 +135,7 @@ class TreeDrafter:
         # cut cost proposal time (the tree build, the probabilities) and buy nothing
         self.offer_factor = float(self.config.engine.allocator_offer_factor) if self.acceptance is not None else 0.0
         self.kept_mark: dict[str, float] = {}
-        # harvests of verified rows waiting to run (observe_batch -> run_deferred)
+        # learning from verified rows waiting to run (observe_step -> run_deferred)
         self._deferred: list = []
         # tree counters -> stats file (VLLM_ANISOTROPIC_TREE_STATS), /metrics and the log (metrics.py)
         self.metrics = TreeMetrics()
@@ -116,6 +152,28 @@ class TreeDrafter:
     def load_model(self, *args, **kwargs) -> None:
         """No draft model: drafts come from the context and the target's own logits."""
 
+    # ------------------------------------------------------------------ pending trees
+    def pending_probs(self, req_ids: Sequence[str]) -> list:
+        """Per request, its pending tree's draft-node probabilities (the allocator's input), or
+        None (no tree, or a chain step's chain: nothing ranks it)."""
+        out = []
+        for r in req_ids:
+            entry = self.pending.get(r)
+            if entry is None or entry[0].probs is None:
+                out.append(None)
+                continue
+            p, k = entry
+            out.append(p.probs[p.trees.offsets[k] + 1:p.trees.offsets[k + 1]])
+        return out
+
+    def pending_chains(self, req_ids: Sequence[str]) -> list[int]:
+        """Per request, the leading chain of its pending tree (0: none)."""
+        out = []
+        for r in req_ids:
+            entry = self.pending.get(r)
+            out.append(0 if entry is None else int(entry[0].chain_lens()[entry[1]]))
+        return out
+
     # ------------------------------------------------------------------ step protocol
     def propose_trees(
         self,
@@ -127,77 +185,111 @@ class TreeDrafter:
         laws: Sequence | None = None,
         chains: bool = False,
     ) -> list[list[int]]:
-        """One draft list per batch row: ``tree.tokens[1:]`` of the request's new tree.
+        """One draft list per batch row: the non-root tokens of the request's new tree.
 
         ``laws``: per batch row, ``(TargetSampling, seed)`` of the request (the runner's
         ``request_law``), read when a proposer that samples from a draft model creates the
         request's state (``DraftTreeState.set_sampling``); None: greedy.
         ``chains``: the measured gate chose a chain step (``allocator.gate``): each request's
         chain alone (``propose_chain``, at most ``allocator_chain_drafts`` tokens), not ranked,
-        not labelled, and its verified rows not harvested (``observe_batch``); the backoff
+        not labelled, and its verified rows not harvested (``observe_step``); the backoff
         neither applies nor counts."""
-        new: dict[str, DraftTree] = {}
-        starts: dict[str, int] = {}  # req_id -> its token count, the root being the last token
         if self.unlabelled:
             self._label(req_ids, num_tokens_no_spec, token_ids_cpu)
         # no sampled token: a partial prefill chunk or a discarded request; a skip: the backoff
-        drafting = [bool(sampled_token_ids[i]) and bool(eligible[i]) and (chains or self.skip.get(r, 0) <= 0)
-                    for i, r in enumerate(req_ids)]
-        self.proposer.begin_step(sum(drafting))
-        for i, req_id in enumerate(req_ids):
-            num_tokens = int(num_tokens_no_spec[i])
-            if not drafting[i]:
-                if sampled_token_ids[i] and eligible[i] and not chains:
-                    self.skip[req_id] -= 1
-                self.trees.pop(req_id, None)
-                continue
-            state = self.states.get(req_id)
+        drafting = []
+        for i, r in enumerate(req_ids):
+            self.pending.pop(r, None)  # the batch's old trees are gone: a new one or none
+            if sampled_token_ids[i] and eligible[i]:
+                if chains or self.skip.get(r, 0) <= 0:
+                    drafting.append(i)
+                else:
+                    self.skip[r] -= 1
+        self.proposer.begin_step(len(drafting))
+        if not drafting:
+            return [[] for _ in req_ids]
+        rows = np.asarray(drafting, np.int64)
+        lengths = np.asarray(num_tokens_no_spec[rows], np.int64)
+        ids = [req_ids[i] for i in drafting]
+        states = []
+        for i, r in zip(drafting, ids):
+            state = self.states.get(r)
             if state is None:
-                state = self.states[req_id] = self.proposer.new_request(self.tenants.get(req_id))
+                state = self.states[r] = self.proposer.new_request(self.tenants.get(r))
                 if laws is not None and laws[i] is not None and hasattr(state, "set_sampling"):
                     state.set_sampling(*laws[i])
                 self.metrics.live_requests = len(self.states)
                 self.metrics.tenant_tables = getattr(getattr(self.proposer, "tables", None), "num_tenants", 0)
-            room = min(self.max_draft_tokens, self.max_model_len - num_tokens - 1)
+            states.append(state)
+        room = np.maximum(np.minimum(self.max_draft_tokens, self.max_model_len - lengths - 1), 0)
+        trees, modes, prev_roots = self._propose(states, ids, token_ids_cpu, rows, lengths, room, chains)
+        trees = trees.prefix(room + 1)
+        if trees.draft_probs is not None and self.acceptance is not None:
+            # sampled draft-model trees: the allocator's probabilities (and any reordering by
+            # them) depend on the tree's shape and the acceptance model alone, never on the
+            # sampled tokens (a cut that looked at the samples would break the i.i.d. branches
+            # the multi-draft verifiers assume, docs/verifiers.md)
+            trees = FlatTrees(trees.offsets, trees.tokens, trees.parents, trees.sources, np.ones(trees.num_nodes),
+                              trees.depths, trees.multiplicity, trees.draft_probs)
+        probs = None
+        if self.acceptance is not None and not chains:
+            trees, probs = rank_flat(trees, self.acceptance)
+            for k in np.flatnonzero(trees.sizes() > 1).tolist():
+                self.unlabelled.setdefault(ids[k], []).append((int(lengths[k]), trees, k))
+        proposal = _Proposal(trees, probs, prev_roots, modes, chains)
+        for k, r in enumerate(ids):
+            self.pending[r] = (proposal, k)
+        tokens = trees.tokens.tolist()
+        offsets = trees.offsets.tolist()
+        out: list[list[int]] = [[] for _ in req_ids]
+        for k, i in enumerate(drafting):
+            out[i] = tokens[offsets[k] + 1:offsets[k + 1]]
+        return out
+
+    def _propose(self, states, ids, token_ids_cpu, rows, lengths, room, chains):
+        """(trees, modes, prev_roots) of the drafting requests: one batched call when the
+        proposer has one (GOOSE), else one ``propose`` per request."""
+        if chains:
+            limits = np.minimum(self.chain_drafts, room)
+        offers = None if chains else self._offers(ids, room)
+        batch = getattr(self.proposer, "propose_batch", None)
+        if batch is not None:
+            out = batch(states, token_ids_cpu, rows, lengths, offers, limits if chains else None)
+            return out.trees, out.modes, out.prev_roots
+        trees, modes = [], []
+        for k, state in enumerate(states):
+            context = token_ids_cpu[rows[k], :lengths[k]]
             if chains:
-                tree = state.propose_chain(token_ids_cpu[i, :num_tokens], min(self.chain_drafts, max(room, 0)))
+                tree = state.propose_chain(context, int(limits[k]))
             else:
-                tree = state.propose(token_ids_cpu[i, :num_tokens], self._offer(req_id, room))
-            assert int(tree.tokens[0]) == int(token_ids_cpu[i, num_tokens - 1]), "root must be the last token"
-            tree = tree.truncate(max(room, 0) + 1)
-            if tree.draft_probs is not None and self.acceptance is not None:
-                tree = shape_only(tree)
-            new[req_id] = tree
-            starts[req_id] = num_tokens
-        self.probs = {}
-        self.chain_trees = set(new) if chains else set()
-        if self.acceptance is not None and new and not chains:
-            self._rank(new)
-        for req_id, tree in new.items():
-            self.trees[req_id] = tree
-            if self.acceptance is not None and tree.num_nodes > 1 and not chains:
-                self.unlabelled.setdefault(req_id, []).append((starts[req_id], tree))
-        return [new[r].tokens[1:].tolist() if r in new else [] for r in req_ids]
+                tree = state.propose(context, None if offers is None or offers[k] <= 0 else int(offers[k]))
+            trees.append(tree)
+            modes.append(MODE_CODES.get(getattr(getattr(state, "last_info", None), "mode", None), _PLAIN))
+        prev_roots = np.where(lengths >= 2, token_ids_cpu[rows, np.maximum(lengths - 2, 0)], -1).astype(np.int64)
+        return FlatTrees.from_trees(trees), np.asarray(modes, np.int8), prev_roots
+
+    def _offers(self, ids, room) -> np.ndarray | None:
+        """Node budgets (root included) of the next proposals, 0 = the proposer's own: at most
+        max(OFFER_MIN_DRAFTS, allocator_offer_factor x the request's kept mark) drafts."""
+        if not self.offer_factor:
+            return None
+        marks = np.array([self.kept_mark.get(r, -1.0) for r in ids])
+        drafts = np.maximum(OFFER_MIN_DRAFTS, np.ceil(self.offer_factor * marks)).astype(np.int64)
+        return np.where((marks < 0) | (drafts >= room), 0, drafts + 1)
+
+    def _offer(self, req_id: str, room: int) -> int | None:
+        """Node budget (root included) of ``req_id``'s next proposal; None = the proposer's own."""
+        out = self._offers([req_id], np.array([room]))
+        return None if out is None or out[0] <= 0 else int(out[0])
 
     def rest(self, req_ids: Sequence[str]) -> list[list[int]]:
         """No drafts for the next step (the scheduler's measured gate keeps it plain): no tree,
         no scoring, no labelling; the adjacency tables harvest nothing until drafting resumes
         (a plain step then costs what plain decoding costs). Offered trees waiting for their
         labels keep waiting: the tokens they need stay in the request's context."""
-        for req_id in req_ids:
-            self.trees.pop(req_id, None)
-        self.probs = {}
-        self.chain_trees = set()
+        for r in req_ids:
+            self.pending.pop(r, None)
         return [[] for _ in req_ids]
-
-    def _rank(self, new: dict[str, DraftTree]) -> None:
-        """Calibrated probabilities of the new trees' nodes (the allocator's input), each tree
-        reordered so that they descend (``allocator.rank_trees``): a prefix cut keeps what the
-        acceptance model rates highest, whatever order the proposer's values gave."""
-        trees, probs = rank_trees(list(new.values()), self.acceptance)
-        for req_id, tree, p in zip(list(new), trees, probs):
-            new[req_id] = tree
-            self.probs[req_id] = p.tolist()
 
     def _label(self, req_ids, num_tokens_no_spec, token_ids_cpu) -> None:
         """Feed the acceptance model every offered tree whose next ``label_depth`` tokens (or as
@@ -210,104 +302,140 @@ class TreeDrafter:
                 continue
             num_tokens = int(num_tokens_no_spec[i])
             still = []
-            for start, tree in waiting:
-                need = min(tree.max_depth, self.label_depth)
+            for start, flat, k in waiting:
+                a, b = int(flat.offsets[k]), int(flat.offsets[k + 1])
+                need = min(int(flat.depths[a:b].max()), self.label_depth)
                 if num_tokens - start >= need:
-                    trees.append(tree)
+                    trees.append(flat.tree(k))
                     continuations.append(token_ids_cpu[i, start : start + need])
                 else:
-                    still.append((start, tree))
+                    still.append((start, flat, k))
             self.unlabelled[req_id] = still
         if trees:
             self.acceptance.update(*continuation_labels(trees, continuations))
 
-    def _offer(self, req_id: str, room: int) -> int | None:
-        """Node budget (root included) of ``req_id``'s next proposal; None = the proposer's own."""
-        mark = self.kept_mark.get(req_id)
-        if not self.offer_factor or mark is None:
-            return None
-        drafts = max(OFFER_MIN_DRAFTS, int(np.ceil(self.offer_factor * mark)))
-        return None if drafts >= room else drafts + 1
+    def take_step(self, req_ids: Sequence[str], scheduled: dict) -> StepTrees | None:
+        """The pending trees of the batch's requests (``req_ids`` in batch-row order), each cut
+        to its ``scheduled`` draft prefix (vLLM's ``scheduled_spec_decode_tokens``), or None.
 
-    def take_tree(self, req_id: str, scheduled: Sequence[int]) -> DraftTree | None:
-        """The pending tree of ``req_id`` cut to the ``scheduled`` draft prefix, or None.
-
-        Raises when vLLM scheduled tokens that are not a prefix of the tree's draft list
-        (that would be a bookkeeping bug; verifying it as a tree would be wrong).
-        """
-        tree = self.trees.pop(req_id, None)
-        if tree is None:
-            if scheduled:
-                raise RuntimeError(f"request {req_id}: {len(scheduled)} drafts scheduled but no tree pending")
+        Raises when vLLM scheduled tokens that are not a prefix of a tree's draft list (a
+        bookkeeping bug; verifying it as a tree would be wrong), or drafts for a request without
+        a pending tree."""
+        rows, entries, lists = [], [], []
+        for i, r in enumerate(req_ids):
+            entry = self.pending.pop(r, None)
+            drafts = scheduled.get(r, ())
+            if entry is None:
+                if drafts:
+                    raise RuntimeError(f"request {r}: {len(drafts)} drafts scheduled but no tree pending")
+                continue
+            rows.append(i)
+            entries.append(entry)
+            lists.append(drafts)
+        if not entries:
             return None
-        n = len(scheduled)
-        if n > tree.num_nodes - 1 or not np.array_equal(tree.tokens[1 : 1 + n], np.asarray(scheduled, np.int64)):
-            raise RuntimeError(
-                f"request {req_id}: scheduled drafts {list(scheduled)[:8]}... are not a prefix of the "
-                f"pending tree's draft list {tree.tokens[1:9].tolist()}..."
-            )
-        if self.acceptance is not None and tree.num_nodes > 1:
-            self.kept_mark[req_id] = max(float(n), OFFER_MEMORY * self.kept_mark.get(req_id, 0.0))
+        # the trees (almost always of one proposal: the previous step's) in batch-row order
+        proposal = entries[0][0]
+        if all(p is proposal for p, _ in entries):
+            index = np.fromiter((k for _, k in entries), np.int64, len(entries))
+            trees = proposal.trees.select(index)
+            prev_roots, modes, offered = proposal.prev_roots[index], proposal.modes[index], proposal.trees.sizes()[index]
+            chains = np.full(len(entries), proposal.chains)
+        else:
+            trees = FlatTrees.concat([p.trees.select([k]) for p, k in entries])
+            prev_roots = np.array([p.prev_roots[k] for p, k in entries], np.int64)
+            modes = np.array([p.modes[k] for p, k in entries], np.int8)
+            offered = trees.sizes()
+            chains = np.array([p.chains for p, _ in entries], bool)
+        counts = np.fromiter((len(d) for d in lists), np.int64, len(lists))
+        sizes = trees.sizes()
+        if np.any(counts > sizes - 1):
+            t = int(np.flatnonzero(counts > sizes - 1)[0])
+            raise RuntimeError(f"request {req_ids[rows[t]]}: {counts[t]} drafts scheduled, its tree has {sizes[t] - 1}")
+        full = trees
+        trees = trees.prefix(counts + 1)
+        flat = [x for drafts in lists for x in drafts]
+        if flat:
+            if not np.array_equal(trees.tokens[trees.parents >= 0], np.asarray(flat, np.int64)):
+                t = _first_mismatch(trees, flat)
+                raise RuntimeError(
+                    f"request {req_ids[rows[t]]}: scheduled drafts {list(lists[t])[:8]}... are not a prefix of the "
+                    f"pending tree's draft list {full.tree(t).tokens[1:9].tolist()}...")
+        if self.acceptance is not None:
+            self._kept(req_ids, rows, offered, counts.tolist())
+        return StepTrees([req_ids[i] for i in rows], np.asarray(rows, np.int64), trees, prev_roots, modes, chains)
+
+    def _kept(self, req_ids, rows, offered, counts) -> None:
+        """The allocator's cut of each offered tree: the kept marks (the next offer) and the
+        backoff after zero cuts."""
+        for i, size, n in zip(rows, offered.tolist(), counts):
+            if size <= 1:
+                continue
+            r = req_ids[i]
+            self.kept_mark[r] = max(float(n), OFFER_MEMORY * self.kept_mark.get(r, 0.0))
             if n == 0:
-                streak = self.zero_streak[req_id] = self.zero_streak.get(req_id, 0) + 1
-                self.skip[req_id] = min(2 ** (streak - 1), self.max_backoff)
+                streak = self.zero_streak[r] = self.zero_streak.get(r, 0) + 1
+                self.skip[r] = min(2 ** (streak - 1), self.max_backoff)
             else:
-                self.zero_streak.pop(req_id, None)
-        return tree.truncate(n + 1)
-
-    def observe(self, req_id: str, tree: DraftTree, accepted: list[int], logits: torch.Tensor | None) -> None:
-        """After verification: logits ``[num_nodes, vocab_size]``, row i after node i's path."""
-        state = self.states.get(req_id)
-        self._record(req_id, state, tree, accepted)
-        if state is not None:
-            state.observe(tree, accepted, logits)
-
-    def _record(self, req_id: str, state, tree: DraftTree, accepted) -> None:
-        mode = getattr(state.last_info.mode, "value", None) if state is not None else None  # this tree's proposal
-        self.metrics.record(req_id, tree, accepted, mode, trace=self.sink.trace)
-        self.sink.tick()
+                self.zero_streak.pop(r, None)
 
     @timed("harvest")
-    def observe_batch(self, items, logits: torch.Tensor) -> None:
-        """``observe`` for every tree of a step, with one top-k over all their logits rows.
+    def observe_step(self, step: StepTrees, accepted: np.ndarray, num_accepted: np.ndarray, row_starts: np.ndarray,
+                     logits: torch.Tensor) -> None:
+        """After verification: count the step's trees now, learn from them after the reply.
 
-        ``items``: ``(req_id, tree, accepted, rows)`` with ``rows`` the slice of ``logits``
-        holding the tree's ``num_nodes`` rows. The harvesting proposers read only the top-k of
-        each row: one softmax + top-k over the concatenated rows and one device-to-host copy
-        replace one per request (``adjacency.TopKRows``).
-
-        The harvest runs later (``run_deferred``): the step's reply, with the next step's
-        drafts, does not wait for it. The metrics are counted now; the rows are copied now
-        (vLLM may reuse the logits buffer); the states' learning is bound now
-        (``RequestState.observe_later``) and applied after the next proposal, so that proposal
-        does not yet see this step's rows (one step of lag in the adjacency table and the spine
-        EMA; drafts only, never outputs). Where it runs: right after the worker's reply, while
-        the scheduler process cuts and schedules the next step and this worker would only wait
-        (``patches.py`` patch 7, multiprocess executors), or else at the start of the next step
+        ``accepted`` ``[T, max_depth]`` local node indices of each tree's accepted path (-1
+        padded; root-only trees: none), ``num_accepted`` ``[T]``; tree t's ``num_nodes`` logits
+        rows start at ``row_starts[t]`` (row j after node j's path). The rows the harvesting
+        proposers read are copied now (vLLM may reuse the logits buffer); the top-k of them, the
+        table updates and the EMA run later (``run_deferred``): right after the worker's reply,
+        while the scheduler process cuts and schedules the next step (``patches.py`` patch 7,
+        multiprocess executors), or else at the start of the next step
         (``runner.TreeRunnerMixin._update_states``), in both cases before anything else of the
-        next step: the same order on every tensor-parallel rank and in every executor.
-        """
-        if self.chain_trees:  # a chain step's chains: learn (spine EMA, metrics) without the rows
-            for req_id, tree, accepted, rows in [it for it in items if it[0] in self.chain_trees]:
-                self.observe(req_id, tree, accepted, None)
-            items = [it for it in items if it[0] not in self.chain_trees]
-        ks = [st.harvest_top_k for st in (self.states.get(r) for r, *_ in items) if st is not None]
-        ks = [k for k in ks if k]
-        if not ks:
-            for req_id, tree, accepted, rows in items:
-                self.observe(req_id, tree, accepted, logits[rows])
+        next step: the same order on every tensor-parallel rank and in every executor. The next
+        proposal therefore does not see this step's rows yet (one step of lag in the adjacency
+        table and the spine EMA; drafts only, never outputs)."""
+        trees = step.trees
+        on_path = trees.path_mask(accepted, num_accepted)
+        self.metrics.record_step(trees, on_path, num_accepted, step.modes, step.req_ids, self.sink.trace)
+        self.sink.tick()
+        states = [self.states.get(r) for r in step.req_ids]
+        harvest = ~step.chains
+        k = max((st.harvest_top_k or 0 for st, h in zip(states, harvest) if st is not None and h), default=0)
+        picked = None
+        if k:  # a copy of every harvested tree's rows (root rows included), tree by tree
+            sizes = np.where(harvest, trees.sizes(), 0)
+            index = np.repeat(row_starts, sizes) + (np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes))
+            picked = logits.index_select(0, torch.from_numpy(index).to(logits.device))
+        self._deferred.append(functools.partial(self._learn, states, trees, on_path, accepted, num_accepted,
+                                                step.prev_roots, harvest if k else np.zeros_like(harvest), picked, k))
+
+    def _learn(self, states, trees: FlatTrees, on_path, accepted, num_accepted, prev_roots, harvest, picked, k) -> None:
+        """One top-k over a step's copied rows (those of the trees with ``harvest``), then the
+        proposer's learning: batched when it has ``learn_batch`` (GOOSE), else each state's
+        ``observe``; the other trees' states learn without rows."""
+        top = TopKRows.of(picked, k) if picked is not None else None
+        learn = getattr(self.proposer, "learn_batch", None)
+        if learn is not None:
+            if harvest.all() or not harvest.any():
+                learn(states, trees, on_path, prev_roots, top)
+                return
+            for part, rows in ((np.flatnonzero(harvest), top), (np.flatnonzero(~harvest), None)):
+                sub = trees.select(part)
+                learn([states[t] for t in part.tolist()], sub, sub.path_mask(accepted[part], num_accepted[part]),
+                      prev_roots[part], rows)
             return
-        index = torch.cat([torch.arange(r.start, r.stop) for *_, r in items]).to(logits.device)
-        picked = logits.index_select(0, index)  # [num_rows, vocab_size], a copy
-        later = []
-        for req_id, tree, accepted, rows in items:
-            state = self.states.get(req_id)
-            self._record(req_id, state, tree, accepted)
-            later.append((state.observe_later(tree, accepted) if state is not None else None, rows.stop - rows.start))
-        self._deferred.append(functools.partial(_harvest, later, picked, max(ks)))
+        offsets = trees.offsets.tolist()
+        taken = 0
+        for t, state in enumerate(states):
+            n = offsets[t + 1] - offsets[t]
+            rows = top[taken : taken + n] if harvest[t] else None
+            taken += n if harvest[t] else 0
+            if state is not None:
+                state.observe(trees.tree(t), accepted[t, : num_accepted[t]].tolist(), rows, prev_root=int(prev_roots[t]))
 
     def run_deferred(self) -> None:
-        """Apply the harvests ``observe_batch`` left for later, oldest first."""
+        """Apply the learning ``observe_step`` left for later, oldest first."""
         if self._deferred:
             self._run_deferred()
 
@@ -317,15 +445,16 @@ class TreeDrafter:
         for work in deferred:
             work()
 
-    def drop(self, req_id: str) -> None:
-        """The request finished or was aborted."""
+    def drop(self, req_id: str, context_tokens=None) -> None:
+        """The request finished or was aborted (``context_tokens``: its prompt and output)."""
         state = self.states.pop(req_id, None)
         if state is not None:
             # its tokens go into the cross-request store after the step's reply, with the
             # harvests (``run_deferred``): ~0.2-0.6 ms a request, 64 at once when a batch finishes
-            self._deferred.append(state.finish)
+            self._deferred.append(functools.partial(state.finish, None if context_tokens is None
+                                                    else np.array(context_tokens)))
         self.tenants.pop(req_id, None)
-        self.trees.pop(req_id, None)
+        self._forget_pending(req_id)
         self.zero_streak.pop(req_id, None)
         self.skip.pop(req_id, None)
         self.kept_mark.pop(req_id, None)
@@ -338,30 +467,22 @@ class TreeDrafter:
     def drop_tree(self, req_id: str) -> None:
         """The request was preempted: its pending drafts are gone, and a draft model's KV cache
         for it is freed (rebuilt from the context when it runs again)."""
-        self.trees.pop(req_id, None)
+        self._forget_pending(req_id)
         release = getattr(self.states.get(req_id), "release", None)
         if release is not None:
             release()
 
-
-def _harvest(later, picked: torch.Tensor, k: int) -> None:
-    """One top-k over a step's copied rows, then each state's bound ``observe``."""
-    top = TopKRows.of(picked, k)
-    offset = 0
-    for observe, n in later:
-        if observe is not None:
-            observe(top[offset : offset + n])
-        offset += n
+    def _forget_pending(self, req_id: str) -> None:
+        self.pending.pop(req_id, None)
 
 
-def shape_only(tree: DraftTree) -> DraftTree:
-    """A sampled draft-model tree with every value 1: the allocator's probabilities (and any
-    reordering by them) then depend on the tree's shape and the acceptance model alone, never
-    on the sampled tokens. A cut that looked at the samples would break the i.i.d. branches
-    the multi-draft verifiers assume (docs/verifiers.md); the acceptance model learns, for these
-    trees, P(accepted | source, depth)."""
-    return DraftTree(tree.tokens, tree.parents, tree.sources, np.ones(tree.num_nodes), tree.draft_probs,
-                     tree.multiplicity)
+def _first_mismatch(trees: FlatTrees, flat: list) -> int:
+    """The first tree whose draft tokens differ from the scheduled ``flat`` list."""
+    drafts = trees.tokens[trees.parents >= 0]
+    got = np.asarray(flat, np.int64)
+    bad = int(np.flatnonzero(drafts != got)[0])
+    owner = np.repeat(np.arange(trees.num_trees), trees.sizes() - 1)
+    return int(owner[bad])
 
 
 def _tp_rank() -> int:

@@ -38,10 +38,12 @@ from typing import Sequence
 
 import numpy as np
 
-from vllm_anisotropic.tree import DraftTree, NodeSource
+from vllm_anisotropic.proposers.base import MODE_CODES, ProposalMode
+from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource
 
 __all__ = [
-    "STATS_ENV", "TRACE_ENV", "TreeMetrics", "MetricsSink", "ensure_stats_file", "install_collector", "kv_in_place",
+    "STATS_ENV", "TRACE_ENV", "TreeMetrics", "MetricsSink", "chain_accepted", "ensure_stats_file", "install_collector",
+    "kv_in_place",
 ]
 
 STATS_ENV = "VLLM_ANISOTROPIC_TREE_STATS"
@@ -51,6 +53,19 @@ LOG_INTERVAL_S = 10.0
 
 # vLLM's handlers sit on the "vllm" logger: a child of it prints like vLLM's own lines.
 log = logging.getLogger("vllm.anisotropic")
+_BYPASS = MODE_CODES[ProposalMode.BYPASS]
+
+
+def chain_accepted(trees: FlatTrees, on_path: np.ndarray) -> np.ndarray:
+    """``kv_in_place`` of every tree of a flat batch: ``[T]`` length of the accepted path's
+    leading run of nodes 1, 2, ..., c (node k accepted at depth k). Worked example: parents
+    ``[-1, 0, 1, 0 | -1, 0, 0]``, accepted ``[1, 2] | [2]`` -> ``[2, 0]``."""
+    local = np.arange(trees.num_nodes) - np.repeat(trees.offsets[:-1], trees.sizes())
+    run = on_path & (trees.depths == local) & (local > 0)  # node k on the path at depth k
+    # the run is 1..c exactly when nodes 1..c all qualify: count the prefix of qualifying nodes
+    broken = np.where((local > 0) & ~run, local, np.iinfo(np.int64).max)
+    first_gap = np.minimum.reduceat(broken, trees.offsets[:-1]) if trees.num_nodes else np.zeros(0, np.int64)
+    return np.minimum(first_gap, trees.sizes()) - 1
 
 
 def kv_in_place(accepted: Sequence[int]) -> int:
@@ -87,6 +102,41 @@ class TreeMetrics:
     tenant_tables: int = 0  # gauge: adjacency tables of cache_salt tenants held (adjacency.TenantTables)
     requests: dict[str, list[int]] = field(default_factory=dict)  # traces (TRACE_ENV only)
     selector_shapes: dict[str, int] = field(default_factory=dict)  # draft_tree: "K,L1,L2" -> request-steps the selector chose it
+
+    def record_step(self, trees: FlatTrees, on_path: np.ndarray, num_accepted: np.ndarray, modes: np.ndarray,
+                    req_ids: Sequence[str], trace: bool) -> None:
+        """``record`` for every tree of a step at once, from its flat arrays: ``on_path``
+        ``[num_nodes]`` marks the accepted nodes, ``num_accepted`` ``[T]`` their count per tree,
+        ``modes`` ``[T]`` the proposal modes (``proposers.base.MODE_CODES``)."""
+        num = trees.num_trees
+        self.steps += num
+        if trace:
+            for r, a in zip(req_ids, num_accepted.tolist()):
+                self.requests.setdefault(r, []).append(a)
+        self.bypass_steps += int(np.count_nonzero(modes == _BYPASS))
+        sizes = trees.sizes()
+        self.plain_steps += int(np.count_nonzero(sizes == 1))
+        multi = sizes > 1
+        if not multi.any():
+            return
+        src = trees.sources
+        draft = trees.parents >= 0
+        self.verified_trees += int(np.count_nonzero(multi))
+        children = np.bincount(trees.global_parents()[draft], minlength=trees.num_nodes)
+        self.branching_trees += int(np.count_nonzero(np.maximum.reduceat(children, trees.offsets[:-1]) >= 2))
+        self.draft_nodes += int(np.count_nonzero(draft))
+        self.spine_nodes += int(np.count_nonzero(src == NodeSource.SPINE))
+        self.branch_nodes += int(np.count_nonzero(src == NodeSource.BRANCH))
+        self.draft_model_nodes += int(np.count_nonzero(src == NodeSource.DRAFT))
+        self.max_nodes = max(self.max_nodes, int(sizes.max()))
+        acc_src = src[on_path]
+        self.accepted_nodes += int(num_accepted.sum())
+        self.accepted_spine_nodes += int(np.count_nonzero(acc_src == NodeSource.SPINE))
+        self.accepted_branch_nodes += int(np.count_nonzero(acc_src == NodeSource.BRANCH))
+        self.accepted_draft_model_nodes += int(np.count_nonzero(acc_src == NodeSource.DRAFT))
+        in_place = chain_accepted(trees, on_path)
+        self.accepted_off_chain += int(np.count_nonzero(in_place != num_accepted))
+        self.rerun_tokens += int((num_accepted - in_place).sum())
 
     def record(self, req_id: str, tree: DraftTree, accepted: Sequence[int], mode: str | None, trace: bool) -> None:
         self.steps += 1

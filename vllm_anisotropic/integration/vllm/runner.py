@@ -40,15 +40,15 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_anisotropic.allocator import CHAIN, PLAIN, TREE
 from vllm_anisotropic.integration.vllm.config import DRAFT_MODEL_METHODS
-from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
+from vllm_anisotropic.integration.vllm.drafter import StepTrees, TreeDrafter
 from vllm_anisotropic.integration.vllm.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.sampler import TreeRejectionSampler, harvest_plain
-from vllm_anisotropic.tree import DraftTree
+from vllm_anisotropic.tree import FlatTrees
 from vllm_anisotropic.verifiers.sampling import TargetSampling
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TreeRunnerMixin", "TreeCPUModelRunner", "TreeStep", "TreePlan", "tree_eligible", "scatter_tree_positions"]
+__all__ = ["TreeRunnerMixin", "TreeCPUModelRunner", "TreePlan", "node_masks", "tree_eligible", "scatter_tree_positions"]
 
 DRAFTER_CLS = f"{TreeDrafter.__module__}.{TreeDrafter.__qualname__}"
 _SAMPLING_EPS = 1e-5  # vLLM's greedy threshold (sampling_params._SAMPLING_EPS)
@@ -78,23 +78,20 @@ class TreePlan:
     clock: HostClock | None = None  # where the attention override adds the seconds of its plan
 
 
-@dataclass
-class TreeStep:
-    """Trees verified in one step: ``trees[batch row]`` (root-only trees included, to harvest
-    the root row), ``req_ids`` the batch's request ids in row order."""
-
-    req_ids: list[str]
-    trees: dict[int, DraftTree]
-
-
-def chain_prefix(tree: DraftTree) -> int:
-    """Largest c with ``parents[1..c] == [0..c-1]``: nodes 1..c form a chain below the root.
-
-    ``parents [-1, 0, 1, 0, 2] -> 2``; a pure chain of n nodes -> n.
-    """
-    parents = tree.parents[1:]
-    off = np.nonzero(parents != np.arange(len(parents)))[0]
-    return int(off[0]) if len(off) else len(parents)
+def node_masks(trees: FlatTrees, index: np.ndarray) -> list[np.ndarray]:
+    """``[n, n]`` bool ancestor masks among the draft nodes (root excluded) of trees ``index``
+    (mask[i, j]: node i + 1 may attend node j + 1), from the packed ancestor bits.
+    ``parents [-1, 0, 0, 1]`` -> ``[[1,0,0],[0,1,0],[1,0,1]]``."""
+    sizes = trees.sizes()
+    if int(sizes[index].max(initial=0)) > 64:  # beyond one 64-bit word: per tree
+        return [trees.tree(int(t)).ancestor_mask[1:, 1:] for t in index]
+    bits = trees.ancestor_bits()
+    out = []
+    for t in index.tolist():
+        a, b = int(trees.offsets[t]), int(trees.offsets[t + 1])
+        shifts = np.arange(1, b - a, dtype=np.uint64)
+        out.append(((bits[a + 1 : b, None] >> shifts[None, :]) & np.uint64(1)).astype(bool))
+    return out
 
 
 def tree_eligible(sampling_params, sampling_trees: bool = False) -> bool:
@@ -174,7 +171,7 @@ class TreeRunnerMixin:
         # fixed for the engine's life: read once, not per step
         self._sampling_trees = config.sampled_verifier != "none"  # sampled requests get trees
         self._draft_model = config.method in DRAFT_MODEL_METHODS  # proposals sample under the request's law
-        self._tree_step: TreeStep | None = None
+        self._tree_step: StepTrees | None = None
         self._tree_plan: TreePlan | None = None
         # req_id -> accepted nodes whose KV is already in place (path 1 -> 2 -> ... -> c)
         self.kv_in_place: dict[str, int] = {}
@@ -191,7 +188,7 @@ class TreeRunnerMixin:
         t0 = time.perf_counter()
         self.drafter.tenants.update(getattr(scheduler_output, "tree_tenants", None) or {})
         for req_id in scheduler_output.finished_req_ids:
-            self.drafter.drop(req_id)
+            self.drafter.drop(req_id, self._context(req_id))
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.drafter.drop_tree(req_id)
         self.host_clock.add("states", time.perf_counter() - t0)
@@ -199,6 +196,13 @@ class TreeRunnerMixin:
         if scheduler_output.finished_req_ids and not self.input_batch.num_reqs:
             self.drafter.sink.tick(force=True)  # the batch drained: the stats file is current
         return out
+
+    def _context(self, req_id: str) -> np.ndarray | None:
+        """The request's tokens (prompt and output) while it still has its batch row, or None."""
+        i = self.input_batch.req_id_to_index.get(req_id)
+        if i is None:
+            return None
+        return self.input_batch.token_ids_cpu[i, : int(self.input_batch.num_tokens_no_spec[i])]
 
     def after_reply(self) -> None:
         """Called by the worker process after it has sent a reply (``patches.py`` patch 7): the
@@ -229,40 +233,28 @@ class TreeRunnerMixin:
             out = (logits_indices, None, max_num_sampled)
         self._tree_step, self._tree_plan = None, None
         num_reqs = self.input_batch.num_reqs
-        req_ids = list(self.input_batch.req_ids[:num_reqs])
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        trees: dict[int, DraftTree] = {}
+        step = self.drafter.take_step(self.input_batch.req_ids[:num_reqs], scheduler_output.scheduled_spec_decode_tokens)
         plan = TreePlan([], [], [])
-        query_end = self.query_start_loc.np[1 : num_reqs + 1]
-        num_computed = self.input_batch.num_computed_tokens_cpu
-        rows, roots, depths = [], [], []
-        for i, req_id in enumerate(req_ids):
-            if req_id not in self.drafter.trees:
-                continue
-            scheduled = spec_tokens.get(req_id, ())
-            tree = self.drafter.take_tree(req_id, scheduled)
-            trees[i] = tree
-            n = tree.num_nodes - 1
-            if n == 0:
-                continue
-            end = int(query_end[i])
-            # positions of the node rows: root position + depth (rows counted from the end)
-            rows.append(np.arange(end - n, end))
-            roots.append(np.full(n, end - n - 1))
-            depths.append(tree.depths[1:])
-            prefix = chain_prefix(tree)
-            if prefix == n:  # a chain: vLLM's causal attention is already the tree mask
-                continue
-            plan.req_index.append(i)
-            plan.num_nodes.append(n)
-            plan.masks.append(tree.ancestor_mask[1:, 1:])
-            plan.chain_prefix.append(prefix)
-            plan.query_end.append(end)
-            plan.seq_lens.append(int(num_computed[i]) + int(num_scheduled_tokens[i]))
-        if rows:
-            scatter_tree_positions(self.positions, np.concatenate(rows), np.concatenate(roots), np.concatenate(depths))
-        if trees:
-            self._tree_step = TreeStep(req_ids, trees)
+        if step is not None:
+            self._tree_step = step
+            trees = step.trees
+            n = trees.sizes() - 1  # [T] draft nodes of each tree
+            ends = self.query_start_loc.np[1 : num_reqs + 1][step.rows].astype(np.int64)
+            total = int(n.sum())
+            if total:
+                # node rows: the last n rows of each query; positions = root position + depth
+                within = np.arange(total) - np.repeat(np.cumsum(n) - n, n)
+                rows = np.repeat(ends - n, n) + within
+                scatter_tree_positions(self.positions, rows, np.repeat(ends - n - 1, n), trees.depths[trees.parents >= 0])
+                # trees whose draft nodes are not one chain below the root need the tree rows
+                chain = trees.chain_prefix()
+                planned = np.flatnonzero(chain < n)
+                if planned.size:
+                    batch_rows = step.rows[planned]
+                    num_computed = self.input_batch.num_computed_tokens_cpu[batch_rows]
+                    plan = TreePlan(batch_rows.tolist(), n[planned].tolist(), node_masks(trees, planned),
+                                    chain[planned].tolist(), ends[planned].tolist(),
+                                    (num_computed + np.asarray(num_scheduled_tokens)[batch_rows]).astype(np.int64).tolist())
         if plan.req_index:
             plan.clock = self.host_clock
             self._tree_plan = plan
@@ -284,7 +276,7 @@ class TreeRunnerMixin:
                 md.tree_plan = plan
         return attn_metadata, common
 
-    def take_tree_step(self) -> TreeStep | None:
+    def take_tree_step(self) -> StepTrees | None:
         step, self._tree_step = self._tree_step, None
         return step
 
@@ -308,10 +300,9 @@ class TreeRunnerMixin:
         t0 = time.perf_counter()
         if out is not None and self.drafter.acceptance is not None:
             # the allocator's input (budget.BatchBudget.on_draft_ids): travels with the pickled output
-            out.tree_probs = [self.drafter.probs.get(r) for r in out.req_ids]
+            out.tree_probs = self.drafter.pending_probs(out.req_ids)
             # leading chain of each pending tree: cuts inside it need no masked tree attention
-            out.tree_chains = [chain_prefix(t) if (t := self.drafter.trees.get(r)) is not None else 0
-                               for r in out.req_ids]
+            out.tree_chains = self.drafter.pending_chains(out.req_ids)
         self.host_clock.add("reply", time.perf_counter() - t0)
         return out
 

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
-from vllm_anisotropic.integration.vllm.metrics import kv_in_place
-from vllm_anisotropic.tree import pack_trees
+from vllm_anisotropic.integration.vllm.metrics import chain_accepted
 from vllm_anisotropic.verifiers import SamplingTensors, get_verifier
+from vllm_anisotropic.verifiers.greedy import walk_flat
 from vllm_anisotropic.verifiers.sampling import SAMPLING_EPS
 
 __all__ = ["TreeRejectionSampler"]
@@ -66,22 +67,23 @@ class TreeRejectionSampler(nn.Module):
     def forward(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata):
         t0 = time.perf_counter()
         step = self.runner.take_tree_step()
-        walk = {} if step is None else {i: t for i, t in step.trees.items() if t.num_nodes > 1}
-        if not walk:
+        cu_sampled = np.asarray(metadata.cu_num_sampled_tokens.tolist(), np.int64)  # [batch_size] end of each row's rows
+        if step is None or not np.any(step.trees.sizes() > 1):
             out = self.original(metadata, draft_probs, logits, sampling_metadata)
-            if step is not None:
-                self._harvest_roots(step, metadata, logits)
+            if step is not None:  # root-only trees: harvest the root rows
+                self._observe(step, cu_sampled[step.rows] - 1, logits)
             return out
-
-        num_draft = list(metadata.num_draft_tokens)
-        batch_size = len(num_draft)
-        # [batch_size] row index after each request's last row
-        cu_sampled = metadata.cu_num_sampled_tokens.tolist()
+        trees = step.trees
+        sizes = trees.sizes()
+        num_draft = np.asarray(list(metadata.num_draft_tokens), np.int64)
+        batch_size = num_draft.shape[0]
         # Requests without a tree have no drafts: their token is vLLM's bonus sample, exactly
         # as in plain decoding (temperature, penalties, generators, logprobs all apply).
-        for i in range(batch_size):
-            if num_draft[i] and i not in walk:
-                raise RuntimeError(f"batch row {i} has {num_draft[i]} drafts but no draft tree")
+        expected = np.zeros(batch_size, np.int64)
+        expected[step.rows] = sizes - 1
+        if not np.array_equal(num_draft, expected):
+            bad = int(np.flatnonzero(num_draft != expected)[0])
+            raise RuntimeError(f"batch row {bad} has {num_draft[bad]} drafts but its draft tree {expected[bad]}")
         t_vllm = time.perf_counter()
         bonus_out = self.sampler(
             logits=logits[metadata.bonus_logits_indices],
@@ -89,33 +91,24 @@ class TreeRejectionSampler(nn.Module):
             predict_bonus_token=True,
         )
         t_vllm = time.perf_counter() - t_vllm  # vLLM's sampler: not the plugin's host work
-        # [batch_size, 1]
-        bonus = bonus_out.sampled_token_ids
         width = metadata.max_spec_len + 1
         out = torch.full((batch_size, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=logits.device)
-        out[:, 0] = bonus[:, 0].to(torch.int32)
+        out[:, 0] = bonus_out.sampled_token_ids[:, 0].to(torch.int32)
 
-        rows_of = {i: slice(cu_sampled[i] - num_draft[i] - 1, cu_sampled[i]) for i in walk}
-        results = self._verify(walk, rows_of, logits, sampling_metadata)
-        # emitted tokens of every tree row, written to the device in one copy
-        host = torch.full((batch_size, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
-        harvest = []
-        for i, res in sorted(results.items()):
-            tree = walk[i]
-            tokens = res.emitted_tokens(tree)
-            host[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
-            in_place = kv_in_place(res.accepted)  # accepted path 1 -> ... -> c: KV already right
-            if in_place:
-                self.runner.kv_in_place[step.req_ids[i]] = in_place
-            harvest.append((step.req_ids[i], tree, res.accepted, rows_of[i]))
-        for i, tree in step.trees.items():  # root-only trees: harvest the root row
-            if tree.num_nodes == 1:
-                harvest.append((step.req_ids[i], tree, [], slice(cu_sampled[i] - 1, cu_sampled[i])))
-        rows = sorted(results)
-        out[rows] = host[rows].to(out.device)
-        t_harvest = time.perf_counter()
-        self.runner.drafter.observe_batch(harvest, logits)  # timed as the harvest
-        t_harvest = time.perf_counter() - t_harvest
+        starts = cu_sampled[step.rows] - sizes  # [T] first logits row of each tree (its root)
+        walked = np.flatnonzero(sizes > 1)
+        accepted, num_accepted, bonus = self._verify(trees, walked, step.rows, starts, logits, sampling_metadata)
+        # emitted tokens of every walked tree (path + bonus), written to the device in one copy
+        host = np.full((walked.size, width), PLACEHOLDER_TOKEN_ID, np.int32)
+        acc = accepted[walked]
+        n_acc = num_accepted[walked]
+        cols = np.arange(acc.shape[1])[None, :]
+        path = cols < n_acc[:, None]
+        host[:, : acc.shape[1]] = np.where(path, trees.tokens[trees.offsets[walked, None] + np.maximum(acc, 0)],
+                                           PLACEHOLDER_TOKEN_ID)
+        host[np.arange(walked.size), n_acc] = bonus[walked]
+        out[torch.from_numpy(step.rows[walked]).to(out.device)] = torch.from_numpy(host).to(out.device)
+        t_harvest = self._observe(step, starts, logits, accepted, num_accepted)
 
         logprobs = None
         if bonus_out.logprobs_tensors is not None:
@@ -133,54 +126,73 @@ class TreeRejectionSampler(nn.Module):
         self.runner.host_clock.add("walk", time.perf_counter() - t0 - t_vllm - t_harvest)
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
-    def _verify(self, walk: dict, rows_of: dict, logits: torch.Tensor, sampling_metadata) -> dict:
-        """batch row -> ``VerifyResult``: greedy rows by the greedy walk, sampled rows by the
-        sampling verifier on the processed target law (temperature, top-k, top-p as vLLM's
-        sampler applies them); a seeded request draws its uniforms from its own generator."""
+    def _observe(self, step, starts, logits, accepted=None, num_accepted=None) -> float:
+        """The step's accepted paths to the runner (KV in place) and the drafter (metrics,
+        learning); returns its seconds (the drafter times them as the harvest)."""
+        t = time.perf_counter()
+        num = step.trees.num_trees
+        if accepted is None:
+            accepted, num_accepted = np.full((num, 1), -1, np.int64), np.zeros(num, np.int64)
+        on_path = step.trees.path_mask(accepted, num_accepted)
+        # accepted path 1 -> ... -> c: KV already right (the scheduler re-runs the rest)
+        in_place = chain_accepted(step.trees, on_path)
+        for k in np.flatnonzero(in_place).tolist():
+            self.runner.kv_in_place[step.req_ids[k]] = int(in_place[k])
+        self.runner.drafter.observe_step(step, accepted, num_accepted, starts, logits)
+        return time.perf_counter() - t
+
+    def _verify(self, trees, walked, rows, starts, logits, sampling_metadata):
+        """``(accepted [T, D], num_accepted [T], bonus [T])`` of the ``walked`` trees (others: no
+        path): greedy rows by the greedy walk, sampled rows by the sampling verifier on the
+        processed target law (temperature, top-k, top-p as vLLM's sampler applies them); a
+        seeded request draws its uniforms from its own generator."""
+        num = trees.num_trees
+        depth = max(int(trees.depths.max(initial=0)), 1)
+        accepted = np.full((num, depth), -1, np.int64)
+        num_accepted = np.zeros(num, np.int64)
+        bonus = np.zeros(num, np.int64)
         temperature = sampling_metadata.temperature
-        temps = None if temperature is None else temperature.tolist()  # one device-to-host copy
-        greedy, sampled = [], []
-        for i in sorted(walk):
-            (greedy if temps is None or temps[i] < SAMPLING_EPS else sampled).append(i)
-        if sampled and self.sampling_verifier is None:
-            raise RuntimeError(f"batch rows {sampled} sample with trees but no sampling verifier is configured")
-        results = {}
-        if greedy:
-            results.update(self._verify_rows(self.verifier, greedy, walk, rows_of, logits, None, None))
+        temps = None if temperature is None else temperature.cpu().numpy()  # one device-to-host copy
+        sampled_mask = np.zeros(num, bool) if temps is None else temps[rows] >= SAMPLING_EPS
+        greedy = walked[~sampled_mask[walked]]
+        sampled = walked[sampled_mask[walked]]
+        if sampled.size and self.sampling_verifier is None:
+            raise RuntimeError(f"batch rows {rows[sampled].tolist()} sample with trees but no sampling verifier is configured")
+        groups = []
+        if greedy.size:
+            groups.append((self.verifier, greedy, None, None))
         generators = sampling_metadata.generators or {}
-        unseeded = [i for i in sampled if i not in generators]
-        if unseeded:
-            results.update(self._verify_rows(self.sampling_verifier, unseeded, walk, rows_of, logits,
-                                             _sampling_tensors(sampling_metadata, unseeded), self.generator))
-        for i in sampled:
-            if i in generators:
-                results.update(self._verify_rows(self.sampling_verifier, [i], walk, rows_of, logits,
-                                                 _sampling_tensors(sampling_metadata, [i]), generators[i]))
-        return results
-
-    @staticmethod
-    def _verify_rows(verifier, rows, walk, rows_of, logits, sampling, generator) -> dict:
-        trees = [walk[i] for i in rows]
-        if sampling is None and not logits.is_cuda and hasattr(verifier, "verify_host"):
-            # the walk reads the rows it visits where they are (no copy of every tree row)
-            return dict(zip(rows, verifier.verify_host(trees, logits, [rows_of[i].start for i in rows])))
-        # [sum of num_nodes, vocab_size]; tree k's rows are its 1 + n logits rows
-        tree_logits = torch.cat([logits[rows_of[i]] for i in rows])
-        batch = pack_trees(trees, device=tree_logits.device)
-        if sampling is None:
-            out = verifier.verify_batch(batch, tree_logits)
-        elif getattr(verifier, "requires_draft_probs", False):
-            # draft-model trees: row j of a tree is q after node j's path (``DraftTree.draft_probs``)
-            q = torch.cat([t.draft_probs for t in trees]).to(tree_logits.device)
-            out = verifier.verify_batch(batch, tree_logits, sampling, generator, q)
-        else:
-            out = verifier.verify_batch(batch, tree_logits, sampling, generator)
-        return dict(zip(rows, out.to_list()))
-
-    def _harvest_roots(self, step, metadata, logits) -> None:
-        cu_sampled = metadata.cu_num_sampled_tokens.tolist()
-        items = [(step.req_ids[i], tree, [], slice(cu_sampled[i] - 1, cu_sampled[i])) for i, tree in step.trees.items()]
-        self.runner.drafter.observe_batch(items, logits)
+        unseeded = np.asarray([t for t in sampled.tolist() if int(rows[t]) not in generators], np.int64)
+        if unseeded.size:
+            groups.append((self.sampling_verifier, unseeded, _sampling_tensors(sampling_metadata, rows[unseeded].tolist()),
+                           self.generator))
+        for t in sampled.tolist():
+            if int(rows[t]) in generators:
+                groups.append((self.sampling_verifier, np.asarray([t]), _sampling_tensors(sampling_metadata, [int(rows[t])]),
+                               generators[int(rows[t])]))
+        for verifier, index, sampling, generator in groups:
+            sub = trees.select(index)
+            if sampling is None and not logits.is_cuda:
+                # the walk reads the rows it visits where they are (no copy of every tree row)
+                a, n, y = walk_flat(sub, logits, starts[index])
+            else:
+                sizes = sub.sizes()
+                rows_index = np.repeat(starts[index], sizes) + (np.arange(sub.num_nodes) - np.repeat(sub.offsets[:-1], sizes))
+                tree_logits = logits.index_select(0, torch.from_numpy(rows_index).to(logits.device))
+                batch = sub.to_batch(device=tree_logits.device)
+                if sampling is None:
+                    res = verifier.verify_batch(batch, tree_logits)
+                elif getattr(verifier, "requires_draft_probs", False):
+                    # draft-model trees: row j of a tree is q after node j's path
+                    q = torch.cat(list(sub.draft_probs)).to(tree_logits.device)
+                    res = verifier.verify_batch(batch, tree_logits, sampling, generator, q)
+                else:
+                    res = verifier.verify_batch(batch, tree_logits, sampling, generator)
+                a, n, y = res.accepted.cpu().numpy(), res.num_accepted.cpu().numpy(), res.bonus_tokens.cpu().numpy()
+            accepted[index, : a.shape[1]] = a[:, :depth]
+            num_accepted[index] = n
+            bonus[index] = y
+        return accepted, num_accepted, bonus
 
 
 def _sampling_tensors(md, rows: list[int]) -> SamplingTensors:
@@ -202,4 +214,5 @@ def harvest_plain(runner, logits: torch.Tensor) -> None:
     step = runner.take_tree_step()
     if step is None:
         return
-    runner.drafter.observe_batch([(step.req_ids[i], tree, [], slice(i, i + 1)) for i, tree in step.trees.items()], logits)
+    num = step.trees.num_trees
+    runner.drafter.observe_step(step, np.full((num, 1), -1, np.int64), np.zeros(num, np.int64), step.rows, logits)

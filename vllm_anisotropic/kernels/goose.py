@@ -1,0 +1,259 @@
+"""Compiled GOOSE tree building (``kernels.load("goose")``): Algorithm 1 (BuildSpineTree) for every request of a step at once.
+
+Scope: the arithmetic of ``goose.py``'s module docstring as numba code over flat arrays: one
+call builds the trees (or the linear bypass chains) of all the step's requests that read one
+adjacency table, and writes them back to back in value order. Policy (the spine ratio tier, the
+bypass test, budgets) is decided by the caller (``goose.GooseProposer.propose_batch``).
+
+Source: GOOSE (arXiv 2604.02047) Algorithm 1 lines 1-13 and Appendix C.1: spine laid first
+(values p_s ** i), first-level branches (root: its top b_r successors; spine node i: its top a_i,
+harmonic), then every remaining slot spent extending branch leaves through the table in order of
+path value (a max-heap of each node's next candidate, ties by push order), branch depth <= D.
+
+Output per request (``build_trees``): nodes sorted by value descending, ties by depth then
+build order, so parents precede children and any prefix is a subtree; ``build`` gives each
+node's build index (tests read the build order from it). Worked example (budget 6, no spine,
+rho 0.5, table 0 -> [1 (0.6), 2 (0.3)], 1 -> [3 (0.5), 4 (0.4)], 2 -> [5 (0.9)]): build order
+1, 2, 3, 5, 4 (heap keys 0.30, 0.27, 0.24), output tokens [0, 1, 2, 3, 5, 4], parents
+[-1, 0, 0, 1, 2, 1], values [1, .6, .3, .3, .27, .24] (2 before 3: equal values, smaller depth).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from vllm_anisotropic.kernels import table as tk
+
+__all__ = ["build_trees", "harmonic_widths", "TREE", "CHAIN"]
+
+TREE, CHAIN = 0, 1  # per-request mode of ``build_trees``: a spine tree, or the spine alone
+_ROOT, _SPINE, _BRANCH = 0, 1, 2  # NodeSource codes (tree.NodeSource)
+
+_jit = numba.njit(cache=True, nogil=True)
+
+
+@_jit
+def harmonic_widths(total, m):
+    """Algorithm 1 line 10: ``a_i = floor(total * (1/i) / H(m))``, i = 1..m (``[m]`` int64)."""
+    out = np.zeros(m, np.int64)
+    if m <= 0 or total <= 0:
+        return out
+    h = 0.0
+    for j in range(1, m + 1):
+        h += 1.0 / j
+    for i in range(1, m + 1):
+        out[i - 1] = np.int64(math.floor(total * (1.0 / i) / h))
+    return out
+
+
+@_jit
+def _candidates(table, prev, token, min_score, exclude, vocab, use_bigram, out_tok, out_score):
+    """The filtered successors of ``(prev, token)`` (best first: filled, score >= min_score and
+    > 0, not ``exclude``) into ``out_*``; returns how many. The threshold is compared at the
+    table's precision (float32): a stored 0.01 passes a 0.01 threshold."""
+    uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters = table
+    tier, row = tk.lookup(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters, prev, token, vocab,
+                          use_bigram)
+    n = 0
+    if tier == tk.NONE:
+        return 0
+    k = uni_ids.shape[1]
+    for j in range(k):
+        if tier == tk.BIGRAM:
+            t = bi_ids[row, j]
+            s = bi_scores[row, j]
+        else:
+            t = uni_ids[row, j]
+            s = uni_scores[row, j]
+        if t < 0:
+            continue
+        if s >= np.float32(min_score) and s > 0.0 and t != exclude:
+            out_tok[n] = t
+            out_score[n] = np.float64(s)
+            n += 1
+    return n
+
+
+@_jit
+def _heap_push(keys, ties, nodes, ranks, size, key, tie, node, rank):
+    """Max-heap on (key desc, tie asc): sift the new entry up; returns the new size."""
+    i = size
+    while i > 0:
+        p = (i - 1) // 2
+        if keys[p] > key or (keys[p] == key and ties[p] < tie):
+            break
+        keys[i], ties[i], nodes[i], ranks[i] = keys[p], ties[p], nodes[p], ranks[p]
+        i = p
+    keys[i], ties[i], nodes[i], ranks[i] = key, tie, node, rank
+    return size + 1
+
+
+@_jit
+def _heap_pop(keys, ties, nodes, ranks, size):
+    """Remove the top entry (the caller read it at index 0); returns the new size."""
+    size -= 1
+    key, tie, node, rank = keys[size], ties[size], nodes[size], ranks[size]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= size:
+            break
+        if c + 1 < size and (keys[c + 1] > keys[c] or (keys[c + 1] == keys[c] and ties[c + 1] < ties[c])):
+            c += 1
+        if key > keys[c] or (key == keys[c] and tie < ties[c]):
+            break
+        keys[i], ties[i], nodes[i], ranks[i] = keys[c], ties[c], nodes[c], ranks[c]
+        i = c
+    keys[i], ties[i], nodes[i], ranks[i] = key, tie, node, rank
+    return size
+
+
+@_jit
+def _build_one(table, vocab, use_bigram, root, prev_token, spine, budget, max_depth, spine_ratio, rho, min_score,
+               p_s, spine_branches, tok, par, src, val, dep, bdep):
+    """Algorithm 1 for one request into build-order arrays (each of length >= budget); returns
+    the node count (root included)."""
+    k = table[0].shape[1]
+    tok[0], par[0], src[0], val[0], dep[0], bdep[0] = root, -1, _ROOT, 1.0, 0, 0
+    n = 1
+    draft_budget = budget - 1
+    if draft_budget <= 0:
+        return n
+    v = min(max(p_s, 1e-3), 1.0)
+    m = spine.shape[0]
+    # lines 1-3: split the budget
+    b_s = min(m, np.int64(math.floor(budget * spine_ratio)), draft_budget)
+    rest = draft_budget - b_s
+    if spine_branches:
+        b_r = np.int64(math.ceil(rest * (1.0 - rho)))
+        b_sigma = rest - b_r
+    else:
+        b_r = rest
+        b_sigma = 0
+    # lines 4-7: the spine; spine_nodes[i] = node of d_i (spine_nodes[0] = the root)
+    spine_nodes = np.zeros(b_s + 1, np.int64)
+    for i in range(b_s):
+        tok[n], par[n], src[n], val[n] = spine[i], spine_nodes[i], _SPINE, math.pow(v, i + 1.0)
+        dep[n], bdep[n] = dep[spine_nodes[i]] + 1, 0
+        spine_nodes[i + 1] = n
+        n += 1
+    # per-node candidate lists and the heap of "next best candidate of each node"
+    cand_tok = np.empty((budget, k), np.int64)
+    cand_score = np.empty((budget, k), np.float64)
+    cand_n = np.zeros(budget, np.int64)
+    h_keys = np.empty(budget + 1, np.float64)
+    h_ties = np.empty(budget + 1, np.int64)
+    h_nodes = np.empty(budget + 1, np.int64)
+    h_ranks = np.empty(budget + 1, np.int64)
+    size = 0
+    tie = 0
+    # lines 8-12: first-level branches (root: b_r, spine node i: a_i), best first
+    widths = harmonic_widths(b_sigma, b_s)
+    first_tok = np.empty(k, np.int64)
+    first_score = np.empty(k, np.float64)
+    for i in range(b_s + 1):
+        width = b_r if i == 0 else widths[i - 1]
+        if width <= 0:
+            continue
+        node = spine_nodes[i]
+        prev = prev_token if i == 0 else tok[spine_nodes[i - 1]]
+        exclude = spine[i] if i < b_s else -1  # the spine child is no branch (a duplicate)
+        c = _candidates(table, prev, tok[node], min_score, exclude, vocab, use_bigram, first_tok, first_score)
+        for j in range(min(c, width)):
+            if n - 1 >= draft_budget:
+                break
+            child = n
+            tok[child], par[child], src[child], val[child] = first_tok[j], node, _BRANCH, val[node] * first_score[j]
+            dep[child], bdep[child] = dep[node] + 1, 1
+            n += 1
+            # push_children(child)
+            if bdep[child] < max_depth:
+                cn = _candidates(table, tok[node], tok[child], min_score, -1, vocab, use_bigram, cand_tok[child],
+                                 cand_score[child])
+                cand_n[child] = cn
+                if cn > 0:
+                    size = _heap_push(h_keys, h_ties, h_nodes, h_ranks, size, val[child] * cand_score[child, 0], tie,
+                                      child, 0)
+                    tie += 1
+    # line 13: extend branch leaves, best path value first, branch depth <= D
+    while size > 0 and n - 1 < draft_budget:
+        node, rank = h_nodes[0], h_ranks[0]
+        size = _heap_pop(h_keys, h_ties, h_nodes, h_ranks, size)
+        child = n
+        tok[child], par[child], src[child] = cand_tok[node, rank], node, _BRANCH
+        val[child] = val[node] * cand_score[node, rank]
+        dep[child], bdep[child] = dep[node] + 1, bdep[node] + 1
+        n += 1
+        if rank + 1 < cand_n[node]:
+            size = _heap_push(h_keys, h_ties, h_nodes, h_ranks, size, val[node] * cand_score[node, rank + 1], tie, node,
+                              rank + 1)
+            tie += 1
+        if bdep[child] < max_depth:
+            cn = _candidates(table, tok[node], tok[child], min_score, -1, vocab, use_bigram, cand_tok[child],
+                             cand_score[child])
+            cand_n[child] = cn
+            if cn > 0:
+                size = _heap_push(h_keys, h_ties, h_nodes, h_ranks, size, val[child] * cand_score[child, 0], tie, child, 0)
+                tie += 1
+    return n
+
+
+@_jit
+def build_trees(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters, vocab, use_bigram,
+                roots, prevs, spines, spine_offsets, modes, budgets, spine_ratios, p_s, max_depth, rho, min_score,
+                spine_branches, out_tokens, out_parents, out_sources, out_values, out_depths, out_build, out_offsets):
+    """Trees of R requests reading one table, back to back in value order.
+
+    Per request r: ``roots[r]``, ``prevs[r]`` (the token before the root, -1: none), spine
+    ``spines[spine_offsets[r]:spine_offsets[r + 1]]``, ``modes[r]`` (``TREE``: Algorithm 1 with
+    node budget ``budgets[r]`` (root included), spine ratio ``spine_ratios[r]``, spine acceptance
+    ``p_s[r]``; ``CHAIN``: the root and its spine, values p_s ** i). Outputs: ``out_*`` of length
+    >= sum of budgets (a chain: spine length + 1), ``out_offsets [R + 1]``; ``out_parents``
+    local to each tree, ``out_build`` the node's index in build order. Returns the node total.
+    """
+    table = (uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters)
+    cap = 1
+    for r in range(roots.shape[0]):
+        cap = max(cap, budgets[r], spine_offsets[r + 1] - spine_offsets[r] + 1)
+    tok = np.empty(cap, np.int64)
+    par = np.empty(cap, np.int64)
+    src = np.empty(cap, np.int8)
+    val = np.empty(cap, np.float64)
+    dep = np.empty(cap, np.int64)
+    bdep = np.empty(cap, np.int64)
+    pos = 0
+    out_offsets[0] = 0
+    for r in range(roots.shape[0]):
+        spine = spines[spine_offsets[r]:spine_offsets[r + 1]]
+        if modes[r] == CHAIN:
+            v = min(max(p_s[r], 1e-3), 1.0)
+            n = spine.shape[0] + 1
+            tok[0], par[0], src[0], val[0], dep[0] = roots[r], -1, _ROOT, 1.0, 0
+            for i in range(1, n):
+                tok[i], par[i], src[i], val[i], dep[i] = spine[i - 1], i - 1, _SPINE, math.pow(v, float(i)), i
+            for i in range(n):
+                out_tokens[pos + i], out_parents[pos + i], out_sources[pos + i] = tok[i], par[i], src[i]
+                out_values[pos + i], out_depths[pos + i], out_build[pos + i] = val[i], dep[i], i
+        else:
+            n = _build_one(table, vocab, use_bigram, roots[r], prevs[r], spine, budgets[r], max_depth, spine_ratios[r],
+                           rho, min_score, p_s[r], spine_branches, tok, par, src, val, dep, bdep)
+            # value order: value desc, then depth asc, then build order (stable sorts, last key first)
+            order = np.argsort(dep[:n], kind="mergesort")
+            order = order[np.argsort(-val[:n][order], kind="mergesort")]
+            new_index = np.empty(n, np.int64)
+            for i in range(n):
+                new_index[order[i]] = i
+            for i in range(n):
+                b = order[i]
+                out_tokens[pos + i] = tok[b]
+                out_parents[pos + i] = -1 if par[b] < 0 else new_index[par[b]]
+                out_sources[pos + i] = src[b]
+                out_values[pos + i] = val[b]
+                out_depths[pos + i] = dep[b]
+                out_build[pos + i] = b
+        pos += n
+        out_offsets[r + 1] = pos
+    return pos

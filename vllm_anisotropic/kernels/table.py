@@ -1,0 +1,127 @@
+"""Compiled kernels of the adjacency table (``proposers.adjacency.AdjacencyTable``): lookup, update.
+
+Scope: the array layout of one table and the two operations on it, as numba functions that
+the table's methods and the GOOSE tree kernel (``kernels.goose``) both call. No policy.
+
+Layout (``AdjacencyTable.arrays``, in this argument order):
+
+* ``uni_ids [V, K]`` int32 (-1 = empty), ``uni_scores [V, K]`` float32: row t = successors of t;
+* ``bi_keys [C]`` int64 (-1 = empty), key ``prev * V + token``; ``bi_stamps [C]`` int64 last use;
+  ``bi_ids [C, K]`` int32, ``bi_scores [C, K]`` float32; C a power of two;
+* ``counters [3]`` int64: ``CLOCK`` (the stamp clock), ``HELD`` (bigram entries), ``EVICTED``.
+
+Bigram placement: key k hashes to slot h(k) (a 64-bit mix, masked to C); it lives in one of the
+``WAYS`` slots h, h+1, ..., h+WAYS-1 (mod C). A slot is never emptied once taken, only
+overwritten, so a lookup may stop at the first empty slot of the window: every key placed
+later in the window found the slots before it taken. Insertion: the key's own slot if present,
+else the first empty slot of the window, else the window's least recently stamped slot
+(eviction). Example, C = 8, WAYS = 8: all 8 slots form one window, so eviction is exact LRU.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+__all__ = ["WAYS", "CLOCK", "HELD", "EVICTED", "NONE", "UNIGRAM", "BIGRAM", "find", "lookup", "update", "slot_of"]
+
+WAYS = 8  # slots a bigram key may occupy (the probe window)
+CLOCK, HELD, EVICTED = 0, 1, 2  # counters[...]
+NONE, UNIGRAM, BIGRAM = -1, 0, 1  # tiers returned by ``lookup``
+
+_jit = numba.njit(cache=True, nogil=True)
+
+
+@_jit
+def _home(key: np.int64, mask: np.int64) -> np.int64:
+    """First slot of ``key``'s window: splitmix64's finaliser, masked (keys of neighbouring
+    tokens land far apart)."""
+    z = np.uint64(key) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return np.int64(z & np.uint64(mask))
+
+
+@_jit
+def find(bi_keys, key):
+    """The slot holding ``key``, or -1."""
+    mask = bi_keys.shape[0] - 1
+    h = _home(key, mask)
+    for w in range(min(WAYS, bi_keys.shape[0])):
+        s = (h + w) & mask
+        k = bi_keys[s]
+        if k == key:
+            return s
+        if k == -1:
+            return -1
+    return -1
+
+
+@_jit
+def slot_of(bi_keys, bi_stamps, counters, key):
+    """The slot ``key`` is written to (its own, else the first empty one of its window, else
+    the least recently used one of its window, which is evicted); the key is stored there."""
+    mask = bi_keys.shape[0] - 1
+    h = _home(key, mask)
+    victim = -1
+    oldest = np.int64(0x7FFFFFFFFFFFFFFF)
+    for w in range(min(WAYS, bi_keys.shape[0])):
+        s = (h + w) & mask
+        k = bi_keys[s]
+        if k == key:
+            return s
+        if k == -1:
+            bi_keys[s] = key
+            counters[HELD] += 1
+            return s
+        if bi_stamps[s] < oldest:
+            oldest = bi_stamps[s]
+            victim = s
+    bi_keys[victim] = key
+    counters[EVICTED] += 1
+    return victim
+
+
+@_jit
+def lookup(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters, prev, token, vocab, use_bigram):
+    """``(tier, row)`` of ``(prev, token)``'s successors: ``(BIGRAM, slot)`` when the bigram is
+    held (its stamp refreshed), else ``(UNIGRAM, token)``; ``(NONE, -1)`` for a token outside
+    the vocabulary. ``prev < 0`` skips the bigram tier."""
+    if token < 0 or token >= vocab:
+        return NONE, -1
+    if use_bigram and prev >= 0:
+        s = find(bi_keys, prev * vocab + token)
+        if s >= 0:
+            counters[CLOCK] += 1
+            bi_stamps[s] = counters[CLOCK]
+            return BIGRAM, s
+    return UNIGRAM, token
+
+
+@_jit
+def update(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters, prev, tokens, top_ids, top_scores,
+           vocab, use_bigram):
+    """Rows i = 0, 1, ... in order (the last duplicate key wins): unigram row ``tokens[i]`` and,
+    when ``prev[i] >= 0``, bigram ``(prev[i], tokens[i])`` become ``top_ids[i]``/``top_scores[i]``
+    (cut to K columns, the rest emptied)."""
+    k_table = uni_ids.shape[1]
+    k = min(k_table, top_ids.shape[1])
+    for i in range(tokens.shape[0]):
+        t = tokens[i]
+        for j in range(k):
+            uni_ids[t, j] = top_ids[i, j]
+            uni_scores[t, j] = top_scores[i, j]
+        for j in range(k, k_table):
+            uni_ids[t, j] = -1
+            uni_scores[t, j] = 0.0
+        if use_bigram and prev[i] >= 0:
+            s = slot_of(bi_keys, bi_stamps, counters, prev[i] * vocab + t)
+            counters[CLOCK] += 1
+            bi_stamps[s] = counters[CLOCK]
+            for j in range(k):
+                bi_ids[s, j] = top_ids[i, j]
+                bi_scores[s, j] = top_scores[i, j]
+            for j in range(k, k_table):
+                bi_ids[s, j] = -1
+                bi_scores[s, j] = 0.0
