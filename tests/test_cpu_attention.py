@@ -117,7 +117,7 @@ def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads,
     total_q = sum(q_lens.values())
     query = torch.randn(total_q, num_heads * head_size).to(dtype)
     q_end = torch.tensor(list(q_lens.values())).cumsum(0)
-    from vllm_anisotropic.integration.vllm.runner import TreePlan, chain_prefix
+    from vllm_anisotropic.integration.vllm.runner import TreePlan
     from vllm_anisotropic.tree import DraftTree
 
     plan = TreePlan(req_index=[], num_nodes=[], masks=[])
@@ -128,7 +128,7 @@ def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads,
         plan.req_index.append(i)
         plan.num_nodes.append(len(par) - 1)
         plan.masks.append(tree.ancestor_mask[1:, 1:])
-        plan.chain_prefix.append(chain_prefix(tree))
+        plan.chain_prefix.append(tree.chain_prefix())
     assert plan.chain_prefix == [1, 2]
     meta = SimpleNamespace(seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                            query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int64), q_end]),
@@ -154,7 +154,7 @@ def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads,
     tol = 4e-3 if (method == "paths" and dtype == torch.bfloat16) else 2e-5
     worst = 0.0
     for i, tree in trees.items():
-        n, c = tree.num_nodes - 1, chain_prefix(tree)
+        n, c = tree.num_nodes - 1, tree.chain_prefix()
         anc = tree.ancestor_mask[1:, 1:]
         for node in range(c, n):  # node index among the draft nodes (0 = node 1)
             row = int(q_end[i]) - n + node
@@ -180,7 +180,7 @@ def test_path_rounds_for_slim_trees_and_the_recompute_for_bushy_ones():
     paths of any request, each path laid out right after its context; a star with more paths
     than ``PATHS_MAX_MEAN`` (as many context re-reads per layer) goes to the recompute instead."""
     from vllm_anisotropic.integration.vllm.attention import PATHS_MAX_MEAN
-    from vllm_anisotropic.integration.vllm.runner import TreePlan, chain_prefix
+    from vllm_anisotropic.integration.vllm.runner import TreePlan
     from vllm_anisotropic.tree import DraftTree
 
     def plan_for(parents_list, ctx=50, block_size=16):
@@ -194,7 +194,7 @@ def test_path_rounds_for_slim_trees_and_the_recompute_for_bushy_ones():
                                query_start_loc=torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32),
                                block_table=torch.arange(len(trees) * per, dtype=torch.int32).view(len(trees), per))
         plan = TreePlan(list(range(len(trees))), n, [t.ancestor_mask[1:, 1:] for t in trees],
-                        [chain_prefix(t) for t in trees])
+                        [t.chain_prefix() for t in trees])
         return _impl(6, 2, 64)._path_plan(plan, meta, block_size, torch.float32, "vec"), meta
 
     # chain 1-2-3 with side branches 4 (under the root) and 5 (under node 1): 2 paths

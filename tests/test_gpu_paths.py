@@ -98,9 +98,8 @@ def test_batched_topk_harvest_equals_per_request_harvest():
         offset += tree.num_nodes
     for a, b in zip(alone, batched):
         assert np.array_equal(a.unigram_ids, b.unigram_ids) and np.allclose(a.unigram_scores, b.unigram_scores)
-        assert a._bigram_slots == b._bigram_slots
-        n = len(a._bigram_slots)
-        assert np.array_equal(a.bigram_ids[:n], b.bigram_ids[:n]) and np.allclose(a.bigram_scores[:n], b.bigram_scores[:n])
+        assert np.array_equal(a.bigram_keys, b.bigram_keys)
+        assert np.array_equal(a.bigram_ids, b.bigram_ids) and np.allclose(a.bigram_scores, b.bigram_scores)
     with pytest.raises(ValueError, match="top-2"):
         AdjacencyTable(50, top_k=4).harvest_tree(trees[0], 7, TopKRows.of(logits[0], 2))
 

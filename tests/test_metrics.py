@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from vllm_anisotropic.integration.vllm.metrics import (
@@ -13,28 +14,75 @@ from vllm_anisotropic.integration.vllm.metrics import (
     MetricsSink,
     TreeMetrics,
     TreeMetricsCollector,
+    chain_accepted,
 )
-from vllm_anisotropic.tree import DraftTree, NodeSource
+from vllm_anisotropic.proposers.base import MODE_CODES, ProposalMode
+from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource
 
 S, B = NodeSource.SPINE, NodeSource.BRANCH
 # root 5; spine 17 -> 9; branch 23 at the root, branch 4 under 17
 TREE = DraftTree(tokens=[5, 17, 9, 23, 4], parents=[-1, 0, 1, 0, 1], sources=[NodeSource.ROOT, S, S, B, B])
 
 
-def test_record_counts_sources_rerun_and_modes():
+def record(m: TreeMetrics, steps, trace: bool) -> None:
+    """``TreeMetrics.record_step`` of one step's ``(req_id, tree, accepted nodes, mode)``."""
+    trees = FlatTrees.from_trees([t for _, t, _, _ in steps])
+    num = np.array([len(a) for _, _, a, _ in steps], np.int64)
+    accepted = np.full((len(steps), max(1, int(num.max()))), -1, np.int64)
+    for k, (_, _, a, _) in enumerate(steps):
+        accepted[k, : len(a)] = a
+    modes = np.array([MODE_CODES[ProposalMode(mode)] for *_, mode in steps], np.int8)
+    m.record_step(trees, trees.path_mask(accepted, num), num, modes, [r for r, *_ in steps], trace)
+
+
+STEPS = [
+    ("a", TREE, [1, 2], "tree"),  # spine chain 1 -> 2: K/V in place
+    ("a", TREE, [1, 4], "tree"),  # spine then branch: node 4's K/V moved
+    ("b", TREE, [3], "bypass"),  # a branch off the first chain: moved
+    ("b", DraftTree.chain([], root_token=7), [], "plain"),
+]
+
+
+def test_record_counts_sources_moves_and_modes():
     m = TreeMetrics()
-    m.record("a", TREE, [1, 2], "tree", trace=True)  # spine chain 1 -> 2: KV in place
-    m.record("a", TREE, [1, 4], "tree", trace=True)  # spine then branch: node 4 is re-run
-    m.record("b", TREE, [3], "bypass", trace=False)  # a branch off the first chain: re-run
-    m.record("b", DraftTree.chain([], root_token=7), [], "plain", trace=False)
+    record(m, STEPS[:2], trace=True)
+    record(m, STEPS[2:], trace=False)
     assert (m.steps, m.plain_steps, m.bypass_steps, m.verified_trees) == (4, 1, 1, 3)
     assert (m.spine_nodes, m.branch_nodes, m.draft_nodes) == (6, 6, 12)
     assert (m.accepted_nodes, m.accepted_spine_nodes, m.accepted_branch_nodes) == (5, 3, 2)
-    assert m.accepted_off_chain == 2 and m.rerun_tokens == 2
+    assert m.accepted_off_chain == 2 and m.moved_tokens == 2
     assert m.requests == {"a": [2, 2]}
+    one_by_one = TreeMetrics()
+    for step in STEPS:
+        record(one_by_one, [step], trace=False)
+    whole = TreeMetrics()
+    record(whole, STEPS, trace=False)
+    assert {k: v for k, v in vars(whole).items() if k != "requests"} == {
+        k: v for k, v in vars(one_by_one).items() if k != "requests"}
+    assert whole.branching_trees == 3 and whole.max_nodes == 5
     assert abs(m.tau - 9 / 4) < 1e-12
     assert "tau 2.25" in m.summary_line() and "spine acceptance 0.500" in m.summary_line()
     assert m.draft_model_nodes == 0 and "draft-model acceptance n/a" in m.summary_line()
+
+
+def test_chain_accepted_is_the_leading_run_of_nodes_1_to_c():
+    """``chain_accepted`` against a plain loop over random trees and random root-to-node paths."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        trees, paths = [], []
+        for _ in range(int(rng.integers(1, 5))):
+            n = int(rng.integers(1, 10))
+            parents = [-1] + [int(rng.integers(0, i)) if rng.random() < 0.5 else i - 1 for i in range(1, n)]
+            tree = DraftTree(tokens=rng.integers(0, 9, n), parents=parents)
+            trees.append(tree)
+            paths.append(tree.path_to(int(rng.integers(0, n))))
+        flat = FlatTrees.from_trees(trees)
+        accepted = np.full((len(paths), 10), -1, np.int64)
+        for k, p in enumerate(paths):
+            accepted[k, : len(p)] = p
+        want = [next((c for c in range(len(p)) if p[c] != c + 1), len(p)) for p in paths]
+        got = chain_accepted(flat, flat.path_mask(accepted, np.array([len(p) for p in paths])))
+        assert got.tolist() == want
 
 
 def test_record_counts_draft_model_nodes_apart():
@@ -42,7 +90,7 @@ def test_record_counts_draft_model_nodes_apart():
     # draft_tree: trunk 11 -> 12, then branches 13 and 14 under 12
     tree = DraftTree(tokens=[5, 11, 12, 13, 14], parents=[-1, 0, 1, 2, 2], sources=[NodeSource.ROOT, D, D, D, D])
     m = TreeMetrics()
-    m.record("a", tree, [1, 2, 4], "tree", trace=False)
+    record(m, [("a", tree, [1, 2, 4], "tree")], trace=False)
     assert (m.draft_model_nodes, m.accepted_draft_model_nodes) == (4, 3)
     assert (m.spine_nodes, m.branch_nodes, m.accepted_spine_nodes, m.accepted_branch_nodes) == (0, 0, 0, 0)
     assert "draft-model acceptance 0.750" in m.summary_line()
@@ -57,7 +105,7 @@ def test_sink_writes_rank0_only_and_collector_exports(tmp_path, monkeypatch):
     assert not path.exists()
     sink = MetricsSink(m, rank=0)
     assert sink.trace
-    m.record("r", TREE, [1, 4], "tree", trace=sink.trace)
+    record(m, [("r", TREE, [1, 4], "tree")], trace=sink.trace)
     sink.tick(force=True)
     assert json.loads(path.read_text())["accepted_branch_nodes"] == 1
     samples = {
@@ -68,7 +116,7 @@ def test_sink_writes_rank0_only_and_collector_exports(tmp_path, monkeypatch):
     assert samples[("vllm_anisotropic:tree_steps_total", ())] == 1
     assert samples[("vllm_anisotropic:tree_source_accepted_nodes_total", (("source", "branch"),))] == 1
     assert samples[("vllm_anisotropic:tree_source_accepted_nodes_total", (("source", "spine"),))] == 1
-    assert samples[("vllm_anisotropic:tree_rerun_tokens_total", ())] == 1
+    assert samples[("vllm_anisotropic:tree_moved_tokens_total", ())] == 1
     assert samples[("vllm_anisotropic:tree_source_draft_nodes_total", (("source", "draft"),))] == 0
     assert not any(name.startswith("vllm_anisotropic:draft_tree_selector") for name, _ in samples)  # no selector
     # draft_tree's selector: one labelled counter per shape it chose

@@ -236,6 +236,15 @@ class DraftTree:
 
         return self._memo("kids", build)
 
+    def chain_prefix(self) -> int:
+        """Largest c with ``parents[1..c] == [0..c-1]``: nodes 1..c form a chain below the root.
+
+        ``parents [-1, 0, 1, 0, 2] -> 2``; a pure chain of n nodes -> n (``FlatTrees.chain_prefix``
+        computes it for a whole batch)."""
+        parents = self.parents[1:]
+        off = np.nonzero(parents != np.arange(len(parents)))[0]
+        return int(off[0]) if len(off) else len(parents)
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's first descendant to ``node`` (root excluded)."""
         path = []

@@ -88,6 +88,7 @@ class StepTrees:
     prev_roots: np.ndarray  # [T] int64
     modes: np.ndarray  # [T] int8
     chains: np.ndarray  # [T] bool: a chain step's chain (verified, its rows not harvested)
+    node_rows: np.ndarray | None = None  # [T] query row of each tree's node 1 (set by the runner)
 
 
 class TreeDrafter:

@@ -8,7 +8,8 @@ Path of a number (vLLM runs the drafter in a worker process, ``/metrics`` is ser
 API-server process, and vLLM's ``SchedulerStats`` cannot carry extra fields across its
 msgspec boundary):
 
-1. ``TreeMetrics.record`` in the worker, once per verified request-step (``drafter.observe``);
+1. ``TreeMetrics.record_step`` in the worker, once per step for all its verified trees
+   (``drafter.TreeDrafter.observe_step``);
 2. at most every ``WRITE_INTERVAL_S`` and when the batch drains, rank 0 writes the counters as JSON
    (atomic rename) to the file named by ``VLLM_ANISOTROPIC_TREE_STATS``. ``plugin.register``
    creates a temporary file name in the first vLLM process (the user's / API server's) when
@@ -39,11 +40,10 @@ from typing import Sequence
 import numpy as np
 
 from vllm_anisotropic.proposers.base import MODE_CODES, ProposalMode
-from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource
+from vllm_anisotropic.tree import FlatTrees, NodeSource
 
 __all__ = [
     "STATS_ENV", "TRACE_ENV", "TreeMetrics", "MetricsSink", "chain_accepted", "ensure_stats_file", "install_collector",
-    "kv_in_place",
 ]
 
 STATS_ENV = "VLLM_ANISOTROPIC_TREE_STATS"
@@ -68,16 +68,6 @@ def chain_accepted(trees: FlatTrees, on_path: np.ndarray) -> np.ndarray:
     return np.minimum(first_gap, trees.sizes()) - 1
 
 
-def kv_in_place(accepted: Sequence[int]) -> int:
-    """Length c of the accepted path's leading run ``1, 2, ..., c``: those nodes were computed
-    at slot and position root + k attending exactly their ancestors, so their KV is already
-    sequential decoding's; the scheduler re-runs only the rest. ``[1, 2, 5] -> 2``, ``[3] -> 0``."""
-    c = 0
-    while c < len(accepted) and accepted[c] == c + 1:
-        c += 1
-    return c
-
-
 @dataclass
 class TreeMetrics:
     """Cumulative counters of one worker (see module docstring for the definitions)."""
@@ -96,8 +86,8 @@ class TreeMetrics:
     accepted_spine_nodes: int = 0
     accepted_branch_nodes: int = 0
     accepted_draft_model_nodes: int = 0
-    accepted_off_chain: int = 0  # accepted paths that are not nodes 1..a (KV re-run needed)
-    rerun_tokens: int = 0  # accepted tokens whose KV the scheduler re-runs (scheduler.py): a - c
+    accepted_off_chain: int = 0  # accepted paths that are not nodes 1..a (their K/V moved)
+    moved_tokens: int = 0  # accepted tokens whose K/V was moved to the sequence's slots (kv_moves.py): a - c
     live_requests: int = 0  # gauge: per-request proposer states alive (dropped on finish / abort)
     tenant_tables: int = 0  # gauge: adjacency tables of cache_salt tenants held (adjacency.TenantTables)
     requests: dict[str, list[int]] = field(default_factory=dict)  # traces (TRACE_ENV only)
@@ -105,9 +95,9 @@ class TreeMetrics:
 
     def record_step(self, trees: FlatTrees, on_path: np.ndarray, num_accepted: np.ndarray, modes: np.ndarray,
                     req_ids: Sequence[str], trace: bool) -> None:
-        """``record`` for every tree of a step at once, from its flat arrays: ``on_path``
-        ``[num_nodes]`` marks the accepted nodes, ``num_accepted`` ``[T]`` their count per tree,
-        ``modes`` ``[T]`` the proposal modes (``proposers.base.MODE_CODES``)."""
+        """Count a step's verified trees (root-only ones included) from their flat arrays:
+        ``on_path`` ``[num_nodes]`` marks the accepted nodes, ``num_accepted`` ``[T]`` their count
+        per tree, ``modes`` ``[T]`` the proposal modes (``proposers.base.MODE_CODES``)."""
         num = trees.num_trees
         self.steps += num
         if trace:
@@ -136,34 +126,7 @@ class TreeMetrics:
         self.accepted_draft_model_nodes += int(np.count_nonzero(acc_src == NodeSource.DRAFT))
         in_place = chain_accepted(trees, on_path)
         self.accepted_off_chain += int(np.count_nonzero(in_place != num_accepted))
-        self.rerun_tokens += int((num_accepted - in_place).sum())
-
-    def record(self, req_id: str, tree: DraftTree, accepted: Sequence[int], mode: str | None, trace: bool) -> None:
-        self.steps += 1
-        a = len(accepted)
-        if trace:
-            self.requests.setdefault(req_id, []).append(a)
-        if mode == "bypass":
-            self.bypass_steps += 1
-        if tree.num_nodes == 1:
-            self.plain_steps += 1
-            return
-        src = tree.sources
-        acc_src = src[np.asarray(accepted, np.int64)] if a else src[:0]
-        self.verified_trees += 1
-        self.branching_trees += int(tree.num_children.max() >= 2)
-        self.draft_nodes += tree.num_nodes - 1
-        self.spine_nodes += int(np.count_nonzero(src == NodeSource.SPINE))
-        self.branch_nodes += int(np.count_nonzero(src == NodeSource.BRANCH))
-        self.draft_model_nodes += int(np.count_nonzero(src == NodeSource.DRAFT))
-        self.max_nodes = max(self.max_nodes, tree.num_nodes)
-        self.accepted_nodes += a
-        self.accepted_spine_nodes += int(np.count_nonzero(acc_src == NodeSource.SPINE))
-        self.accepted_branch_nodes += int(np.count_nonzero(acc_src == NodeSource.BRANCH))
-        self.accepted_draft_model_nodes += int(np.count_nonzero(acc_src == NodeSource.DRAFT))
-        in_place = kv_in_place(accepted)
-        self.accepted_off_chain += int(in_place != a)
-        self.rerun_tokens += a - in_place
+        self.moved_tokens += int((num_accepted - in_place).sum())
 
     @property
     def tau(self) -> float:
@@ -237,7 +200,7 @@ _COUNTERS = {
     "tree_verified_trees": ("verified_trees", "verified trees with at least one draft node"),
     "tree_draft_nodes": ("draft_nodes", "draft nodes verified (root excluded)"),
     "tree_accepted_nodes": ("accepted_nodes", "draft nodes accepted; tau = (steps + accepted) / steps"),
-    "tree_rerun_tokens": ("rerun_tokens", "accepted tokens re-run to rebuild their KV (off the first chain)"),
+    "tree_moved_tokens": ("moved_tokens", "accepted tokens whose K/V was moved to the sequence's slots (off the first chain)"),
 }
 _BY_SOURCE = {
     "tree_source_draft_nodes": ({"spine": "spine_nodes", "branch": "branch_nodes", "draft": "draft_model_nodes"}, "draft nodes verified, by source"),

@@ -42,6 +42,7 @@ from vllm_anisotropic.allocator import CHAIN, PLAIN, TREE
 from vllm_anisotropic.integration.vllm.config import DRAFT_MODEL_METHODS
 from vllm_anisotropic.integration.vllm.drafter import StepTrees, TreeDrafter
 from vllm_anisotropic.integration.vllm.host_clock import HostClock, timed
+from vllm_anisotropic.integration.vllm.kv_moves import KVMover
 from vllm_anisotropic.integration.vllm.sampler import TreeRejectionSampler, harvest_plain
 from vllm_anisotropic.tree import FlatTrees
 from vllm_anisotropic.verifiers.sampling import TargetSampling
@@ -173,8 +174,7 @@ class TreeRunnerMixin:
         self._draft_model = config.method in DRAFT_MODEL_METHODS  # proposals sample under the request's law
         self._tree_step: StepTrees | None = None
         self._tree_plan: TreePlan | None = None
-        # req_id -> accepted nodes whose KV is already in place (path 1 -> 2 -> ... -> c)
-        self.kv_in_place: dict[str, int] = {}
+        self._kv_mover: KVMover | None = None  # K/V slot moves after acceptance (kv_moves.py)
         self._propose_s = 0.0  # seconds drafting since the last output (sent as tree_propose_s)
 
     # ------------------------------------------------------------------ request lifecycle
@@ -240,6 +240,7 @@ class TreeRunnerMixin:
             trees = step.trees
             n = trees.sizes() - 1  # [T] draft nodes of each tree
             ends = self.query_start_loc.np[1 : num_reqs + 1][step.rows].astype(np.int64)
+            step.node_rows = ends - n  # the node rows are the last n rows of each query
             total = int(n.sum())
             if total:
                 # node rows: the last n rows of each query; positions = root position + depth
@@ -279,6 +280,24 @@ class TreeRunnerMixin:
     def take_tree_step(self) -> StepTrees | None:
         step, self._tree_step = self._tree_step, None
         return step
+
+    def move_kv(self, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:
+        """Copy the K/V of this step's query rows ``src_rows`` to the slots of ``dst_rows`` in
+        every layer (``kv_moves.py``), through the step's slot mapping (KV cache group 0)."""
+        slots = self.input_batch.block_table[0].slot_mapping.gpu
+        index = torch.from_numpy(np.concatenate([src_rows, dst_rows])).to(slots.device)
+        picked = slots.index_select(0, index).long()
+        mover = self._kv_mover
+        if mover is None or not mover.caches or mover.caches[0][0].data_ptr() != self._first_cache_ptr():
+            mover = self._kv_mover = KVMover.from_layers(self.compilation_config.static_forward_context.values())
+        mover.move(picked[: src_rows.shape[0]], picked[src_rows.shape[0]:])
+
+    def _first_cache_ptr(self) -> int:
+        for layer in self.compilation_config.static_forward_context.values():
+            cache = getattr(layer, "kv_cache", None)
+            if isinstance(cache, torch.Tensor) and cache.dim() == 4 and cache.numel():
+                return cache.data_ptr()
+        return -1
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, logits, spec_decode_metadata):
@@ -343,11 +362,6 @@ class TreeRunnerMixin:
         calibration = getattr(self, "_cost_calibration", None)
         if calibration and carries:
             out.cost_calibration, self._cost_calibration = calibration, None
-        # Tell the scheduler which accepted tokens need no re-run (scheduler.TreeScheduler);
-        # an output without the attribute makes it re-run every accepted token (always safe).
-        kv_in_place, self.kv_in_place = self.kv_in_place, {}
-        if kv_in_place and carries:
-            out.kv_in_place = kv_in_place
         # seconds this step spent drafting for the next one (the gate charges them to the next
         # step: budget.BatchBudget.on_output)
         propose_s, self._propose_s = self._propose_s, 0.0

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vllm_anisotropic.integration.vllm.metrics import chain_accepted
+from vllm_anisotropic.integration.vllm.kv_moves import accepted_moves
 from vllm_anisotropic.verifiers import SamplingTensors, get_verifier
 from vllm_anisotropic.verifiers.greedy import walk_flat
 from vllm_anisotropic.verifiers.sampling import SAMPLING_EPS
@@ -108,6 +108,13 @@ class TreeRejectionSampler(nn.Module):
                                            PLACEHOLDER_TOKEN_ID)
         host[np.arange(walked.size), n_acc] = bonus[walked]
         out[torch.from_numpy(step.rows[walked]).to(out.device)] = torch.from_numpy(host).to(out.device)
+        # accepted nodes off the leading chain: their K/V to the slots the sequence needs
+        t_kv = time.perf_counter()
+        src, dst = accepted_moves(acc, n_acc, step.node_rows[walked])
+        if src.size:
+            self.runner.move_kv(src, dst)
+        t_kv = time.perf_counter() - t_kv
+        self.runner.host_clock.add("kv", t_kv)
         t_harvest = self._observe(step, starts, logits, accepted, num_accepted)
 
         logprobs = None
@@ -123,21 +130,16 @@ class TreeRejectionSampler(nn.Module):
             )
         from vllm.v1.outputs import SamplerOutput
 
-        self.runner.host_clock.add("walk", time.perf_counter() - t0 - t_vllm - t_harvest)
+        self.runner.host_clock.add("walk", time.perf_counter() - t0 - t_vllm - t_harvest - t_kv)
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
     def _observe(self, step, starts, logits, accepted=None, num_accepted=None) -> float:
-        """The step's accepted paths to the runner (KV in place) and the drafter (metrics,
-        learning); returns its seconds (the drafter times them as the harvest)."""
+        """The step's accepted paths to the drafter (metrics, learning); returns its seconds
+        (the drafter times them as the harvest)."""
         t = time.perf_counter()
         num = step.trees.num_trees
         if accepted is None:
             accepted, num_accepted = np.full((num, 1), -1, np.int64), np.zeros(num, np.int64)
-        on_path = step.trees.path_mask(accepted, num_accepted)
-        # accepted path 1 -> ... -> c: KV already right (the scheduler re-runs the rest)
-        in_place = chain_accepted(step.trees, on_path)
-        for k in np.flatnonzero(in_place).tolist():
-            self.runner.kv_in_place[step.req_ids[k]] = int(in_place[k])
         self.runner.drafter.observe_step(step, accepted, num_accepted, starts, logits)
         return time.perf_counter() - t
 

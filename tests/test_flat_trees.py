@@ -1,0 +1,112 @@
+"""``FlatTrees``, the per-step batch of trees, against the per-tree ``DraftTree`` operations it
+replaces on the engine's path: packing (``to_batch`` == ``pack_trees``), cuts, selections,
+reorderings, chain prefixes, ancestor bits, the allocator's ranking (``rank_flat`` ==
+``rank_trees``) and the greedy walk (``walk_flat`` == ``GreedyVerifier.verify_host``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, rank_flat, rank_trees
+from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource, pack_trees
+from vllm_anisotropic.verifiers.greedy import GreedyVerifier, walk_flat
+
+
+def random_tree(rng, n, vocab=50, chainy=0.3, multiplicity=False) -> DraftTree:
+    parents = [-1] + [i - 1 if rng.random() < chainy else int(rng.integers(0, i)) for i in range(1, n)]
+    sources = [0] + [int(rng.integers(1, 3)) for _ in range(1, n)]
+    values = [1.0]
+    for i in range(1, n):
+        values.append(values[parents[i]] * float(rng.random()))
+    mult = [1] + [int(rng.integers(1, 3)) for _ in range(1, n)] if multiplicity else None
+    return DraftTree(tokens=rng.integers(0, vocab, n), parents=parents, sources=sources, values=values,
+                     multiplicity=mult)
+
+
+def random_batch(rng, num=None, max_nodes=14, **kw):
+    return [random_tree(rng, int(rng.integers(1, max_nodes)), **kw) for _ in range(num or int(rng.integers(1, 7)))]
+
+
+def test_worked_example_and_round_trip():
+    a = DraftTree(tokens=[5, 6, 7], parents=[-1, 0, 0])
+    b = DraftTree.chain([], root_token=9)
+    flat = FlatTrees.from_trees([a, b])
+    assert flat.offsets.tolist() == [0, 3, 4] and flat.tokens.tolist() == [5, 6, 7, 9]
+    assert flat.sizes().tolist() == [3, 1] and flat.tree_index().tolist() == [0, 0, 0, 1]
+    assert flat.global_parents().tolist() == [-1, 0, 0, -1]
+    assert flat.tree(0).tokens.tolist() == [5, 6, 7] and flat.tree(1).num_nodes == 1
+    assert FlatTrees.concat([flat.select([1]), flat.select([0])]).tokens.tolist() == [9, 5, 6, 7]
+    assert FlatTrees.empty().num_trees == 0
+    with pytest.raises(ValueError):
+        flat.prefix([0, 1])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_array_operations_equal_the_per_tree_ones(seed):
+    rng = np.random.default_rng(seed)
+    trees = random_batch(rng, multiplicity=seed % 2 == 1)
+    flat = FlatTrees.from_trees(trees)
+    # packing for the verifiers
+    b1, b2 = flat.to_batch(prompt_lens=np.arange(len(trees)) * 7), pack_trees(trees, prompt_lens=np.arange(len(trees)) * 7)
+    for name in b2.__dict__:
+        x, y = getattr(b1, name), getattr(b2, name)
+        assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), name
+    # per-tree quantities
+    assert flat.chain_prefix().tolist() == [t.chain_prefix() for t in trees]
+    assert np.array_equal(flat.ancestor_bits().view(np.int64), np.concatenate([t.ancestor_bits for t in trees]))
+    keep = rng.integers(1, 8, len(trees))
+    cut = flat.prefix(keep)
+    index = rng.integers(0, len(trees), 4)
+    picked = flat.select(index)
+    for k, t in enumerate(trees):
+        want = t.truncate(int(keep[k]))
+        got = cut.tree(k)
+        assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+        assert got.depths.tolist() == want.depths.tolist() and got.multiplicity.tolist() == want.multiplicity.tolist()
+    for k, i in enumerate(index.tolist()):
+        assert picked.tree(k).tokens.tolist() == trees[i].tokens.tolist()
+    # a reordering that keeps parents first: by (depth, reversed index) inside each tree
+    local = np.arange(flat.num_nodes) - np.repeat(flat.offsets[:-1], flat.sizes())
+    order = np.lexsort((-local, flat.depths, flat.tree_index()))
+    moved = flat.permuted(order)
+    for k, t in enumerate(trees):
+        a, b = int(flat.offsets[k]), int(flat.offsets[k + 1])
+        want = t.reordered(order[a:b] - a)
+        assert moved.tree(k).parents.tolist() == want.parents.tolist()
+        assert moved.tree(k).tokens.tolist() == want.tokens.tolist()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_rank_flat_equals_rank_trees(seed):
+    rng = np.random.default_rng(100 + seed)
+    model = AcceptanceModel(AcceptanceConfig())
+    trees = random_batch(rng)
+    ranked, probs = rank_trees(trees, model)
+    flat, p = rank_flat(FlatTrees.from_trees(trees), model)
+    for k, t in enumerate(ranked):
+        assert flat.tree(k).tokens.tolist() == t.tokens.tolist() and flat.tree(k).parents.tolist() == t.parents.tolist()
+        a, b = int(flat.offsets[k]), int(flat.offsets[k + 1])
+        np.testing.assert_allclose(p[a + 1 : b], probs[k], rtol=1e-12, atol=1e-15)
+    assert np.all(p[flat.offsets[:-1]] == 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_walk_flat_equals_the_per_tree_walk(dtype):
+    """A 4-token vocabulary makes ties and duplicate sibling tokens common: the spine-first,
+    then index-order priority must agree."""
+    rng = np.random.default_rng(7)
+    verifier = GreedyVerifier()
+    for _ in range(100):
+        trees = [random_tree(rng, int(rng.integers(2, 12)), vocab=4) for _ in range(int(rng.integers(1, 6)))]
+        flat = FlatTrees.from_trees(trees)
+        logits = torch.randn(flat.num_nodes + 3, 4).to(dtype)
+        starts = flat.offsets[:-1] + 2  # rows need not start at 0
+        accepted, num, bonus = walk_flat(flat, logits, starts)
+        for k, res in enumerate(verifier.verify_host(trees, logits, starts.tolist())):
+            assert accepted[k, : num[k]].tolist() == res.accepted and int(bonus[k]) == res.bonus_token
+    tree = DraftTree(tokens=[9, 5, 5], parents=[-1, 0, 0], sources=[NodeSource.ROOT, NodeSource.BRANCH, NodeSource.SPINE])
+    logits = torch.tensor([[0.0] * 5 + [1.0], [0.0] * 6, [0.0] * 6])
+    accepted, num, bonus = walk_flat(FlatTrees.from_trees([tree]), logits, np.array([0]))
+    assert accepted[0, : num[0]].tolist() == [2]  # the spine child first (GOOSE Algorithm 3)

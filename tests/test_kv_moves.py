@@ -1,0 +1,95 @@
+"""K/V slot moves after tree acceptance (``integration/vllm/kv_moves.py``): which rows move, and
+the moves themselves in vLLM's real CPU cache layouts (written by vLLM's own
+``cpu_attn_reshape_and_cache``) and in FLASH_ATTN's layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_anisotropic.integration.vllm.kv_moves import KVMover, accepted_moves
+
+
+def test_accepted_moves_worked_example_and_edges():
+    src, dst = accepted_moves(np.array([[2, 3], [1, -1]]), np.array([2, 1]), np.array([10, 20]))
+    assert src.tolist() == [11, 12] and dst.tolist() == [10, 11]
+    src, dst = accepted_moves(np.array([[1, 2, 5], [-1, -1, -1]]), np.array([3, 0]), np.array([4, 9]))
+    assert src.tolist() == [8] and dst.tolist() == [6]  # nodes 1, 2 in place; node 5 -> depth 3
+    assert accepted_moves(np.zeros((0, 1), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))[0].size == 0
+
+
+def _cpu_layouts():
+    from vllm_anisotropic.integration.vllm.attention import kv_layout
+
+    out = []
+    for isa in ("vec", "vec16", "amx"):
+        for dtype in (torch.bfloat16, torch.float32):
+            try:
+                kv_layout(isa, dtype, 32, 64)
+                out.append((isa, dtype))
+            except Exception:  # noqa: BLE001 - an ISA / dtype this CPU build does not have
+                continue
+    return out
+
+
+def _read(cache, isa, slots, num_heads, head_size):
+    """K and V of ``slots`` as ``[M, H, head_size]`` each, through the probed layout."""
+    from vllm_anisotropic.integration.vllm.attention import kv_layout
+
+    block_size = cache.shape[2]
+    k_off, v_off, _, _ = kv_layout(isa, cache.dtype, block_size, head_size)
+    region = cache.view(cache.shape[0], num_heads, -1)
+    b, t = slots // block_size, slots % block_size
+    k = torch.stack([region[int(bb), :, k_off[int(tt)]] for bb, tt in zip(b, t)])
+    v = torch.stack([region[int(bb), :, v_off[int(tt)]] for bb, tt in zip(b, t)])
+    return k, v
+
+
+@pytest.mark.parametrize("isa,dtype", _cpu_layouts())
+def test_moves_in_vllm_cpu_layouts(isa, dtype):
+    """Slots written by vLLM's own CPU cache writer; the path [2, 3, 5] of a tree whose node 1
+    sits at slot 40 (blocks of 32: the tree crosses a block boundary): slots 40, 41, 42 get
+    nodes 2, 3, 5's K/V (sources read before destinations: 41 is both), the rest is untouched."""
+    from vllm import _custom_ops as ops
+
+    num_blocks, heads, block_size, head_size = 4, 3, 32, 64
+    cache = torch.zeros(num_blocks, heads, block_size, 2 * head_size, dtype=dtype)
+    kc, vc = cache.view(num_blocks, heads, 2 * block_size, head_size).chunk(2, dim=2)
+    slots = torch.arange(num_blocks * block_size)
+    k = torch.randn(slots.numel(), heads, head_size).to(dtype)
+    v = torch.randn(slots.numel(), heads, head_size).to(dtype)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    layer = type("Layer", (), {})()
+    layer.kv_cache, layer.isa = cache, isa
+    shared = type("Layer", (), {})()
+    shared.kv_cache, shared.isa = cache, isa  # a second layer on the same tensor: moved once
+    mover = KVMover.from_layers([layer, shared])
+    assert len(mover.caches) == 1
+    src, dst = accepted_moves(np.array([[2, 3, 5]]), np.array([3]), np.array([40]))
+    mover.move(torch.from_numpy(src), torch.from_numpy(dst))
+    want_k, want_v = k.clone(), v.clone()
+    want_k[[40, 41, 42]] = k[[41, 42, 44]]
+    want_v[[40, 41, 42]] = v[[41, 42, 44]]
+    got_k, got_v = _read(cache, isa, slots, heads, head_size)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_moves_in_the_flash_attention_layout():
+    """FLASH_ATTN's cache as vLLM 0.32 hands it to the backend: K and V of slot s are
+    ``kv_cache.transpose(1, 2).split(head_size, -1)`` at ``[s // block, s % block]``."""
+    num_blocks, heads, block_size, head_size = 3, 2, 16, 8
+    cache = torch.randn(num_blocks, heads, block_size, 2 * head_size)
+    before = cache.clone()
+    layer = type("Layer", (), {})()
+    layer.kv_cache = cache
+    KVMover.from_layers([layer]).move(torch.tensor([17, 18, 30]), torch.tensor([16, 17, 18]))
+
+    def kv(c, s):
+        key, value = c.transpose(1, 2).split(head_size, dim=-1)
+        return key[s // block_size, s % block_size], value[s // block_size, s % block_size]
+
+    for dst, src in ((16, 17), (17, 18), (18, 30)):
+        assert all(torch.equal(a, b) for a, b in zip(kv(cache, dst), kv(before, src)))
+    untouched = [s for s in range(num_blocks * block_size) if s not in (16, 17, 18)]
+    assert all(torch.equal(a, b) for s in untouched for a, b in zip(kv(cache, s), kv(before, s)))

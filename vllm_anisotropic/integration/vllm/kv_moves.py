@@ -1,0 +1,115 @@
+"""K/V repair after tree acceptance by slot moves: accepted nodes' K/V copied to the slots the
+accepted sequence needs, in every layer, right after the walk (before the step's reply).
+
+Why (shared/notes/vllm-0.32-spec-decode-map.md section 3e, option C): vLLM assumes the accepted
+drafts are a prefix of the draft list, so that after the step slots ``root + 1 .. root + a``
+hold the K/V of the ``a`` accepted tokens. In a tree the accepted path is any root-to-node path
+``n_1 -> n_2 -> ... -> n_a`` (local node indices, value order, so ``n_j >= j``), and node ``n_j``'s
+K/V sits at slot ``root + n_j``. That K/V is already exact: node ``n_j`` was computed at
+position ``root + j`` (its depth) attending exactly its context and ancestors. Only its slot is
+wrong, so ``slot[root + j] <- slot[root + n_j]`` for every j with ``n_j != j`` repairs the
+cache without running the token again (a leading run ``n_j = j`` needs nothing). All sources
+are read before any destination is written (a source may be a later destination).
+
+Worked example: root at slot 100, path ``[2, 3]`` (nodes 2 and 3, node 1 a rejected sibling)
+-> moves ``102 -> 101``, ``103 -> 102``: slot 101 gets node 2's K/V, slot 102 node 3's.
+
+Layouts (``KVMover``): a layer's cache is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+(vLLM 0.32, CPU and FLASH_ATTN); each (block, kv head) region holds ``2 * block_size *
+head_size`` elements. On CUDA (FLASH_ATTN) token t's K is ``[t, :head_size]`` and V
+``[t, head_size:]`` of the region; on CPU the order depends on the ISA and is probed through
+vLLM's own cache writer (``attention.kv_layout``). Either way a move is one gather and one
+scatter of element indices per layer; layers sharing one cache tensor are moved once (a second
+application would read sources already overwritten).
+
+Prefix caching: the moves happen in the worker before the step's reply, so no block vLLM
+caches after the reply (0.33's ``update_from_output`` caches right away) holds a node's K/V at
+a wrong slot.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["KVMover", "accepted_moves"]
+
+
+def accepted_moves(accepted: np.ndarray, num_accepted: np.ndarray, node_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Query rows to copy: ``(src_rows, dst_rows)``, both ``[M]`` int64.
+
+    ``accepted [T, D]``: each tree's accepted local node indices (-1 padded, the first
+    ``num_accepted[t]`` count); ``node_rows[t]``: the query row of tree t's node 1 (node j's row is
+    ``node_rows[t] + j - 1``). Example: ``accepted [[2, 3], [1, -1]]``, counts ``[2, 1]``,
+    node_rows ``[10, 20]`` -> src ``[11, 12]``, dst ``[10, 11]`` (tree 1's node 1 is in place)."""
+    if accepted.size == 0:
+        empty = np.zeros(0, np.int64)
+        return empty, empty
+    depth = np.arange(accepted.shape[1])[None, :]
+    off = (depth < num_accepted[:, None]) & (accepted != depth + 1)
+    base = np.asarray(node_rows, np.int64)[:, None]
+    return (base + accepted - 1)[off], np.broadcast_to(base + depth, accepted.shape)[off]
+
+
+class KVMover:
+    """Copies whole tokens' K/V between slots in every attention layer's paged cache."""
+
+    def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """``caches``: ``(kv_cache [num_blocks, num_kv_heads, block_size, 2 * head_size],
+        k_offsets [block_size, head_size], v_offsets [block_size, head_size])``: where token t,
+        dim d of one (block, kv head) region lives, as element offsets inside the region."""
+        self.caches = caches
+
+    @staticmethod
+    def plain_offsets(block_size: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FLASH_ATTN's region order: token t's K at ``t * 2 head_size + d``, V ``head_size`` after."""
+        t = torch.arange(block_size).view(-1, 1) * (2 * head_size)
+        d = torch.arange(head_size).view(1, -1)
+        return t + d, t + d + head_size
+
+    @classmethod
+    def from_layers(cls, layers) -> "KVMover":
+        """The mover of a model's attention layers (modules with a 4-dim ``kv_cache``; CPU
+        layers carry vLLM's ``isa``, whose layout ``attention.kv_layout`` probes)."""
+        caches, seen = [], set()
+        for layer in layers:
+            cache = getattr(layer, "kv_cache", None)
+            if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.numel() == 0:
+                continue
+            key = (cache.untyped_storage().data_ptr(), cache.storage_offset())
+            if key in seen:
+                continue
+            seen.add(key)
+            _, _, block_size, two_hs = cache.shape
+            isa = getattr(layer, "isa", None)
+            if isa is not None:  # CPU: the ISA's layout, probed through vLLM's writer
+                from vllm_anisotropic.integration.vllm.attention import kv_layout
+
+                k_off, v_off, _, _ = kv_layout(isa, cache.dtype, block_size, two_hs // 2)
+            else:
+                k_off, v_off = cls.plain_offsets(block_size, two_hs // 2)
+            caches.append((cache, k_off.to(cache.device), v_off.to(cache.device)))
+        return cls(caches)
+
+    def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """``slot[dst[m]] <- slot[src[m]]`` (K and V, every head) in every cache; sources read
+        first. ``src_slots``, ``dst_slots``: ``[M]`` int64 on the caches' device."""
+        if src_slots.numel() == 0:
+            return
+        for cache, k_off, v_off in self.caches:
+            num_blocks, num_heads, block_size, two_hs = cache.shape
+            flat = cache.view(-1)
+            src = _elements(src_slots, k_off, v_off, num_heads, block_size, two_hs)
+            dst = _elements(dst_slots, k_off, v_off, num_heads, block_size, two_hs)
+            flat[dst] = flat[src]
+
+
+def _elements(slots: torch.Tensor, k_off: torch.Tensor, v_off: torch.Tensor, num_heads: int, block_size: int,
+              two_hs: int) -> torch.Tensor:
+    """Flat element indices ``[M * num_heads * 2 * head_size]`` of the K and V of ``slots``."""
+    region = block_size * two_hs
+    block, t = slots // block_size, slots % block_size
+    heads = torch.arange(num_heads, device=slots.device)
+    base = (block.view(-1, 1) * num_heads + heads.view(1, -1)) * region  # [M, H]
+    kv = torch.stack([k_off[t], v_off[t]], dim=1)  # [M, 2, head_size]
+    return (base.view(-1, num_heads, 1, 1) + kv.view(-1, 1, 2, kv.shape[-1])).reshape(-1)
