@@ -211,7 +211,7 @@ def test_drafter_tells_the_proposer_how_many_requests_draft_this_step():
             return DraftTree.chain([7], root_token=int(context[-1]))
 
     proposer = SimpleNamespace(begin_step=lambda n: seen.append(("begin", n)), new_request=lambda tenant=None: Chain())
-    d = _bare_drafter(acceptance=None, unlabelled={}, states={}, tenants={}, proposer=proposer,
+    d = _bare_drafter(acceptance=None, unlabelled={}, states={}, tenants={}, proposer=proposer, disabled=set(),
                       metrics=TreeMetrics(), max_draft_tokens=4, max_model_len=64, offer_factor=0.0)
     d.skip = {"c": 2}
     tokens = np.arange(1, 5 * 64 + 1).reshape(5, 64)
@@ -219,6 +219,10 @@ def test_drafter_tells_the_proposer_how_many_requests_draft_this_step():
                           [[1], [], [1], [1], [1]], np.full(5, 10), tokens)
     assert seen[0] == ("begin", 2) and [x for x, _ in seen].count("propose") == 2, seen  # rows a and e
     assert out == [[7], [], [], [], [7]] and d.skip["c"] == 1
+    d.disabled = {"e"}  # a contained fault turned e's trees off
+    seen.clear()
+    out = d.propose_trees(["a", "e"], [True, True], [[1], [1]], np.full(2, 10), tokens)
+    assert seen[0] == ("begin", 1) and out == [[7], []]
 
 
 def test_drafter_offers_what_the_allocator_has_been_keeping():
@@ -441,3 +445,44 @@ def test_a_chain_step_drafts_spine_chains_unranked_and_harvests_nothing():
     tokens[0, len(context) : len(context) + 3] = [8, 9, 10]  # accepted 8, 9 and the bonus 10
     drafts = d.propose_trees(["a"], [True], [[10]], num[:1] + 3, tokens[:1], chains=False)
     assert not d.pending["a"][0].chains and len(d.pending_probs(["a"])[0]) == len(drafts[0]) > 0
+
+
+def test_a_failing_harvest_turns_trees_off_for_its_requests_only(caplog):
+    """Deferred learning that raises (issue 43 item 5) is contained where it runs: logged with
+    the request ids, counted (``faults``), those requests get no more trees, other requests and
+    later calls are untouched, and the request's entry goes when it finishes."""
+    import logging
+
+    import torch
+
+    from vllm_anisotropic.integration.vllm.drafter import StepTrees, TreeDrafter
+    from vllm_anisotropic.integration.vllm.host_clock import HostClock
+    from vllm_anisotropic.integration.vllm.metrics import TreeMetrics
+    from vllm_anisotropic.proposers import get_proposer
+    from vllm_anisotropic.tree import DraftTree, FlatTrees
+
+    d = object.__new__(TreeDrafter)
+    d.proposer = get_proposer("goose", vocab_size=16)
+    d.states = {r: d.proposer.new_request() for r in "ab"}
+    d._deferred, d.metrics, d.host_clock, d.disabled = [], TreeMetrics(), HostClock(), set()
+    d.sink = SimpleNamespace(trace=False, tick=lambda force=False: None)
+    trees = FlatTrees.from_trees([DraftTree.chain([3], root_token=2), DraftTree.chain([5], root_token=4)])
+
+    def step(ids):
+        return StepTrees(ids, np.arange(len(ids)), trees.select(np.arange(len(ids))), np.full(len(ids), -1),
+                         np.ones(len(ids), np.int8), np.zeros(len(ids), bool))
+
+    broken = d.proposer.learn_batch
+    d.proposer.learn_batch = lambda *a, **k: (_ for _ in ()).throw(ValueError("corrupt row"))
+    d.observe_step(step(["a"]), np.full((1, 1), -1), np.zeros(1, np.int64), np.array([0]), torch.randn(2, 16))
+    with caplog.at_level(logging.ERROR):
+        d.run_deferred()  # contained: no exception here, nor at any later call
+    assert d.disabled == {"a"} and d.metrics.faults == {"harvest": 1} and d.metrics.disabled_requests == 1
+    assert "['a']" in caplog.text and "corrupt row" in caplog.text
+    d.proposer.learn_batch = broken
+    d.observe_step(step(["a", "b"]), np.full((2, 1), -1), np.zeros(2, np.int64), np.array([0, 2]), torch.randn(4, 16))
+    d.run_deferred()
+    assert d.disabled == {"a"} and d.metrics.faults == {"harvest": 1}
+    d.pending, d.tenants, d.zero_streak, d.skip, d.kept_mark, d.unlabelled = {}, {}, {}, {}, {}, {}
+    d.drop("a")
+    assert d.disabled == set()

@@ -15,10 +15,12 @@ and returns the **accepted path** (node indices from the root, root excluded) an
 it is drawn from a residual, a "bonus" when drawn from p at a node whose children were all
 passed over; both are emitted the same way). Emitted tokens = tokens of the path + bonus.
 
-Randomness: each call draws one float64 uniform tensor ``u`` of shape
-``[batch_size, num_steps, num_columns]`` (``uniform_shape``) from the generator and uses it in
-a documented layout, so that the vectorised implementation and the slow per-node reference
-(``reference.py``) make identical decisions on identical seeds.
+Randomness: each call consumes one float64 uniform tensor ``u`` of shape
+``[batch_size, num_steps, num_columns]`` (``uniform_shape``) in a documented layout, so that the
+vectorised implementation and the slow per-node reference (``reference.py``) make identical
+decisions on identical uniforms. It is drawn from the generator, or given (``uniforms=``): the
+engine passes counter-based uniforms (``uniforms.counter_uniforms``) keyed by each uniform's role
+(``uniform_keys``), so a tree's verification does not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import abc
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from vllm_anisotropic.tree import DraftTree, TreeBatch, pack_trees
@@ -103,10 +106,18 @@ class Verifier(abc.ABC):
         sampling: TargetSampling | SamplingTensors | list = TargetSampling(),
         generator: torch.Generator | None = None,
         draft_probs: torch.Tensor | None = None,  # [num_nodes (flat), vocab_size] or None
+        uniforms: torch.Tensor | None = None,  # [batch_size, *uniform_shape(batch)] float64 or None
     ) -> BatchVerifyResult:
-        """Verify every tree of a packed batch; vectorised over trees and vocabulary."""
+        """Verify every tree of a packed batch; vectorised over trees and vocabulary. The
+        uniforms are ``uniforms`` when given, else drawn from ``generator``."""
         sampling, draft_probs = self._check(batch, target_logits, sampling, draft_probs)
-        u = draw_uniforms(generator, (batch.batch_size, *self.uniform_shape(batch)), target_logits.device)
+        shape = (batch.batch_size, *self.uniform_shape(batch))
+        if uniforms is None:
+            u = draw_uniforms(generator, shape, target_logits.device)
+        else:
+            if tuple(uniforms.shape) != shape:
+                raise ValueError(f"uniforms must be {list(shape)} for this batch, got {list(uniforms.shape)}")
+            u = uniforms.to(device=target_logits.device, dtype=torch.float64)
         return self._verify_batch(batch, target_logits, sampling, draft_probs, u)
 
     def reference_batch(
@@ -129,6 +140,14 @@ class Verifier(abc.ABC):
     @abc.abstractmethod
     def uniform_shape(self, batch: TreeBatch) -> tuple[int, int]:
         """(num_steps, num_columns) of the per-tree uniform block."""
+
+    def uniform_keys(self, batch: TreeBatch) -> np.ndarray:
+        """``[num_steps, num_columns]`` int64: the role of each uniform inside one tree, the same
+        whatever else the batch holds (``uniforms.counter_uniforms``). Default: the position in
+        the block, right for layouts whose shape does not depend on the batch (one column per
+        depth or per event); layouts sized by the batch's widest node override it."""
+        steps, cols = self.uniform_shape(batch)
+        return np.arange(steps * cols, dtype=np.int64).reshape(steps, cols)
 
     @abc.abstractmethod
     def _verify_batch(self, batch, target_logits, sampling, draft_probs, u) -> BatchVerifyResult: ...

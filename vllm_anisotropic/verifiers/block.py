@@ -19,6 +19,7 @@ Uniforms: u[:, 0, i] = eta_i (i = 0..L_max), u[:, 0, L_max + 1] the bonus sample
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_anisotropic.tree import TreeBatch
@@ -50,6 +51,13 @@ class BlockVerifier(Verifier):
 
     def uniform_shape(self, batch: TreeBatch) -> tuple[int, int]:
         return 1, batch.max_depth + 2
+
+    def uniform_keys(self, batch: TreeBatch) -> np.ndarray:
+        """eta_i keyed i, the bonus sample keyed 2**20 (its column moves with the batch's L_max)."""
+        _, cols = self.uniform_shape(batch)
+        keys = np.arange(cols, dtype=np.int64)
+        keys[-1] = 1 << 20
+        return keys[None, :]
 
     def _weights(self, chain, length, batch, target_logits, sampling, draft_probs):
         """p rows [B, L+1, V], q rows [B, L+1, V], w [B, L+1], h [B, L+1]."""

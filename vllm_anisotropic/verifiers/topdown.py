@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from vllm_anisotropic.tree import TreeBatch
@@ -111,6 +112,17 @@ class TopDownVerifier(Verifier):
     def uniform_shape(self, batch: TreeBatch) -> tuple[int, int]:
         s = batch.children.shape[1] if self.use_children else batch.slots.shape[1]
         return batch.max_depth + 1, 3 * s + 2
+
+    def uniform_keys(self, batch: TreeBatch) -> np.ndarray:
+        """Role keys of the layout above: ``t * 2**20 + part * 2**16 + i`` for part 0..2 (shuffle
+        key, acceptance test, spare of slot/round i), parts 3 and 4 for the residual and the
+        bonus sample: independent of S, the batch's widest child multiset."""
+        steps, cols = self.uniform_shape(batch)
+        s = (cols - 2) // 3
+        col = np.arange(cols, dtype=np.int64)
+        part = np.where(col < 3 * s, col // max(s, 1), col - 3 * s + 3)
+        index = np.where(col < 3 * s, col % max(s, 1), 0)
+        return (np.arange(steps, dtype=np.int64)[:, None] << 20) + (part << 16)[None, :] + index[None, :]
 
     # ---- solver hooks -------------------------------------------------------------------
     def node_target(self, logits_rows: torch.Tensor, sampling) -> torch.Tensor:

@@ -89,6 +89,7 @@ class StepTrees:
     modes: np.ndarray  # [T] int8
     chains: np.ndarray  # [T] bool: a chain step's chain (verified, its rows not harvested)
     node_rows: np.ndarray | None = None  # [T] query row of each tree's node 1 (set by the runner)
+    root_positions: np.ndarray | None = None  # [T] position of each root (set by the runner)
 
 
 class TreeDrafter:
@@ -136,8 +137,12 @@ class TreeDrafter:
         # cut cost proposal time (the tree build, the probabilities) and buy nothing
         self.offer_factor = float(self.config.engine.allocator_offer_factor) if self.acceptance is not None else 0.0
         self.kept_mark: dict[str, float] = {}
-        # learning from verified rows waiting to run (observe_step -> run_deferred)
-        self._deferred: list = []
+        # learning from verified rows waiting to run (observe_step -> run_deferred): (the
+        # requests it concerns, the work)
+        self._deferred: list[tuple[list[str], object]] = []
+        # requests whose deferred work raised: no more trees for them (plain decoding's output),
+        # so a fault in the learning never reaches a later, unrelated call
+        self.disabled: set[str] = set()
         # tree counters -> stats file (VLLM_ANISOTROPIC_TREE_STATS), /metrics and the log (metrics.py)
         self.metrics = TreeMetrics()
         if isinstance(self.proposer, DraftTreeProposer):
@@ -201,7 +206,7 @@ class TreeDrafter:
         drafting = []
         for i, r in enumerate(req_ids):
             self.pending.pop(r, None)  # the batch's old trees are gone: a new one or none
-            if sampled_token_ids[i] and eligible[i]:
+            if sampled_token_ids[i] and eligible[i] and r not in self.disabled:
                 if chains or self.skip.get(r, 0) <= 0:
                     drafting.append(i)
                 else:
@@ -408,8 +413,9 @@ class TreeDrafter:
             sizes = np.where(harvest, trees.sizes(), 0)
             index = np.repeat(row_starts, sizes) + (np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes))
             picked = logits.index_select(0, torch.from_numpy(index).to(logits.device))
-        self._deferred.append(functools.partial(self._learn, states, trees, on_path, accepted, num_accepted,
-                                                step.prev_roots, harvest if k else np.zeros_like(harvest), picked, k))
+        self._deferred.append((step.req_ids, functools.partial(
+            self._learn, states, trees, on_path, accepted, num_accepted, step.prev_roots,
+            harvest if k else np.zeros_like(harvest), picked, k)))
 
     def _learn(self, states, trees: FlatTrees, on_path, accepted, num_accepted, prev_roots, harvest, picked, k) -> None:
         """One top-k over a step's copied rows (those of the trees with ``harvest``), then the
@@ -443,8 +449,15 @@ class TreeDrafter:
     @timed("harvest")
     def _run_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
-        for work in deferred:
-            work()
+        for req_ids, work in deferred:
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - contained: the requests decode on without trees
+                self.disabled.update(r for r in req_ids if r in self.states)
+                self.metrics.faults["harvest"] = self.metrics.faults.get("harvest", 0) + 1
+                self.metrics.disabled_requests += sum(1 for r in req_ids if r in self.states)
+                logger.exception("vllm-anisotropic: learning from the verified trees of requests %s failed; trees "
+                                 "are off for them from now on (their outputs are plain decoding's)", req_ids)
 
     def drop(self, req_id: str, context_tokens=None) -> None:
         """The request finished or was aborted (``context_tokens``: its prompt and output)."""
@@ -452,14 +465,15 @@ class TreeDrafter:
         if state is not None:
             # its tokens go into the cross-request store after the step's reply, with the
             # harvests (``run_deferred``): ~0.2-0.6 ms a request, 64 at once when a batch finishes
-            self._deferred.append(functools.partial(state.finish, None if context_tokens is None
-                                                    else np.array(context_tokens)))
+            self._deferred.append(([req_id], functools.partial(state.finish, None if context_tokens is None
+                                                               else np.array(context_tokens))))
         self.tenants.pop(req_id, None)
         self._forget_pending(req_id)
         self.zero_streak.pop(req_id, None)
         self.skip.pop(req_id, None)
         self.kept_mark.pop(req_id, None)
         self.unlabelled.pop(req_id, None)
+        self.disabled.discard(req_id)
         self.metrics.live_requests = len(self.states)
         # at most once a second (~1 ms a write in the engine): the runner forces one when the
         # batch drains (``TreeRunnerMixin._update_states``)

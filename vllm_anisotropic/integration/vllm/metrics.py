@@ -90,6 +90,8 @@ class TreeMetrics:
     moved_tokens: int = 0  # accepted tokens whose K/V was moved to the sequence's slots (kv_moves.py): a - c
     live_requests: int = 0  # gauge: per-request proposer states alive (dropped on finish / abort)
     tenant_tables: int = 0  # gauge: adjacency tables of cache_salt tenants held (adjacency.TenantTables)
+    disabled_requests: int = 0  # requests whose trees were turned off after a fault (drafter.disabled)
+    faults: dict[str, int] = field(default_factory=dict)  # stage -> contained exceptions
     requests: dict[str, list[int]] = field(default_factory=dict)  # traces (TRACE_ENV only)
     selector_shapes: dict[str, int] = field(default_factory=dict)  # draft_tree: "K,L1,L2" -> request-steps the selector chose it
 
@@ -201,6 +203,7 @@ _COUNTERS = {
     "tree_draft_nodes": ("draft_nodes", "draft nodes verified (root excluded)"),
     "tree_accepted_nodes": ("accepted_nodes", "draft nodes accepted; tau = (steps + accepted) / steps"),
     "tree_moved_tokens": ("moved_tokens", "accepted tokens whose K/V was moved to the sequence's slots (off the first chain)"),
+    "tree_disabled_requests": ("disabled_requests", "requests whose trees were turned off after a contained fault"),
 }
 _BY_SOURCE = {
     "tree_source_draft_nodes": ({"spine": "spine_nodes", "branch": "branch_nodes", "draft": "draft_model_nodes"}, "draft nodes verified, by source"),
@@ -266,6 +269,11 @@ class TreeMetricsCollector:
             for source, key in keys.items():
                 fam.add_metric([source], float(data.get(key, 0)))
             yield fam
+        faults = CounterMetricFamily("vllm_anisotropic:tree_faults", "contained exceptions of the tree path, by stage "
+                                     "(the requests concerned decode on without trees)", labels=["stage"])
+        for stage, count in sorted((data.get("faults") or {}).items()):
+            faults.add_metric([stage], float(count))
+        yield faults
         shapes = data.get("selector_shapes") or {}
         if shapes:
             fam = CounterMetricFamily("vllm_anisotropic:draft_tree_selector_shapes",

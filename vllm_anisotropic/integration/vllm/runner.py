@@ -241,6 +241,8 @@ class TreeRunnerMixin:
             n = trees.sizes() - 1  # [T] draft nodes of each tree
             ends = self.query_start_loc.np[1 : num_reqs + 1][step.rows].astype(np.int64)
             step.node_rows = ends - n  # the node rows are the last n rows of each query
+            step.root_positions = (self.input_batch.num_computed_tokens_cpu[step.rows]
+                                   + np.asarray(num_scheduled_tokens)[step.rows] - n - 1).astype(np.int64)
             total = int(n.sum())
             if total:
                 # node rows: the last n rows of each query; positions = root position + depth

@@ -19,13 +19,14 @@ row j is exactly the verifier's "logits after node j's path". Worked example: dr
 Which requests have trees is decided by the runner (``runner.tree_eligible``): greedy
 requests (verified by the greedy walk) and, unless ``sampling_verifier="none"``, sampled
 requests whose law is softmax(logits / temperature) under top-k / top-p (verified by the
-sampling verifier -- one-hot SpecInfer by default -- on exactly that law, seeded requests with
-their own generator). Requests with penalties, bias, bad words, min_p, min_tokens, logprobs or
+sampling verifier -- one-hot SpecInfer by default -- on exactly that law, all in one call, with
+counter-based uniforms of each request's seed and position, ``verifiers.uniforms``). Requests with penalties, bias, bad words, min_p, min_tokens, logprobs or
 structured output have no drafts, so their row is the bonus row and their token comes from
 vLLM's own sampler exactly as in plain decoding. A batch without any draft never reaches this
 module (the runner gives such a step plain decoding's path: ``harvest_plain``); one with drafts
 but no multi-node tree (vLLM's warm-up dummy call) goes to vLLM's original rejection sampler
-unchanged.
+unchanged. After the walk, the accepted nodes' K/V is moved to the slots the sequence needs
+(``kv_moves.py``), before the step's reply.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from vllm_anisotropic.integration.vllm.kv_moves import accepted_moves
 from vllm_anisotropic.verifiers import SamplingTensors, get_verifier
 from vllm_anisotropic.verifiers.greedy import walk_flat
 from vllm_anisotropic.verifiers.sampling import SAMPLING_EPS
+from vllm_anisotropic.verifiers.uniforms import counter_uniforms, request_seed
 
 __all__ = ["TreeRejectionSampler"]
 
@@ -56,13 +58,6 @@ class TreeRejectionSampler(nn.Module):
         self.runner = runner  # reads runner.tree_step (set in _prepare_inputs) and runner.drafter
         self.verifier = get_verifier(verifier)
         self.sampling_verifier = None if sampling_verifier == "none" else get_verifier(sampling_verifier)
-        # Uniforms of unseeded sampled trees. A generator of our own, seeded alike in every
-        # worker: under tensor parallelism each rank verifies the same trees with the same
-        # uniforms, so every rank's drafter sees the same accepted paths (rank 0's output is
-        # the one vLLM uses; a rank drafting a different next tree would verify wrong rows).
-        # On the runner's device: a CPU generator cannot draw CUDA uniforms.
-        device = getattr(runner, "device", "cpu")
-        self.generator = torch.Generator(device=device).manual_seed(int(getattr(runner.model_config, "seed", 0) or 0))
 
     def forward(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata):
         t0 = time.perf_counter()
@@ -97,7 +92,7 @@ class TreeRejectionSampler(nn.Module):
 
         starts = cu_sampled[step.rows] - sizes  # [T] first logits row of each tree (its root)
         walked = np.flatnonzero(sizes > 1)
-        accepted, num_accepted, bonus = self._verify(trees, walked, step.rows, starts, logits, sampling_metadata)
+        accepted, num_accepted, bonus = self._verify(step, walked, starts, logits, sampling_metadata)
         # emitted tokens of every walked tree (path + bonus), written to the device in one copy
         host = np.full((walked.size, width), PLACEHOLDER_TOKEN_ID, np.int32)
         acc = accepted[walked]
@@ -143,11 +138,14 @@ class TreeRejectionSampler(nn.Module):
         self.runner.drafter.observe_step(step, accepted, num_accepted, starts, logits)
         return time.perf_counter() - t
 
-    def _verify(self, trees, walked, rows, starts, logits, sampling_metadata):
+    def _verify(self, step, walked, starts, logits, sampling_metadata):
         """``(accepted [T, D], num_accepted [T], bonus [T])`` of the ``walked`` trees (others: no
-        path): greedy rows by the greedy walk, sampled rows by the sampling verifier on the
-        processed target law (temperature, top-k, top-p as vLLM's sampler applies them); a
-        seeded request draws its uniforms from its own generator."""
+        path): greedy rows by the greedy walk, sampled rows (seeded or not) by the sampling
+        verifier on the processed target law (temperature, top-k, top-p as vLLM's sampler
+        applies them), all in one call, with counter-based uniforms of each request's seed and
+        root position (``verifiers.uniforms``): a request's outcome does not depend on its
+        batch mates, and every tensor-parallel rank draws the same."""
+        trees, rows = step.trees, step.rows
         num = trees.num_trees
         depth = max(int(trees.depths.max(initial=0)), 1)
         accepted = np.full((num, depth), -1, np.int64)
@@ -156,45 +154,43 @@ class TreeRejectionSampler(nn.Module):
         temperature = sampling_metadata.temperature
         temps = None if temperature is None else temperature.cpu().numpy()  # one device-to-host copy
         sampled_mask = np.zeros(num, bool) if temps is None else temps[rows] >= SAMPLING_EPS
-        greedy = walked[~sampled_mask[walked]]
-        sampled = walked[sampled_mask[walked]]
-        if sampled.size and self.sampling_verifier is None:
-            raise RuntimeError(f"batch rows {rows[sampled].tolist()} sample with trees but no sampling verifier is configured")
-        groups = []
-        if greedy.size:
-            groups.append((self.verifier, greedy, None, None))
-        generators = sampling_metadata.generators or {}
-        unseeded = np.asarray([t for t in sampled.tolist() if int(rows[t]) not in generators], np.int64)
-        if unseeded.size:
-            groups.append((self.sampling_verifier, unseeded, _sampling_tensors(sampling_metadata, rows[unseeded].tolist()),
-                           self.generator))
-        for t in sampled.tolist():
-            if int(rows[t]) in generators:
-                groups.append((self.sampling_verifier, np.asarray([t]), _sampling_tensors(sampling_metadata, [int(rows[t])]),
-                               generators[int(rows[t])]))
-        for verifier, index, sampling, generator in groups:
+        for index in (walked[~sampled_mask[walked]], walked[sampled_mask[walked]]):
+            if index.size == 0:
+                continue
             sub = trees.select(index)
-            if sampling is None and not logits.is_cuda:
+            if not sampled_mask[index[0]] and not logits.is_cuda:
                 # the walk reads the rows it visits where they are (no copy of every tree row)
                 a, n, y = walk_flat(sub, logits, starts[index])
             else:
-                sizes = sub.sizes()
-                rows_index = np.repeat(starts[index], sizes) + (np.arange(sub.num_nodes) - np.repeat(sub.offsets[:-1], sizes))
-                tree_logits = logits.index_select(0, torch.from_numpy(rows_index).to(logits.device))
-                batch = sub.to_batch(device=tree_logits.device)
-                if sampling is None:
-                    res = verifier.verify_batch(batch, tree_logits)
-                elif getattr(verifier, "requires_draft_probs", False):
-                    # draft-model trees: row j of a tree is q after node j's path
-                    q = torch.cat(list(sub.draft_probs)).to(tree_logits.device)
-                    res = verifier.verify_batch(batch, tree_logits, sampling, generator, q)
-                else:
-                    res = verifier.verify_batch(batch, tree_logits, sampling, generator)
-                a, n, y = res.accepted.cpu().numpy(), res.num_accepted.cpu().numpy(), res.bonus_tokens.cpu().numpy()
+                a, n, y = self._verify_packed(step, index, sub, starts, logits, sampling_metadata,
+                                              sampled=bool(sampled_mask[index[0]]))
             accepted[index, : a.shape[1]] = a[:, :depth]
             num_accepted[index] = n
             bonus[index] = y
         return accepted, num_accepted, bonus
+
+    def _verify_packed(self, step, index, sub, starts, logits, sampling_metadata, sampled: bool):
+        """Trees ``index`` packed for a verifier (CUDA greedy rows, or sampled rows)."""
+        if sampled and self.sampling_verifier is None:
+            raise RuntimeError(f"batch rows {step.rows[index].tolist()} sample with trees but no sampling verifier "
+                               "is configured")
+        sizes = sub.sizes()
+        rows_index = np.repeat(starts[index], sizes) + (np.arange(sub.num_nodes) - np.repeat(sub.offsets[:-1], sizes))
+        tree_logits = logits.index_select(0, torch.from_numpy(rows_index).to(logits.device))
+        batch = sub.to_batch(device=tree_logits.device)
+        if not sampled:
+            res = self.verifier.verify_batch(batch, tree_logits)
+        else:
+            verifier = self.sampling_verifier
+            engine_seed = getattr(self.runner.model_config, "seed", 0)
+            seeds = [request_seed(self.runner.requests[r].sampling_params.seed, r, engine_seed)
+                     for r in (step.req_ids[t] for t in index.tolist())]
+            u = counter_uniforms(seeds, step.root_positions[index], verifier.uniform_keys(batch), tree_logits.device)
+            sampling = _sampling_tensors(sampling_metadata, step.rows[index].tolist())
+            # draft-model trees: row j of a tree is q after node j's path
+            q = torch.cat(list(sub.draft_probs)).to(tree_logits.device) if verifier.requires_draft_probs else None
+            res = verifier.verify_batch(batch, tree_logits, sampling, None, q, uniforms=u)
+        return res.accepted.cpu().numpy(), res.num_accepted.cpu().numpy(), res.bonus_tokens.cpu().numpy()
 
 
 def _sampling_tensors(md, rows: list[int]) -> SamplingTensors:

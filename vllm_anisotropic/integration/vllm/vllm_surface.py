@@ -89,7 +89,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "vllm.v1.outputs:ModelRunnerOutput": ("req_id_to_index", "sampled_token_ids"),
     "vllm.v1.outputs:DraftTokenIds": ("req_ids", "draft_token_ids"),
     "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("num_draft_tokens", "cu_num_sampled_tokens", "bonus_logits_indices"),
-    "vllm.v1.sample.metadata:SamplingMetadata": ("temperature", "top_k", "top_p", "generators"),
+    "vllm.v1.sample.metadata:SamplingMetadata": ("temperature", "top_k", "top_p"),
 }
 
 # "module:Class" -> attributes read: class-level (methods, properties) or assigned as
@@ -103,14 +103,18 @@ CLASS_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     # budget.BatchBudget.cut and scheduler.TreeScheduler read the scheduler's running requests
     "vllm.v1.request:Request": ("request_id", "spec_token_ids", "num_tokens", "num_computed_tokens",
                                 "num_prompt_tokens", "cache_salt"),
+    # runner.TreeRunnerMixin.move_kv reads the step's slot mapping of KV cache group 0
+    "vllm.v1.worker.block_table:BlockTable": ("slot_mapping",),
 }
 
 # attributes the tree runner reads from a constructed model runner (dotted: nested)
 RUNNER_ATTRIBUTES: tuple[str, ...] = (
     "drafter", "rejection_sampler", "rejection_sampler.sampler", "input_batch", "input_batch.req_ids",
     "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu", "input_batch.num_tokens_no_spec",
-    "input_batch.token_ids_cpu", "query_start_loc", "positions", "requests", "uses_mrope", "scheduler_config",
-    "model_config",
+    "input_batch.token_ids_cpu", "input_batch.req_id_to_index", "input_batch.block_table", "query_start_loc",
+    "positions", "requests", "uses_mrope", "scheduler_config", "model_config",
+    # the attention layers whose K/V caches the slot moves edit (kv_moves.KVMover.from_layers)
+    "compilation_config.static_forward_context",
     # _prepare_inputs hides it for a step without scheduled drafts (vLLM's plain branch; were a
     # release to stop reading it there, the spec-decode metadata built instead is dropped anyway)
     "speculative_config",
