@@ -448,8 +448,12 @@ class FlatTrees:
         return int(self.tokens.shape[0])
 
     def sizes(self) -> np.ndarray:
-        """[num_trees] int64 nodes per tree (root included)."""
-        return np.diff(self.offsets)
+        """[num_trees] int64 nodes per tree (root included); computed once (the arrays are
+        never edited in place)."""
+        sizes = self.__dict__.get("_sizes")
+        if sizes is None:
+            sizes = self.__dict__["_sizes"] = np.diff(self.offsets)
+        return sizes
 
     def tree_index(self) -> np.ndarray:
         """[num_nodes] int64 the tree each node belongs to."""

@@ -196,22 +196,21 @@ def rank_trees(trees: Sequence[DraftTree], model: AcceptanceModel) -> tuple[list
 
 
 def rank_flat(trees: FlatTrees, model: AcceptanceModel) -> tuple[FlatTrees, np.ndarray]:
-    """``rank_trees`` for a flat batch, with array operations only: one ``predict`` over every
-    draft node, the tree bound (``cap_by_tree``), each tree's nodes sorted by (-probability,
-    depth, index) (roots first), the bound again in the new sibling order. Returns the
-    reordered trees and ``[num_nodes]`` probabilities (roots 1). Same trees and probabilities as
-    ``rank_trees`` of the trees one by one."""
+    """``rank_trees`` for a flat batch in one compiled pass (``kernels.rank``): the acceptance
+    model's probability of every draft node, the tree bound (``cap_by_tree``), each tree's nodes
+    sorted by (-probability, depth, index) (roots first), the bound again in the new sibling
+    order. Returns the reordered trees and ``[num_nodes]`` probabilities (roots 1): the trees and
+    probabilities of ``rank_trees`` one tree at a time (to rounding)."""
+    from vllm_anisotropic import kernels
+
     n = trees.num_nodes
-    draft = trees.parents >= 0
-    raw = np.ones(n)
-    if draft.any():
-        raw[draft] = model.predict(trees.sources[draft], trees.depths[draft], np.clip(trees.values[draft], 0.0, 1.0))
-    p = cap_by_tree(raw, trees.global_parents(), trees.depths)
-    order = np.lexsort((np.arange(n), trees.depths, np.where(draft, -p, -np.inf), trees.tree_index()))
-    if np.array_equal(order, np.arange(n)):
-        return trees, p
-    ranked = trees.permuted(order)
-    return ranked, cap_by_tree(raw[order], ranked.global_parents(), ranked.depths)
+    alpha, beta = model.parameters()
+    order = np.empty(n, np.int64)
+    probs = np.empty(n, np.float64)
+    changed = kernels.load("rank").rank_trees(
+        trees.offsets, trees.tokens, trees.parents, trees.sources, np.clip(trees.values, 0.0, 1.0), trees.depths,
+        alpha, beta, int(model.config.max_depth), order, probs)
+    return (trees.permuted(order) if changed else trees), probs
 
 
 def cut_trees(trees: Sequence[DraftTree], cuts) -> list[DraftTree]:

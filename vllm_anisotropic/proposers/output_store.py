@@ -34,6 +34,7 @@ __all__ = ["OutputStore"]
 _TOKEN_BITS = 21
 _POS_BITS = 32
 _MASKS = {n: (1 << (_TOKEN_BITS * n)) - 1 for n in range(1, 12)}
+_NONE = (np.zeros(0, np.int64), 0)
 
 
 def _rolling_keys(toks: list[int], width: int) -> list[int]:
@@ -107,17 +108,23 @@ class OutputStore:
     def match(self, context_tail, limit: int) -> tuple[np.ndarray, int]:
         """Continuation of the longest-n, most recent stored occurrence of the context's last n
         tokens (at most ``limit`` tokens) and that n; ``(empty, 0)`` when nothing matches."""
-        tail = [int(t) for t in context_tail[-self.ngram_sizes[0] :]]
-        if limit > 0:
-            tail_key = _rolling_keys(tail, self.ngram_sizes[0])[-1]
-            for n in self.ngram_sizes:
-                if len(tail) < n:
-                    continue
-                if max(tail[len(tail) - n :]) >= 1 << _TOKEN_BITS:
-                    continue
-                hit = self._index[n].get(tail_key & _MASKS[n])
-                if hit is None or (hit >> _POS_BITS) not in self._docs:
-                    continue
-                doc_id, f = hit >> _POS_BITS, hit & ((1 << _POS_BITS) - 1)
-                return np.asarray(self._docs[doc_id][f : f + limit], dtype=np.int64), n
-        return np.zeros(0, np.int64), 0
+        if limit <= 0 or not self._docs:
+            return _NONE
+        tail = [int(t) for t in context_tail[-self.ngram_sizes[0]:]]
+        # packed n-grams of the tail, one per n: token k from the end at bits [21 k, 21 (k + 1))
+        packed, key = {}, 0
+        for k in range(min(len(tail), self.ngram_sizes[0])):
+            tok = tail[len(tail) - 1 - k]
+            if tok >= 1 << _TOKEN_BITS or tok < 0:
+                break
+            key |= tok << (_TOKEN_BITS * k)
+            packed[k + 1] = key
+        for n in self.ngram_sizes:
+            if n not in packed:
+                continue
+            hit = self._index[n].get(packed[n])
+            if hit is None or (hit >> _POS_BITS) not in self._docs:
+                continue
+            doc_id, f = hit >> _POS_BITS, hit & ((1 << _POS_BITS) - 1)
+            return np.asarray(self._docs[doc_id][f : f + limit], dtype=np.int64), n
+        return _NONE

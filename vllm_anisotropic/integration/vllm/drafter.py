@@ -201,7 +201,11 @@ class TreeDrafter:
         not labelled, and its verified rows not harvested (``observe_step``); the backoff
         neither applies nor counts."""
         if self.unlabelled:
-            self._label(req_ids, num_tokens_no_spec, token_ids_cpu)
+            # after the reply with the other learning: the batch's token rows stay as they are
+            # until the next step's _update_states, which runs the deferred work first
+            ids = list(req_ids)
+            self._deferred.append((ids, functools.partial(self._label, ids, num_tokens_no_spec[: len(ids)].copy(),
+                                                          token_ids_cpu)))
         # no sampled token: a partial prefill chunk or a discarded request; a skip: the backoff
         drafting = []
         for i, r in enumerate(req_ids):
@@ -319,6 +323,7 @@ class TreeDrafter:
             self.unlabelled[req_id] = still
         if trees:
             self.acceptance.update(*continuation_labels(trees, continuations))
+            self.acceptance.parameters()  # a due refit here, not in the next proposal's ranking
 
     def take_step(self, req_ids: Sequence[str], scheduled: dict) -> StepTrees | None:
         """The pending trees of the batch's requests (``req_ids`` in batch-row order), each cut

@@ -1,0 +1,39 @@
+"""The compiled harvest math (``kernels.harvest``) against float64 references: the top-k ids
+equal a stable descending sort (lower token id first among equal logits, which bf16 logits make
+common), the probabilities a float64 softmax to 2e-6 relative."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_anisotropic.proposers.adjacency import topk_scores
+
+
+@pytest.mark.parametrize("vocab,k", [(49152, 10), (1000, 10), (300, 7), (17, 17), (256, 3), (257, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_probs_equal_a_float64_softmax(vocab, k, dtype):
+    g = torch.Generator().manual_seed(vocab + k)
+    logits = (torch.randn(6, vocab, generator=g) * torch.tensor([0.1, 1, 3, 10, 30, 100]).view(-1, 1)).to(dtype)
+    logits[5, :] = logits[5, 0]  # one row of ties only
+    ids, probs = topk_scores(logits, k)
+    x = logits.double().numpy()
+    for r in range(x.shape[0]):
+        want = np.argsort(-x[r], kind="stable")[:k]
+        assert ids[r].tolist() == want.tolist(), r
+        p = np.exp(x[r] - x[r].max())
+        p /= p.sum()
+        np.testing.assert_allclose(probs[r], p[want], rtol=2e-6, atol=1e-30)
+    assert ids.dtype == np.int32 and probs.dtype == np.float32
+
+
+def test_block_bound_keeps_entries_equal_to_it():
+    """The k-th largest block maximum is itself an entry: with every block's maximum equal, the
+    scan must keep entries equal to the bound (lowest ids first)."""
+    x = torch.zeros(1, 1024)
+    x[0, ::256] = 5.0  # four blocks, each maximum 5 at its first entry
+    ids, _ = topk_scores(x, 4)
+    assert ids[0].tolist() == [0, 256, 512, 768]
+    ids, _ = topk_scores(x, 6)
+    assert ids[0].tolist() == [0, 256, 512, 768, 1, 2]
