@@ -93,32 +93,51 @@ _VERIFIER_TESTS = [
     "tests/test_verifier_exact.py::test_greedy_is_exact_greedy_decoding",
     "tests/test_verifier_exact.py::test_greedy_source_priority_spine_over_branch",
 ]
-_GOOSE_TESTS = ["tests/test_goose.py", "tests/test_baselines.py"]
+_GOOSE_TESTS = ["tests/test_goose.py", "tests/test_kernels_goose.py", "tests/test_baselines.py"]
+_TABLE_TESTS = ["tests/test_mutants_adjacency.py", "tests/test_adjacency.py", "tests/test_kernels_goose.py"]
+_MATCH_TESTS = ["tests/test_mutants_adjacency.py", "tests/test_context_match.py", "tests/test_kernels_goose.py"]
 CORE: list[dict] = [
     dict(
         target="vllm_anisotropic/proposers/goose.py",
-        functions=[
-            "harmonic_allocation", "spine_ratio_tier", "_filtered", "spine_chain", "build_spine_tree",
-            "GooseState._is_bypass", "GooseState.propose", "GooseState.observe",
-        ],
+        functions=["harmonic_allocation", "spine_ratio_tier", "spine_chain", "build_spine_tree", "_build",
+                   "propose_spine_trees", "_in_order", "GooseState.observe", "GooseProposer.learn_batch"],
         tests=_GOOSE_TESTS,
     ),
+    dict(target="vllm_anisotropic/kernels/goose.py",
+         functions=["harmonic_widths", "_candidates", "_heap_push", "_heap_pop", "_build_one", "build_trees"],
+         tests=_GOOSE_TESTS),
     dict(target="vllm_anisotropic/proposers/treebuild.py", functions=["TreeBuilder.add", "TreeBuilder.finish"], tests=_GOOSE_TESTS),
     dict(
         target="vllm_anisotropic/proposers/adjacency.py",
-        functions=[
-            "_last_occurrence", "AdjacencyTable.successors", "AdjacencyTable.update", "AdjacencyTable._put_bigram",
-            "AdjacencyTable.harvest", "AdjacencyTable.harvest_tree", "AdjacencyTable.harvest_sequence",
-        ],
-        tests=["tests/test_mutants_adjacency.py", "tests/test_adjacency.py", "tests/test_goose.py"],
+        functions=["topk_scores", "AdjacencyTable.successors", "AdjacencyTable.update", "AdjacencyTable.harvest",
+                   "AdjacencyTable.harvest_tree", "AdjacencyTable.harvest_sequence"],
+        tests=_TABLE_TESTS + ["tests/test_kernels_harvest.py"],
     ),
+    dict(target="vllm_anisotropic/kernels/table.py", functions=["_home", "find", "slot_of", "lookup", "update"],
+         tests=_TABLE_TESTS),
+    dict(target="vllm_anisotropic/kernels/harvest.py",
+         functions=["_block_maxima", "_row_topk", "_sum_exp", "topk_probs"], tests=["tests/test_kernels_harvest.py"]),
     dict(
         target="vllm_anisotropic/proposers/context_match.py",
         functions=["ContextMatcher.extend", "ContextMatcher.sync", "ContextMatcher.lookup", "ContextMatcher.match"],
-        tests=["tests/test_mutants_adjacency.py", "tests/test_context_match.py", "tests/test_goose.py"],
+        tests=_MATCH_TESTS,
     ),
+    dict(target="vllm_anisotropic/kernels/match.py", functions=["match_tokens", "match_rows"], tests=_MATCH_TESTS),
+    dict(target="vllm_anisotropic/kernels/walk.py", functions=["descend_flat"], tests=["tests/test_flat_trees.py"]),
+    dict(target="vllm_anisotropic/kernels/rank.py", functions=["_cap", "rank_trees"],
+         tests=["tests/test_flat_trees.py", "tests/test_allocator.py"]),
+    dict(target="vllm_anisotropic/kernels/allocate.py", functions=["concave_rows", "step_seconds", "scan_prefixes"],
+         tests=["tests/test_allocator.py"]),
+    dict(target="vllm_anisotropic/integration/vllm/kv_moves.py",
+         functions=["accepted_moves", "KVMover.plain_offsets", "KVMover.from_layers", "KVMover.move", "_elements"],
+         tests=["tests/test_kv_moves.py"]),
+    dict(target="vllm_anisotropic/verifiers/uniforms.py", functions=["_mix", "counter_uniforms", "request_seed"],
+         tests=["tests/test_verifier_uniforms.py"]),
     dict(target="vllm_anisotropic/verifiers/greedy.py", functions=["rows_argmax", "GreedyVerifier._verify_batch_sparse"], tests=_VERIFIER_TESTS),
+    dict(target="vllm_anisotropic/verifiers/greedy.py", functions=["walk_flat"], tests=["tests/test_flat_trees.py"]),
     dict(target="vllm_anisotropic/verifiers/topdown.py", functions=["descend"], tests=_VERIFIER_TESTS),
+    dict(target="vllm_anisotropic/verifiers/topdown.py", functions=["TopDownVerifier.uniform_keys"],
+         tests=["tests/test_verifier_uniforms.py"]),
     dict(target="vllm_anisotropic/verifiers/deterministic.py", functions=["_zero_tokens", "DeterministicVerifier.solve"], tests=_VERIFIER_TESTS),
     dict(target="vllm_anisotropic/verifiers/nss.py", functions=["NSSVerifier.solve"], tests=_VERIFIER_TESTS),
     dict(target="vllm_anisotropic/verifiers/naive.py", functions=["naive_solve"], tests=_VERIFIER_TESTS),
@@ -129,8 +148,11 @@ CORE: list[dict] = [
     dict(target="vllm_anisotropic/verifiers/traversal.py", functions=["TraversalVerifier._verify_batch"], tests=_VERIFIER_TESTS),
     dict(
         target="vllm_anisotropic/tree.py",
-        functions=["DraftTree.truncate", "pack_trees"],
-        tests=["tests/test_mutants_tree.py", "tests/test_tree.py", "tests/test_verifier_reference.py"],
+        functions=["DraftTree.truncate", "DraftTree.chain_prefix", "pack_trees", "FlatTrees.from_trees", "FlatTrees.concat",
+                   "FlatTrees.select", "FlatTrees.prefix", "FlatTrees.permuted", "FlatTrees.path_mask",
+                   "FlatTrees.chain_prefix", "FlatTrees.ancestor_bits", "FlatTrees.to_batch"],
+        tests=["tests/test_mutants_tree.py", "tests/test_tree.py", "tests/test_flat_trees.py",
+               "tests/test_verifier_reference.py"],
     ),
 ]
 PRESETS = {"core": CORE}

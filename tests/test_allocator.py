@@ -759,3 +759,34 @@ def test_allocate_with_per_request_costs_near_brute_force(rows, cost, monotone, 
     assert got <= opt * (1 + 1e-12) and a.rate_upper >= opt * (1 - 1e-9)
     if all(np.all(np.diff(p) <= 0) for p in probs):
         assert got >= 0.97 * opt
+
+
+class _PredictOnly:
+    """A cost model seen only through ``predict`` (no compiled parameters): the numpy scan."""
+
+    def __init__(self, model):
+        self.model = model
+        self.ctx_weight, self.spec_request_weight = model.ctx_weight, model.spec_request_weight
+
+    def predict(self, *args, **kwargs):
+        return self.model.predict(*args, **kwargs)
+
+
+@FAST
+@given(probs_lists, cost_models(), st.data())
+def test_compiled_scan_equals_the_cost_models_own_predict(rows, cost, data):
+    """``allocate`` through ``CostModel.kernel_params`` (``kernels.allocate``) and through
+    ``predict`` alone reach the same rate; the compiled step cost equals ``predict``."""
+    from vllm_anisotropic import kernels
+
+    probs = [np.array(r) for r in rows]
+    b = len(probs)
+    ctx = np.array(data.draw(st.lists(st.sampled_from([0.0, 10.0, 300.0]), min_size=b, max_size=b)))
+    budget = data.draw(st.one_of(st.none(), st.integers(0, 10)))
+    kw = dict(token_budget=budget, ctx_lens=ctx, num_reqs=b + 2, fixed_query_tokens=b + 3)
+    fast, slow = allocate(probs, cost, **kw), allocate(probs, _PredictOnly(cost), **kw)
+    assert fast.rate == pytest.approx(slow.rate, rel=1e-12) and fast.plain_rate == pytest.approx(slow.plain_rate, rel=1e-12)
+    step = kernels.load("allocate").step_seconds
+    for r, q, t, c, d in [(1, 1, 0, 0.0, 0), (b + 2, 40, 7, 900.0, 2), (64, 5000, 300, 1e5, 64)]:
+        assert step(float(r), float(q), float(t), c, float(d), *cost.kernel_params()) == pytest.approx(
+            float(cost.predict(r, q, t, c, d)), rel=1e-12)

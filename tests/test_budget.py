@@ -211,7 +211,7 @@ def test_drafter_tells_the_proposer_how_many_requests_draft_this_step():
             return DraftTree.chain([7], root_token=int(context[-1]))
 
     proposer = SimpleNamespace(begin_step=lambda n: seen.append(("begin", n)), new_request=lambda tenant=None: Chain())
-    d = _bare_drafter(acceptance=None, unlabelled={}, states={}, tenants={}, proposer=proposer, disabled=set(),
+    d = _bare_drafter(acceptance=None, unlabelled={}, states={}, tenants={}, proposer=proposer, disabled=set(), _proposals=0,
                       metrics=TreeMetrics(), max_draft_tokens=4, max_model_len=64, offer_factor=0.0)
     d.skip = {"c": 2}
     tokens = np.arange(1, 5 * 64 + 1).reshape(5, 64)

@@ -3,7 +3,8 @@
 Scope: one decision per engine step (the batch as ECHO's "super-tree"): given, per request, the
 calibrated probabilities of its draft nodes in the tree's value order, the step-cost model and
 the step's caps, return per-request cuts n_i (n_i = 0: plain decoding for that request) that
-maximise the expected tokens per second of the step. Pure numpy; no trees, no vLLM (the
+maximise the expected tokens per second of the step. numpy, with the two inner loops compiled
+(``kernels.allocate``); no trees, no vLLM (the
 engine hook applies the cuts with ``DraftTree.truncate(1 + n_i)``).
 
 Source: ECHO (arXiv 2604.09603): the super-tree under a verification cap (Sec. 3.1, Eq. 4),
@@ -94,6 +95,8 @@ from typing import Protocol
 
 import numpy as np
 
+from vllm_anisotropic import kernels
+
 __all__ = ["Allocation", "StepCost", "allocate", "concave_slopes", "pad_probs", "request_caps"]
 
 logger = logging.getLogger(__name__)
@@ -180,39 +183,13 @@ def concave_slopes(p: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """[batch_size, max_len] slopes of the least concave majorant of each row's cumulative sum.
 
     Equals the antitonic (non-increasing) regression of the row with unit weights: same total,
-    constant on blocks, the block value the mean of the row over the block. Computed by pool-
-    adjacent-violators in parallel: every round merges, in every row at once, each maximal run
-    of adjacent blocks whose means strictly increase (all of them must end in one block, so
-    pooling the run at once is what sequential PAVA would do), until no row has a violation.
-    Each round removes at least one block from every violating row: <= max_len rounds, a few in
-    practice. Padding (``~valid``) is returned as 0.
+    constant on blocks, the block value the mean of the row over the block (pool-adjacent-
+    violators, compiled: ``kernels.allocate.concave_rows``). ``valid`` must be a prefix of each
+    row (``pad_probs``); padding is returned as 0.
     ``[0.1, 0.9, 0.2] -> [0.5, 0.5, 0.2]``; ``[0.9, 0.1] -> [0.9, 0.1]``; ``[2, 1, 4] -> [7/3] * 3``.
     """
-    out = np.zeros(p.shape)
-    if p.shape[1] < 2:
-        return np.where(valid, p, 0.0)
-    rising = np.any((np.diff(p, axis=1) > 0) & valid[:, 1:], axis=1)  # [batch_size]
-    out[~rising] = np.where(valid[~rising], p[~rising], 0.0)
-    if not rising.any():
-        return out
-    sub_valid = valid[rising]
-    x = p[rising][sub_valid]  # [num_nodes] row-major values of the rows to regress
-    row = np.nonzero(sub_valid)[0]  # [num_nodes]
-    row_start = np.ones(x.size, bool)  # [num_nodes] first node of its row: rows never merge
-    row_start[1:] = row[1:] != row[:-1]
-    start = np.ones(x.size, bool)  # [num_nodes] a block starts here: every node, at first
-    while True:
-        first = np.flatnonzero(start)  # [num_blocks] first node of each block
-        block = np.cumsum(start) - 1  # [num_nodes] block id of each node
-        mean = np.add.reduceat(x, first) / np.diff(np.append(first, x.size))  # [num_blocks]
-        # block j+1 joins block j when in the same row and its mean is strictly larger
-        joins = (mean[1:] > mean[:-1]) & ~row_start[first[1:]]  # [num_blocks - 1]
-        if not joins.any():
-            break
-        start[first[1:][joins]] = False
-    h = np.zeros(sub_valid.shape)
-    h[sub_valid] = mean[block]
-    out[rising] = h
+    out = np.empty(p.shape)
+    kernels.load("allocate").concave_rows(np.ascontiguousarray(p, np.float64), valid.sum(axis=1).astype(np.int64), out)
     return out
 
 
@@ -273,10 +250,21 @@ def allocate(
     t_max = rows.size if token_budget is None else min(rows.size, max(int(token_budget), 0))
     totals = np.arange(t_max + 1)  # [t_max + 1] candidate T
 
+    params = getattr(cost, "kernel_params", None)
+    params = params() if params is not None else None
+    first_i = first.astype(np.int64)
+
     def scan(order: np.ndarray):
         """(true numerators, hull numerators, seconds, seconds without the speculating-request
         terms), each [t_max + 1], for the prefixes of ``order``. The last is a lower bound on
         the seconds of any allocation with that T and context (the cost is monotone in D)."""
+        if params is not None:  # the cost model's own arithmetic, compiled
+            out = np.empty((4, t_max + 1))
+            kernels.load("allocate").scan_prefixes(order, t_max, gain, slope, node_ctx, first_i, base, float(num_reqs),
+                                                   float(q0), *params, out[0], out[1], out[2], out[3])
+            if np.any(~(out[2:] > 0)):
+                raise ValueError("cost.predict must return positive seconds for every total")
+            return out[0], out[1], out[2], out[3]
         take = order[:t_max]
         num = base + np.concatenate([[0.0], np.cumsum(gain[take])])
         num_hull = base + np.concatenate([[0.0], np.cumsum(slope[take])])

@@ -336,6 +336,18 @@ class CostModel:
         out = w[0] + w[1] * r + f_q + on * (b_on + b_on_r * r) + b_t * t + b_c * c + (d > 0) * b_spec + b_d * d + b_step
         return float(out) if out.ndim == 0 else out
 
+    def kernel_params(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``predict`` as arrays for the compiled allocator (``kernels.allocate.step_seconds``):
+        ``(knots [m], f at the knots [m], tail [10])``, tail = (w0, w_request, last Q slope,
+        b_on, b_on_r, b_t, b_c, b_spec, b_d, b_step)."""
+        m = self.knots.size
+        w = self.weights
+        slopes = w[2: 2 + m]
+        at_knots = np.concatenate([[0.0], np.cumsum(slopes[:-1] * np.diff(self.knots))])
+        b_on, b_on_r, b_t, b_c, b_spec, b_d, b_step = w[2 + m:]
+        tail = np.array([w[0], w[1], slopes[-1], b_on, b_on_r, b_t, b_c, b_spec, b_d, b_step], np.float64)
+        return self.knots, at_knots, tail
+
     def fit_error(self, samples=None) -> float:
         """Mean absolute relative error |pred - seconds| / seconds over ``samples`` (default: the
         calibration sweep plus the online window)."""

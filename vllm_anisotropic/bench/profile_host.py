@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
 # the plugin's host phases (host_clock.py), worker then scheduler, in per-step order
 HOST_PHASES = ("states", "propose", "reply", "cut", "scheduled", "prepare", "plan", "walk", "kv", "harvest",
-               "on_output", "update")
+               "topk", "label", "finish", "on_output", "update")
 
 
 class StepProbe:
@@ -209,6 +209,8 @@ class StepProbe:
             "forward_ms": self.forward_s / n * 1e3,
             "outside_forward_ms": (seconds - self.forward_s) / n * 1e3,
             "plugin_host_ms": host / n * 1e3,
+            # what stays on the host where the logits live on a GPU: without the vocabulary pass
+            "plugin_host_no_topk_ms": (host - phases.get("topk", 0.0)) / n * 1e3,
             "tree_rows_ms": max(tree_rows, 0.0) / n * 1e3,
             "vllm_propose_ms": self.vllm_propose_s / n * 1e3,
             "phases_ms": {k: phases[k] / n * 1e3 for k in HOST_PHASES if k in phases},
@@ -219,7 +221,8 @@ def format_report(r: dict) -> str:
     lines = [f"{r['steps']} model steps: {r['wall_ms']:.2f} ms/step wall, model forward {r['forward_ms']:.2f} "
              f"(of which tree rows' attention {r['tree_rows_ms']:.2f}), outside the forward "
              f"{r['outside_forward_ms']:.2f} ms/step",
-             f"plugin's own host work {r['plugin_host_ms']:.3f} ms/step"
+             f"plugin's own host work {r['plugin_host_ms']:.3f} ms/step "
+             f"({r['plugin_host_no_topk_ms']:.3f} without the harvest's vocabulary pass)"
              + (f"; vLLM's proposer {r['vllm_propose_ms']:.3f} ms/step" if r["vllm_propose_ms"] else "")]
     for k, v in r["phases_ms"].items():
         lines.append(f"  {k:<10} {v:8.3f} ms/step")

@@ -3,7 +3,8 @@
 Scope: every numba function of the package lives here, one module per stage: ``match`` (the
 context matcher's backward scan), ``table`` (adjacency-table lookup and update), ``goose`` (GOOSE
 tree building), ``walk`` (the greedy walk's descent), ``harvest`` (top-k and softmax
-probabilities of logits rows), ``rank`` (the allocator's probabilities and order of a step's trees). Callers fetch a module with ``load(name)``
+probabilities of logits rows), ``rank`` (the allocator's probabilities and order of a step's trees), ``allocate`` (the
+allocator's envelopes and prefix scans). Callers fetch a module with ``load(name)``
 at call time, never at import time.
 
 Why lazily: vLLM's CPU worker, when it starts, scans every imported module's attributes for
@@ -22,11 +23,11 @@ from types import ModuleType
 
 __all__ = ["load"]
 
-_NAMES = ("goose", "harvest", "match", "rank", "table", "walk")
+_NAMES = ("allocate", "goose", "harvest", "match", "rank", "table", "walk")
 
 
 def load(name: str) -> ModuleType:
-    """The kernel module ``name`` (one of goose, harvest, match, rank, table, walk), imported on first use."""
+    """The kernel module ``name`` (one of allocate, goose, harvest, match, rank, table, walk), imported on first use."""
     if name not in _NAMES:
         raise ValueError(f"unknown kernel module {name!r}; valid: {', '.join(_NAMES)}")
     return importlib.import_module(f"{__name__}.{name}")

@@ -119,6 +119,13 @@ class _ChainCost:
             spec_reqs = np.minimum(np.asarray(num_reqs), np.asarray(tree_rows))
         return self.cost.predict(num_reqs, query_tokens, np.zeros_like(np.asarray(tree_rows)), 0, spec_reqs)
 
+    def kernel_params(self):
+        """The wrapped model's, with every tree-row term zero (rows are plain query tokens)."""
+        knots, at_knots, tail = self.cost.kernel_params()
+        tail = tail.copy()
+        tail[3:7] = 0.0  # b_on, b_on_r, b_t, b_c
+        return knots, at_knots, tail
+
 
 class BatchBudget:
     """Scheduler-side allocator state (see module docstring)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -54,6 +55,10 @@ __all__ = ["TreeDrafter", "StepTrees"]
 OFFER_MIN_DRAFTS = 8  # the smallest draft list offered while the allocator keeps few nodes
 OFFER_MEMORY = 0.8  # per-step decay of a request's recent-kept high-water mark
 ACCEPTANCE_REFIT_EVERY = 16  # verified steps between refits of the acceptance model
+# proposals between labelling passes: the trees that wait for their labels are taken in one
+# pass every few steps (one call's fixed cost for several steps' trees; a tree needs up to
+# label_depth more tokens anyway); the label of a tree whose request finishes in between is lost
+LABEL_EVERY = 4
 _PLAIN = MODE_CODES[ProposalMode.PLAIN]
 
 
@@ -125,6 +130,7 @@ class TreeDrafter:
         # are known (allocator.continuation_labels), up to the acceptance model's depth buckets
         self.unlabelled: dict[str, list] = {}
         self.label_depth = self.acceptance.config.max_depth if self.acceptance is not None else 0
+        self._proposals = 0  # propose_trees calls (labelling runs every LABEL_EVERY)
         # backoff while the allocator keeps cutting a request's tree to nothing: after the
         # k-th zero cut in a row the request skips min(2**(k-1), allocator_backoff) proposals (no
         # tree, no harvest: plain decoding at plain decoding's host cost), then offers again
@@ -137,9 +143,9 @@ class TreeDrafter:
         # cut cost proposal time (the tree build, the probabilities) and buy nothing
         self.offer_factor = float(self.config.engine.allocator_offer_factor) if self.acceptance is not None else 0.0
         self.kept_mark: dict[str, float] = {}
-        # learning from verified rows waiting to run (observe_step -> run_deferred): (the
-        # requests it concerns, the work)
-        self._deferred: list[tuple[list[str], object]] = []
+        # learning from verified rows waiting to run (observe_step -> run_deferred): (its host-clock
+        # phase, the requests it concerns, the work)
+        self._deferred: list[tuple[str, list[str], object]] = []
         # requests whose deferred work raised: no more trees for them (plain decoding's output),
         # so a fault in the learning never reaches a later, unrelated call
         self.disabled: set[str] = set()
@@ -200,12 +206,13 @@ class TreeDrafter:
         chain alone (``propose_chain``, at most ``allocator_chain_drafts`` tokens), not ranked,
         not labelled, and its verified rows not harvested (``observe_step``); the backoff
         neither applies nor counts."""
-        if self.unlabelled:
+        self._proposals += 1
+        if self.unlabelled and self._proposals % LABEL_EVERY == 0:
             # after the reply with the other learning: the batch's token rows stay as they are
             # until the next step's _update_states, which runs the deferred work first
             ids = list(req_ids)
-            self._deferred.append((ids, functools.partial(self._label, ids, num_tokens_no_spec[: len(ids)].copy(),
-                                                          token_ids_cpu)))
+            self._deferred.append(("label", ids, functools.partial(
+                self._label, ids, num_tokens_no_spec[: len(ids)].copy(), token_ids_cpu)))
         # no sampled token: a partial prefill chunk or a discarded request; a skip: the backoff
         drafting = []
         for i, r in enumerate(req_ids):
@@ -418,7 +425,7 @@ class TreeDrafter:
             sizes = np.where(harvest, trees.sizes(), 0)
             index = np.repeat(row_starts, sizes) + (np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes))
             picked = logits.index_select(0, torch.from_numpy(index).to(logits.device))
-        self._deferred.append((step.req_ids, functools.partial(
+        self._deferred.append(("harvest", step.req_ids, functools.partial(
             self._learn, states, trees, on_path, accepted, num_accepted, step.prev_roots,
             harvest if k else np.zeros_like(harvest), picked, k)))
 
@@ -426,7 +433,9 @@ class TreeDrafter:
         """One top-k over a step's copied rows (those of the trees with ``harvest``), then the
         proposer's learning: batched when it has ``learn_batch`` (GOOSE), else each state's
         ``observe``; the other trees' states learn without rows."""
+        t0 = time.perf_counter()
         top = TopKRows.of(picked, k) if picked is not None else None
+        self.host_clock.add("topk", time.perf_counter() - t0)  # the vocabulary pass (device work on a GPU)
         learn = getattr(self.proposer, "learn_batch", None)
         if learn is not None:
             if harvest.all() or not harvest.any():
@@ -451,10 +460,11 @@ class TreeDrafter:
         if self._deferred:
             self._run_deferred()
 
-    @timed("harvest")
     def _run_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
-        for req_ids, work in deferred:
+        clock = self.host_clock
+        for phase, req_ids, work in deferred:
+            t0, topk0 = time.perf_counter(), clock.seconds.get("topk", 0.0)
             try:
                 work()
             except Exception:  # noqa: BLE001 - contained: the requests decode on without trees
@@ -463,6 +473,8 @@ class TreeDrafter:
                 self.metrics.disabled_requests += sum(1 for r in req_ids if r in self.states)
                 logger.exception("vllm-anisotropic: learning from the verified trees of requests %s failed; trees "
                                  "are off for them from now on (their outputs are plain decoding's)", req_ids)
+            # the phase's own seconds (the top-k inside it has its own phase)
+            clock.add(phase, time.perf_counter() - t0 - (clock.seconds.get("topk", 0.0) - topk0))
 
     def drop(self, req_id: str, context_tokens=None) -> None:
         """The request finished or was aborted (``context_tokens``: its prompt and output)."""
@@ -470,8 +482,8 @@ class TreeDrafter:
         if state is not None:
             # its tokens go into the cross-request store after the step's reply, with the
             # harvests (``run_deferred``): ~0.2-0.6 ms a request, 64 at once when a batch finishes
-            self._deferred.append(([req_id], functools.partial(state.finish, None if context_tokens is None
-                                                               else np.array(context_tokens))))
+            self._deferred.append(("finish", [req_id], functools.partial(
+                state.finish, None if context_tokens is None else np.array(context_tokens))))
         self.tenants.pop(req_id, None)
         self._forget_pending(req_id)
         self.zero_streak.pop(req_id, None)

@@ -11,8 +11,12 @@ Worker phases: ``propose`` (drafting the next step's trees: eligibility, propose
 labelling), ``prepare`` (cutting the scheduled trees, node positions, the attention plan's
 inputs), ``plan`` (the attention plan's index arrays, built by the first layer), ``walk`` (the
 verification of the step's trees, emitted tokens), ``kv`` (K/V slot moves of accepted nodes),
-``harvest`` (adjacency-table harvest and metrics, mostly after the reply), ``reply`` (the extras
-the step's output carries: probabilities, chain lengths), ``states`` (request drops, tenants).
+``harvest`` (metrics, the copy of the verified rows, and after the reply the adjacency-table
+updates and the spine EMA), ``topk`` (the harvest's pass over the vocabulary: top-k and
+log-sum-exp of every verified row; device work where the logits live on a GPU), ``label``
+(the acceptance model's labels and refits, after the reply), ``finish`` (finished requests'
+tokens into the cross-request store, after the reply), ``reply`` (the extras the step's output
+carries: probabilities, chain lengths), ``states`` (request drops, tenants).
 Scheduler phases: ``cut`` (the gate and the allocator), ``scheduled`` (the step's composition),
 ``on_output`` (cost model, gate, metrics), ``update`` (drafts applied from the output).
 

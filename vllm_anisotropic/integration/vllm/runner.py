@@ -175,6 +175,7 @@ class TreeRunnerMixin:
         self._tree_step: StepTrees | None = None
         self._tree_plan: TreePlan | None = None
         self._kv_mover: KVMover | None = None  # K/V slot moves after acceptance (kv_moves.py)
+        self._eligible_cache: dict[str, bool] = {}  # req_id -> tree_eligible (dropped on finish)
         self._propose_s = 0.0  # seconds drafting since the last output (sent as tree_propose_s)
 
     # ------------------------------------------------------------------ request lifecycle
@@ -189,6 +190,7 @@ class TreeRunnerMixin:
         self.drafter.tenants.update(getattr(scheduler_output, "tree_tenants", None) or {})
         for req_id in scheduler_output.finished_req_ids:
             self.drafter.drop(req_id, self._context(req_id))
+            self._eligible_cache.pop(req_id, None)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.drafter.drop_tree(req_id)
         self.host_clock.add("states", time.perf_counter() - t0)
@@ -278,6 +280,13 @@ class TreeRunnerMixin:
             for md in group.values():
                 md.tree_plan = plan
         return attn_metadata, common
+
+    def _eligible(self, req_id: str) -> bool:
+        """``tree_eligible`` of the request, computed once (its sampling parameters are fixed)."""
+        ok = self._eligible_cache.get(req_id)
+        if ok is None:
+            ok = self._eligible_cache[req_id] = tree_eligible(self.requests[req_id].sampling_params, self._sampling_trees)
+        return ok
 
     def take_tree_step(self) -> StepTrees | None:
         step, self._tree_step = self._tree_step, None
@@ -387,7 +396,7 @@ class TreeRunnerMixin:
             # the measured gate keeps the next step plain: no trees (so no harvest next step)
             return self.drafter.rest(req_ids)
         t0 = time.perf_counter()
-        eligible = [tree_eligible(self.requests[r].sampling_params, self._sampling_trees) for r in req_ids]
+        eligible = [self._eligible(r) for r in req_ids]
         laws = None
         if self._draft_model and any(r not in self.drafter.states for r in req_ids):
             laws = [request_law(r, self.requests[r].sampling_params, self.model_config.seed)
