@@ -430,6 +430,7 @@ def test_a_chain_step_drafts_spine_chains_unranked_and_harvests_nothing():
     assert drafts[0] == [8, 9, 10]  # the spine, cut to 3 tokens
     assert d.pending["a"][0].probs is None and d.unlabelled == {} and d.pending["a"][0].chains
     assert d.pending_probs(["a", "b"]) == [None, None]
+    assert d.metrics.table_bytes == d.proposer.table.memory_bytes()["total"] > 0  # one shared table, counted once
     step = d.take_step(["a", "b"], {"a": drafts[0], "b": drafts[1]})
     assert step.chains.all() and step.req_ids == ["a", "b"] and step.trees.tree(0).tokens.tolist() == [7, 8, 9, 10]
     state = d.states["a"]

@@ -106,6 +106,7 @@ def test_sink_writes_rank0_only_and_collector_exports(tmp_path, monkeypatch):
     sink = MetricsSink(m, rank=0)
     assert sink.trace
     record(m, [("r", TREE, [1, 4], "tree")], trace=sink.trace)
+    m.table_bytes = 10_200_000
     sink.tick(force=True)
     assert json.loads(path.read_text())["accepted_branch_nodes"] == 1
     samples = {
@@ -117,6 +118,7 @@ def test_sink_writes_rank0_only_and_collector_exports(tmp_path, monkeypatch):
     assert samples[("vllm_anisotropic:tree_source_accepted_nodes_total", (("source", "branch"),))] == 1
     assert samples[("vllm_anisotropic:tree_source_accepted_nodes_total", (("source", "spine"),))] == 1
     assert samples[("vllm_anisotropic:tree_moved_tokens_total", ())] == 1
+    assert samples[("vllm_anisotropic:tree_table_bytes", ())] == 10_200_000
     assert samples[("vllm_anisotropic:tree_source_draft_nodes_total", (("source", "draft"),))] == 0
     assert not any(name.startswith("vllm_anisotropic:draft_tree_selector") for name, _ in samples)  # no selector
     # draft_tree's selector: one labelled counter per shape it chose

@@ -347,6 +347,10 @@ class TenantTables:
         self._salted[tenant] = table  # most recently used last
         return table
 
+    def all(self) -> list:
+        """Every table held: the unsalted default (if any) and the salted ones."""
+        return ([self.default] if self.default is not None else []) + list(self._salted.values())
+
     @property
     def num_tenants(self) -> int:
         """Salted tables held (the unsalted default not counted)."""

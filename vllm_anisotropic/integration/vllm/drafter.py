@@ -236,7 +236,7 @@ class TreeDrafter:
                 if laws is not None and laws[i] is not None and hasattr(state, "set_sampling"):
                     state.set_sampling(*laws[i])
                 self.metrics.live_requests = len(self.states)
-                self.metrics.tenant_tables = getattr(getattr(self.proposer, "tables", None), "num_tenants", 0)
+                self._count_tables()
             states.append(state)
         room = np.maximum(np.minimum(self.max_draft_tokens, self.max_model_len - lengths - 1), 0)
         trees, modes, prev_roots = self._propose(states, ids, token_ids_cpu, rows, lengths, room, chains)
@@ -492,9 +492,23 @@ class TreeDrafter:
         self.unlabelled.pop(req_id, None)
         self.disabled.discard(req_id)
         self.metrics.live_requests = len(self.states)
+        if state is not None and not getattr(getattr(self.proposer, "config", None), "shared_table", True):
+            self._count_tables()  # its own table is gone
         # at most once a second (~1 ms a write in the engine): the runner forces one when the
         # batch drains (``TreeRunnerMixin._update_states``)
         self.sink.tick()
+
+    def _count_tables(self) -> None:
+        """The table gauges (at admission and finish, not per step): salted tenant tables held,
+        and the bytes of every adjacency table in use (tenants' and requests' own, each once)."""
+        tables = getattr(self.proposer, "tables", None)
+        self.metrics.tenant_tables = getattr(tables, "num_tenants", 0)
+        held = {id(t): t for t in (tables.all() if tables is not None else ())}
+        for state in self.states.values():
+            table = getattr(state, "table", None)
+            if table is not None:
+                held[id(table)] = table
+        self.metrics.table_bytes = sum(t.memory_bytes()["total"] for t in held.values())
 
     def drop_tree(self, req_id: str) -> None:
         """The request was preempted: its pending drafts are gone, and a draft model's KV cache

@@ -90,6 +90,7 @@ class TreeMetrics:
     moved_tokens: int = 0  # accepted tokens whose K/V was moved to the sequence's slots (kv_moves.py): a - c
     live_requests: int = 0  # gauge: per-request proposer states alive (dropped on finish / abort)
     tenant_tables: int = 0  # gauge: adjacency tables of cache_salt tenants held (adjacency.TenantTables)
+    table_bytes: int = 0  # gauge: bytes of every adjacency table in use (AdjacencyTable.memory_bytes)
     disabled_requests: int = 0  # requests whose trees were turned off after a fault (drafter.disabled)
     faults: dict[str, int] = field(default_factory=dict)  # stage -> contained exceptions
     requests: dict[str, list[int]] = field(default_factory=dict)  # traces (TRACE_ENV only)
@@ -260,6 +261,10 @@ class TreeMetricsCollector:
                                     "adjacency tables of cache_salt tenants held in the worker")
         tenants.add_metric([], float(data.get("tenant_tables", 0)))
         yield tenants
+        table_bytes = GaugeMetricFamily("vllm_anisotropic:tree_table_bytes",
+                                        "bytes of the adjacency tables held in the worker (fixed per table)")
+        table_bytes.add_metric([], float(data.get("table_bytes", 0)))
+        yield table_bytes
         for name, (key, doc) in _COUNTERS.items():
             fam = CounterMetricFamily(f"vllm_anisotropic:{name}", doc)
             fam.add_metric([], float(data.get(key, 0)))
