@@ -6,6 +6,7 @@ build, tiny model, float32) whose GOOSE outputs equal plain decoding's."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -276,3 +277,16 @@ def test_draft_model_methods_name_their_shape_and_need_a_draft(tmp_path):
     assert sweep.resolve_config("dtree-auto", tmp_path, "/d", "bfloat16") == {
         "method": "draft_tree", "model": "/d", "allocator": "off", "draft_dtype": "bfloat16"}
     assert "--draft" in sweep.unavailable_reason("dtree-auto") and not sweep.valid_method("dtree-autox")
+
+
+def test_src_variant_puts_the_source_tree_first_on_the_engine_path(monkeypatch, tmp_path):
+    """``NAME+src``: the engine imports vllm_anisotropic from ``--src`` (in front of any PYTHONPATH
+    already set, and of a suffix build's), and a +src method without ``--src`` does not run."""
+    monkeypatch.setenv("PYTHONPATH", "/x/lib")
+    assert sweep.valid_method("goose-auto+src") and sweep.base_method("goose-auto+src") == "goose-auto"
+    assert sweep.method_env("goose-auto+src", tmp_path) == {"PYTHONPATH": f"{tmp_path}{os.pathsep}/x/lib"}
+    assert sweep.method_env("goose-auto", tmp_path) == {}
+    assert "--src" in sweep.unavailable_reason("goose-auto+src")
+    assert sweep.unavailable_reason("goose-auto+src", src=tmp_path) is None
+    assert sweep.src_record("goose-auto", tmp_path) == {}
+    assert sweep.src_record("goose-auto+src", tmp_path)["src"] == str(tmp_path)

@@ -55,6 +55,10 @@ NAME+recompute  a tree method whose CPU tree rows always take the masked float32
 NAME+rowsgemm  any of the above with bf16 linear layers on this package's rows GEMM kernel
              up to 16 rows a step (``VLLM_ANISOTROPIC_CPU_GEMM=rows``, cpu_rows_gemm.py;
              experimental): compare ``plain+rowsgemm`` with ``goose-auto+rowsgemm``
+NAME+src     any of the above with its engine importing ``vllm_anisotropic`` from the source tree
+             ``--src`` names (e.g. a ``git worktree`` of an earlier commit) instead of this one:
+             ``--methods plain,goose-auto,goose-auto+src --src /tmp/before`` is a before/after A/B
+             in one run, both against the same plain cells (records carry ``src_commit``)
 
 Example (the bounded run recorded in docs/allocator.md)::
 
@@ -127,7 +131,8 @@ IOMP = "+iomp"
 SYNC = "+sync"
 RECOMPUTE = "+recompute"
 ROWSGEMM = "+rowsgemm"
-MODIFIERS = (IOMP, SYNC, RECOMPUTE, ROWSGEMM)
+SRC = "+src"
+MODIFIERS = (IOMP, SYNC, RECOMPUTE, ROWSGEMM, SRC)
 
 
 _DRAFT_METHOD = re.compile(r"^(?:draft_model-k(?P<k>[1-9]\d*)|dtree-(?P<b>[1-9])\.(?P<t>\d)\.(?P<l>\d)|dtree-(?P<auto>auto))$")
@@ -199,12 +204,14 @@ def resolve_config(method: str, tmp_dir: Path, draft: str | None = None,
     return {**spec, "cost_model": str(path)}
 
 
-def unavailable_reason(method: str, draft: str | None = None) -> str | None:
+def unavailable_reason(method: str, draft: str | None = None, src: Path | None = None) -> str | None:
     """Why ``method`` cannot run on this machine, or None."""
     if draft is None and _DRAFT_METHOD.match(base_method(method)):
         return "a draft-model method needs --draft (a registry name or a model directory)"
     if IOMP in modifiers(method) and iomp_library() is None:
         return "no libiomp5.so in this environment (pip install intel-openmp)"
+    if SRC in modifiers(method) and src is None:
+        return "a +src method needs --src (a source tree holding vllm_anisotropic/)"
     if ROWSGEMM in modifiers(method):
         from vllm_anisotropic.cpu_rows_gemm import unavailable_reason as rows_reason
 
@@ -217,11 +224,16 @@ def unavailable_reason(method: str, draft: str | None = None) -> str | None:
     return None
 
 
-def method_env(method: str) -> dict[str, str]:
+def method_env(method: str, src: Path | None = None) -> dict[str, str]:
     """Extra environment of ``method``'s engine process: the suffix run finds a ``.suffix/`` build
     on PYTHONPATH and loads only this package's vLLM plugin (arctic-inference's own plugin patches
     vLLM at start-up; vLLM's suffix method needs only its suffix tree); a ``+iomp`` method gets
-    ``LD_PRELOAD`` with Intel's OpenMP runtime in front of any preload already set."""
+    ``LD_PRELOAD`` with Intel's OpenMP runtime in front of any preload already set; a ``+src``
+    method gets ``src`` in front of PYTHONPATH."""
+    if SRC in modifiers(method):
+        inner = method_env(method.replace(SRC, ""))
+        path = os.pathsep.join(p for p in (str(src), inner.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))) if p)
+        return {**inner, "PYTHONPATH": path}
     if ROWSGEMM in modifiers(method):  # bf16 linears on the rows kernel (patches.py patch 8)
         return {"VLLM_ANISOTROPIC_CPU_GEMM": "rows", **method_env(method.replace(ROWSGEMM, ""))}
     if RECOMPUTE in modifiers(method):  # CPU tree rows always by the masked recompute (attention.py)
@@ -368,6 +380,18 @@ def split_prompts(per_dataset: list[list[str]], sizes: list[int], warmup: int) -
         cells.append(pool[start:start + n])
         start += n
     return cells, pool[start:start + warmup]
+
+
+def src_record(method: str, src: Path | None) -> dict[str, str]:
+    """What a ``+src`` method's records say about the source tree it ran (its path and commit)."""
+    if SRC not in modifiers(method) or src is None:
+        return {}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=src).stdout.strip()
+    except Exception:  # noqa: BLE001 - best effort, as environment()
+        commit = ""
+    return {"src": str(src), "src_commit": commit}
 
 
 def environment() -> dict[str, Any]:
@@ -562,6 +586,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
     p.add_argument("--out", type=Path, default=Path("results/bench.jsonl"), help="JSONL records (appended)")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot path (default: the --out path with .png)")
+    p.add_argument("--src", type=Path, default=None,
+                   help=f"source tree (holding vllm_anisotropic/) that NAME{SRC} methods' engines import, e.g. a git worktree "
+                        "of an earlier commit")
     p.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="JSONL",
                    help="only print the table (and draw the plot) of existing records")
     p.set_defaults(func=run)
@@ -576,7 +603,9 @@ def run(args: argparse.Namespace) -> int:
     bad = [m for m in methods if not valid_method(m)]
     if bad:
         raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}, draft_model-kN, dtree-K.L1.L2, dtree-auto "
-                         f"(each also as NAME{IOMP}, NAME{SYNC} and NAME{RECOMPUTE})")
+                         f"(each also as NAME{IOMP}, NAME{SYNC}, NAME{RECOMPUTE}, NAME{ROWSGEMM} and NAME{SRC})")
+    if args.src is not None and not Path(args.src, "vllm_anisotropic", "__init__.py").is_file():
+        raise SystemExit(f"--src {args.src}: no vllm_anisotropic/__init__.py there")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     if args.temperature < 0:
@@ -605,7 +634,7 @@ def run(args: argparse.Namespace) -> int:
     cells = cell_order(range(args.repeats), args.concurrency)
     runnable = []
     for method in methods:
-        why = unavailable_reason(method, draft_dir)
+        why = unavailable_reason(method, draft_dir, args.src)
         if why:
             logger.warning("%s: not run: %s", method, why)
             with open(args.out, "a", encoding="utf-8") as f:
@@ -622,11 +651,11 @@ def run(args: argparse.Namespace) -> int:
                            cell_prompts=prompts, warmup_prompts=warmup,
                            max_tokens=args.max_tokens, concurrency=args.concurrency, repeats=repeats,
                            temperature=args.temperature, llm_kwargs={"dtype": args.dtype, **extra, **method_llm_kwargs(method)},
-                           record_base={**base, "order": args.order})
+                           record_base={**base, "order": args.order, **src_record(method, args.src)})
             job_file = Path(tmp, "job.json")
             job_file.write_text(job.model_dump_json())
             env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-                   **method_env(method)}
+                   **method_env(method, args.src)}
             proc = subprocess.run([sys.executable, "-m", __name__, str(job_file), str(args.out)], env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{method}: the engine process exited with {proc.returncode}")
