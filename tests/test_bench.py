@@ -290,3 +290,22 @@ def test_src_variant_puts_the_source_tree_first_on_the_engine_path(monkeypatch, 
     assert sweep.unavailable_reason("goose-auto+src", src=tmp_path) is None
     assert sweep.src_record("goose-auto", tmp_path) == {}
     assert sweep.src_record("goose-auto+src", tmp_path)["src"] == str(tmp_path)
+
+
+def test_profile_host_counts_decode_steps_by_kind():
+    """profile-host's step kinds: trees = allocator steps that are neither chain steps nor
+    draft-free, counted from the run's start; the report prints each kind's share."""
+    from types import SimpleNamespace
+
+    from vllm_anisotropic.bench.profile_host import StepProbe, format_report
+
+    metrics = SimpleNamespace(steps=10, chain_steps=3, steps_without_drafts=2)
+    probe = StepProbe.__new__(StepProbe)
+    probe.scheduler = SimpleNamespace(budget=SimpleNamespace(metrics=metrics))
+    assert probe.step_kinds() == {"trees": 5, "chains": 3, "plain": 2}
+    probe.scheduler = SimpleNamespace()
+    assert probe.step_kinds() == {}
+    report = {"steps": 4, "wall_ms": 1.0, "forward_ms": 0.5, "tree_rows_ms": 0.0, "outside_forward_ms": 0.5,
+              "plugin_host_ms": 0.2, "plugin_host_no_topk_ms": 0.1, "vllm_propose_ms": 0.0, "phases_ms": {},
+              "decode_steps": {"trees": 6, "chains": 2, "plain": 0}}
+    assert "trees 6 (75%), chains 2 (25%), plain 0 (0%)" in format_report(report)

@@ -9,7 +9,9 @@ Runs one offline batch with vLLM's engine core in this process
   (``integration/vllm/host_clock.py``: ``propose``, ``prepare``, ``plan``, ``walk``, ``kv``,
   ``harvest``, ``reply``, ``states`` in the worker; ``cut``, ``scheduled``, ``on_output``,
   ``update`` in the scheduler), their sum, and the tree rows' attention (compute inside the
-  forward, listed apart); for vLLM's ngram, its ``propose``.
+  forward, listed apart); for vLLM's ngram, its ``propose``;
+* with the budget allocator on, the decode steps by what it made of them: trees, the measured
+  gate's chain steps, plain (no draft kept).
 
 By default the batch also runs under ``cProfile`` (which slows Python code more than the torch
 kernels it calls: the shares are upper bounds) and prints its top functions;
@@ -184,6 +186,18 @@ class StepProbe:
             drafter.propose = timed_propose
         for clock in self.clocks():
             clock.reset()
+        self._kinds0 = self.step_kinds()
+
+    def step_kinds(self) -> dict[str, int]:
+        """Decode steps so far by what the allocator made of them (its ``BudgetMetrics``): ``trees``
+        (some draft kept, not a chain step), ``chains`` (the gate's chain steps) and ``plain`` (no
+        draft kept); empty without a budget allocator."""
+        budget = getattr(self.scheduler, "budget", None)
+        m = getattr(budget, "metrics", None)
+        if m is None:
+            return {}
+        chains, plain = getattr(m, "chain_steps", 0), m.steps_without_drafts
+        return {"trees": m.steps - chains - plain, "chains": chains, "plain": plain}
 
     def clocks(self) -> list:
         out = []
@@ -203,6 +217,7 @@ class StepProbe:
                 phases[k] = phases.get(k, 0.0) + v
         host = sum(phases.get(k, 0.0) for k in HOST_PHASES)
         tree_rows = phases.get("tree_rows", 0.0) - phases.get("plan", 0.0)
+        kinds = {k: v - self._kinds0.get(k, 0) for k, v in self.step_kinds().items()}
         return {
             "steps": self.steps,
             "wall_ms": seconds / n * 1e3,
@@ -214,6 +229,7 @@ class StepProbe:
             "tree_rows_ms": max(tree_rows, 0.0) / n * 1e3,
             "vllm_propose_ms": self.vllm_propose_s / n * 1e3,
             "phases_ms": {k: phases[k] / n * 1e3 for k in HOST_PHASES if k in phases},
+            "decode_steps": kinds,
         }
 
 
@@ -226,6 +242,10 @@ def format_report(r: dict) -> str:
              + (f"; vLLM's proposer {r['vllm_propose_ms']:.3f} ms/step" if r["vllm_propose_ms"] else "")]
     for k, v in r["phases_ms"].items():
         lines.append(f"  {k:<10} {v:8.3f} ms/step")
+    kinds = r.get("decode_steps") or {}
+    if sum(kinds.values()):
+        total = sum(kinds.values())
+        lines.append("decode steps: " + ", ".join(f"{k} {v} ({v / total:.0%})" for k, v in kinds.items()))
     return "\n".join(lines)
 
 
