@@ -3,10 +3,16 @@
 SmolLM2-135M's attention shape (9 query / 3 KV heads, head 64, 30 layers), bf16 KV cache in
 vLLM's ``vec`` layout, KV block 128, one thread; trees: stars, a chain with two side branches,
 binary trees; R requests x n draft nodes over ``ctx`` context tokens. Median of 5 (30 layers
-each) after a warm call. Usage: .venv/bin/python scripts/cpu_tree_rows_cost.py
-(record: docs/measurements/cpu/tree_rows_paths_vs_recompute_2026_11_26.txt)
+each) after a warm call. Next to the two paths, ``kernel``: one call of vLLM's CPU kernel for
+the same R x (n + 1) query rows, causal, over the same caches: what the rows' context part costs
+when each row reads its context once (the CUDA split's context pass; vLLM's CPU kernel returns
+no log-sum-exp, so its output cannot be merged with a dense tree part). Usage:
+.venv/bin/python scripts/cpu_tree_rows_cost.py [--contexts 256,1024,4096]
+(records: docs/measurements/cpu/tree_rows_paths_vs_recompute_2026_11_26.txt,
+tree_rows_by_context_2026_11_28.txt)
 """
 
+import argparse
 import time
 from types import SimpleNamespace
 
@@ -14,7 +20,7 @@ import numpy as np
 import torch
 
 from vllm_anisotropic.integration.vllm.attention import TreeCPUAttentionImpl
-from vllm_anisotropic.integration.vllm.runner import TreePlan, chain_prefix
+from vllm_anisotropic.integration.vllm.runner import TreePlan
 from vllm_anisotropic.tree import DraftTree
 
 H, KVH, HS, BS, DTYPE, ISA, LAYERS = 9, 3, 64, 128, torch.bfloat16, "vec", 30
@@ -26,14 +32,42 @@ TREES = {
 SHAPES = [(1, 4, 300), (1, 8, 300), (1, 4, 1000), (4, 4, 300), (8, 8, 500)]
 
 
+def kernel_call(impl, layer, q, kv, md):
+    """One call of vLLM's CPU kernel over every query row (causal), per layer."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    num_blocks, kvh, bs, two_hs = kv.shape
+    kc, vc = kv.view(num_blocks, kvh, 2 * bs, two_hs // 2).chunk(2, dim=2)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(md.seq_lens), num_heads=H, num_kv_heads=KVH, head_dim=HS, seq_lens=md.seq_lens, dtype=q.dtype,
+        query_start_loc=md.query_start_loc, causal=True, sliding_window_size=-1, isa=layer.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype="auto")
+    qs = q.view(-1, H, HS)
+    res = torch.empty_like(qs)
+
+    def run():
+        ops.cpu_attention_with_kv_cache(
+            query=qs, key_cache=kc, value_cache=vc, output=res, query_start_loc=md.query_start_loc,
+            seq_lens=md.seq_lens, scale=impl.scale, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=md.block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+    return run
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default=None,
+                    help="comma-separated contexts: R in 1,4 x n = 8 at each (default: the fixed shapes)")
+    args = ap.parse_args()
+    shapes = SHAPES if not args.contexts else [
+        (r, 8, int(c)) for c in args.contexts.split(",") for r in (1, 4)]
     torch.set_num_threads(1)
     impl = object.__new__(TreeCPUAttentionImpl)
     impl.num_heads, impl.head_size, impl.num_kv_heads = H, HS, KVH
     impl.num_queries_per_kv, impl.scale, impl.kv_cache_dtype = H // KVH, HS ** -0.5, "auto"
     layer = SimpleNamespace(isa=ISA)
     for kind, make in TREES.items():
-        for reqs, n, ctx in SHAPES:
+        for reqs, n, ctx in shapes:
             parents = make(n)
             tree = DraftTree(tokens=np.zeros(n + 1, dtype=np.int64), parents=np.array(parents), values=np.zeros(n + 1))
             seq = ctx + n
@@ -48,21 +82,24 @@ def main() -> None:
                                  query_start_loc=torch.arange(0, tokens + 1, n + 1, dtype=torch.int32),
                                  block_table=torch.arange(reqs * per, dtype=torch.int32).view(reqs, per))
             res = {}
-            for method in ("recompute", "paths"):
+            kernel = kernel_call(impl, layer, q, kv, md)
+            for method in ("recompute", "paths", "kernel"):
                 times = []
                 for _ in range(6):
                     plan = TreePlan([*range(reqs)], [n] * reqs, [tree.ancestor_mask[1:, 1:]] * reqs,
-                                    [chain_prefix(tree)] * reqs)
+                                    [tree.chain_prefix()] * reqs)
                     t0 = time.perf_counter()
                     for _ in range(LAYERS):
-                        if method == "paths":
+                        if method == "kernel":
+                            kernel()
+                        elif method == "paths":
                             impl._tree_rows_paths(layer, q, k, v, kv, md, plan, out)
                         else:
                             impl._tree_rows(layer, q, kv, md, plan, out)
                     times.append(time.perf_counter() - t0)
                 res[method] = float(np.median(times[1:])) * 1e3
             print(f"{kind:8s} R={reqs} n={n} ctx={ctx}: recompute {res['recompute']:.2f} ms  "
-                  f"paths {res['paths']:.2f} ms  ({LAYERS} layers)", flush=True)
+                  f"paths {res['paths']:.2f} ms  kernel {res['kernel']:.2f} ms  ({LAYERS} layers)", flush=True)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ CORE: list[dict] = [
     dict(
         target="vllm_anisotropic/proposers/goose.py",
         functions=["harmonic_allocation", "spine_ratio_tier", "spine_chain", "build_spine_tree", "_build",
-                   "propose_spine_trees", "_in_order", "GooseState.observe", "GooseProposer.learn_batch"],
+                   "propose_spine_trees", "_match_spines", "_route", "_build_by_table", "_in_order", "GooseState.observe", "GooseProposer.learn_batch"],
         tests=_GOOSE_TESTS,
     ),
     dict(target="vllm_anisotropic/kernels/goose.py",
@@ -570,6 +570,11 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, help="seconds per mutant (default max(30, 4 x baseline)); a hang counts as killed")
     ap.add_argument("--baseline-timeout", type=float, default=900.0)
     ap.add_argument("--preload", default=DEFAULT_PRELOAD, help="modules imported once before forking (missing ones skipped)")
+    ap.add_argument(
+        "--no-jit", action="store_true",
+        help="run numba kernels as Python (NUMBA_DISABLE_JIT=1): no compile per mutant (seconds each), the "
+        "same array semantics; a mutant only numba's typing would reject is judged by its Python behaviour",
+    )
     ap.add_argument("--show", type=int, metavar="ID", help="print the mutated function of mutant ID (one target) and exit")
     argv = list(sys.argv[1:] if argv is None else argv)
     # everything after '--' is the pytest selection (test files or node ids)
@@ -612,6 +617,8 @@ def main(argv=None) -> int:
     # Ctrl-C and kill (SIGTERM) both end in the cleanup below, also when started in the background
     signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
+    if args.no_jit:  # before numba is first imported (preload or tests), inherited by every fork
+        os.environ["NUMBA_DISABLE_JIT"] = "1"
     for name in [] if args.list else args.preload.split(","):
         try:
             importlib.import_module(name.strip())

@@ -194,12 +194,11 @@ def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows,
     call's node budget below the proposer's own (<= 0: the proposer's). ``chain_drafts`` ``[R]``:
     a chain step (each request's spine alone, at most that many tokens) instead of trees.
 
-    Stages: one compiled context match for every request (``kernels.match.match_rows``); the
-    tenant's cross-request store for requests without a match of their own; the routing
-    (bypass: consensus or a long match, never from the store; spine ratio tier from p_s); one
-    compiled tree build per adjacency table (``kernels.goose.build_trees``).
+    Stages: the spines (``_match_spines``: one compiled context match for every request, the
+    tenant's cross-request store for requests without a match of their own); the routing
+    (``_route``: bypass on consensus or a long match, never from the store; spine ratio tier
+    from p_s); one compiled tree build per adjacency table (``_build_by_table``).
     """
-    gk = kernels.load("goose")
     cfg = states[0].config
     rows = np.ascontiguousarray(rows, np.int64)
     lengths = np.ascontiguousarray(lengths, np.int64)
@@ -220,24 +219,48 @@ def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows,
         s._prev_root = prev
         if s._prompt_len < 0:
             s._prompt_len = length - 1  # the first proposal follows the prefill's token
-    # the context match of every request
-    found = np.zeros(num, bool)
-    spine_lens = np.zeros(num, np.int64)
-    consensus = np.zeros(num, bool)
-    match_len = np.zeros(num, np.int64)
-    ngrams = np.zeros(num, np.int64)
-    follow = np.zeros(num, np.int64)
+    sp = _match_spines(states, token_ids, rows, lengths, limits)
+    modes, info, ratios = _route(cfg, sp, p_s, chains)
+    trees = _build_by_table(states, sp, roots, prevs, modes, budgets, ratios, p_s)
+    sizes = trees.sizes()
+    info = np.where(sizes > 1, info, MODE_CODES[ProposalMode.PLAIN]).astype(np.int8)
+    spine_lens = np.where(modes == kernels.load("goose").CHAIN, sizes - 1, np.minimum(sp.lens, np.bincount(
+        trees.tree_index()[trees.sources == NodeSource.SPINE], minlength=num)))
+    return GooseBatch(trees, info, prevs, spine_lens, sp.ngrams, sp.match_len, sp.consensus,
+                      np.where(chains, np.nan, ratios))
+
+
+@dataclass
+class _Spines:
+    """Every request's spine (its context match's continuation, or the store's), back to back."""
+
+    found: np.ndarray  # [R] bool: a match in the request's own context
+    from_store: np.ndarray  # [R] bool: no own match, the tenant's store had one
+    lens: np.ndarray  # [R] int64 spine tokens (<= the request's limit)
+    ngrams: np.ndarray  # [R] int64 n of the match (0: none)
+    match_len: np.ndarray  # [R] int64 its backward match length
+    consensus: np.ndarray  # [R] bool >= 2 n-gram lengths agree on the first draft token
+    tokens: np.ndarray  # [sum(lens)] int64
+    offsets: np.ndarray  # [R + 1] int64: request r's spine is tokens[offsets[r]:offsets[r + 1]]
+
+
+def _match_spines(states, token_ids, rows, lengths, limits) -> _Spines:
+    """One compiled context match over vLLM's token array for every request
+    (``kernels.match.match_rows``), then the tenant's store for those without a match."""
+    cfg = states[0].config
+    num = rows.shape[0]
+    found, consensus = np.zeros(num, bool), np.zeros(num, bool)
+    lens, match_len, ngrams, follow = (np.zeros(num, np.int64) for _ in range(4))
     store_drafts: dict[int, np.ndarray] = {}
     if cfg.context_spine:
         out = np.empty((num, 4), np.int64)
-        kernels.load("match").match_rows(token_ids, rows, lengths, np.asarray(sorted(set(cfg.ngram_sizes), reverse=True), np.int64),
-                   max(32, max(cfg.ngram_sizes)), out)
+        sizes = np.asarray(sorted(set(cfg.ngram_sizes), reverse=True), np.int64)
+        kernels.load("match").match_rows(token_ids, rows, lengths, sizes, max(32, max(cfg.ngram_sizes)), out)
         found = (out[:, 1] > 0) & (limits > 0)
         follow = out[:, 0]
-        spine_lens = np.where(found, np.minimum(limits, lengths - follow), 0)
+        lens = np.where(found, np.minimum(limits, lengths - follow), 0)
         ngrams = np.where(found, out[:, 1], 0)
         match_len, consensus = np.where(found, out[:, 2], 0), found & (out[:, 3] > 0)
-        # the tenant's finished requests, for requests without a match of their own
         longest = max(cfg.ngram_sizes)
         for r in np.flatnonzero(~found & (limits > 0)).tolist():
             store = states[r].store
@@ -247,52 +270,57 @@ def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows,
             draft, n = store.match(token_ids[rows[r], max(0, length - longest):length], int(limits[r]))
             if n:
                 store_drafts[r] = np.asarray(draft, np.int64)
-                spine_lens[r] = draft.shape[0]
+                lens[r] = draft.shape[0]
                 ngrams[r] = match_len[r] = n
     from_store = np.zeros(num, bool)
     from_store[list(store_drafts)] = True
-    has_spine = found | from_store
-    # the spines, back to back
-    spine_offsets = np.zeros(num + 1, np.int64)
-    np.cumsum(spine_lens, out=spine_offsets[1:])
-    within = np.arange(int(spine_offsets[-1])) - np.repeat(spine_offsets[:-1], spine_lens)
-    spines = token_ids[np.repeat(rows, spine_lens), np.repeat(follow, spine_lens) + within].astype(np.int64)
+    offsets = np.zeros(num + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    within = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], lens)
+    tokens = token_ids[np.repeat(rows, lens), np.repeat(follow, lens) + within].astype(np.int64)
     for r, draft in store_drafts.items():
-        spines[spine_offsets[r]:spine_offsets[r + 1]] = draft
-    # routing
+        tokens[offsets[r]:offsets[r + 1]] = draft
+    return _Spines(found, from_store, lens, ngrams, match_len, consensus, tokens, offsets)
+
+
+def _route(cfg, sp: _Spines, p_s: np.ndarray, chains: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Algorithm 2's routing as array expressions: (build mode ``kernels.goose.CHAIN`` / ``TREE``,
+    the proposal's ``MODE_CODES``, the spine ratio r of the p_s tier) of every request."""
+    gk = kernels.load("goose")
+    num = sp.lens.shape[0]
     if chains:
         modes = np.full(num, gk.CHAIN, np.int64)
-        info = np.where(has_spine, MODE_CODES[ProposalMode.BYPASS], MODE_CODES[ProposalMode.PLAIN])
+        info = np.where(sp.found | sp.from_store, MODE_CODES[ProposalMode.BYPASS], MODE_CODES[ProposalMode.PLAIN])
     else:
-        signal = spine_lens if cfg.bypass_signal == "draft_length" else match_len
-        bypass = found & ~from_store & bool(cfg.bypass) & (
-            (bool(cfg.consensus_bypass) & consensus) | (signal >= cfg.bypass_min_length))
+        signal = sp.lens if cfg.bypass_signal == "draft_length" else sp.match_len
+        bypass = sp.found & ~sp.from_store & bool(cfg.bypass) & (
+            (bool(cfg.consensus_bypass) & sp.consensus) | (signal >= cfg.bypass_min_length))
         modes = np.where(bypass, gk.CHAIN, gk.TREE).astype(np.int64)
         info = np.where(bypass, MODE_CODES[ProposalMode.BYPASS], MODE_CODES[ProposalMode.TREE])
     t1, t2 = cfg.tier_thresholds
     ratios = np.where(p_s < t1, cfg.tier_ratios[0], np.where(p_s < t2, cfg.tier_ratios[1], cfg.tier_ratios[2]))
+    return modes, info, ratios
+
+
+def _build_by_table(states, sp: _Spines, roots, prevs, modes, budgets, ratios, p_s) -> FlatTrees:
+    """Algorithm 1 for every request: one compiled build per adjacency table (one table for every
+    request of a tenant), the trees back in request order."""
+    cfg = states[0].config
     kw = dict(max_depth=cfg.max_depth, rho=cfg.spine_branch_ratio, min_score=cfg.min_branch_score,
               spine_branches=cfg.spine_branches)
-    # one build per adjacency table (one table for every request of a tenant)
     groups: dict[int, list[int]] = {}
     for r, s in enumerate(states):
         groups.setdefault(id(s.table), []).append(r)
     parts = []
     for members in groups.values():
         idx = np.asarray(members, np.int64)
-        sub_spines = spines if len(groups) == 1 else np.concatenate(
-            [spines[spine_offsets[r]:spine_offsets[r + 1]] for r in members] + [np.zeros(0, np.int64)])
-        sub_offsets = spine_offsets if len(groups) == 1 else np.concatenate([[0], np.cumsum(spine_lens[idx])])
-        flat, _ = _build(states[members[0]].table, roots[idx], prevs[idx], sub_spines, sub_offsets, modes[idx],
+        tokens = sp.tokens if len(groups) == 1 else np.concatenate(
+            [sp.tokens[sp.offsets[r]:sp.offsets[r + 1]] for r in members] + [np.zeros(0, np.int64)])
+        offsets = sp.offsets if len(groups) == 1 else np.concatenate([[0], np.cumsum(sp.lens[idx])])
+        flat, _ = _build(states[members[0]].table, roots[idx], prevs[idx], tokens, offsets, modes[idx],
                          budgets[idx], ratios[idx], p_s[idx], **kw)
         parts.append((idx, flat))
-    trees = parts[0][1] if len(parts) == 1 else _in_order(parts, num)
-    sizes = trees.sizes()
-    info = np.where(sizes > 1, info, MODE_CODES[ProposalMode.PLAIN]).astype(np.int8)
-    spine_lens = np.where(modes == gk.CHAIN, sizes - 1, np.minimum(spine_lens, np.bincount(
-        trees.tree_index()[trees.sources == NodeSource.SPINE], minlength=num)))
-    return GooseBatch(trees, info, prevs, spine_lens, ngrams, match_len, consensus,
-                      np.where(chains, np.nan, ratios))
+    return parts[0][1] if len(parts) == 1 else _in_order(parts, len(states))
 
 
 def _in_order(parts: list[tuple[np.ndarray, FlatTrees]], num: int) -> FlatTrees:
