@@ -213,31 +213,14 @@ class TreeDrafter:
             ids = list(req_ids)
             self._deferred.append(("label", ids, functools.partial(
                 self._label, ids, num_tokens_no_spec[: len(ids)].copy(), token_ids_cpu)))
-        # no sampled token: a partial prefill chunk or a discarded request; a skip: the backoff
-        drafting = []
-        for i, r in enumerate(req_ids):
-            self.pending.pop(r, None)  # the batch's old trees are gone: a new one or none
-            if sampled_token_ids[i] and eligible[i] and r not in self.disabled:
-                if chains or self.skip.get(r, 0) <= 0:
-                    drafting.append(i)
-                else:
-                    self.skip[r] -= 1
+        drafting = self._drafting_rows(req_ids, eligible, sampled_token_ids, chains)
         self.proposer.begin_step(len(drafting))
         if not drafting:
             return [[] for _ in req_ids]
         rows = np.asarray(drafting, np.int64)
         lengths = np.asarray(num_tokens_no_spec[rows], np.int64)
         ids = [req_ids[i] for i in drafting]
-        states = []
-        for i, r in zip(drafting, ids):
-            state = self.states.get(r)
-            if state is None:
-                state = self.states[r] = self.proposer.new_request(self.tenants.get(r))
-                if laws is not None and laws[i] is not None and hasattr(state, "set_sampling"):
-                    state.set_sampling(*laws[i])
-                self.metrics.live_requests = len(self.states)
-                self._count_tables()
-            states.append(state)
+        states = self._states_of(drafting, ids, laws)
         room = np.maximum(np.minimum(self.max_draft_tokens, self.max_model_len - lengths - 1), 0)
         trees, modes, prev_roots = self._propose(states, ids, token_ids_cpu, rows, lengths, room, chains)
         trees = trees.prefix(room + 1)
@@ -262,6 +245,35 @@ class TreeDrafter:
         for k, i in enumerate(drafting):
             out[i] = tokens[offsets[k] + 1:offsets[k + 1]]
         return out
+
+    def _drafting_rows(self, req_ids, eligible, sampled_token_ids, chains: bool) -> list[int]:
+        """Batch rows that draft this step; every row's old pending tree is dropped. Not
+        drafting: no sampled token (a partial prefill chunk or a discarded request), not
+        eligible, trees turned off after a fault, or skipping under the zero-cut backoff."""
+        drafting = []
+        for i, r in enumerate(req_ids):
+            self.pending.pop(r, None)  # the batch's old trees are gone: a new one or none
+            if sampled_token_ids[i] and eligible[i] and r not in self.disabled:
+                if chains or self.skip.get(r, 0) <= 0:
+                    drafting.append(i)
+                else:
+                    self.skip[r] -= 1
+        return drafting
+
+    def _states_of(self, drafting: list[int], ids: list[str], laws) -> list:
+        """The proposer state of each drafting request, created on its first proposal (with its
+        sampling law where the proposer samples from a draft model)."""
+        states = []
+        for i, r in zip(drafting, ids):
+            state = self.states.get(r)
+            if state is None:
+                state = self.states[r] = self.proposer.new_request(self.tenants.get(r))
+                if laws is not None and laws[i] is not None and hasattr(state, "set_sampling"):
+                    state.set_sampling(*laws[i])
+                self.metrics.live_requests = len(self.states)
+                self._count_tables()
+            states.append(state)
+        return states
 
     def _propose(self, states, ids, token_ids_cpu, rows, lengths, room, chains):
         """(trees, modes, prev_roots) of the drafting requests: one batched call when the
