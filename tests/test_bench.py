@@ -293,8 +293,8 @@ def test_src_variant_puts_the_source_tree_first_on_the_engine_path(monkeypatch, 
 
 
 def test_profile_host_counts_decode_steps_by_kind():
-    """profile-host's step kinds: trees = allocator steps that are neither chain steps nor
-    draft-free, counted from the run's start; the report prints each kind's share."""
+    """profile-host's step kinds: plain = steps without a kept draft, chains = chain steps that
+    kept some, trees = the rest; the report prints each kind's share."""
     from types import SimpleNamespace
 
     from vllm_anisotropic.bench.profile_host import StepProbe, format_report
@@ -302,7 +302,10 @@ def test_profile_host_counts_decode_steps_by_kind():
     metrics = SimpleNamespace(steps=10, chain_steps=3, steps_without_drafts=2)
     probe = StepProbe.__new__(StepProbe)
     probe.scheduler = SimpleNamespace(budget=SimpleNamespace(metrics=metrics))
+    probe.empty_chain_steps = 0
     assert probe.step_kinds() == {"trees": 5, "chains": 3, "plain": 2}
+    probe.empty_chain_steps = 1  # a chain step that kept nothing is plain, not a chain
+    assert probe.step_kinds() == {"trees": 6, "chains": 2, "plain": 2}
     probe.scheduler = SimpleNamespace()
     assert probe.step_kinds() == {}
     report = {"steps": 4, "wall_ms": 1.0, "forward_ms": 0.5, "tree_rows_ms": 0.0, "outside_forward_ms": 0.5,

@@ -186,17 +186,31 @@ class StepProbe:
             drafter.propose = timed_propose
         for clock in self.clocks():
             clock.reset()
+        self.empty_chain_steps = 0
+        budget = getattr(self.scheduler, "budget", None)
+        if budget is not None and hasattr(budget, "_chain_step"):
+            chain_step = budget._chain_step
+
+            def counted_chain_step(*args, **kwargs):
+                before = budget.metrics.steps_without_drafts
+                out = chain_step(*args, **kwargs)
+                self.empty_chain_steps += budget.metrics.steps_without_drafts - before
+                return out
+
+            budget._chain_step = counted_chain_step
         self._kinds0 = self.step_kinds()
 
     def step_kinds(self) -> dict[str, int]:
         """Decode steps so far by what the allocator made of them (its ``BudgetMetrics``): ``trees``
-        (some draft kept, not a chain step), ``chains`` (the gate's chain steps) and ``plain`` (no
-        draft kept); empty without a budget allocator."""
+        (the allocator kept some draft), ``chains`` (a chain step of the measured gate with some
+        draft) and ``plain`` (no draft kept: the gate's plain steps, empty cuts, empty chain
+        steps); empty without a budget allocator."""
         budget = getattr(self.scheduler, "budget", None)
         m = getattr(budget, "metrics", None)
         if m is None:
             return {}
-        chains, plain = getattr(m, "chain_steps", 0), m.steps_without_drafts
+        plain = m.steps_without_drafts
+        chains = getattr(m, "chain_steps", 0) - self.empty_chain_steps
         return {"trees": m.steps - chains - plain, "chains": chains, "plain": plain}
 
     def clocks(self) -> list:
