@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from pathlib import Path
 
 
@@ -52,7 +53,7 @@ def host_ms(path: Path, method: str) -> dict[int, float]:
         r = json.loads(line)
         if r["method"] == method and not r.get("profiled"):
             by.setdefault(r["max_num_seqs"], []).append(r["plugin_host_ms"])
-    return {b: sorted(v)[len(v) // 2] for b, v in by.items()}
+    return {b: statistics.median(v) for b, v in by.items()}
 
 
 def nearest(table: dict[int, float], batch: int) -> tuple[float, int]:
