@@ -17,12 +17,18 @@ from vllm_anisotropic.proposers.base import MODE_CODES
 from vllm_anisotropic.proposers.goose import build_spine_tree, propose_spine_trees
 
 
-def random_table(rng: np.random.Generator, vocab: int, k: int, fill: float, bigrams: int, capacity: int = 64):
+def random_table(rng: np.random.Generator, vocab: int, k: int, fill: float, bigrams: int, capacity: int = 64,
+                 ties: bool = False):
+    """A table of random rows; ``ties``: scores from {1/2, 1/4, 1/8, 1/16}, so equal scores and
+    equal products (tree values) are common and the builder's tie order is exercised."""
     table = AdjacencyTable(vocab, k, bigram_capacity=capacity)
     for _ in range(int(vocab * fill) + bigrams):
         width = int(rng.integers(1, k + 1))
         ids = rng.choice(vocab, size=width, replace=False).astype(np.int32)[None]
-        scores = np.sort(rng.dirichlet(np.ones(width + 1) * 0.5)[:width])[::-1].astype(np.float32)[None]
+        if ties:
+            scores = np.sort(rng.choice([0.5, 0.25, 0.125, 0.0625], width))[::-1].astype(np.float32)[None]
+        else:
+            scores = np.sort(rng.dirichlet(np.ones(width + 1) * 0.5)[:width])[::-1].astype(np.float32)[None]
         prev = int(rng.integers(-1, vocab)) if rng.random() < bigrams / (bigrams + vocab * fill + 1) else -1
         table.update([prev], [int(rng.integers(vocab))], ids, scores)
     return table
@@ -41,12 +47,13 @@ def random_table(rng: np.random.Generator, vocab: int, k: int, fill: float, bigr
     p_s=st.floats(0.0, 1.2),
     min_score=st.sampled_from([0.0, 0.01, 0.05]),
     spine_branches=st.booleans(),
+    ties=st.booleans(),
 )
 def test_kernel_equals_the_python_reference(seed, budget, spine_len, ratio, rho, depth, fill, bigrams, p_s, min_score,
-                                            spine_branches):
+                                            spine_branches, ties):
     rng = np.random.default_rng(seed)
     vocab = 40
-    table = random_table(rng, vocab, 10, fill, bigrams, capacity=16)  # small: lookups refresh LRU stamps
+    table = random_table(rng, vocab, 10, fill, bigrams, capacity=16, ties=ties)  # small: lookups refresh LRU stamps
     twin = copy.deepcopy(table)
     spine = rng.integers(0, vocab, spine_len)
     root, prev = int(rng.integers(vocab)), int(rng.integers(-1, vocab))
