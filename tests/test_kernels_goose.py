@@ -89,8 +89,8 @@ def test_batch_equals_one_request_at_a_time(seed, num, offer, chains):
         token_ids[r, : len(c)] = c
     batch_states = [prop.new_request() for _ in range(num)]
     solo_states = [solo.new_request() for _ in range(num)]
-    for a, b in zip(batch_states, solo_states):
-        a.spine_acceptance = b.spine_acceptance = float(rng.random())
+    for a, b in zip(batch_states, solo_states):  # the clamp's edges too: p_s 0, below 1e-3, above 1
+        a.spine_acceptance = b.spine_acceptance = float(rng.choice([0.0, 4e-4, rng.random(), 1.2]))
     offers = None if chains else [offer] * num
     drafts = [offer] * num if chains else None
     batch = propose_spine_trees(batch_states, token_ids, rows, [len(c) for c in contexts], offers, drafts)
@@ -99,6 +99,7 @@ def test_batch_equals_one_request_at_a_time(seed, num, offer, chains):
         got = batch.trees.tree(k)
         assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
         assert got.values.tolist() == want.values.tolist()
+        assert got.depths.tolist() == want.depths.tolist() and got.sources.tolist() == want.sources.tolist()
         assert int(batch.modes[k]) == MODE_CODES[state.last_info.mode]
 
 
