@@ -156,3 +156,31 @@ def test_bigram_table_matches_a_set_associative_lru_model():
                 assert got == [rows[key]], step
         assert t.bigram_keys.tolist() == keys and t.bigram_stamps.tolist() == stamps, step
     assert len(t) == sum(k >= 0 for k in keys) and t.evictions > 0
+
+
+def test_bigram_keys_spread_over_the_table():
+    """The home-slot hash spreads neighbouring keys: 1,024 bigrams of consecutive tokens in
+    4,096 slots (a quarter full) all stay, none evicted. A hash that sends keys to a few windows
+    (e.g. ``z | mask`` instead of ``z & mask``) evicts almost all of them."""
+    vocab = 2048
+    t = AdjacencyTable(vocab, top_k=2, bigram_capacity=4096)
+    prev = np.full(1024, 7)
+    tokens = np.arange(1024)
+    t.update(prev, tokens, np.tile(np.array([[1, 2]], np.int32), (1024, 1)),
+             np.tile(np.array([[0.5, 0.25]], np.float32), (1024, 1)))
+    assert t.evictions == 0
+    assert all(t.bigram_slot(7, int(tok)) >= 0 for tok in tokens)
+
+
+def test_lookup_refuses_tokens_outside_the_vocabulary():
+    """The compiled lookup answers (NONE, -1) for a token below 0 or at / past the vocabulary
+    (the tree builder calls it directly, without ``successors``' guard), and the unigram row of
+    the last token in it."""
+    from vllm_anisotropic.kernels import table as tk
+
+    vocab = 10
+    t = AdjacencyTable(vocab, top_k=2, bigram_capacity=8)
+    t.update([-1], [9], np.array([[1, 2]], np.int32), np.array([[0.5, 0.25]], np.float32))
+    for token in (-1, vocab, vocab + 5):
+        assert tuple(tk.lookup(*t.arrays, -1, token, vocab, True)) == (tk.NONE, -1)
+    assert tuple(tk.lookup(*t.arrays, -1, vocab - 1, vocab, True)) == (tk.UNIGRAM, vocab - 1)
