@@ -77,3 +77,50 @@ def test_rollback_rebuilds():
     assert m.match().draft.tolist() == [3, 1, 2]
     m.sync([7, 7, 7, 7, 7, 7])  # different boundary token: rebuild
     assert m.match().draft.tolist() == [7]
+
+
+def _reference_match(tokens, sizes, cap):
+    """The backward match by its definition (proposers/context_match.py): for each n, the latest
+    earlier occurrence f of the context's last n tokens (``tokens[f-n:f]``, f < len); the
+    longest n found wins; the match length extends backwards from there (capped, >= n);
+    consensus: >= 2 of the lengths' latest occurrences are followed by the same token."""
+    length = len(tokens)
+    found = {}
+    for n in sizes:
+        tail = list(tokens[length - n:]) if n <= length else None
+        for f in range(length - 1, n - 1, -1):
+            if tail is not None and list(tokens[f - n:f]) == tail:
+                found[n] = f
+                break
+    best = next((n for n in sizes if n in found), None)
+    if best is None:
+        return (-1, 0, 0, 0)
+    f = found[best]
+    m = best
+    while m < cap and f - 1 - m >= 0 and tokens[f - 1 - m] == tokens[length - 1 - m]:
+        m += 1
+    agree = sum(1 for g in found.values() if tokens[g] == tokens[f])
+    return (f, best, m, int(agree >= 2))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10**6), num=st.integers(1, 5), alphabet=st.integers(2, 6),
+       sizes=st.sampled_from([(3,), (4, 2), (5, 3, 1), (3, 2, 1), (6, 4, 2)]), cap=st.integers(1, 12))
+def test_match_rows_equals_the_definition(seed, num, alphabet, sizes, cap):
+    """``kernels.match.match_rows`` over a 2-D token array read in place (rows permuted, padding
+    never read) gives, per request, the follow position, n, match length and consensus of the
+    definition."""
+    from vllm_anisotropic import kernels
+
+    rng = np.random.default_rng(seed)
+    contexts = [rng.integers(0, alphabet, int(rng.integers(1, 30))) for _ in range(num)]
+    width = max(len(c) for c in contexts) + 2
+    token_ids = np.full((num + 1, width), alphabet + 7, np.int32)
+    rows = rng.permutation(num + 1)[:num]
+    for r, c in zip(rows, contexts):
+        token_ids[r, : len(c)] = c
+    out = np.empty((num, 4), np.int64)
+    kernels.load("match").match_rows(token_ids, rows.astype(np.int64), np.array([len(c) for c in contexts], np.int64),
+                                     np.array(sizes, np.int64), cap, out)
+    for k, c in enumerate(contexts):
+        assert tuple(out[k].tolist()) == _reference_match(c.tolist(), sizes, cap), (k, c.tolist())
