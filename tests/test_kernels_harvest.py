@@ -37,3 +37,15 @@ def test_block_bound_keeps_entries_equal_to_it():
     assert ids[0].tolist() == [0, 256, 512, 768]
     ids, _ = topk_scores(x, 6)
     assert ids[0].tolist() == [0, 256, 512, 768, 1, 2]
+
+
+@pytest.mark.parametrize("vocab", [257, 513, 49153])
+def test_topk_sees_the_last_entry_of_a_one_entry_block(vocab):
+    """A vocabulary one past a whole number of 256-entry blocks: its last block holds one entry,
+    and a top-k that dropped that block would miss a maximum placed there."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(2, vocab, generator=g)
+    logits[0, -1] = 50.0  # the maximum, alone in the last block
+    logits[1, -1] = logits[1].max() + 1e-3
+    ids, probs = topk_scores(logits, 3)
+    assert ids[0][0] == vocab - 1 and ids[1][0] == vocab - 1
