@@ -495,3 +495,24 @@ def test_repush_key_uses_the_next_candidates_score(monkeypatch):
     tree = build_spine_tree(0, -1, np.zeros(0, np.int64), table_fn(rows), budget=20)
     # everything fits: 1 + {1, 9} + {2, 3, 4} + 7 + 8 + 1 (under 8) + its {2, 3, 4} = 12 nodes
     assert (8, 1) in [(p, t) for p, t, _ in logs[1]] and tree.num_nodes == 12
+
+
+def test_golden_chain_step_tree():
+    """A chain step (``propose_chain``): the context match's continuation as one chain below the
+    root, depths 0..n, spine sources, values clamp(p_s, 1e-3, 1)^depth (p_s above 1 counts as 1,
+    p_s 0 as 1e-3). Context ``7 1 2 3 4 5 1 2 3``: the 3-gram ``1 2 3`` occurred at 1..3, so the
+    continuation is ``4 5 1 ...``, cut to 3 tokens."""
+    from vllm_anisotropic.proposers import get_proposer
+    from vllm_anisotropic.tree import NodeSource
+
+    prop = get_proposer("goose", vocab_size=10)
+    ctx = np.array([7, 1, 2, 3, 4, 5, 1, 2, 3])
+    for p_s, v in ((1.2, 1.0), (0.0, 1e-3), (0.5, 0.5)):
+        state = prop.new_request()
+        state.spine_acceptance = p_s
+        tree = state.propose_chain(ctx, 3)
+        assert tree.tokens.tolist() == [3, 4, 5, 1]
+        assert tree.parents.tolist() == [-1, 0, 1, 2]
+        assert tree.depths.tolist() == [0, 1, 2, 3]
+        assert tree.sources.tolist() == [NodeSource.ROOT] + [NodeSource.SPINE] * 3
+        np.testing.assert_allclose(tree.values, [1.0, v, v ** 2, v ** 3], rtol=1e-12)
