@@ -80,8 +80,13 @@ def test_array_operations_equal_the_per_tree_ones(seed):
 
 @pytest.mark.parametrize("seed", range(10))
 def test_rank_flat_equals_rank_trees(seed):
+    """The compiled ranking equals the per-tree one, also under a calibration whose (alpha,
+    beta) differ by source and depth (odd seeds), so every (source, depth) key is read."""
     rng = np.random.default_rng(100 + seed)
     model = AcceptanceModel(AcceptanceConfig())
+    if seed % 2:
+        alpha, beta = model.parameters()
+        model._params = (alpha + rng.normal(0.0, 1.0, alpha.shape), beta * rng.uniform(0.5, 2.0, beta.shape))
     trees = random_batch(rng)
     ranked, probs = rank_trees(trees, model)
     flat, p = rank_flat(FlatTrees.from_trees(trees), model)
