@@ -107,15 +107,17 @@ def _reference_match(tokens, sizes, cap):
 @given(seed=st.integers(0, 10**6), num=st.integers(1, 5), alphabet=st.integers(2, 6),
        sizes=st.sampled_from([(3,), (4, 2), (5, 3, 1), (3, 2, 1), (6, 4, 2)]), cap=st.integers(1, 12))
 def test_match_rows_equals_the_definition(seed, num, alphabet, sizes, cap):
-    """``kernels.match.match_rows`` over a 2-D token array read in place (rows permuted, padding
-    never read) gives, per request, the follow position, n, match length and consensus of the
+    """``kernels.match.match_rows`` over a 2-D token array read in place (rows permuted, the
+    padding never read) gives, per request, the follow position, n, match length and consensus of the
     definition."""
     from vllm_anisotropic import kernels
 
     rng = np.random.default_rng(seed)
     contexts = [rng.integers(0, alphabet, int(rng.integers(1, 30))) for _ in range(num)]
     width = max(len(c) for c in contexts) + 2
-    token_ids = np.full((num + 1, width), alphabet + 7, np.int32)
+    # padding past each context holds tokens of the same alphabet: a read outside the context
+    # (e.g. a negative index wrapping to the row's end) would change the answer
+    token_ids = rng.integers(0, alphabet, (num + 1, width)).astype(np.int32)
     rows = rng.permutation(num + 1)[:num]
     for r, c in zip(rows, contexts):
         token_ids[r, : len(c)] = c
