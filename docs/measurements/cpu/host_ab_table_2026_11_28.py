@@ -1,4 +1,4 @@
-"""The tables of docs/allocator.md, "The batched host path": python docs/measurements/cpu/host_ab_table_2026_11_28.py"""
+"""The tables of docs/measurements/cpu/allocator_measurements.md, "The batched host path": python docs/measurements/cpu/host_ab_table_2026_11_28.py"""
 import json, statistics as st
 rows={}
 for tag in ["after","before"]:
