@@ -281,3 +281,43 @@ def split_speculative_dict(spec: dict[str, Any], vllm_fields: set[str]) -> tuple
         k = key.replace("-", "_")
         (theirs if k in vllm_fields else ours)[k] = value
     return theirs, ours
+
+
+# ---------------------------------------------------------------- per-request control
+# ``SamplingParams.extra_args`` keys (``"vllm_xargs"`` in an OpenAI request body) that steer one
+# request's trees; every ``extra_args`` key starting with "tree" is ours and validated.
+REQUEST_KEYS: dict[str, str] = {
+    "trees": "bool: false = this request decodes without drafts (default true)",
+    "tree_max_nodes": "int >= 0: at most this many draft nodes per step for this request (0 = none)",
+}
+
+
+class RequestTreeOptions(BaseModel):
+    """One request's tree options, from its ``extra_args`` (``request_tree_options``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    trees: bool = True
+    max_nodes: int | None = None  # None: the allocator's and the proposer's own limits
+
+    @property
+    def drafts(self) -> bool:
+        return self.trees and self.max_nodes != 0
+
+
+def request_tree_options(extra_args: dict[str, Any] | None) -> RequestTreeOptions:
+    """``extra_args`` -> the request's tree options; ValueError naming the bad key or value and
+    the valid ones. ``{"trees": False}`` -> no drafts; ``{"tree_max_nodes": 4}`` -> at most 4
+    draft nodes per step; keys not starting with "tree" are left to whoever reads them."""
+    ours = {k: v for k, v in (extra_args or {}).items() if isinstance(k, str) and k.startswith("tree")}
+    unknown = sorted(set(ours) - set(REQUEST_KEYS))
+    if unknown:
+        raise ValueError(f"unknown vllm-anisotropic request option(s) {unknown} in extra_args (vllm_xargs); valid: "
+                         + "; ".join(f"{k} ({doc})" for k, doc in REQUEST_KEYS.items()))
+    trees = ours.get("trees", True)
+    if not isinstance(trees, bool):
+        raise ValueError(f"extra_args['trees'] must be true or false, got {trees!r}")
+    cap = ours.get("tree_max_nodes")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+        raise ValueError(f"extra_args['tree_max_nodes'] must be an integer >= 0, got {cap!r}")
+    return RequestTreeOptions(trees=trees, max_nodes=cap)

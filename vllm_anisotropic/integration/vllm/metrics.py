@@ -93,6 +93,7 @@ class TreeMetrics:
     table_bytes: int = 0  # gauge: bytes of every adjacency table in use (AdjacencyTable.memory_bytes)
     disabled_requests: int = 0  # requests whose trees were turned off after a fault (drafter.disabled)
     faults: dict[str, int] = field(default_factory=dict)  # stage -> contained exceptions
+    without_trees: dict[str, int] = field(default_factory=dict)  # reason -> requests decoded without trees (runner.ineligible_reason)
     requests: dict[str, list[int]] = field(default_factory=dict)  # traces (TRACE_ENV only)
     selector_shapes: dict[str, int] = field(default_factory=dict)  # draft_tree: "K,L1,L2" -> request-steps the selector chose it
 
@@ -279,6 +280,12 @@ class TreeMetricsCollector:
         for stage, count in sorted((data.get("faults") or {}).items()):
             faults.add_metric([stage], float(count))
         yield faults
+        without = CounterMetricFamily("vllm_anisotropic:tree_requests_without_trees",
+                                      "requests that decode without drafts, by reason (runner.ineligible_reason)",
+                                      labels=["reason"])
+        for reason, count in sorted((data.get("without_trees") or {}).items()):
+            without.add_metric([reason], float(count))
+        yield without
         shapes = data.get("selector_shapes") or {}
         if shapes:
             fam = CounterMetricFamily("vllm_anisotropic:draft_tree_selector_shapes",

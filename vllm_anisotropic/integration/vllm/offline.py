@@ -62,6 +62,9 @@ class OfflineJob(BaseModel):
     logprobs: int | None = Field(None, ge=0)
     """Top logprobs per generated token (``SamplingParams.logprobs``); kept for the first
     completion of each prompt in ``OfflineResult.logprobs``."""
+    per_prompt: list[dict[str, Any]] | None = None
+    """Per-prompt ``SamplingParams`` keyword arguments over the job's (e.g. ``{"logit_bias":
+    {"5": 2.0}}``, ``{"temperature": 0.8, "min_p": 0.1, "seed": 3}``), one dict per prompt."""
     speculative_config: dict[str, Any] | None = None
     """Passed verbatim to ``LLM(speculative_config=...)``; None = plain decoding."""
     llm_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -161,6 +164,14 @@ def _counters(llm) -> dict[str, float]:
     return out
 
 
+def _json_params(over: dict[str, Any]) -> dict[str, Any]:
+    """SamplingParams keyword arguments from JSON: ``logit_bias`` keys back to token ids."""
+    over = dict(over)
+    if over.get("logit_bias"):
+        over["logit_bias"] = {int(k): float(v) for k, v in over["logit_bias"].items()}
+    return over
+
+
 def _salted(prompt, salt):
     """``prompt`` (text or ``TokensPrompt``) with vLLM's ``cache_salt`` (None: unchanged)."""
     if salt is None:
@@ -195,14 +206,16 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
         if len(job.cache_salts) != len(prompts):
             raise ValueError(f"cache_salts needs one entry per prompt: {len(job.cache_salts)} vs {len(prompts)}")
         prompts = [_salted(p, salt) for p, salt in zip(prompts, job.cache_salts)]
-    def params_for(seed):
-        return SamplingParams(
-            max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=seed, n=job.n,
-            stop=job.stop, stop_token_ids=job.stop_token_ids, logprobs=job.logprobs,
-        )
+    def params_for(seed, over=None):
+        kwargs = dict(max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=seed, n=job.n,
+                      stop=job.stop, stop_token_ids=job.stop_token_ids, logprobs=job.logprobs)
+        return SamplingParams(**{**kwargs, **(over or {})})
 
-    if job.seed is not None and job.seed_per_prompt:
-        params = [params_for(job.seed + i) for i in range(len(prompts))]
+    if job.per_prompt is not None and len(job.per_prompt) != len(prompts):
+        raise ValueError(f"per_prompt needs one dict per prompt: {len(job.per_prompt)} vs {len(prompts)}")
+    if job.per_prompt is not None or (job.seed is not None and job.seed_per_prompt):
+        params = [params_for(job.seed + i if job.seed is not None and job.seed_per_prompt else job.seed,
+                             _json_params((job.per_prompt or [{}] * len(prompts))[i])) for i in range(len(prompts))]
     else:
         params = params_for(job.seed)
     solo = None

@@ -45,6 +45,12 @@ Patches (vLLM 0.32; file:line in shared/notes/vllm-0.32-spec-decode-map.md secti
    rows through ``cpu_rows_gemm`` (one thread only; more threads: vLLM's matmul throughout).
    The op is ``vllm_anisotropic::rows_linear``, opaque to vLLM's compiled graph. It applies to
    plain decoding as much as to trees, so a benchmark gives it to both arms (``+rowsgemm``).
+9. ``SamplingParams._validate_spec_decode`` (front end): with a tree method, requests with
+   ``min_p`` or ``logit_bias`` are accepted as plain vLLM accepts them (vLLM refuses them with any
+   speculative config because its rejection sampler cannot apply them to draft rows; the tree
+   runner can, ``runner.ineligible_reason``), and the request's tree options in ``extra_args``
+   (``config.REQUEST_KEYS``) are validated, a bad one refused with its name. Other methods:
+   vLLM's own check.
 
 The subclasses those classes install override private vLLM methods; ``vllm_surface.py`` lists
 every such name (with the parameters passed through) and every step-object field they read,
@@ -483,6 +489,31 @@ def _patch_cpu_gemm() -> None:
     logger.info("%s=rows: bf16 linear layers take the rows GEMM kernel up to %d rows", CPU_GEMM_ENV, ROWS_MAX)
 
 
+# ---------------------------------------------------------------- 9: SamplingParams._validate_spec_decode
+def _patch_validate_spec_decode(cls) -> None:
+    if _already(cls, "_validate_spec_decode"):
+        return
+    original = cls._validate_spec_decode
+
+    @functools.wraps(original)
+    def _validate_spec_decode(self, speculative_config, *args, **kwargs):
+        if speculative_config is None or not is_tree_method(getattr(speculative_config, "method", None)):
+            return original(self, speculative_config, *args, **kwargs)
+        # a tree method: min_p and logit_bias are served (runner._builtin_logits_processors);
+        # the request's own tree options are validated here, in the front end (a 400 naming them)
+        from vllm_anisotropic.integration.vllm.config import request_tree_options
+
+        try:
+            request_tree_options(self.extra_args)
+        except ValueError as e:
+            from vllm.exceptions import VLLMValidationError
+
+            raise VLLMValidationError(str(e), parameter="extra_args") from None
+        return None
+
+    cls._validate_spec_decode = _mark(_validate_spec_decode)
+
+
 def apply() -> bool:
     """Install the patches in this process (idempotent). Returns whether vLLM is supported."""
     from vllm.engine.arg_utils import EngineArgs
@@ -501,6 +532,9 @@ def apply() -> bool:
     _patch_speculative_post_init(SpeculativeConfig)
     _patch_method_literal(SpeculativeConfig)
     _patch_vllm_config(VllmConfig)
+    from vllm.sampling_params import SamplingParams
+
+    _patch_validate_spec_decode(SamplingParams)
     from vllm.v1.engine.core import EngineCore
 
     _patch_post_step(EngineCore)

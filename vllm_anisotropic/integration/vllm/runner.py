@@ -39,7 +39,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_anisotropic.allocator import CHAIN, PLAIN, TREE
-from vllm_anisotropic.integration.vllm.config import DRAFT_MODEL_METHODS
+from vllm_anisotropic.integration.vllm.config import DRAFT_MODEL_METHODS, request_tree_options
 from vllm_anisotropic.integration.vllm.drafter import StepTrees, TreeDrafter
 from vllm_anisotropic.integration.vllm.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.kv_moves import KVMover
@@ -49,7 +49,8 @@ from vllm_anisotropic.verifiers.sampling import TargetSampling
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TreeRunnerMixin", "TreeCPUModelRunner", "TreePlan", "node_masks", "tree_eligible", "scatter_tree_positions"]
+__all__ = ["TreeRunnerMixin", "TreeCPUModelRunner", "TreePlan", "RowEdits", "node_masks", "ineligible_reason", "tree_eligible",
+           "scatter_tree_positions"]
 
 DRAFTER_CLS = f"{TreeDrafter.__module__}.{TreeDrafter.__qualname__}"
 _SAMPLING_EPS = 1e-5  # vLLM's greedy threshold (sampling_params._SAMPLING_EPS)
@@ -95,26 +96,72 @@ def node_masks(trees: FlatTrees, index: np.ndarray) -> list[np.ndarray]:
     return out
 
 
-def tree_eligible(sampling_params, sampling_trees: bool = False) -> bool:
-    """True when the next token's law is what the tree verifiers reproduce: ``argmax(raw
-    logits)`` (greedy), or with ``sampling_trees`` softmax(logits / temperature) under top-k /
-    top-p; nothing else may edit the logits or need per-token outputs the verifiers lack."""
+def ineligible_reason(sampling_params, sampling_trees: bool = False) -> str | None:
+    """Why a request decodes without trees (a label of ``tree_requests_without_trees``), or
+    None when it gets them: its next token is ``argmax`` (greedy) or, with ``sampling_trees``,
+    a sample of softmax(logits / temperature) under top-k / top-p, of the logits after the
+    request's path-independent edits (``logit_bias``, ``allowed_token_ids``: the tree sampler
+    applies them to every tree row, ``TreeRejectionSampler``). ``min_p`` leaves the argmax alone
+    (vLLM applies it to sampled rows only), so it keeps greedy trees. Whatever depends on the
+    path (penalties, bad words, min_tokens, a grammar) or needs per-token outputs (logprobs)
+    decodes without drafts, through vLLM's own sampler."""
     sp = sampling_params
-    if sp is None or (sp.temperature >= _SAMPLING_EPS and not sampling_trees):
-        return False
-    return (
-        sp.logprobs is None
-        and getattr(sp, "min_p", 0.0) == 0.0
-        and sp.presence_penalty == 0.0
-        and sp.frequency_penalty == 0.0
-        and sp.repetition_penalty == 1.0
-        and not sp.logit_bias
-        and not sp.allowed_token_ids
-        and not getattr(sp, "bad_words", None)
-        and not getattr(sp, "_bad_words_token_ids", None)
-        and sp.min_tokens == 0
-        and getattr(sp, "structured_outputs", None) is None
-    )
+    if sp is None:
+        return "no_sampling_params"
+    if not request_tree_options(sp.extra_args).drafts:
+        return "request_opt_out"
+    greedy = sp.temperature < _SAMPLING_EPS
+    if not greedy and not sampling_trees:
+        return "sampled"
+    if sp.logprobs is not None:
+        return "logprobs"
+    if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0:
+        return "penalties"
+    if not greedy and getattr(sp, "min_p", 0.0) > 0.0:
+        return "min_p"
+    if getattr(sp, "bad_words", None) or getattr(sp, "_bad_words_token_ids", None):
+        return "bad_words"
+    if sp.min_tokens != 0:
+        return "min_tokens"
+    if getattr(sp, "structured_outputs", None) is not None:
+        return "structured_output"
+    return None
+
+
+def tree_eligible(sampling_params, sampling_trees: bool = False) -> bool:
+    """``ineligible_reason(...) is None``."""
+    return ineligible_reason(sampling_params, sampling_trees) is None
+
+
+@dataclass(frozen=True)
+class RowEdits:
+    """A request's path-independent edits of its logits rows, as vLLM's sampler applies them
+    (float32): ``allowed`` token ids (every other token -inf), then ``bias_values`` added at
+    ``bias_tokens``. From ``SamplingParams``: ``logit_bias={5: 2.0}`` -> tokens [5], values [2.0]."""
+
+    bias_tokens: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    allowed: torch.Tensor | None
+
+    @classmethod
+    def of(cls, sp) -> "RowEdits | None":
+        bias, allowed = sp.logit_bias or {}, sp.allowed_token_ids or []
+        if not bias and not allowed:
+            return None
+        return cls(
+            torch.tensor(list(bias), dtype=torch.long) if bias else None,
+            torch.tensor(list(bias.values()), dtype=torch.float32) if bias else None,
+            torch.tensor(sorted(allowed), dtype=torch.long) if allowed else None,
+        )
+
+    def apply(self, rows: torch.Tensor) -> None:
+        """Edit float32 ``rows`` ``[n, vocab]`` in place."""
+        if self.allowed is not None:
+            keep = rows[:, self.allowed.to(rows.device)]
+            rows.fill_(float("-inf"))
+            rows[:, self.allowed.to(rows.device)] = keep
+        if self.bias_tokens is not None:
+            rows[:, self.bias_tokens.to(rows.device)] += self.bias_values.to(rows.device)
 
 
 def request_law(req_id: str, sampling_params, engine_seed) -> tuple[TargetSampling, int]:
@@ -162,6 +209,7 @@ class TreeRunnerMixin:
         from vllm_anisotropic.integration.vllm.vllm_surface import check_runner
 
         check_runner(self)
+        self._builtin_logits_processors(vllm_config)
         if self.uses_mrope:
             raise NotImplementedError("vllm-anisotropic tree decoding does not support M-RoPE models yet")
         assert isinstance(self.drafter, TreeDrafter), type(self.drafter)
@@ -176,7 +224,27 @@ class TreeRunnerMixin:
         self._tree_plan: TreePlan | None = None
         self._kv_mover: KVMover | None = None  # K/V slot moves after acceptance (kv_moves.py)
         self._eligible_cache: dict[str, bool] = {}  # req_id -> tree_eligible (dropped on finish)
+        self.row_edits: dict[str, RowEdits] = {}  # tree requests with logit_bias / allowed_token_ids
         self._propose_s = 0.0  # seconds drafting since the last output (sent as tree_propose_s)
+
+    def _builtin_logits_processors(self, vllm_config) -> None:
+        """The logits processors plain decoding has (min_tokens, logit_bias, min_p): with any
+        speculative config vLLM builds min_tokens' alone (``build_logitsprocs``), because its
+        rejection sampler cannot apply the others to draft rows; it refuses min_p and
+        logit_bias requests up front (patches.py, patch 9, lets them through for tree methods).
+        Here requests with min_p decode with greedy trees or without drafts, logit_bias ones
+        with trees whose rows the tree sampler edits itself (``RowEdits``); the processors
+        apply to the one row every request samples from vLLM's sampler."""
+        from vllm.utils.torch_utils import PIN_MEMORY
+        from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+
+        batch = self.input_batch
+        have = {type(p) for p in batch.logitsprocs.all}
+        procs = list(batch.logitsprocs.all) + [
+            ctor(vllm_config, self.device, PIN_MEMORY)
+            for ctor in BUILTIN_LOGITS_PROCESSORS if ctor not in have]
+        batch.logitsprocs = LogitsProcessors(procs)
+        batch.sampling_metadata = batch._make_sampling_metadata()
 
     # ------------------------------------------------------------------ request lifecycle
     @property
@@ -191,6 +259,7 @@ class TreeRunnerMixin:
         for req_id in scheduler_output.finished_req_ids:
             self.drafter.drop(req_id, self._context(req_id))
             self._eligible_cache.pop(req_id, None)
+            self.row_edits.pop(req_id, None)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.drafter.drop_tree(req_id)
         self.host_clock.add("states", time.perf_counter() - t0)
@@ -282,10 +351,19 @@ class TreeRunnerMixin:
         return attn_metadata, common
 
     def _eligible(self, req_id: str) -> bool:
-        """``tree_eligible`` of the request, computed once (its sampling parameters are fixed)."""
+        """Whether the request gets trees (``ineligible_reason``), computed once (its sampling
+        parameters are fixed); a request without counts its reason on /metrics, one with
+        logits edits registers them for the tree sampler (``row_edits``)."""
         ok = self._eligible_cache.get(req_id)
         if ok is None:
-            ok = self._eligible_cache[req_id] = tree_eligible(self.requests[req_id].sampling_params, self._sampling_trees)
+            sp = self.requests[req_id].sampling_params
+            reason = ineligible_reason(sp, self._sampling_trees)
+            ok = self._eligible_cache[req_id] = reason is None
+            if reason is not None:
+                counts = self.drafter.metrics.without_trees
+                counts[reason] = counts.get(reason, 0) + 1
+            elif (edits := RowEdits.of(sp)) is not None:
+                self.row_edits[req_id] = edits
         return ok
 
     def take_tree_step(self) -> StepTrees | None:

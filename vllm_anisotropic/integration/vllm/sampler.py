@@ -20,9 +20,12 @@ Which requests have trees is decided by the runner (``runner.tree_eligible``): g
 requests (verified by the greedy walk) and, unless ``sampling_verifier="none"``, sampled
 requests whose law is softmax(logits / temperature) under top-k / top-p (verified by the
 sampling verifier -- one-hot SpecInfer by default -- on exactly that law, all in one call, with
-counter-based uniforms of each request's seed and position, ``verifiers.uniforms``). Requests with penalties, bias, bad words, min_p, min_tokens, logprobs or
-structured output have no drafts, so their row is the bonus row and their token comes from
-vLLM's own sampler exactly as in plain decoding. A batch without any draft never reaches this
+counter-based uniforms of each request's seed and position, ``verifiers.uniforms``). A tree
+request with ``logit_bias`` or ``allowed_token_ids`` has its tree rows edited as vLLM's sampler
+edits its one row (``runner.RowEdits``, float32) before its verifier reads them. Requests with
+penalties, bad words, min_tokens, logprobs, structured output (or sampled with min_p) have no
+drafts, so their row is the bonus row and their token comes from vLLM's own sampler exactly as
+in plain decoding (``runner.ineligible_reason``). A batch without any draft never reaches this
 module (the runner gives such a step plain decoding's path: ``harvest_plain``); one with drafts
 but no multi-node tree (vLLM's warm-up dummy call) goes to vLLM's original rejection sampler
 unchanged. After the walk, the accepted nodes' K/V is moved to the slots the sequence needs
@@ -154,11 +157,16 @@ class TreeRejectionSampler(nn.Module):
         temperature = sampling_metadata.temperature
         temps = None if temperature is None else temperature.cpu().numpy()  # one device-to-host copy
         sampled_mask = np.zeros(num, bool) if temps is None else temps[rows] >= SAMPLING_EPS
-        for index in (walked[~sampled_mask[walked]], walked[sampled_mask[walked]]):
+        edits = self.runner.row_edits
+        edited = np.zeros(num, bool)
+        if edits:  # requests with logit_bias / allowed_token_ids: their rows are edited copies
+            edited = np.fromiter((r in edits for r in step.req_ids), bool, num)
+        greedy = walked[~sampled_mask[walked]]
+        for index in (greedy[~edited[greedy]], greedy[edited[greedy]], walked[sampled_mask[walked]]):
             if index.size == 0:
                 continue
             sub = trees.select(index)
-            if not sampled_mask[index[0]] and not logits.is_cuda:
+            if not sampled_mask[index[0]] and not edited[index[0]] and not logits.is_cuda:
                 # the walk reads the rows it visits where they are (no copy of every tree row)
                 a, n, y = walk_flat(sub, logits, starts[index])
             else:
@@ -177,6 +185,15 @@ class TreeRejectionSampler(nn.Module):
         sizes = sub.sizes()
         rows_index = np.repeat(starts[index], sizes) + (np.arange(sub.num_nodes) - np.repeat(sub.offsets[:-1], sizes))
         tree_logits = logits.index_select(0, torch.from_numpy(rows_index).to(logits.device))
+        edits = self.runner.row_edits
+        mine = [(e, a, b) for t, a, b in zip(index.tolist(), sub.offsets[:-1].tolist(), sub.offsets[1:].tolist())
+                if (e := edits.get(step.req_ids[t])) is not None] if edits else []
+        if mine:
+            # logit_bias / allowed_token_ids on every row of the request's tree, in float32 as
+            # vLLM's sampler applies them to its one row (runner.RowEdits)
+            tree_logits = tree_logits.float()
+            for e, a, b in mine:
+                e.apply(tree_logits[a:b])
         batch = sub.to_batch(device=tree_logits.device)
         if not sampled:
             res = self.verifier.verify_batch(batch, tree_logits)

@@ -17,6 +17,8 @@ import time
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_anisotropic.integration.vllm.config import request_tree_options
+
 __all__ = ["TreeScheduler"]
 
 
@@ -33,11 +35,33 @@ class TreeScheduler(Scheduler):
 
         spec = vllm_config.speculative_config
         tree = TreeSpecConfig.from_additional_config(spec.method, vllm_config.additional_config)
+        self.node_caps: dict[str, int] = {}  # req_id -> its extra_args "tree_max_nodes" (> 0)
         self.budget = BatchBudget(vllm_config.scheduler_config, vllm_config.model_config,
                                   spec.num_speculative_tokens, tree.engine, stats_path=budget_stats_path(),
                                   chains=tree.chain_steps)
 
+    def add_request(self, request, *args, **kwargs):
+        # a request's own cap on its draft nodes (extra_args "tree_max_nodes", validated in the
+        # front end: patches.py, patch 9); "trees": false never drafts (runner.ineligible_reason)
+        cap = request_tree_options(request.sampling_params.extra_args if request.sampling_params else None).max_nodes
+        if cap:
+            self.node_caps[request.request_id] = cap
+        return super().add_request(request, *args, **kwargs)
+
+    def _cap_drafts(self) -> None:
+        """Cut the draft lists of requests with a node cap to their first ``cap`` nodes (the
+        lists are in value order, so a prefix is the best subtree of that size); forget the
+        caps of requests that left."""
+        for req_id, cap in list(self.node_caps.items()):
+            r = self.requests.get(req_id)
+            if r is None:
+                del self.node_caps[req_id]
+            elif len(r.spec_token_ids) > cap:
+                r.spec_token_ids = r.spec_token_ids[:cap]
+
     def schedule(self, *args, **kwargs):
+        if self.node_caps:
+            self._cap_drafts()
         self.budget.cut(self.running)
         out = super().schedule(*args, **kwargs)
         self.budget.on_scheduled(out)

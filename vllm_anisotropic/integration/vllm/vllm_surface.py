@@ -65,6 +65,7 @@ METHODS: dict[str, tuple[str, ...]] = {
     # scheduler.TreeScheduler
     "vllm.v1.core.sched.scheduler:Scheduler.__init__": ("self", "vllm_config"),
     "vllm.v1.core.sched.scheduler:Scheduler.schedule": ("self",),
+    "vllm.v1.core.sched.scheduler:Scheduler.add_request": ("self", "request"),
     "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": ("self", "scheduler_output", "model_runner_output"),
     "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids": ("self", "draft_token_ids"),
     # patches.py patch 6: the tree scheduler takes the drafts from the step's output
@@ -76,12 +77,18 @@ METHODS: dict[str, tuple[str, ...]] = {
     # cpu_gemm.use_vllm_cpu_gemm: draft_tree's q takes vLLM's CPU GEMM per linear layer (it then
     # calls the ``cpu_linear(x, weight, bias)`` the dispatch sets on the layer)
     "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm": ("layer", "remove_weight"),
+    # patches.py patch 9: min_p / logit_bias requests and the request's tree options
+    "vllm.sampling_params:SamplingParams._validate_spec_decode": ("self", "speculative_config"),
+    # runner.TreeRunnerMixin._builtin_logits_processors builds what plain decoding has
+    "vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor.__init__": ("self", "vllm_config", "device", "is_pin_memory"),
+    "vllm.v1.sample.logits_processor.builtin:LogitBiasLogitsProcessor.__init__": ("self", "_", "device", "is_pin_memory"),
+    "vllm.v1.worker.gpu_input_batch:InputBatch._make_sampling_metadata": ("self",),
     # attention.TreeCPUAttentionImpl
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward": (
         "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
 }
 
-# "module:Class" -> dataclass fields read from vLLM's step objects
+# "module:Class" -> dataclass (or msgspec Struct) fields read from vLLM's step objects and requests
 FIELDS: dict[str, tuple[str, ...]] = {
     "vllm.v1.core.sched.output:SchedulerOutput": (
         "scheduled_new_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_spec_decode_tokens",
@@ -90,6 +97,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "vllm.v1.outputs:DraftTokenIds": ("req_ids", "draft_token_ids"),
     "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("num_draft_tokens", "cu_num_sampled_tokens", "bonus_logits_indices"),
     "vllm.v1.sample.metadata:SamplingMetadata": ("temperature", "top_k", "top_p"),
+    "vllm.sampling_params:SamplingParams": ("logit_bias", "allowed_token_ids", "min_p", "extra_args"),
 }
 
 # "module:Class" -> attributes read: class-level (methods, properties) or assigned as
@@ -102,7 +110,7 @@ CLASS_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "vllm.v1.executor.multiproc_executor:WorkerProc": ("worker",),
     # budget.BatchBudget.cut and scheduler.TreeScheduler read the scheduler's running requests
     "vllm.v1.request:Request": ("request_id", "spec_token_ids", "num_tokens", "num_computed_tokens",
-                                "num_prompt_tokens", "cache_salt"),
+                                "num_prompt_tokens", "cache_salt", "sampling_params"),
     # runner.TreeRunnerMixin.move_kv reads the step's slot mapping of KV cache group 0
     "vllm.v1.worker.block_table:BlockTable": ("slot_mapping",),
 }
@@ -112,6 +120,7 @@ RUNNER_ATTRIBUTES: tuple[str, ...] = (
     "drafter", "rejection_sampler", "rejection_sampler.sampler", "input_batch", "input_batch.req_ids",
     "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu", "input_batch.num_tokens_no_spec",
     "input_batch.token_ids_cpu", "input_batch.req_id_to_index", "input_batch.block_table", "query_start_loc",
+    "input_batch.logitsprocs", "input_batch.sampling_metadata",
     "positions", "requests", "uses_mrope", "scheduler_config", "model_config",
     # the attention layers whose K/V caches the slot moves edit (kv_moves.KVMover.from_layers)
     "compilation_config.static_forward_context",
@@ -176,7 +185,9 @@ def surface_problems(platform: str = "cpu") -> list[str]:
         except (ImportError, AttributeError) as e:
             problems.append(f"{path}: missing ({e})")
             continue
-        have = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        # a dataclass's fields, or a msgspec Struct's (SamplingParams)
+        have = ({f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls)
+                else set(getattr(cls, "__struct_fields__", ())))
         missing = [n for n in names if n not in have]
         if missing:
             problems.append(f"{path}: missing dataclass field(s) {missing}")

@@ -1,0 +1,110 @@
+"""Every request type a plain vLLM engine serves is served with a tree method on, exactly.
+
+vLLM refuses ``min_p`` and ``logit_bias`` with any speculative config (a 400 over HTTP); with
+``{"method": "goose"}`` they are accepted (patches.py, patch 9). One tiny-Llama workload
+(12 prompts, 48 tokens, float32), each prompt with its own request type, run three times: plain
+vLLM without the per-prompt parameters (to pick biases that change the output), plain vLLM with
+them, GOOSE with them. GOOSE must match plain token for token on every prompt, and the
+requests whose law trees keep (greedy with ``logit_bias``, ``allowed_token_ids``, ``min_p``, a
+node cap) must have had trees, the others none (counted by reason on /metrics).
+
+Which bug each check catches: tree rows verified without the request's bias or allowed set
+(the walk accepts the unbiased argmax: the output equals the unbiased run, not plain's);
+min_p / logit_bias dropped for requests without trees (vLLM builds only min_tokens' processor
+under speculation); a request type given trees whose law they do not keep (penalties, bad
+words: outputs differ, and the reason counts are off by one). A sampled request with a bias
+keeps trees too; its draws are not plain's (the law is), so it is checked by the token its bias
+bans never appearing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from vllm_anisotropic.integration.vllm.metrics import STATS_ENV, TRACE_ENV
+from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+
+pytestmark = pytest.mark.engine
+
+ENGINE = {"enforce_eager": True, "max_model_len": 1024, "dtype": "float32", "max_num_seqs": 16}
+WIDE_GOOSE = {"method": "goose", "bypass": False, "min_branch_score": 0.0, "allocator": "off"}
+MAX_TOKENS = 48
+
+# prompt index -> (its SamplingParams over greedy, whether it gets trees); biases filled in below
+KINDS = [
+    ("greedy", {}, True),
+    ("logit_bias", None, True),
+    ("allowed_token_ids", None, True),
+    ("min_p greedy", {"min_p": 0.3}, True),
+    ("min_p sampled (seeded)", {"temperature": 0.8, "min_p": 0.05, "seed": 11}, False),
+    ("bad_words", None, False),
+    ("presence_penalty", {"presence_penalty": 0.8}, False),
+    ("repetition_penalty", {"repetition_penalty": 1.3}, False),
+    ("min_tokens", {"min_tokens": 40}, False),
+    ("trees off", {"extra_args": {"trees": False}}, False),
+    ("node cap 2", {"extra_args": {"tree_max_nodes": 2}}, True),
+    ("logit_bias sampled (seeded)", None, True),
+]
+SAMPLED_TREES = {11}  # sampled with trees: the law is kept, not plain's exact draws
+REASONS = {"min_p": 1, "bad_words": 1, "penalties": 2, "min_tokens": 1, "request_opt_out": 1}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_prompts):
+    from transformers import AutoTokenizer
+
+    from vllm_anisotropic.models import build_tiny_model
+
+    model = str(build_tiny_model(block_std=0.1))
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = tiny_prompts[: len(KINDS)]
+    free = run_offline_job(OfflineJob(model=model, prompts=prompts, max_tokens=MAX_TOKENS, llm_kwargs=ENGINE))
+    per_prompt = []
+    for i, (name, params, _) in enumerate(KINDS):
+        out = free.token_ids[i][0]
+        common = [t for t, _ in Counter(out).most_common()]
+        if name.startswith("logit_bias"):
+            # ban the unbiased output's most common token, favour its third
+            params = {"logit_bias": {str(common[0]): -100.0, str(common[min(2, len(common) - 1)]): 3.0}}
+            if "sampled" in name:
+                params.update(temperature=0.7, seed=5)
+        elif name == "allowed_token_ids":
+            # the prompt's own tokens minus the unbiased output's most common one
+            params = {"allowed_token_ids": sorted(set(tok.encode(prompts[i])) - {common[0]})}
+        elif name == "bad_words":
+            # a token of the unbiased output (past its start) that is a word of its own
+            word = next(t for t in out[3:] if tok.encode(tok.decode([t]), add_special_tokens=False) == [t])
+            params = {"bad_words": [tok.decode([word])]}
+        per_prompt.append(params)
+    return OfflineJob(model=model, prompts=prompts, max_tokens=MAX_TOKENS, per_prompt=per_prompt,
+                      llm_kwargs=ENGINE), free
+
+
+def test_every_request_type_is_served_exactly_with_trees_where_the_law_allows(setup, tmp_path):
+    job, free = setup
+    plain = run_offline_job(job)
+    # the parameters really act: biased / restricted / banned outputs differ from the free run
+    for i in (1, 2, 5):
+        assert plain.token_ids[i] != free.token_ids[i], KINDS[i][0]
+    stats = tmp_path / "tree_stats.json"
+    goose = run_offline_job(job.model_copy(update={"speculative_config": WIDE_GOOSE}),
+                            env={STATS_ENV: str(stats), TRACE_ENV: "1"})
+    for i, (a, b) in enumerate(zip(plain.token_ids, goose.token_ids)):
+        if i not in SAMPLED_TREES:
+            assert a == b, f"prompt {i} ({KINDS[i][0]}): plain {a} vs goose {b}"
+    # sampled trees verified on the biased law: the banned token (-100) is never emitted
+    banned = [int(t) for t, v in job.per_prompt[11]["logit_bias"].items() if v < 0]
+    assert not set(banned) & set(goose.token_ids[11][0]), (banned, goose.token_ids[11])
+    data = json.loads(stats.read_text())
+    assert data["without_trees"] == REASONS, data["without_trees"]
+    # the requests that keep trees had them and accepted drafts (traces by request id "<i>-...")
+    traced = {int(r.split("-")[0]): steps for r, steps in data["requests"].items()}
+    expected = {i for i, (_, _, trees) in enumerate(KINDS) if trees}
+    assert set(traced) == expected, (sorted(traced), sorted(expected))
+    for i in expected:
+        assert sum(traced[i]) > 0, (KINDS[i][0], traced[i])
+    # the node cap held: at most 2 accepted per step for its request (others exceed it)
+    assert max(traced[10]) <= 2 and max(max(traced[i]) for i in (0, 1, 2, 3)) > 2, traced
