@@ -37,9 +37,34 @@ def _kv_transfer():
     return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
 
 
-def row(id, spec, *expected, engine=None, env=None):
-    """One table row: ``speculative_config``, substrings of the error, extra ``EngineArgs``/env."""
-    return pytest.param(spec, engine or {}, env or {}, expected, id=id)
+def row(id, spec, *expected, engine=None, env=None, model=None):
+    """One table row: ``speculative_config``, substrings of the error, extra ``EngineArgs``/env,
+    and the model's attention config (a name of ``MODEL_CONFIGS``; None: the tiny Llama)."""
+    return pytest.param(spec, engine or {}, env or {}, expected, model, id=id)
+
+
+# The attention fields of published model configs (values as in each model's config.json on
+# the Hugging Face hub), on the tiny model's small shapes: what tree attention cannot do is
+# refused from the config, before any weights load (patches.attention_refusals).
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+              vocab_size=49152, max_position_embeddings=2048)
+MODEL_CONFIGS = {
+    # mistralai/Mistral-7B-v0.1
+    "mistral_7b_v0_1": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096, head_dim=16),
+    # google/gemma-2-2b, its sliding window removed (the soft-cap alone), and as published
+    "gemma_2_softcap": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", attn_logit_softcapping=50.0,
+                            final_logit_softcapping=30.0, sliding_window=None, head_dim=16, query_pre_attn_scalar=16),
+    "gemma_2_2b": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0, sliding_window=4096, head_dim=16, query_pre_attn_scalar=16),
+    # bigscience/bloom-560m
+    "bloom_560m": dict(architectures=["BloomForCausalLM"], model_type="bloom", n_layer=2, n_head=4),
+    # openai/gpt-oss-20b
+    "gpt_oss_20b": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", sliding_window=128,
+                        num_local_experts=4, num_experts_per_tok=2, head_dim=16),
+    # Qwen/Qwen2.5-0.5B: a window size with use_sliding_window false (valid: the control row)
+    "qwen2_5_0_5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=32768,
+                         use_sliding_window=False, max_window_layers=21),
+}
 
 
 BAD_CONFIGS = [
@@ -117,6 +142,13 @@ BAD_CONFIGS = [
     row("custom_worker_cls", GOOSE, "'my.Worker'", "'auto'", engine={"worker_cls": "my.Worker"}),
     row("custom_scheduler_cls", GOOSE, "'my.Scheduler'", "leave", engine={"scheduler_cls": "my.Scheduler"}),
     row("kv_connector", GOOSE, "KV connectors", "kv_transfer_config", engine={"kv_transfer_config": _kv_transfer()}),
+    # --- what the model's attention needs and tree attention cannot do (CPU)
+    row("model_sliding_window", GOOSE, "sliding-window attention", "sliding_window=4096", "without a sliding window",
+        model="mistral_7b_v0_1"),
+    row("model_softcap", GOOSE, "soft-capping", "attn_logit_softcapping=50.0", "a CUDA GPU", model="gemma_2_softcap"),
+    row("model_softcap_and_window", GOOSE, "sliding_window=4096", "attn_logit_softcapping=50.0", model="gemma_2_2b"),
+    row("model_alibi", GOOSE, "ALiBi", "'bloom'", "rotary or learned positions", model="bloom_560m"),
+    row("model_sinks", GOOSE, "attention sinks", "'gpt_oss'", "sliding_window=128", model="gpt_oss_20b"),
 ]
 
 
@@ -135,12 +167,26 @@ def test_table_is_large_enough():
     assert len(BAD_CONFIGS) >= 24
 
 
-@pytest.mark.parametrize("spec, engine, env, expected", BAD_CONFIGS)
-def test_bad_config_refused_at_startup(engine_args_cls, tiny_model_dir, monkeypatch, spec, engine, env, expected):
+def model_with(tiny_model_dir, name, tmp_path) -> str:
+    """The tiny model's directory with MODEL_CONFIGS[name] as its config (None: unchanged)."""
+    if name is None:
+        return str(tiny_model_dir)
+    import json
+    import shutil
+
+    path = tmp_path / name
+    shutil.copytree(tiny_model_dir, path)
+    (path / "config.json").write_text(json.dumps({**_SMALL, **MODEL_CONFIGS[name]}))
+    return str(path)
+
+
+@pytest.mark.parametrize("spec, engine, env, expected, model", BAD_CONFIGS)
+def test_bad_config_refused_at_startup(engine_args_cls, tiny_model_dir, monkeypatch, tmp_path, spec, engine, env,
+                                       expected, model):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     args = engine_args_cls(
-        model=str(tiny_model_dir),
+        model=model_with(tiny_model_dir, model, tmp_path),
         speculative_config=copy.deepcopy(spec),
         enforce_eager=True,
         max_model_len=1024,
@@ -165,3 +211,10 @@ def test_valid_config_still_starts(engine_args_cls, tiny_model_dir, tmp_path):
     ).create_engine_config()
     assert config.speculative_config.num_speculative_tokens == 39
     assert config.additional_config[KEY]["options"]["cost_model"] == str(path)
+
+
+def test_a_window_size_with_the_window_off_is_not_refused(engine_args_cls, tiny_model_dir, tmp_path):
+    """Qwen2.5's config keeps ``sliding_window`` with ``use_sliding_window: false``: no window."""
+    config = engine_args_cls(model=model_with(tiny_model_dir, "qwen2_5_0_5b", tmp_path), speculative_config=GOOSE,
+                             enforce_eager=True, max_model_len=1024).create_engine_config()
+    assert config.speculative_config.method == "goose"

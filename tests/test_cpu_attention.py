@@ -210,3 +210,26 @@ def test_path_rounds_for_slim_trees_and_the_recompute_for_bushy_ones():
     # a star's first node is its chain (the kernel's row is right): k + 1 leaves, k paths
     assert plan_for([[-1] + [0] * (PATHS_MAX_MEAN + 2)])[0] is None
     assert len(plan_for([[-1] + [0] * (PATHS_MAX_MEAN + 1)])[0][0]) == PATHS_MAX_MEAN
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"sliding_window": 4096}, "sliding windows"),
+    ({"alibi_slopes": [0.5, 0.25]}, "ALiBi"),
+    ({"logits_soft_cap": 50.0}, "logit soft-capping"),
+    ({"sinks": torch.zeros(2)}, "attention sinks"),
+])
+def test_tree_attention_refuses_what_it_cannot_do_when_built(tiny_model_dir, kwargs, name):
+    """Refused as the model is built (before any request), naming the feature; the plain impl
+    with the same arguments builds (the control)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    args = dict(num_heads=2, head_size=16, scale=0.25, num_kv_heads=2, alibi_slopes=None, sliding_window=None,
+                kv_cache_dtype="auto")
+    config = EngineArgs(model=str(tiny_model_dir), enforce_eager=True, max_model_len=512).create_engine_config()
+    with set_current_vllm_config(config):
+        CPUAttentionBackendImpl(**{**args, **kwargs})
+        with pytest.raises(NotImplementedError, match=name):
+            TreeCPUAttentionImpl(**{**args, **kwargs})
+        TreeCPUAttentionImpl(**args)

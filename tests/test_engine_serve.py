@@ -259,3 +259,30 @@ def test_aborted_stream_drops_its_proposer_state(server, client, model_name, pro
     _, text = http_get(f"{server[0]}/metrics")
     live = _metric_total(text, "vllm_anisotropic:tree_live_requests")
     assert live <= 1, live
+
+
+def test_min_p_logit_bias_and_tree_options_over_http(server, client, model_name, prompts):
+    """vLLM answers min_p / logit_bias with a 400 under any speculative config; with a tree
+    method they are served (patches.py, patch 9). The request's tree options travel as
+    ``vllm_xargs``; a misspelt one is a 400 that names it and the valid ones. A request with
+    trees off is counted on /metrics by its reason."""
+    import openai
+
+    ok = client.completions.create(model=model_name, prompt=prompts[0], max_tokens=8, temperature=0,
+                                   logit_bias={"13": -100}, extra_body={"min_p": 0.1, "return_token_ids": True})
+    assert len(ok.choices[0].model_extra["token_ids"]) == 8 and 13 not in ok.choices[0].model_extra["token_ids"]
+    sampled = client.completions.create(model=model_name, prompt=prompts[1], max_tokens=8, temperature=0.8,
+                                        seed=3, extra_body={"min_p": 0.2})
+    assert sampled.choices[0].text
+    off = client.completions.create(model=model_name, prompt=prompts[2], max_tokens=8, temperature=0,
+                                    extra_body={"vllm_xargs": {"trees": False, "tree_max_nodes": 3}})
+    assert off.choices[0].text
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model_name, prompt=prompts[0], max_tokens=4,
+                                  extra_body={"vllm_xargs": {"tree_nodes": 3}})
+    assert "tree_nodes" in str(bad.value) and "tree_max_nodes" in str(bad.value), str(bad.value)
+    _, text = http_get(f"{server[0]}/metrics")
+    opt_out = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("vllm_anisotropic:tree_requests_without_trees_total{")
+                  and 'reason="request_opt_out"' in line)
+    assert opt_out >= 1, [line for line in text.splitlines() if "without_trees" in line]

@@ -114,18 +114,24 @@ def kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     """``CPUAttentionBackendImpl`` whose tree rows are recomputed with a tree mask."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # refused when the model is built, not at the first tree step (the engine would serve
+        # prompts, then die under traffic); patches.attention_refusals names most of these
+        # from the model's config before any weights load
+        why = [name for name, on in (
+            ("ALiBi", self.alibi_slopes is not None), ("sliding windows", self.sliding_window != -1),
+            ("logit soft-capping", bool(self.logits_soft_cap)), ("attention sinks", self.sinks is not None),
+            ("fp8 KV caches", self.is_fp8_kv_cache)) if on]
+        if why:
+            raise NotImplementedError(f"vllm-anisotropic CPU tree attention does not support {', '.join(why)}; use a "
+                                      "model without it, or plain vLLM speculative decoding")
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         plan = getattr(attn_metadata, "tree_plan", None) if attn_metadata is not None else None
         if plan is None:
             return output
-        if self.alibi_slopes is not None or self.sliding_window != -1 or self.logits_soft_cap or self.sinks is not None:
-            raise NotImplementedError(
-                "vllm-anisotropic tree attention does not support ALiBi, sliding windows, "
-                "logit soft-capping or attention sinks yet"
-            )
-        if self.is_fp8_kv_cache:
-            raise NotImplementedError("vllm-anisotropic tree attention does not support fp8 KV caches")
         self.tree_rows(layer, query, key, value, kv_cache, attn_metadata, plan, output)
         return output
 

@@ -287,7 +287,7 @@ def split_speculative_dict(spec: dict[str, Any], vllm_fields: set[str]) -> tuple
 # ``SamplingParams.extra_args`` keys (``"vllm_xargs"`` in an OpenAI request body) that steer one
 # request's trees; every ``extra_args`` key starting with "tree" is ours and validated.
 REQUEST_KEYS: dict[str, str] = {
-    "trees": "bool: false = this request decodes without drafts (default true)",
+    "trees": "bool (or 0 / 1): false = this request decodes without drafts (default true)",
     "tree_max_nodes": "int >= 0: at most this many draft nodes per step for this request (0 = none)",
 }
 
@@ -315,8 +315,11 @@ def request_tree_options(extra_args: dict[str, Any] | None) -> RequestTreeOption
         raise ValueError(f"unknown vllm-anisotropic request option(s) {unknown} in extra_args (vllm_xargs); valid: "
                          + "; ".join(f"{k} ({doc})" for k, doc in REQUEST_KEYS.items()))
     trees = ours.get("trees", True)
+    # over HTTP vLLM's vllm_xargs turns JSON false into 0 (its values are str | int | float)
+    trees = {0: False, 1: True, "false": False, "true": True}.get(
+        trees.lower() if isinstance(trees, str) else trees, trees) if not isinstance(trees, bool) else trees
     if not isinstance(trees, bool):
-        raise ValueError(f"extra_args['trees'] must be true or false, got {trees!r}")
+        raise ValueError(f"extra_args['trees'] must be true or false (or 1 / 0), got {trees!r}")
     cap = ours.get("tree_max_nodes")
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
         raise ValueError(f"extra_args['tree_max_nodes'] must be an integer >= 0, got {cap!r}")

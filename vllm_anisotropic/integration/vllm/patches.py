@@ -261,6 +261,8 @@ def check_and_install(vllm_config) -> None:
     model_config = vllm_config.model_config
     if model_config is not None and getattr(model_config, "is_hybrid", False):
         problems.append("hybrid (Mamba / linear-attention) models: their state cannot roll back a tree")
+    if model_config is not None:
+        problems += attention_refusals(model_config.hf_text_config, on_gpu)
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         # a connector saves / loads KV by block as vLLM commits it; accepted tree tokens sit
         # at the wrong slots until re-run (scheduler.py), so a connector could ship stale KV
@@ -297,6 +299,40 @@ def check_and_install(vllm_config) -> None:
         additional[ADDITIONAL_CONFIG_KEY] = tree.to_additional_config()
     vllm_config.parallel_config.worker_cls = GPU_WORKER_CLS if on_gpu else WORKER_CLS
     vllm_config.scheduler_config.scheduler_cls = SCHEDULER_CLS
+
+
+# model types whose vLLM implementation uses attention sinks (no config flag says so)
+_SINK_MODEL_TYPES = ("gpt_oss",)
+
+
+def attention_refusals(hf_config, on_gpu: bool) -> list[str]:
+    """What the model's attention needs that tree attention cannot do, read from its HF config
+    (refused when the engine is configured, not at the first tree step): sliding windows (a
+    tree row's window would be counted by row, not by ``root + depth``), ALiBi, attention sinks,
+    and on CPU logit soft-capping (vLLM's CUDA path applies it inside FlashAttention). The
+    attention implementations refuse the same when they are built (``attention.py``,
+    ``gpu_attention.py``): this names it before any weights load."""
+    out = []
+    window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        window = None  # Qwen2-style configs keep the size with the window off
+    if window:
+        out.append(f"sliding-window attention (the model's config has sliding_window={window}; valid: a model "
+                   "without a sliding window)")
+    kind = getattr(hf_config, "model_type", None)
+    attn_config = getattr(hf_config, "attn_config", None)
+    alibi = (getattr(hf_config, "alibi", False) is True or kind in ("bloom", "jais")
+             or (kind == "mpt" and (attn_config.get("alibi") if isinstance(attn_config, dict)
+                                    else getattr(attn_config, "alibi", False)))
+             or (kind == "baichuan" and getattr(hf_config, "hidden_size", 0) == 5120))  # Baichuan-13B
+    if alibi:
+        out.append(f"ALiBi position biases (model_type {kind!r}; valid: a model with rotary or learned positions)")
+    if kind in _SINK_MODEL_TYPES:
+        out.append(f"attention sinks (model_type {kind!r})")
+    cap = getattr(hf_config, "attn_logit_softcapping", None)
+    if cap and not on_gpu:
+        out.append(f"attention logit soft-capping on CPU (attn_logit_softcapping={cap}; valid: unset, or a CUDA GPU)")
+    return out
 
 
 def force_gpu_settings(compilation_config, attention_config, parallel_config, model_config) -> list[str]:

@@ -1,0 +1,83 @@
+"""A request's own tree options (``extra_args`` / ``vllm_xargs``) and which request types get trees.
+
+Pure functions, no engine: ``config.request_tree_options`` (validated in the front end,
+patches.py patch 9) and ``runner.ineligible_reason`` / ``runner.RowEdits`` (the worker). The
+engine tests of every request type are in test_engine_request_types.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_anisotropic.integration.vllm.config import request_tree_options
+
+
+@pytest.mark.parametrize("extra, trees, cap", [
+    (None, True, None), ({}, True, None), ({"other_tool": 1}, True, None),
+    ({"trees": False}, False, None), ({"trees": 0}, False, None), ({"trees": "false"}, False, None),
+    ({"trees": 1}, True, None), ({"tree_max_nodes": 4}, True, 4), ({"tree_max_nodes": 0}, True, 0),
+])
+def test_request_options_parse(extra, trees, cap):
+    opts = request_tree_options(extra)
+    assert (opts.trees, opts.max_nodes) == (trees, cap)
+    assert opts.drafts == (trees and cap != 0)
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"tree_nodes": 3}, ["'tree_nodes'", "tree_max_nodes", "trees"]),
+    ({"trees": "no"}, ["'trees'", "'no'", "true or false"]),
+    ({"trees": 2}, ["'trees'", "2"]),
+    ({"tree_max_nodes": -1}, ["tree_max_nodes", "-1", ">= 0"]),
+    ({"tree_max_nodes": 2.5}, ["tree_max_nodes", "2.5"]),
+    ({"tree_max_nodes": True}, ["tree_max_nodes", "True"]),
+])
+def test_bad_request_options_are_refused_by_name(extra, named):
+    with pytest.raises(ValueError) as info:
+        request_tree_options(extra)
+    missing = [s for s in named if s not in str(info.value)]
+    assert not missing, (missing, str(info.value))
+
+
+def _params(**kw):
+    """Greedy unless ``kw`` says otherwise (SamplingParams' own default temperature is 1.0)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(**{"temperature": 0.0, **kw})
+
+
+@pytest.mark.parametrize("kw, sampling_trees, reason", [
+    ({}, False, None),
+    ({"temperature": 0.8}, False, "sampled"),
+    ({"temperature": 0.8}, True, None),
+    ({"logit_bias": {5: 1.0}}, False, None),
+    ({"allowed_token_ids": [1, 2, 3]}, False, None),
+    ({"min_p": 0.2}, False, None),  # argmax-invariant: greedy keeps trees
+    ({"min_p": 0.2, "temperature": 0.8}, True, "min_p"),
+    ({"logprobs": 1}, False, "logprobs"),
+    ({"presence_penalty": 0.5}, False, "penalties"),
+    ({"frequency_penalty": 0.5}, False, "penalties"),
+    ({"repetition_penalty": 1.1}, False, "penalties"),
+    ({"min_tokens": 3}, False, "min_tokens"),
+    ({"extra_args": {"trees": False}}, False, "request_opt_out"),
+    ({"extra_args": {"tree_max_nodes": 0}}, False, "request_opt_out"),
+    ({"extra_args": {"tree_max_nodes": 3}}, False, None),
+])
+def test_which_requests_get_trees(kw, sampling_trees, reason):
+    from vllm_anisotropic.integration.vllm.runner import ineligible_reason
+
+    assert ineligible_reason(_params(**kw), sampling_trees) == reason
+
+
+def test_row_edits_apply_as_vllms_sampler_does():
+    """Allowed set first (every other token -inf), then the bias at its tokens: the argmax of
+    an edited row is the biased argmax among the allowed tokens."""
+    from vllm_anisotropic.integration.vllm.runner import RowEdits
+
+    assert RowEdits.of(_params()) is None
+    rows = torch.tensor([[0.0, 5.0, 1.0, 2.0, 3.0], [4.0, 0.0, 0.0, 0.0, 0.0]])
+    edits = RowEdits.of(_params(logit_bias={2: 2.5, 4: -1.0}, allowed_token_ids=[0, 2, 4]))
+    edits.apply(rows)
+    inf = float("-inf")
+    assert rows.tolist() == [[0.0, inf, 3.5, inf, 2.0], [4.0, inf, 2.5, inf, -1.0]]
+    assert rows.argmax(-1).tolist() == [2, 0]
