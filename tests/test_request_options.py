@@ -54,7 +54,7 @@ def _params(**kw):
     ({"allowed_token_ids": [1, 2, 3]}, False, None),
     ({"min_p": 0.2}, False, None),  # argmax-invariant: greedy keeps trees
     ({"min_p": 0.2, "temperature": 0.8}, True, "min_p"),
-    ({"logprobs": 1}, False, "logprobs"),
+    ({"logprobs": 1}, False, None),  # raw logprobs mode: the tree sampler reports them
     ({"presence_penalty": 0.5}, False, "penalties"),
     ({"frequency_penalty": 0.5}, False, "penalties"),
     ({"repetition_penalty": 1.1}, False, "penalties"),
@@ -67,6 +67,12 @@ def test_which_requests_get_trees(kw, sampling_trees, reason):
     from vllm_anisotropic.integration.vllm.runner import ineligible_reason
 
     assert ineligible_reason(_params(**kw), sampling_trees) == reason
+
+
+def test_logprobs_keep_trees_only_in_raw_modes():
+    from vllm_anisotropic.integration.vllm.runner import ineligible_reason
+
+    assert ineligible_reason(_params(logprobs=2), logprobs_trees=False) == "logprobs"
 
 
 def test_row_edits_apply_as_vllms_sampler_does():

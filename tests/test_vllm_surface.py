@@ -46,7 +46,8 @@ def test_a_removed_field_is_refused(monkeypatch):
 
 def test_runner_attributes():
     batch = SimpleNamespace(req_ids=[], num_reqs=0, num_computed_tokens_cpu=None, num_tokens_no_spec=None,
-                            token_ids_cpu=None, req_id_to_index={}, block_table=None)
+                            token_ids_cpu=None, req_id_to_index={}, block_table=None, logitsprocs=None,
+                            sampling_metadata=None)
     runner = SimpleNamespace(drafter=None, rejection_sampler=SimpleNamespace(sampler=None), input_batch=batch,
                              query_start_loc=None, positions=None, requests={}, uses_mrope=False,
                              scheduler_config=None, model_config=None, speculative_config=None,

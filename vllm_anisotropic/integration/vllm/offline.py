@@ -61,7 +61,7 @@ class OfflineJob(BaseModel):
     stop_token_ids: list[int] | None = None
     logprobs: int | None = Field(None, ge=0)
     """Top logprobs per generated token (``SamplingParams.logprobs``); kept for the first
-    completion of each prompt in ``OfflineResult.logprobs``."""
+    completion of each prompt in ``OfflineResult.logprobs`` (also when only ``per_prompt`` asks)."""
     per_prompt: list[dict[str, Any]] | None = None
     """Per-prompt ``SamplingParams`` keyword arguments over the job's (e.g. ``{"logit_bias":
     {"5": 2.0}}``, ``{"temperature": 0.8, "min_p": 0.1, "seed": 3}``), one dict per prompt."""
@@ -242,7 +242,7 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
         counters=_counters(llm),
         pid=os.getpid(),
         prompt_token_ids=[list(o.prompt_token_ids or []) for o in outputs],
-        logprobs=None if job.logprobs is None else [
+        logprobs=None if all(o.outputs[0].logprobs is None for o in outputs) else [
             [{int(t): float(lp.logprob) for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])]
             for o in outputs
         ],

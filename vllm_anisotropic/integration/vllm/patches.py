@@ -72,7 +72,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM = ("0.32.",)
+SUPPORTED_VLLM = ("0.32.", "0.33.")
 WORKER_CLS = "vllm_anisotropic.integration.vllm.worker.TreeCPUWorker"
 GPU_WORKER_CLS = "vllm_anisotropic.integration.vllm.worker.TreeGPUWorker"
 SCHEDULER_CLS = "vllm_anisotropic.integration.vllm.scheduler.TreeScheduler"
@@ -254,6 +254,10 @@ def check_and_install(vllm_config) -> None:
             vllm_config.compilation_config, vllm_config.attention_config,
             vllm_config.parallel_config, vllm_config.model_config,
         )
+    sample_method = getattr(spec, "rejection_sample_method", "standard")
+    if sample_method != "standard":
+        problems.append(f"rejection_sample_method {sample_method!r} (valid: 'standard'; the tree verifiers replace "
+                        "vLLM's rejection sampler and keep the target's law exactly)")
     if vllm_config.scheduler_config.async_scheduling:
         problems.append("async scheduling (drop --async-scheduling / async_scheduling=True)")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:

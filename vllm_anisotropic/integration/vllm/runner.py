@@ -96,15 +96,16 @@ def node_masks(trees: FlatTrees, index: np.ndarray) -> list[np.ndarray]:
     return out
 
 
-def ineligible_reason(sampling_params, sampling_trees: bool = False) -> str | None:
+def ineligible_reason(sampling_params, sampling_trees: bool = False, logprobs_trees: bool = True) -> str | None:
     """Why a request decodes without trees (a label of ``tree_requests_without_trees``), or
     None when it gets them: its next token is ``argmax`` (greedy) or, with ``sampling_trees``,
     a sample of softmax(logits / temperature) under top-k / top-p, of the logits after the
     request's path-independent edits (``logit_bias``, ``allowed_token_ids``: the tree sampler
     applies them to every tree row, ``TreeRejectionSampler``). ``min_p`` leaves the argmax alone
     (vLLM applies it to sampled rows only), so it keeps greedy trees. Whatever depends on the
-    path (penalties, bad words, min_tokens, a grammar) or needs per-token outputs (logprobs)
-    decodes without drafts, through vLLM's own sampler."""
+    path (penalties, bad words, min_tokens, a grammar) decodes without drafts, through vLLM's own
+    sampler. Logprobs keep trees when ``logprobs_trees`` (vLLM's ``logprobs_mode`` is raw: the
+    tree sampler reports each emitted token's from the row that predicted it)."""
     sp = sampling_params
     if sp is None:
         return "no_sampling_params"
@@ -113,7 +114,7 @@ def ineligible_reason(sampling_params, sampling_trees: bool = False) -> str | No
     greedy = sp.temperature < _SAMPLING_EPS
     if not greedy and not sampling_trees:
         return "sampled"
-    if sp.logprobs is not None:
+    if sp.logprobs is not None and not logprobs_trees:
         return "logprobs"
     if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0:
         return "penalties"
@@ -128,9 +129,9 @@ def ineligible_reason(sampling_params, sampling_trees: bool = False) -> str | No
     return None
 
 
-def tree_eligible(sampling_params, sampling_trees: bool = False) -> bool:
+def tree_eligible(sampling_params, sampling_trees: bool = False, logprobs_trees: bool = True) -> bool:
     """``ineligible_reason(...) is None``."""
-    return ineligible_reason(sampling_params, sampling_trees) is None
+    return ineligible_reason(sampling_params, sampling_trees, logprobs_trees) is None
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,9 @@ class TreeRunnerMixin:
         )
         # fixed for the engine's life: read once, not per step
         self._sampling_trees = config.sampled_verifier != "none"  # sampled requests get trees
+        # logprobs requests get trees when vLLM reports raw values (TreeRejectionSampler._logprobs)
+        self._logprobs_trees = getattr(self.model_config, "logprobs_mode", "raw_logprobs") in ("raw_logprobs",
+                                                                                              "raw_logits")
         self._draft_model = config.method in DRAFT_MODEL_METHODS  # proposals sample under the request's law
         self._tree_step: StepTrees | None = None
         self._tree_plan: TreePlan | None = None
@@ -357,7 +361,7 @@ class TreeRunnerMixin:
         ok = self._eligible_cache.get(req_id)
         if ok is None:
             sp = self.requests[req_id].sampling_params
-            reason = ineligible_reason(sp, self._sampling_trees)
+            reason = ineligible_reason(sp, self._sampling_trees, self._logprobs_trees)
             ok = self._eligible_cache[req_id] = reason is None
             if reason is not None:
                 counts = self.drafter.metrics.without_trees

@@ -35,6 +35,7 @@ unchanged. After the walk, the accepted nodes' K/V is moved to the slots the seq
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -83,9 +84,11 @@ class TreeRejectionSampler(nn.Module):
             bad = int(np.flatnonzero(num_draft != expected)[0])
             raise RuntimeError(f"batch row {bad} has {num_draft[bad]} drafts but its draft tree {expected[bad]}")
         t_vllm = time.perf_counter()
-        bonus_out = self.sampler(
+        num_logprobs = sampling_metadata.max_num_logprobs
+        bonus_out = self.sampler(  # logprobs: below, for every emitted token at once
             logits=logits[metadata.bonus_logits_indices],
-            sampling_metadata=sampling_metadata,
+            sampling_metadata=sampling_metadata if num_logprobs is None else replace(sampling_metadata,
+                                                                                   max_num_logprobs=None),
             predict_bonus_token=True,
         )
         t_vllm = time.perf_counter() - t_vllm  # vLLM's sampler: not the plugin's host work
@@ -116,20 +119,41 @@ class TreeRejectionSampler(nn.Module):
         t_harvest = self._observe(step, starts, logits, accepted, num_accepted)
 
         logprobs = None
-        if bonus_out.logprobs_tensors is not None:
-            # Only non-tree rows ask for logprobs (tree requests never do); their one emitted
-            # token sits at column 0. vLLM filters the flattened [batch_size * width] logprobs
-            # with the valid-token mask, so each row's bonus logprobs are repeated per column.
-            lp = bonus_out.logprobs_tensors
-            logprobs = type(lp)(
-                lp.logprob_token_ids.repeat_interleave(width, dim=0),
-                lp.logprobs.repeat_interleave(width, dim=0),
-                lp.selected_token_ranks.repeat_interleave(width, dim=0),
-            )
+        if num_logprobs is not None:
+            # the logits row that predicted each emitted token: the root's for column 0, accepted
+            # node j's for column j + 1 (row j of a tree is node j); a request without a tree
+            # emits its bonus row's token at column 0
+            source = (cu_sampled - 1)[:, None] + np.zeros((1, width), np.int64)
+            tree_rows = step.rows[walked]
+            source[tree_rows, 0] = starts[walked]
+            source[tree_rows, 1 : acc.shape[1] + 1] = starts[walked, None] + np.maximum(acc, 0)
+            logprobs = self._logprobs(logits, source, out, num_logprobs)
         from vllm.v1.outputs import SamplerOutput
 
         self.runner.host_clock.add("walk", time.perf_counter() - t0 - t_vllm - t_harvest - t_kv)
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+    def _logprobs(self, logits: torch.Tensor, source: np.ndarray, out: torch.Tensor, num_logprobs: int):
+        """vLLM's ``LogprobsTensors`` of the emitted tokens ``out`` ``[batch, width]``, each from
+        the logits row ``source`` names, as plain decoding computes them from its one row (raw
+        log-softmax, or raw logits in ``raw_logits`` mode: ``runner.ineligible_reason`` gives
+        trees to logprobs requests only in those modes); flattened ``[batch * width]`` with
+        zeros where no token was emitted (vLLM filters them out with the valid-token mask)."""
+        from vllm.v1.outputs import LogprobsTensors
+
+        flat = out.flatten()
+        valid = torch.nonzero(flat != PLACEHOLDER_TOKEN_ID).flatten()
+        rows = torch.from_numpy(source.reshape(-1)).to(logits.device)[valid]
+        picked = logits.index_select(0, rows).to(torch.float32)
+        if self.sampler.logprobs_mode != "raw_logits":
+            picked = self.sampler.compute_logprobs(picked)
+        got = self.sampler.gather_logprobs(picked, num_logprobs, flat[valid].to(torch.int64))
+        parts = []
+        for part in (got.logprob_token_ids, got.logprobs, got.selected_token_ranks):
+            full = part.new_zeros((flat.shape[0], *part.shape[1:]))
+            full[valid] = part
+            parts.append(full)
+        return LogprobsTensors(*parts)
 
     def _observe(self, step, starts, logits, accepted=None, num_accepted=None) -> float:
         """The step's accepted paths to the drafter (metrics, learning); returns its seconds

