@@ -74,7 +74,9 @@ def test_two_sample_z_detects_a_different_law():
 FIXED_TREES = {"method": "goose", "allocator": "off", "budget": 8}
 
 
-def test_sampled_tokens_follow_plain_vllm_law(tiny_prompts):
+@pytest.fixture(scope="module")
+def law_job(tiny_prompts):
+    """N seeded samples of one prompt (temperature 0.7, top-p 0.9) and plain vLLM's outputs."""
     from vllm_anisotropic.models import build_tiny_model
 
     # lm_head_alpha 0.25: top-1 probability ~0.76 and entropy ~1.3 nats at temperature 0.7 (the
@@ -82,7 +84,11 @@ def test_sampled_tokens_follow_plain_vllm_law(tiny_prompts):
     model = str(build_tiny_model(block_std=0.1, lm_head_alpha=0.25))
     job = OfflineJob(model=model, prompts=[tiny_prompts[0]] * N, max_tokens=MAX_TOKENS, temperature=0.7,
                      top_p=0.9, seed=1000, seed_per_prompt=True, llm_kwargs=ENGINE)
-    plain = run_offline_job(job)
+    return job, run_offline_job(job)
+
+
+def test_sampled_tokens_follow_plain_vllm_law(law_job):
+    job, plain = law_job
     spec = run_offline_job(job.model_copy(update={"speculative_config": FIXED_TREES, "seed": 1_000_000}))
     assert spec.spec.num_accepted_tokens > 100, spec.spec  # trees were verified and accepted
     outs_plain = [r[0] for r in plain.token_ids]
@@ -92,6 +98,28 @@ def test_sampled_tokens_follow_plain_vllm_law(tiny_prompts):
     zs = law_z(outs_plain, outs_spec)
     print(f"spec counters {spec.spec}, tau {spec.spec.tau:.2f}, distinct outputs {len({tuple(o) for o in outs_spec})}/{N}, "
           f"z per position {zs[:-1]}, joint z of the first 3 tokens {zs[-1]}")
+    assert max(zs) < 4.0, zs
+
+
+def test_sampled_trees_with_logit_bias_follow_plain_vllm_law(law_job):
+    """A sampled request with ``logit_bias`` keeps its trees (every tree row biased as vLLM
+    biases its one row, ``runner.RowEdits``): the law test above, both sides biased. The bias
+    moves mass from the most frequent token at the first position with a choice to the second,
+    so a tree path that forgot it would fail there (checked: the biased plain law differs from
+    the unbiased one)."""
+    job, free = law_job
+    outs = [r[0] for r in free.token_ids]
+    t = next(t for t in range(MAX_TOKENS) if len({o[t] for o in outs if len(o) > t}) > 2)
+    top = Counter(o[t] for o in outs if len(o) > t).most_common(2)
+    bias = {"logit_bias": {str(top[0][0]): -1.5, str(top[1][0]): 1.5}}
+    biased = job.model_copy(update={"per_prompt": [bias] * N})
+    plain = run_offline_job(biased)
+    spec = run_offline_job(biased.model_copy(update={"speculative_config": FIXED_TREES, "seed": 1_000_000}))
+    assert spec.spec.num_accepted_tokens > 100, spec.spec
+    outs_free, outs_plain, outs_spec = ([r[0] for r in res.token_ids] for res in (free, plain, spec))
+    assert max(law_z(outs_free, outs_plain)) >= 4.0  # the bias really changes the law
+    zs = law_z(outs_plain, outs_spec)
+    print(f"biased: spec counters {spec.spec}, z per position {zs[:-1]}, joint {zs[-1]}")
     assert max(zs) < 4.0, zs
 
 
