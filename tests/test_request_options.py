@@ -55,10 +55,10 @@ def _params(**kw):
     ({"min_p": 0.2}, False, None),  # argmax-invariant: greedy keeps trees
     ({"min_p": 0.2, "temperature": 0.8}, True, "min_p"),
     ({"logprobs": 1}, False, None),  # raw logprobs mode: the tree sampler reports them
-    ({"presence_penalty": 0.5}, False, "penalties"),
-    ({"frequency_penalty": 0.5}, False, "penalties"),
-    ({"repetition_penalty": 1.1}, False, "penalties"),
-    ({"min_tokens": 3}, False, "min_tokens"),
+    ({"presence_penalty": 0.5}, False, None),  # path-dependent edits: every row with its own past
+    ({"frequency_penalty": 0.5}, False, None),
+    ({"repetition_penalty": 1.1}, False, None),
+    ({"min_tokens": 3}, False, None),
     ({"extra_args": {"trees": False}}, False, "request_opt_out"),
     ({"extra_args": {"tree_max_nodes": 0}}, False, "request_opt_out"),
     ({"extra_args": {"tree_max_nodes": 3}}, False, None),
@@ -87,3 +87,53 @@ def test_row_edits_apply_as_vllms_sampler_does():
     inf = float("-inf")
     assert rows.tolist() == [[0.0, inf, 3.5, inf, 2.0], [4.0, inf, 2.5, inf, -1.0]]
     assert rows.argmax(-1).tolist() == [2, 0]
+
+
+def test_row_pasts_follow_each_nodes_path():
+    import numpy as np
+
+    from vllm_anisotropic.integration.vllm.sampler import _row_pasts
+
+    # root 9 -> a 1 -> b 2, root -> c 3 (sibling of a)
+    assert _row_pasts(np.array([9, 1, 2, 3]), np.array([-1, 0, 1, 0]), [5, 9]) == [
+        [5, 9], [5, 9, 1], [5, 9, 1, 2], [5, 9, 3]]
+
+
+def test_min_tokens_masks_stop_tokens_on_rows_still_short():
+    """``min_tokens`` 3 and output length 2: the root row (2 tokens before it) masks the stop
+    token, a depth-1 row (3 before it) does not."""
+    from vllm_anisotropic.integration.vllm.runner import RowEdits
+
+    sp = _params(min_tokens=3, stop_token_ids=[4])
+    edits = RowEdits.of(sp)
+    assert edits.path and edits.stop_tokens.tolist() == [4]
+    rows = torch.zeros(2, 6)
+    edits.apply(rows, past=[[7, 8], [7, 8, 1]])
+    assert rows[0, 4] == float("-inf") and rows[1, 4] == 0.0 and rows[0, :4].eq(0).all()
+
+
+def test_penalties_count_each_rows_own_path():
+    """Frequency penalty 1 on a tree ``root 9 -> 1 -> 1`` and ``root -> 3`` after output
+    ``[5, 9]``: each row is penalised by the output plus its own path (vLLM's
+    apply_all_penalties on the row's past), so the second 1 costs row 2 twice and row 3 never.
+    A sampler that penalised every row by the output alone would leave rows 1-3 equal to row 0."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from vllm_anisotropic.integration.vllm.runner import RowEdits
+    from vllm_anisotropic.integration.vllm.sampler import _row_pasts
+
+    vocab = 10
+    edits = RowEdits.of(_params(frequency_penalty=1.0))
+    assert edits.path and edits.penalties
+    metadata = SimpleNamespace(  # the SamplingMetadata fields RowEdits.apply reads, batch row 1
+        bad_words_token_ids={}, prompt_token_ids=torch.tensor([[vocab, vocab], [7, vocab]]),
+        presence_penalties=torch.tensor([0.0, 0.0]), frequency_penalties=torch.tensor([0.0, 1.0]),
+        repetition_penalties=torch.tensor([1.0, 1.0]))
+    past = _row_pasts(np.array([9, 1, 1, 3]), np.array([-1, 0, 1, 0]), [5, 9])
+    rows = torch.zeros(4, vocab)
+    edits.apply(rows, past, metadata, index=1)
+    expected = torch.zeros(4, vocab)
+    expected[:, 5] = expected[:, 9] = -1.0
+    expected[1, 1], expected[2, 1], expected[3, 3] = -1.0, -2.0, -1.0
+    assert torch.equal(rows, expected), rows

@@ -100,11 +100,11 @@ def ineligible_reason(sampling_params, sampling_trees: bool = False, logprobs_tr
     """Why a request decodes without trees (a label of ``tree_requests_without_trees``), or
     None when it gets them: its next token is ``argmax`` (greedy) or, with ``sampling_trees``,
     a sample of softmax(logits / temperature) under top-k / top-p, of the logits after the
-    request's path-independent edits (``logit_bias``, ``allowed_token_ids``: the tree sampler
-    applies them to every tree row, ``TreeRejectionSampler``). ``min_p`` leaves the argmax alone
-    (vLLM applies it to sampled rows only), so it keeps greedy trees. Whatever depends on the
-    path (penalties, bad words, min_tokens, a grammar) decodes without drafts, through vLLM's own
-    sampler. Logprobs keep trees when ``logprobs_trees`` (vLLM's ``logprobs_mode`` is raw: the
+    request's edits (``logit_bias``, ``allowed_token_ids``, bad words, ``min_tokens``,
+    penalties: the tree sampler applies them to every tree row, each row with the output before
+    it, ``RowEdits``). ``min_p`` leaves the argmax alone (vLLM applies it to sampled rows only),
+    so it keeps greedy trees. A grammar (structured output) and sampled ``min_p`` decode without
+    drafts, through vLLM's own sampler. Logprobs keep trees when ``logprobs_trees`` (vLLM's ``logprobs_mode`` is raw: the
     tree sampler reports each emitted token's from the row that predicted it)."""
     sp = sampling_params
     if sp is None:
@@ -116,14 +116,8 @@ def ineligible_reason(sampling_params, sampling_trees: bool = False, logprobs_tr
         return "sampled"
     if sp.logprobs is not None and not logprobs_trees:
         return "logprobs"
-    if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0:
-        return "penalties"
     if not greedy and getattr(sp, "min_p", 0.0) > 0.0:
         return "min_p"
-    if getattr(sp, "bad_words", None) or getattr(sp, "_bad_words_token_ids", None):
-        return "bad_words"
-    if sp.min_tokens != 0:
-        return "min_tokens"
     if getattr(sp, "structured_outputs", None) is not None:
         return "structured_output"
     return None
@@ -136,33 +130,71 @@ def tree_eligible(sampling_params, sampling_trees: bool = False, logprobs_trees:
 
 @dataclass(frozen=True)
 class RowEdits:
-    """A request's path-independent edits of its logits rows, as vLLM's sampler applies them
-    (float32): ``allowed`` token ids (every other token -inf), then ``bias_values`` added at
-    ``bias_tokens``. From ``SamplingParams``: ``logit_bias={5: 2.0}`` -> tokens [5], values [2.0]."""
+    """A tree request's edits of its logits rows, exactly as vLLM's sampler edits its one row
+    (float32, same order, vLLM's own functions for the path-dependent ones): ``allowed`` token
+    ids (every other token -inf), bad words, ``min_tokens`` (stop tokens -inf while short),
+    ``logit_bias``, then presence / frequency / repetition penalties. Row j of a tree is the
+    logits after node j's path, so the path-dependent edits (``path``) read the request's
+    output tokens followed by that path. From ``SamplingParams``: ``logit_bias={5: 2.0}`` ->
+    tokens [5], values [2.0]."""
 
     bias_tokens: torch.Tensor | None
     bias_values: torch.Tensor | None
     allowed: torch.Tensor | None
+    min_tokens: int = 0
+    stop_tokens: torch.Tensor | None = None
+    penalties: bool = False
+    bad_words: bool = False
+
+    @property
+    def path(self) -> bool:
+        """Whether an edit depends on the tokens before the row (``apply`` needs ``past``)."""
+        return self.penalties or self.bad_words or self.min_tokens > 0
 
     @classmethod
     def of(cls, sp) -> "RowEdits | None":
         bias, allowed = sp.logit_bias or {}, sp.allowed_token_ids or []
-        if not bias and not allowed:
+        penalties = sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+        bad_words = bool(getattr(sp, "bad_words", None) or getattr(sp, "_bad_words_token_ids", None))
+        stops = sorted(sp.all_stop_token_ids) if sp.min_tokens else []
+        if not (bias or allowed or penalties or bad_words or sp.min_tokens):
             return None
         return cls(
             torch.tensor(list(bias), dtype=torch.long) if bias else None,
             torch.tensor(list(bias.values()), dtype=torch.float32) if bias else None,
             torch.tensor(sorted(allowed), dtype=torch.long) if allowed else None,
+            int(sp.min_tokens), torch.tensor(stops, dtype=torch.long) if stops else None, penalties, bad_words,
         )
 
-    def apply(self, rows: torch.Tensor) -> None:
-        """Edit float32 ``rows`` ``[n, vocab]`` in place."""
+    def apply(self, rows: torch.Tensor, past: list[list[int]] | None = None, metadata=None, index: int = -1) -> None:
+        """Edit float32 ``rows`` ``[n, vocab]`` in place. ``past[j]``: the tokens vLLM's sampler
+        would see as the output before row j (the request's output, then node j's path);
+        ``metadata``: the step's ``SamplingMetadata``, ``index`` the request's batch row (its
+        bad words, prompt and penalty values)."""
+        dev = rows.device
         if self.allowed is not None:
-            keep = rows[:, self.allowed.to(rows.device)]
+            keep = rows[:, self.allowed.to(dev)]
             rows.fill_(float("-inf"))
-            rows[:, self.allowed.to(rows.device)] = keep
+            rows[:, self.allowed.to(dev)] = keep
+        if self.bad_words and metadata.bad_words_token_ids and index in metadata.bad_words_token_ids:
+            from vllm.v1.sample.ops.bad_words import apply_bad_words
+
+            words = metadata.bad_words_token_ids[index]
+            apply_bad_words(rows, {j: words for j in range(rows.shape[0])}, past)
+        if self.stop_tokens is not None:
+            short = torch.tensor([j for j, p in enumerate(past) if len(p) < self.min_tokens], dtype=torch.long)
+            if short.numel():
+                rows[short.to(dev)[:, None], self.stop_tokens.to(dev)[None, :]] = float("-inf")
         if self.bias_tokens is not None:
-            rows[:, self.bias_tokens.to(rows.device)] += self.bias_values.to(rows.device)
+            rows[:, self.bias_tokens.to(dev)] += self.bias_values.to(dev)
+        if self.penalties:
+            from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+            n = rows.shape[0]
+            one = slice(index, index + 1)
+            apply_all_penalties(rows, metadata.prompt_token_ids[one].expand(n, -1),
+                                metadata.presence_penalties[one].expand(n), metadata.frequency_penalties[one].expand(n),
+                                metadata.repetition_penalties[one].expand(n), past)
 
 
 def request_law(req_id: str, sampling_params, engine_seed) -> tuple[TargetSampling, int]:

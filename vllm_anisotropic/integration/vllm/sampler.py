@@ -210,14 +210,18 @@ class TreeRejectionSampler(nn.Module):
         rows_index = np.repeat(starts[index], sizes) + (np.arange(sub.num_nodes) - np.repeat(sub.offsets[:-1], sizes))
         tree_logits = logits.index_select(0, torch.from_numpy(rows_index).to(logits.device))
         edits = self.runner.row_edits
-        mine = [(e, a, b) for t, a, b in zip(index.tolist(), sub.offsets[:-1].tolist(), sub.offsets[1:].tolist())
+        mine = [(e, t, a, b) for t, a, b in zip(index.tolist(), sub.offsets[:-1].tolist(), sub.offsets[1:].tolist())
                 if (e := edits.get(step.req_ids[t])) is not None] if edits else []
         if mine:
-            # logit_bias / allowed_token_ids on every row of the request's tree, in float32 as
-            # vLLM's sampler applies them to its one row (runner.RowEdits)
+            # bias, allowed tokens, bad words, min_tokens, penalties on every row of the request's
+            # tree, in float32 as vLLM's sampler applies them to its one row (runner.RowEdits)
             tree_logits = tree_logits.float()
-            for e, a, b in mine:
-                e.apply(tree_logits[a:b])
+            for e, t, a, b in mine:
+                row = int(step.rows[t])
+                past = None
+                if e.path:
+                    past = _row_pasts(sub.tokens[a:b], sub.parents[a:b], self.runner.input_batch.req_output_token_ids[row])
+                e.apply(tree_logits[a:b], past, sampling_metadata, row)
         batch = sub.to_batch(device=tree_logits.device)
         if not sampled:
             res = self.verifier.verify_batch(batch, tree_logits)
@@ -232,6 +236,17 @@ class TreeRejectionSampler(nn.Module):
             q = torch.cat(list(sub.draft_probs)).to(tree_logits.device) if verifier.requires_draft_probs else None
             res = verifier.verify_batch(batch, tree_logits, sampling, None, q, uniforms=u)
         return res.accepted.cpu().numpy(), res.num_accepted.cpu().numpy(), res.bonus_tokens.cpu().numpy()
+
+
+def _row_pasts(tokens: np.ndarray, parents: np.ndarray, output: list[int]) -> list[list[int]]:
+    """The output vLLM's sampler would see before each row of a tree: ``output`` (which ends
+    with the root's token), then the path's tokens down to node j. Parents precede children.
+    ``tokens [r, a, b]``, ``parents [-1, 0, 1]``, output ``[7, r]`` -> ``[[7, r], [7, r, a],
+    [7, r, a, b]]``."""
+    pasts = [list(output)]
+    for j in range(1, len(tokens)):
+        pasts.append(pasts[int(parents[j])] + [int(tokens[j])])
+    return pasts
 
 
 def _sampling_tensors(md, rows: list[int]) -> SamplingTensors:
