@@ -169,6 +169,10 @@ def _json_params(over: dict[str, Any]) -> dict[str, Any]:
     over = dict(over)
     if over.get("logit_bias"):
         over["logit_bias"] = {int(k): float(v) for k, v in over["logit_bias"].items()}
+    if isinstance(over.get("structured_outputs"), dict):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        over["structured_outputs"] = StructuredOutputsParams(**over["structured_outputs"])
     return over
 
 

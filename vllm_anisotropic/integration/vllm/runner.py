@@ -18,11 +18,13 @@ Scope: the per-step glue (shared/notes/vllm-0.32-spec-decode-map.md sections 2-3
 * ``_build_attention_metadata``: the step's ``TreePlan`` (node rows + ancestor masks) is
   attached to every layer's attention metadata for ``attention.TreeCPUAttentionImpl``;
 * ``rejection_sampler``: ``sampler.TreeRejectionSampler`` (greedy tree walk + harvest);
-* KV after acceptance: the scheduler re-runs the accepted tokens (``scheduler.py``).
+* KV after acceptance: the sampler moves the accepted nodes' K/V to the slots the sequence needs
+  before the reply (``kv_moves.py``); nothing is re-run.
 
-Tree eligibility (``tree_eligible``): a request gets trees when its next token is the argmax
-of the raw logits, or sampled from softmax(logits / temperature) under top-k / top-p (verified
-by the sampling verifier); every other request decodes without drafts, exactly as vLLM would.
+Tree eligibility (``ineligible_reason``): a request gets trees when its next token is the argmax
+of its edited logits (bias, allowed tokens, bad words, min_tokens, penalties: ``RowEdits``), or
+sampled from softmax(logits / temperature) under top-k / top-p of them (verified by the
+sampling verifier); a grammar or sampled min_p decodes without drafts, exactly as vLLM would.
 """
 
 from __future__ import annotations

@@ -21,11 +21,12 @@ requests (verified by the greedy walk) and, unless ``sampling_verifier="none"``,
 requests whose law is softmax(logits / temperature) under top-k / top-p (verified by the
 sampling verifier -- one-hot SpecInfer by default -- on exactly that law, all in one call, with
 counter-based uniforms of each request's seed and position, ``verifiers.uniforms``). A tree
-request with ``logit_bias`` or ``allowed_token_ids`` has its tree rows edited as vLLM's sampler
-edits its one row (``runner.RowEdits``, float32) before its verifier reads them. Requests with
-penalties, bad words, min_tokens, logprobs, structured output (or sampled with min_p) have no
-drafts, so their row is the bonus row and their token comes from vLLM's own sampler exactly as
-in plain decoding (``runner.ineligible_reason``). A batch without any draft never reaches this
+request with ``logit_bias``, ``allowed_token_ids``, bad words, ``min_tokens`` or penalties has
+its tree rows edited as vLLM's sampler edits its one row (``runner.RowEdits``, float32), each
+row with the output before it (``_row_pasts``), before its verifier reads them; logprobs of the
+emitted tokens come from the rows that predicted them (``_logprobs``). Requests with structured
+output (or sampled with min_p) have no drafts, so their row is the bonus row and their token
+comes from vLLM's own sampler exactly as in plain decoding (``runner.ineligible_reason``). A batch without any draft never reaches this
 module (the runner gives such a step plain decoding's path: ``harvest_plain``); one with drafts
 but no multi-node tree (vLLM's warm-up dummy call) goes to vLLM's original rejection sampler
 unchanged. After the walk, the accepted nodes' K/V is moved to the slots the sequence needs
