@@ -101,17 +101,18 @@ def test_sampled_tokens_follow_plain_vllm_law(law_job):
     assert max(zs) < 4.0, zs
 
 
-def test_sampled_trees_with_logit_bias_follow_plain_vllm_law(law_job):
-    """A sampled request with ``logit_bias`` keeps its trees (every tree row biased as vLLM
-    biases its one row, ``runner.RowEdits``): the law test above, both sides biased. The bias
-    moves mass from the most frequent token at the first position with a choice to the second,
-    so a tree path that forgot it would fail there (checked: the biased plain law differs from
-    the unbiased one)."""
+def test_sampled_trees_with_logit_bias_and_min_p_follow_plain_vllm_law(law_job):
+    """A sampled request with ``logit_bias`` and ``min_p`` keeps its trees (every tree row edited
+    as vLLM edits its one row, ``runner.RowEdits``): the law test above, both sides edited. The
+    bias moves mass from the most frequent token at the first position with a choice to the
+    second; min_p 0.15 cuts the tail top-p 0.9 leaves. A tree path that forgot either fails
+    (checked with each edit removed: docs/testing.md; the edited plain law differs from the
+    free one)."""
     job, free = law_job
     outs = [r[0] for r in free.token_ids]
     t = next(t for t in range(MAX_TOKENS) if len({o[t] for o in outs if len(o) > t}) > 2)
     top = Counter(o[t] for o in outs if len(o) > t).most_common(2)
-    bias = {"logit_bias": {str(top[0][0]): -1.5, str(top[1][0]): 1.5}}
+    bias = {"logit_bias": {str(top[0][0]): -1.5, str(top[1][0]): 1.5}, "min_p": 0.15}
     biased = job.model_copy(update={"per_prompt": [bias] * N})
     plain = run_offline_job(biased)
     spec = run_offline_job(biased.model_copy(update={"speculative_config": FIXED_TREES, "seed": 1_000_000}))

@@ -53,7 +53,7 @@ def _params(**kw):
     ({"logit_bias": {5: 1.0}}, False, None),
     ({"allowed_token_ids": [1, 2, 3]}, False, None),
     ({"min_p": 0.2}, False, None),  # argmax-invariant: greedy keeps trees
-    ({"min_p": 0.2, "temperature": 0.8}, True, "min_p"),
+    ({"min_p": 0.2, "temperature": 0.8}, True, None),  # masked at the temperature, RowEdits
     ({"logprobs": 1}, False, None),  # raw logprobs mode: the tree sampler reports them
     ({"presence_penalty": 0.5}, False, None),  # path-dependent edits: every row with its own past
     ({"frequency_penalty": 0.5}, False, None),
@@ -137,3 +137,22 @@ def test_penalties_count_each_rows_own_path():
     expected[:, 5] = expected[:, 9] = -1.0
     expected[1, 1], expected[2, 1], expected[3, 3] = -1.0, -2.0, -1.0
     assert torch.equal(rows, expected), rows
+
+
+def test_min_p_masks_as_vllms_processor_at_the_requests_temperature():
+    """Sampled min_p 0.3 at temperature 0.5: the edited rows, divided by the temperature, equal
+    vLLM's MinPLogitsProcessor applied to the rows divided by the temperature."""
+    from vllm_anisotropic.integration.vllm.runner import RowEdits
+
+    torch.manual_seed(0)
+    rows = torch.randn(3, 50)
+    edits = RowEdits.of(_params(temperature=0.5, min_p=0.3))
+    assert edits.min_p == 0.3 and not edits.path
+    ours = rows.clone()
+    edits.apply(ours)
+    scaled = rows / torch.tensor(0.5)
+    probs = scaled.softmax(-1)
+    reference = scaled.masked_fill(probs < probs.amax(-1, keepdim=True) * torch.tensor(0.3), float("-inf"))
+    assert torch.equal(ours / torch.tensor(0.5), reference)
+    assert 0 < int(torch.isinf(ours).sum()) < ours.numel() - 3
+    assert RowEdits.of(_params(min_p=0.3)) is None  # greedy: min_p never moves the argmax

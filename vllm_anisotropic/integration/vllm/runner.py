@@ -24,7 +24,7 @@ Scope: the per-step glue (shared/notes/vllm-0.32-spec-decode-map.md sections 2-3
 Tree eligibility (``ineligible_reason``): a request gets trees when its next token is the argmax
 of its edited logits (bias, allowed tokens, bad words, min_tokens, penalties: ``RowEdits``), or
 sampled from softmax(logits / temperature) under top-k / top-p of them (verified by the
-sampling verifier); a grammar or sampled min_p decodes without drafts, exactly as vLLM would.
+sampling verifier); a grammar (structured output) decodes without drafts, exactly as vLLM would.
 """
 
 from __future__ import annotations
@@ -103,10 +103,10 @@ def ineligible_reason(sampling_params, sampling_trees: bool = False, logprobs_tr
     None when it gets them: its next token is ``argmax`` (greedy) or, with ``sampling_trees``,
     a sample of softmax(logits / temperature) under top-k / top-p, of the logits after the
     request's edits (``logit_bias``, ``allowed_token_ids``, bad words, ``min_tokens``,
-    penalties: the tree sampler applies them to every tree row, each row with the output before
-    it, ``RowEdits``). ``min_p`` leaves the argmax alone (vLLM applies it to sampled rows only),
-    so it keeps greedy trees. A grammar (structured output) and sampled ``min_p`` decode without
-    drafts, through vLLM's own sampler. Logprobs keep trees when ``logprobs_trees`` (vLLM's ``logprobs_mode`` is raw: the
+    penalties, sampled ``min_p``: the tree sampler applies them to every tree row, each row with
+    the output before it, ``RowEdits``; greedy ``min_p`` leaves the argmax alone, as vLLM applies
+    it to sampled rows only). A grammar (structured output) decodes without drafts, through
+    vLLM's own sampler. Logprobs keep trees when ``logprobs_trees`` (vLLM's ``logprobs_mode`` is raw: the
     tree sampler reports each emitted token's from the row that predicted it)."""
     sp = sampling_params
     if sp is None:
@@ -118,8 +118,6 @@ def ineligible_reason(sampling_params, sampling_trees: bool = False, logprobs_tr
         return "sampled"
     if sp.logprobs is not None and not logprobs_trees:
         return "logprobs"
-    if not greedy and getattr(sp, "min_p", 0.0) > 0.0:
-        return "min_p"
     if getattr(sp, "structured_outputs", None) is not None:
         return "structured_output"
     return None
@@ -135,7 +133,8 @@ class RowEdits:
     """A tree request's edits of its logits rows, exactly as vLLM's sampler edits its one row
     (float32, same order, vLLM's own functions for the path-dependent ones): ``allowed`` token
     ids (every other token -inf), bad words, ``min_tokens`` (stop tokens -inf while short),
-    ``logit_bias``, then presence / frequency / repetition penalties. Row j of a tree is the
+    ``logit_bias``, presence / frequency / repetition penalties, then (sampled requests) ``min_p``
+    at the request's temperature. Row j of a tree is the
     logits after node j's path, so the path-dependent edits (``path``) read the request's
     output tokens followed by that path. From ``SamplingParams``: ``logit_bias={5: 2.0}`` ->
     tokens [5], values [2.0]."""
@@ -147,6 +146,8 @@ class RowEdits:
     stop_tokens: torch.Tensor | None = None
     penalties: bool = False
     bad_words: bool = False
+    min_p: float = 0.0  # sampled requests only (vLLM applies min_p after the temperature)
+    temperature: float = 1.0
 
     @property
     def path(self) -> bool:
@@ -159,13 +160,15 @@ class RowEdits:
         penalties = sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
         bad_words = bool(getattr(sp, "bad_words", None) or getattr(sp, "_bad_words_token_ids", None))
         stops = sorted(sp.all_stop_token_ids) if sp.min_tokens else []
-        if not (bias or allowed or penalties or bad_words or sp.min_tokens):
+        min_p = float(getattr(sp, "min_p", 0.0)) if sp.temperature >= _SAMPLING_EPS else 0.0
+        if not (bias or allowed or penalties or bad_words or sp.min_tokens or min_p):
             return None
         return cls(
             torch.tensor(list(bias), dtype=torch.long) if bias else None,
             torch.tensor(list(bias.values()), dtype=torch.float32) if bias else None,
             torch.tensor(sorted(allowed), dtype=torch.long) if allowed else None,
             int(sp.min_tokens), torch.tensor(stops, dtype=torch.long) if stops else None, penalties, bad_words,
+            min_p, float(sp.temperature),
         )
 
     def apply(self, rows: torch.Tensor, past: list[list[int]] | None = None, metadata=None, index: int = -1) -> None:
@@ -197,6 +200,14 @@ class RowEdits:
             apply_all_penalties(rows, metadata.prompt_token_ids[one].expand(n, -1),
                                 metadata.presence_penalties[one].expand(n), metadata.frequency_penalties[one].expand(n),
                                 metadata.repetition_penalties[one].expand(n), past)
+        if self.min_p:
+            # vLLM divides by the temperature, then masks the tokens whose probability is below
+            # min_p x the row's largest (MinPLogitsProcessor); the verifier divides the same rows
+            # by the same temperature again, so the same tokens are out and the rest unchanged
+            scaled = rows / torch.tensor(self.temperature, dtype=torch.float32, device=dev)
+            probs = scaled.softmax(dim=-1)
+            floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(self.min_p, dtype=torch.float32, device=dev)
+            rows.masked_fill_(probs < floor, float("-inf"))
 
 
 def request_law(req_id: str, sampling_params, engine_seed) -> tuple[TargetSampling, int]:
