@@ -2,11 +2,11 @@
 
 vLLM refuses ``min_p`` and ``logit_bias`` with any speculative config (a 400 over HTTP); with
 ``{"method": "goose"}`` they are accepted (patches.py, patch 9). One tiny-Llama workload
-(12 prompts, 48 tokens, float32), each prompt with its own request type, run three times: plain
+(16 prompts, 48 tokens, float32), each prompt with its own request type, run three times: plain
 vLLM without the per-prompt parameters (to pick biases that change the output), plain vLLM with
 them, GOOSE with them. GOOSE must match plain token for token on every prompt, and the
-requests whose law trees keep (greedy with ``logit_bias``, ``allowed_token_ids``, ``min_p``, a
-node cap) must have had trees, the others none (counted by reason on /metrics).
+requests whose law trees keep (all but the structured output and the opted-out one) must have
+had trees and accepted drafts, the others none (counted by reason on /metrics).
 
 Which bug each check catches: tree rows verified without the request's bias or allowed set
 (the walk accepts the unbiased argmax: the output equals the unbiased run, not plain's);
@@ -50,10 +50,11 @@ KINDS = [
     ("logit_bias sampled (seeded)", None, True),
     ("logprobs greedy", {"logprobs": 3}, True),
     ("logprobs and logit_bias", None, True),
+    ("prompt logprobs", {"prompt_logprobs": 2, "logprobs": 1}, True),
     ("structured output (regex)", {"structured_outputs": {"regex": "(ab|cd)+[0-9]{3}x"}}, False),
 ]
 SAMPLED_TREES = {4, 11}
-LOGPROBS = (12, 13)  # sampled with trees: the law is kept, not plain's exact draws
+LOGPROBS = (12, 13, 14)  # sampled with trees: the law is kept, not plain's exact draws
 REASONS = {"request_opt_out": 1, "structured_output": 1}
 
 
@@ -121,6 +122,11 @@ def test_every_request_type_is_served_exactly_with_trees_where_the_law_allows(se
         for step, (x, y) in enumerate(zip(a, b)):
             assert x.keys() == y.keys(), (i, step, x, y)
             assert all(abs(x[t] - y[t]) < 1e-4 for t in x), (i, step, x, y)
+    # prompt logprobs as plain computes them at prefill (trees never touch the prompt)
+    a, b = plain.prompt_logprobs[14], goose.prompt_logprobs[14]
+    assert len(a) == len(b) == len(plain.prompt_token_ids[14]) - 1
+    for step, (x, y) in enumerate(zip(a, b)):
+        assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x), (step, x, y)
     # the grammar held (its request decodes without trees, through vLLM's structured output)
     text = goose.texts[len(KINDS) - 1][0]
     assert text[:2] in ("ab", "cd") and set(text) <= set("abcd0123456789x"), text

@@ -128,6 +128,9 @@ class OfflineResult(BaseModel):
     logprobs: list[list[dict[int, float]]] | None = None
     """With ``OfflineJob.logprobs``: ``[num_prompts][num_output_tokens]`` token id -> logprob of
     the first completion's top tokens (the sampled one included)."""
+    prompt_logprobs: list[list[dict[int, float]]] | None = None
+    """When a request asked ``prompt_logprobs``: ``[num_prompts][num_prompt_tokens - 1]`` token id
+    -> logprob (the first prompt position, which has none, dropped; [] for the others)."""
     solo: SoloPass | None = None
     """With ``OfflineJob.solo_prompts``: that pass (``spec`` above counts the batch alone; ``counters`` both passes)."""
 
@@ -248,6 +251,10 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
         prompt_token_ids=[list(o.prompt_token_ids or []) for o in outputs],
         logprobs=None if all(o.outputs[0].logprobs is None for o in outputs) else [
             [{int(t): float(lp.logprob) for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])]
+            for o in outputs
+        ],
+        prompt_logprobs=None if all(o.prompt_logprobs is None for o in outputs) else [
+            [{int(t): float(lp.logprob) for t, lp in step.items()} for step in (o.prompt_logprobs or [])[1:]]
             for o in outputs
         ],
         solo=solo,
