@@ -312,3 +312,16 @@ def test_profile_host_counts_decode_steps_by_kind():
               "plugin_host_ms": 0.2, "plugin_host_no_topk_ms": 0.1, "vllm_propose_ms": 0.0, "phases_ms": {},
               "decode_steps": {"trees": 6, "chains": 2, "plain": 0}}
     assert "trees 6 (75%), chains 2 (25%), plain 0 (0%)" in format_report(report)
+
+
+def test_demo_dtype_auto_is_bf16_only_with_native_bf16():
+    """Emulated bf16 (no AMX, no AVX512-BF16) is 2-3x slower than float32 on vLLM's CPU build:
+    ``--dtype auto`` picks float32 there and says why; explicit choices are kept."""
+    from vllm_anisotropic.bench.demo import resolve_dtype
+
+    assert resolve_dtype("auto", ["amx_tile", "avx512f"])[0] == "bfloat16"
+    assert resolve_dtype("auto", ["avx512f", "avx512_bf16"]) == ("bfloat16", "auto: native bf16 (avx512_bf16)")
+    dtype, why = resolve_dtype("auto", ["avx512f"])
+    assert dtype == "float32" and "no native bf16" in why
+    assert resolve_dtype("auto", [])[0] == "float32"
+    assert resolve_dtype("bfloat16", []) == ("bfloat16", "chosen")

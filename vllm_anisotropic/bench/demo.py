@@ -85,13 +85,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help=f"draft tokens per step (default: the tree budget for goose, {DEFAULT_CHAIN_TOKENS} for chains)",
     )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="engine dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="engine dtype; auto: bfloat16 where the CPU computes it natively (AMX or AVX512-BF16), "
+                        "else float32 (emulated bf16 is 2-3x slower than float32)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's concurrent-request cap (default: vLLM's)")
     p.add_argument("--one-at-a-time", type=int, default=8, metavar="N",
                    help="first, in the same engines, N other prompts per dataset (the next ones) one request at a "
                         "time, timed apart (0: the batch alone)")
     p.add_argument("--out", type=Path, default=None, help="append a JSONL record per method here")
     p.set_defaults(func=run)
+
+
+def resolve_dtype(dtype: str, isa: list[str] | None = None) -> tuple[str, str]:
+    """``(dtype, why)`` for ``--dtype``: ``auto`` is bfloat16 on a CPU with native bf16 (the
+    ``amx_tile`` or ``avx512_bf16`` flag), else float32, where vLLM's CPU kernels emulate bf16
+    (measured 2.3x slower than float32 on an AVX2-only EPYC, issue 46). ``isa``: the flags
+    ``sweep.cpu_model`` reports (read from /proc/cpuinfo when None).
+    ``resolve_dtype("auto", ["avx512f"])`` -> ``("float32", "auto: no native bf16 (...)")``."""
+    if dtype != "auto":
+        return dtype, "chosen"
+    if isa is None:
+        from vllm_anisotropic.bench.sweep import cpu_model
+
+        isa = cpu_model().get("cpu_isa", [])
+    native = [f for f in ("amx_tile", "avx512_bf16") if f in isa]
+    if native:
+        return "bfloat16", f"auto: native bf16 ({', '.join(native)})"
+    return "float32", "auto: no native bf16 (no amx_tile / avx512_bf16 flag), so float32"
 
 
 def _resolve_model(name: str) -> Path:
@@ -134,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = build_prompts(model_dir, args.dataset, args.num_prompts)
     solo_prompts = (build_prompts(model_dir, args.dataset, args.one_at_a_time, skip=args.num_prompts)
                     if args.one_at_a_time else None)
+    args.dtype, dtype_why = resolve_dtype(args.dtype)
+    logger.info("dtype %s (%s)", args.dtype, dtype_why)
     llm_kwargs = {"dtype": args.dtype}
     if args.max_num_seqs:
         llm_kwargs["max_num_seqs"] = args.max_num_seqs
@@ -144,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{len(solo_prompts)} prompts one at a time, then " if solo_prompts else "", len(prompts),
                 args.max_tokens)
     plain = run_offline_job(base, timeout=None)
-    header = f"model {args.model}  dataset {args.dataset}  max_tokens {args.max_tokens}  greedy  {args.dtype}  " \
+    header = f"model {args.model}  dataset {args.dataset}  max_tokens {args.max_tokens}  greedy  {args.dtype} " \
+             f"[{dtype_why}]  " \
              f"({platform.machine()} CPU, vLLM CPU build)"
     solo_lines = [f"one request at a time ({len(solo_prompts)} prompts, each engine's first pass):",
                   _rate_line("plain", plain.solo)] if solo_prompts else []
