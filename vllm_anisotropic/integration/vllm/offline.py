@@ -220,9 +220,10 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
 
     if job.per_prompt is not None and len(job.per_prompt) != len(prompts):
         raise ValueError(f"per_prompt needs one dict per prompt: {len(job.per_prompt)} vs {len(prompts)}")
-    if job.per_prompt is not None or (job.seed is not None and job.seed_per_prompt):
-        params = [params_for(job.seed + i if job.seed is not None and job.seed_per_prompt else job.seed,
-                             _json_params((job.per_prompt or [{}] * len(prompts))[i])) for i in range(len(prompts))]
+    per_seed = job.seed is not None and job.seed_per_prompt
+    if job.per_prompt is not None or per_seed:
+        overs = job.per_prompt or [{}] * len(prompts)
+        params = [params_for(job.seed + i if per_seed else job.seed, _json_params(o)) for i, o in enumerate(overs)]
     else:
         params = params_for(job.seed)
     solo = None

@@ -51,7 +51,7 @@ from vllm_anisotropic.verifiers.sampling import TargetSampling
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TreeRunnerMixin", "TreeCPUModelRunner", "TreePlan", "RowEdits", "node_masks", "ineligible_reason", "tree_eligible",
+__all__ = ["TreeRunnerMixin", "TreeCPUModelRunner", "TreePlan", "RowEdits", "node_masks", "ineligible_reason",
            "scatter_tree_positions"]
 
 DRAFTER_CLS = f"{TreeDrafter.__module__}.{TreeDrafter.__qualname__}"
@@ -106,8 +106,8 @@ def ineligible_reason(sampling_params, sampling_trees: bool = False, logprobs_tr
     penalties, sampled ``min_p``: the tree sampler applies them to every tree row, each row with
     the output before it, ``RowEdits``; greedy ``min_p`` leaves the argmax alone, as vLLM applies
     it to sampled rows only). A grammar (structured output) decodes without drafts, through
-    vLLM's own sampler. Logprobs keep trees when ``logprobs_trees`` (vLLM's ``logprobs_mode`` is raw: the
-    tree sampler reports each emitted token's from the row that predicted it)."""
+    vLLM's own sampler. Logprobs keep trees when ``logprobs_trees`` (vLLM's ``logprobs_mode`` is
+    raw: the tree sampler reports each emitted token's from the row that predicted it)."""
     sp = sampling_params
     if sp is None:
         return "no_sampling_params"
@@ -123,21 +123,15 @@ def ineligible_reason(sampling_params, sampling_trees: bool = False, logprobs_tr
     return None
 
 
-def tree_eligible(sampling_params, sampling_trees: bool = False, logprobs_trees: bool = True) -> bool:
-    """``ineligible_reason(...) is None``."""
-    return ineligible_reason(sampling_params, sampling_trees, logprobs_trees) is None
-
-
 @dataclass(frozen=True)
 class RowEdits:
     """A tree request's edits of its logits rows, exactly as vLLM's sampler edits its one row
     (float32, same order, vLLM's own functions for the path-dependent ones): ``allowed`` token
     ids (every other token -inf), bad words, ``min_tokens`` (stop tokens -inf while short),
     ``logit_bias``, presence / frequency / repetition penalties, then (sampled requests) ``min_p``
-    at the request's temperature. Row j of a tree is the
-    logits after node j's path, so the path-dependent edits (``path``) read the request's
-    output tokens followed by that path. From ``SamplingParams``: ``logit_bias={5: 2.0}`` ->
-    tokens [5], values [2.0]."""
+    at the request's temperature. Row j of a tree is the logits after node j's path, so the
+    path-dependent edits (``path``) read the request's output tokens followed by that path.
+    From ``SamplingParams``: ``logit_bias={5: 2.0}`` -> tokens [5], values [2.0]."""
 
     bias_tokens: torch.Tensor | None
     bias_values: torch.Tensor | None
@@ -272,7 +266,7 @@ class TreeRunnerMixin:
         self._tree_step: StepTrees | None = None
         self._tree_plan: TreePlan | None = None
         self._kv_mover: KVMover | None = None  # K/V slot moves after acceptance (kv_moves.py)
-        self._eligible_cache: dict[str, bool] = {}  # req_id -> tree_eligible (dropped on finish)
+        self._eligible_cache: dict[str, bool] = {}  # req_id -> gets trees (dropped on finish)
         self.row_edits: dict[str, RowEdits] = {}  # tree requests with logit_bias / allowed_token_ids
         self._propose_s = 0.0  # seconds drafting since the last output (sent as tree_propose_s)
 

@@ -16,18 +16,19 @@ consecutive rows ending at ``cu_num_sampled_tokens[i]``; row 0 is the root, row 
 row j is exactly the verifier's "logits after node j's path". Worked example: drafts per request
 ``[3, 0, 2]`` -> ``cu_num_sampled_tokens [4, 5, 8]`` -> rows ``[0..3], [4], [5..7]``.
 
-Which requests have trees is decided by the runner (``runner.tree_eligible``): greedy
+Which requests have trees is decided by the runner (``runner.ineligible_reason``): greedy
 requests (verified by the greedy walk) and, unless ``sampling_verifier="none"``, sampled
 requests whose law is softmax(logits / temperature) under top-k / top-p (verified by the
 sampling verifier -- one-hot SpecInfer by default -- on exactly that law, all in one call, with
 counter-based uniforms of each request's seed and position, ``verifiers.uniforms``). A tree
-request with ``logit_bias``, ``allowed_token_ids``, bad words, ``min_tokens`` or penalties has
-its tree rows edited as vLLM's sampler edits its one row (``runner.RowEdits``, float32), each
-row with the output before it (``_row_pasts``), before its verifier reads them; logprobs of the
-emitted tokens come from the rows that predicted them (``_logprobs``). Requests with structured
-output (or sampled with min_p) have no drafts, so their row is the bonus row and their token
-comes from vLLM's own sampler exactly as in plain decoding (``runner.ineligible_reason``). A batch without any draft never reaches this
-module (the runner gives such a step plain decoding's path: ``harvest_plain``); one with drafts
+request with ``logit_bias``, ``allowed_token_ids``, bad words, ``min_tokens``, penalties or a
+sampled ``min_p`` has its tree rows edited as vLLM's sampler edits its one row
+(``runner.RowEdits``, float32), each row with the output before it (``_row_pasts``), before its
+verifier reads them; logprobs of the emitted tokens come from the rows that predicted them
+(``_logprobs``). Requests with structured output have no drafts, so their row is the bonus row
+and their token comes from vLLM's own sampler exactly as in plain decoding. A batch without any
+draft never reaches this module (the runner gives such a step plain decoding's path:
+``harvest_plain``); one with drafts
 but no multi-node tree (vLLM's warm-up dummy call) goes to vLLM's original rejection sampler
 unchanged. After the walk, the accepted nodes' K/V is moved to the slots the sequence needs
 (``kv_moves.py``), before the step's reply.
@@ -184,7 +185,7 @@ class TreeRejectionSampler(nn.Module):
         sampled_mask = np.zeros(num, bool) if temps is None else temps[rows] >= SAMPLING_EPS
         edits = self.runner.row_edits
         edited = np.zeros(num, bool)
-        if edits:  # requests with logit_bias / allowed_token_ids: their rows are edited copies
+        if edits:  # requests with logits edits (runner.RowEdits): their rows are edited copies
             edited = np.fromiter((r in edits for r in step.req_ids), bool, num)
         greedy = walked[~sampled_mask[walked]]
         for index in (greedy[~edited[greedy]], greedy[edited[greedy]], walked[sampled_mask[walked]]):
@@ -214,8 +215,8 @@ class TreeRejectionSampler(nn.Module):
         mine = [(e, t, a, b) for t, a, b in zip(index.tolist(), sub.offsets[:-1].tolist(), sub.offsets[1:].tolist())
                 if (e := edits.get(step.req_ids[t])) is not None] if edits else []
         if mine:
-            # bias, allowed tokens, bad words, min_tokens, penalties on every row of the request's
-            # tree, in float32 as vLLM's sampler applies them to its one row (runner.RowEdits)
+            # the request's edits on every row of its tree, in float32 as vLLM's sampler applies
+            # them to its one row (runner.RowEdits)
             tree_logits = tree_logits.float()
             for e, t, a, b in mine:
                 row = int(step.rows[t])
