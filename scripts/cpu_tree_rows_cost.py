@@ -19,8 +19,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from vllm_anisotropic.integration.vllm.attention import TreeCPUAttentionImpl
-from vllm_anisotropic.integration.vllm.runner import TreePlan
+from vllm_anisotropic.integration.vllm.kernels.attention import TreeCPUAttentionImpl
+from vllm_anisotropic.integration.vllm.engine.runner import TreePlan
 from vllm_anisotropic.tree import DraftTree
 
 H, KVH, HS, BS, DTYPE, ISA, LAYERS = 9, 3, 64, 128, torch.bfloat16, "vec", 30

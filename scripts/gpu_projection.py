@@ -16,7 +16,7 @@ Batches without a host record take the nearest measured batch's host work (said 
     python scripts/gpu_projection.py --cost docs/measurements/h100/verify_cost_smollm2_2026_11_26.json \\
         --tau docs/measurements/h100/tau_smollm2_goose_budgets_2026_11_26.txt --context 1024 \\
         --host before=docs/measurements/cpu/host_path_before_2026_11_28.jsonl \\
-        --host after=docs/measurements/cpu/host_path_after_2026_11_28.jsonl --method goose-nogate
+        --host after=docs/measurements/cpu/host_path_after_caa5b23_2026_11_28.jsonl --method goose-nogate
 """
 from __future__ import annotations
 

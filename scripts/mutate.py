@@ -128,7 +128,7 @@ CORE: list[dict] = [
          tests=["tests/test_flat_trees.py", "tests/test_allocator.py"]),
     dict(target="vllm_anisotropic/kernels/allocate.py", functions=["concave_rows", "step_seconds", "scan_prefixes"],
          tests=["tests/test_allocator.py"]),
-    dict(target="vllm_anisotropic/integration/vllm/kv_moves.py",
+    dict(target="vllm_anisotropic/integration/vllm/engine/kv_moves.py",
          functions=["accepted_moves", "KVMover.plain_offsets", "KVMover.from_layers", "KVMover.move", "_elements"],
          tests=["tests/test_kv_moves.py"]),
     dict(target="vllm_anisotropic/verifiers/uniforms.py", functions=["_mix", "counter_uniforms", "request_seed"],

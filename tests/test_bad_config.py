@@ -159,10 +159,10 @@ BAD_CONFIGS = [
 
 @pytest.fixture(scope="module")
 def engine_args_cls():
-    from vllm_anisotropic.integration.vllm import patches
+    from vllm_anisotropic.integration.vllm.frontdoor import patches, vllm_surface
 
     if not patches.apply():
-        pytest.skip(f"vLLM {patches.vllm_version()} is not {patches.SUPPORTED_VLLM[0]}x")
+        pytest.skip(f"vLLM {vllm_surface.vllm_version()} is not {vllm_surface.SUPPORTED_VLLM[0]}x")
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs

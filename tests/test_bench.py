@@ -104,6 +104,51 @@ def test_speedup_pairs_each_repeat_with_plains_same_repeat():
     assert (row["min"], row["max"]) == (88.0, 110.0)  # tokens/s themselves keep the drift
 
 
+def test_speedup_interval_is_paired_and_marks_cells_that_contain_one():
+    """Three repeats: ratios 1.10 / 1.20 / 1.15 give the geometric mean 1.149 and the t-interval
+    [1.032, 1.280] (t(0.975, 2) = 4.303 on the logs); ratios around 1.0 give an interval
+    containing 1.00x, marked "~". An interval from unpaired medians, or a wrong t quantile
+    (1.96 instead of 4.303 gives [1.09, 1.21]), fails the numbers."""
+    records = []
+    for r, (p, g, n) in enumerate([(100.0, 110.0, 102.0), (80.0, 96.0, 78.4), (90.0, 103.5, 94.5)]):
+        records += [_rec("plain", 4, r, p), _rec("goose-auto", 4, r, g), _rec("ngram5", 4, r, n)]
+    rows = {x["method"]: x for x in sweep.summarize(records)}
+    g = rows["goose-auto"]
+    assert (g["speedup"], g["speedup_low"], g["speedup_high"]) == pytest.approx((1.1493, 1.0315, 1.2805), abs=1e-4)
+    table = sweep.format_table(list(rows.values()))
+    assert "| goose-auto | 4 | 103.5 (96.0..110.0) | **1.15x** [1.03, 1.28] (1.10..1.20) |" in table
+    ngram_line = next(line for line in table.splitlines() if line.startswith("| ngram5 |"))
+    assert "~ (0.98..1.05)" in ngram_line and "~" not in table.split("| goose-auto |")[1].splitlines()[0]
+    assert rows["plain"]["speedup_low"] == pytest.approx(1.0)  # plain against itself: [1, 1]
+
+
+def test_splits_are_disjoint_datasets_and_records_name_theirs():
+    """The held-out split shares no dataset with the one the defaults were tuned on; a run over
+    datasets of both is "mixed", never passed off as held out."""
+    from vllm_anisotropic.data import dataset_names
+
+    assert not set(sweep.SPLITS["tune"]) & set(sweep.SPLITS["report"])
+    assert set(sweep.SPLITS["tune"]) | set(sweep.SPLITS["report"]) <= set(dataset_names())
+    assert sweep.split_of(["mbpp", "math500"]) == "report" and sweep.split_of(["humaneval"]) == "tune"
+    assert sweep.split_of(["mbpp", "humaneval"]) == "mixed"
+    assert "(report split)" in sweep._title([{**_rec("plain", 1, 0, 1.0), "split": "report", "dataset": "mbpp"}])
+
+
+def test_demo_bootstrap_pairs_prompts():
+    """The one-at-a-time interval resamples prompts with both passes' times together: a method
+    2x faster on every prompt, whatever the prompts' lengths, has the interval [2, 2]; unpaired
+    resampling would spread it by the prompts' own spread (here 1 s .. 9 s)."""
+    from vllm_anisotropic.bench.stats import bootstrap_rate_ratio, format_speedup, ratio_interval
+
+    plain_s = [1.0, 3.0, 9.0, 2.0]
+    point, low, high = bootstrap_rate_ratio([50] * 4, [t / 2 for t in plain_s], [50] * 4, plain_s)
+    assert (point, low, high) == pytest.approx((2.0, 2.0, 2.0))
+    point, low, high = bootstrap_rate_ratio([50] * 4, [0.5, 3.0, 4.5, 2.0], [50] * 4, plain_s)
+    assert low < point < high and point == pytest.approx(15 / 10)
+    assert format_speedup(1.02, 0.97, 1.08) == "1.02x [0.97, 1.08] ~" and format_speedup(1.5, None, None) == "1.50x"
+    assert ratio_interval([1.3]) == (pytest.approx(1.3), None, None)
+
+
 def test_interleaved_plan_alternates_the_method_order_per_repeat():
     plan = sweep.job_plan(["plain", "ngram5", "goose-auto"], 3, "interleaved")
     assert [m for m, _ in plan] == ["plain", "ngram5", "goose-auto", "goose-auto", "ngram5", "plain",
@@ -234,7 +279,7 @@ def test_sync_variant_turns_async_scheduling_off_and_combines_with_iomp(tmp_path
 def test_recompute_variant_sets_the_tree_rows_mode(monkeypatch):
     """``NAME+recompute``: the engine process gets VLLM_ANISOTROPIC_TREE_ROWS=recompute, which
     the CPU tree attention reads (and refuses when misspelled)."""
-    from vllm_anisotropic.integration.vllm import attention
+    from vllm_anisotropic.integration.vllm.kernels import attention
 
     assert sweep.valid_method("goose-b4+recompute") and sweep.base_method("goose-b4+recompute") == "goose-b4"
     env = sweep.method_env("goose-b4+recompute")
@@ -248,7 +293,7 @@ def test_recompute_variant_sets_the_tree_rows_mode(monkeypatch):
 
 
 def test_environment_names_the_cpu_model_and_its_vector_extensions(tmp_path):
-    from vllm_anisotropic.bench.sweep import cpu_model
+    from vllm_anisotropic.bench.machine import cpu_model
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx512f avx512_bf16 sse\n\n"
@@ -325,3 +370,43 @@ def test_demo_dtype_auto_is_bf16_only_with_native_bf16():
     assert dtype == "float32" and "no native bf16" in why
     assert resolve_dtype("auto", [])[0] == "float32"
     assert resolve_dtype("bfloat16", []) == ("bfloat16", "chosen")
+
+
+def _result(solo_secs, batch_secs, tokens=10, accepted=0, batch_tokens=None):
+    """An ``OfflineResult`` of a demo engine: one-at-a-time prompts timed ``solo_secs``, batch
+    repeats of two prompts timed ``batch_secs``, every output ``tokens`` long."""
+    from vllm_anisotropic.bench.offline import OfflineResult, SpecStats, TimedPass
+
+    def timed(ids, secs, prompt_secs=()):
+        n = sum(len(t) for t in ids)
+        return TimedPass(token_ids=ids, generate_seconds=secs, prompt_seconds=list(prompt_secs),
+                         spec=SpecStats(num_output_tokens=n, num_accepted_tokens=accepted * len(ids)))
+
+    solo_ids = [[i] * tokens for i in range(len(solo_secs))]
+    batch_ids = batch_tokens or [[7] * tokens, [8] * tokens]
+    repeats = [timed(batch_ids, s) for s in batch_secs]
+    return OfflineResult(token_ids=[[t] for t in batch_ids], texts=[[""]] * 2, finish_reasons=[["length"]] * 2,
+                         startup_seconds=1.0, generate_seconds=batch_secs[0], spec=repeats[0].spec, pid=1,
+                         solo=timed(solo_ids, sum(solo_secs), solo_secs), repeats=repeats)
+
+
+def test_demo_table_pairs_each_pass_with_plains_and_counts_identical_outputs():
+    """One row per method: the one-at-a-time speedup over plain's same prompts (2x on each:
+    [2.00, 2.00]), the batch's geometric mean over repeats paired with plain's same repeat, tau
+    from vLLM's counters, identical outputs over every repeat. A method whose repeats straddle
+    1.00x is marked "~"; a differing output turns all_identical off."""
+    from vllm_anisotropic.bench.demo import MethodRun, demo_table
+
+    plain = _result([1.0, 2.0], [1.0, 2.0])
+    fast = _result([0.5, 1.0], [0.5, 1.0], accepted=5)  # 2x everywhere, tau 10 / (10 - 5) = 2
+    even = _result([1.0, 2.0], [0.9, 2.2], batch_tokens=[[7] * 10, [9] * 10])
+    table = demo_table(plain, [MethodRun("goose", {}, fast, None, None), MethodRun("ngram", {}, even, None, None)],
+                       solo=True)
+    text = "\n".join(table.lines)
+    goose = next(line for line in table.lines if line.startswith("goose"))
+    assert goose.count("2.00x [2.00, 2.00]") == 2 and goose.count("2.00  2/2") == 1 and "4/4" in goose
+    ngram = next(line for line in table.lines if line.startswith("ngram"))
+    assert "~" in ngram and "2/4" in ngram  # 1.11x and 0.91x: an interval across 1.00x
+    assert table.rows[0]["batch"]["repeat_speedups"] == pytest.approx([2.0, 2.0])
+    assert not table.all_identical and "one request at a time (2 prompts)" in text and "(2 repeats)" in text
+    assert demo_table(plain, [MethodRun("goose", {}, fast, None, None)], solo=True).all_identical

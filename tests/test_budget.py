@@ -1,4 +1,4 @@
-"""The allocator's scheduler hook (``integration/vllm/budget.py``) on stand-in requests: what it
+"""The allocator's scheduler hook (``integration/vllm/engine/budget.py``) on stand-in requests: what it
 cuts, when it probes, what it learns from a step, and the drafter's backoff.
 
 What each test would catch: cuts applied to the wrong request or not as a prefix, caps from the
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from vllm_anisotropic.allocator import TREE, CostModel
-from vllm_anisotropic.integration.vllm.budget import BatchBudget
-from vllm_anisotropic.integration.vllm.config import EngineTreeConfig
+from vllm_anisotropic.integration.vllm.engine.budget import BatchBudget
+from vllm_anisotropic.integration.vllm.frontdoor.config import EngineTreeConfig
 
 
 class Req(SimpleNamespace):
@@ -154,7 +154,7 @@ def test_calibration_arrives_with_the_first_output():
 
 def _bare_drafter(max_backoff=16, **attrs):
     """A ``TreeDrafter`` with just the state ``take_step`` and ``_offer`` read (no vLLM config)."""
-    from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
+    from vllm_anisotropic.integration.vllm.engine.drafter import TreeDrafter
 
     d = object.__new__(TreeDrafter)
     d.acceptance, d.pending, d.zero_streak, d.skip, d.kept_mark = object(), {}, {}, {}, {}
@@ -166,7 +166,7 @@ def _bare_drafter(max_backoff=16, **attrs):
 
 def _take(d, tree, scheduled, req_id="r"):
     """``tree`` pending for ``req_id``, then taken by a step that scheduled ``scheduled``."""
-    from vllm_anisotropic.integration.vllm.drafter import _Proposal
+    from vllm_anisotropic.integration.vllm.engine.drafter import _Proposal
     from vllm_anisotropic.tree import FlatTrees
 
     proposal = _Proposal(FlatTrees.from_trees([tree]), None, np.array([-1]), np.array([1], np.int8), False)
@@ -177,7 +177,7 @@ def _take(d, tree, scheduled, req_id="r"):
 def test_drafter_backoff_after_zero_cuts():
     """The drafter skips 1, 2, 4, ... proposals (capped by ``allocator_backoff``) after
     consecutive zero cuts, and resets; ``allocator_backoff`` 0 never skips."""
-    from vllm_anisotropic.integration.vllm.config import EngineTreeConfig
+    from vllm_anisotropic.integration.vllm.frontdoor.config import EngineTreeConfig
     from vllm_anisotropic.tree import DraftTree
 
     tree = DraftTree(tokens=[1, 2, 3], parents=[-1, 0, 1])
@@ -200,7 +200,7 @@ def test_drafter_tells_the_proposer_how_many_requests_draft_this_step():
     """``Proposer.begin_step`` (draft_tree's selector reads it as its batch size) counts the rows
     that propose: not a row without a sampled token, an ineligible one, or one in backoff; the
     backoff still counts down."""
-    from vllm_anisotropic.integration.vllm.metrics import TreeMetrics
+    from vllm_anisotropic.integration.vllm.engine.metrics import TreeMetrics
     from vllm_anisotropic.tree import DraftTree
 
     seen = []
@@ -228,7 +228,7 @@ def test_drafter_tells_the_proposer_how_many_requests_draft_this_step():
 def test_drafter_offers_what_the_allocator_has_been_keeping():
     """The next tree's draft budget is max(8, factor x the decaying high-water mark of the
     scheduled drafts), the proposer's own budget when that reaches the room left."""
-    from vllm_anisotropic.integration.vllm.drafter import OFFER_MIN_DRAFTS
+    from vllm_anisotropic.integration.vllm.engine.drafter import OFFER_MIN_DRAFTS
     from vllm_anisotropic.tree import DraftTree
 
     d = _bare_drafter(offer_factor=4.0)
@@ -280,7 +280,7 @@ def test_drafter_learns_from_trees_the_allocator_cut():
     predicted probabilities climb towards 1 and the third's stays low. Learning from verified
     nodes only (the old way) never moves them: nothing was verified."""
     from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel
-    from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
+    from vllm_anisotropic.integration.vllm.engine.drafter import TreeDrafter
     from vllm_anisotropic.tree import DraftTree, FlatTrees
 
     d = object.__new__(TreeDrafter)
@@ -360,9 +360,9 @@ def test_harvest_runs_later_with_the_bigram_key_of_its_own_step():
     the harvest (counters short by a step), rows read from logits vLLM may overwrite."""
     import torch
 
-    from vllm_anisotropic.integration.vllm.drafter import StepTrees, TreeDrafter
-    from vllm_anisotropic.integration.vllm.host_clock import HostClock
-    from vllm_anisotropic.integration.vllm.metrics import TreeMetrics
+    from vllm_anisotropic.integration.vllm.engine.drafter import StepTrees, TreeDrafter
+    from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock
+    from vllm_anisotropic.integration.vllm.engine.metrics import TreeMetrics
     from vllm_anisotropic.proposers import get_proposer
     from vllm_anisotropic.proposers.adjacency import TopKRows
     from vllm_anisotropic.tree import FlatTrees
@@ -409,8 +409,8 @@ def test_a_chain_step_drafts_spine_chains_unranked_and_harvests_nothing():
     # the gate's chain steps (allocator.gate): each request's context-match spine alone, at most
     # allocator_chain_drafts tokens, no probabilities (nothing ranks or labels it), and its
     # verified rows never reach the adjacency table; a tree step after it is ranked and harvested
-    from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
-    from vllm_anisotropic.integration.vllm.drafter import TreeDrafter
+    from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
+    from vllm_anisotropic.integration.vllm.engine.drafter import TreeDrafter
     from vllm_anisotropic.proposers import GooseConfig
 
     vocab = 64
@@ -456,9 +456,9 @@ def test_a_failing_harvest_turns_trees_off_for_its_requests_only(caplog):
 
     import torch
 
-    from vllm_anisotropic.integration.vllm.drafter import StepTrees, TreeDrafter
-    from vllm_anisotropic.integration.vllm.host_clock import HostClock
-    from vllm_anisotropic.integration.vllm.metrics import TreeMetrics
+    from vllm_anisotropic.integration.vllm.engine.drafter import StepTrees, TreeDrafter
+    from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock
+    from vllm_anisotropic.integration.vllm.engine.metrics import TreeMetrics
     from vllm_anisotropic.proposers import get_proposer
     from vllm_anisotropic.tree import DraftTree, FlatTrees
 

@@ -1,4 +1,4 @@
-"""The CPU tree attention (``integration/vllm/attention.py``): every KV layout vLLM's CPU kernels
+"""The CPU tree attention (``integration/vllm/kernels/attention.py``): every KV layout vLLM's CPU kernels
 write (probed through vLLM's own ``cpu_attn_reshape_and_cache``) is recognised as a bit
 permutation and unpacked (K also as K^T) by one strided copy to exactly what an
 element-by-element gather reads; a layout that is not a bit permutation falls back to the
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_anisotropic.integration.vllm.attention import TreeCPUAttentionImpl, _unpack, bit_permutation, kv_layout
+from vllm_anisotropic.integration.vllm.kernels.attention import TreeCPUAttentionImpl, _unpack, bit_permutation, kv_layout
 
 
 def _gathered(blk, off, num_reqs, block_size, head_size):
@@ -84,7 +84,7 @@ def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads,
     off by one position, a K/V layout mix-up and rows written to the wrong place."""
     from vllm import _custom_ops as ops
 
-    from vllm_anisotropic.integration.vllm.amx import cpu_has_amx, request_amx_permission
+    from vllm_anisotropic.integration.vllm.platform_fixes.amx import cpu_has_amx, request_amx_permission
 
     if method == "paths" and isa == "amx" and not (cpu_has_amx() and request_amx_permission()):
         pytest.skip("the amx attention kernel needs an AMX CPU (its KV layout is still probed above)")
@@ -117,7 +117,7 @@ def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads,
     total_q = sum(q_lens.values())
     query = torch.randn(total_q, num_heads * head_size).to(dtype)
     q_end = torch.tensor(list(q_lens.values())).cumsum(0)
-    from vllm_anisotropic.integration.vllm.runner import TreePlan
+    from vllm_anisotropic.integration.vllm.engine.runner import TreePlan
     from vllm_anisotropic.tree import DraftTree
 
     plan = TreePlan(req_index=[], num_nodes=[], masks=[])
@@ -179,8 +179,8 @@ def test_path_rounds_for_slim_trees_and_the_recompute_for_bushy_ones():
     """``_path_plan``: one path per leaf not covered by the leading chain, rounds = the most
     paths of any request, each path laid out right after its context; a star with more paths
     than ``PATHS_MAX_MEAN`` (as many context re-reads per layer) goes to the recompute instead."""
-    from vllm_anisotropic.integration.vllm.attention import PATHS_MAX_MEAN
-    from vllm_anisotropic.integration.vllm.runner import TreePlan
+    from vllm_anisotropic.integration.vllm.kernels.attention import PATHS_MAX_MEAN
+    from vllm_anisotropic.integration.vllm.engine.runner import TreePlan
     from vllm_anisotropic.tree import DraftTree
 
     def plan_for(parents_list, ctx=50, block_size=16):

@@ -1,4 +1,4 @@
-"""draft_tree's q through vLLM's CPU GEMM (``integration.vllm.cpu_gemm``), on the tiny model.
+"""draft_tree's q through vLLM's CPU GEMM (``integration.vllm.kernels.cpu_gemm``), on the tiny model.
 
 What this would catch: a routed layer whose output is reshaped wrongly (a [batch, seq, out]
 tensor laid out as [seq, batch, out] gives other logits for a batch of branches), a bias
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_anisotropic.integration.vllm.cpu_gemm import use_vllm_cpu_gemm
+from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import use_vllm_cpu_gemm
 from vllm_anisotropic.models.tiny import build_tiny_model
 from vllm_anisotropic.proposers.draft_model import DraftLM
 

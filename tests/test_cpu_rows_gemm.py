@@ -66,7 +66,7 @@ def test_pack_refuses_shapes_it_cannot_take():
 def test_patch_routes_bf16_layers_and_keeps_vllms_matmul_past_the_row_limit(monkeypatch):
     from vllm.model_executor.layers import utils
 
-    from vllm_anisotropic.integration.vllm import patches
+    from vllm_anisotropic.integration.vllm.frontdoor import patches
 
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm)
     monkeypatch.setenv(patches.CPU_GEMM_ENV, "rows")
@@ -122,7 +122,7 @@ RowsGemm.__call__ = lambda self, packed, x, out=None: rows_seen.append(int(x.sha
 
 def main():
     from vllm import LLM, SamplingParams
-    from vllm_anisotropic.integration.vllm import patches
+    from vllm_anisotropic.integration.vllm.frontdoor import patches
     fallback_rows = []
     llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=512, max_num_seqs=2, seed=0,
               gpu_memory_utilization=0.2, speculative_config={"method": "goose", "budget": 8, "allocator": "off"})
@@ -147,7 +147,7 @@ def test_engine_runs_tree_steps_through_the_kernel(tiny_model_dir, tiny_prompts,
     import subprocess
     import sys
 
-    from vllm_anisotropic.integration.vllm.patches import CPU_GEMM_ENV, ROWS_MAX
+    from vllm_anisotropic.integration.vllm.frontdoor.patches import CPU_GEMM_ENV, ROWS_MAX
 
     script = tmp_path / "engine_rows.py"
     script.write_text(_ENGINE_SCRIPT)
@@ -165,7 +165,7 @@ def test_engine_runs_tree_steps_through_the_kernel(tiny_model_dir, tiny_prompts,
 def test_a_failed_build_leaves_vllms_kernels_in_place(monkeypatch, caplog):
     from vllm.model_executor.layers import utils
 
-    from vllm_anisotropic.integration.vllm import patches
+    from vllm_anisotropic.integration.vllm.frontdoor import patches
 
     original = utils.dispatch_cpu_unquantized_gemm
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", original)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from vllm_anisotropic.integration.vllm import patches
+from vllm_anisotropic.integration.vllm.frontdoor import patches
 
 
 class _Recorder:
@@ -49,7 +49,7 @@ def test_post_step_skips_the_rpc_for_the_tree_scheduler_only():
 
 
 def test_tree_scheduler_applies_the_drafts_sent_with_the_output():
-    from vllm_anisotropic.integration.vllm.scheduler import TreeScheduler
+    from vllm_anisotropic.integration.vllm.engine.scheduler import TreeScheduler
 
     assert TreeScheduler.drafts_arrive_with_output
     drafts = SimpleNamespace(req_ids=["a"], draft_token_ids=[[1, 2]])

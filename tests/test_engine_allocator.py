@@ -14,8 +14,8 @@ import pytest
 
 from vllm_anisotropic.allocator import CostModel
 from vllm_anisotropic.bench.sweep import resolve_config
-from vllm_anisotropic.integration.vllm.metrics import STATS_ENV
-from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
+from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 

@@ -16,8 +16,8 @@ import torch
 
 from vllm_anisotropic.bench.crosscheck import compare, run_engine, run_harness
 from vllm_anisotropic.bench.harness import load_model
-from vllm_anisotropic.integration.vllm.metrics import STATS_ENV, TRACE_ENV
-from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV, TRACE_ENV
+from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 

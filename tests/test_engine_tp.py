@@ -18,8 +18,8 @@ import json
 
 import pytest
 
-from vllm_anisotropic.integration.vllm.metrics import STATS_ENV
-from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
+from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 

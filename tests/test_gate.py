@@ -1,4 +1,4 @@
-"""The measured gate (``allocator/gate.py``) and its scheduler hook (``integration/vllm/budget.py``).
+"""The measured gate (``allocator/gate.py``) and its scheduler hook (``integration/vllm/engine/budget.py``).
 
 What each test would catch: a reversed comparison (exploiting the slower arm), rates computed
 upside down (seconds per token), an exploration that never or always happens, a warm-up that
@@ -17,8 +17,8 @@ import pytest
 
 from vllm_anisotropic.allocator import CHAIN, PLAIN, TREE, GateConfig, SpeculationGate
 from vllm_anisotropic.allocator.gate import bucket
-from vllm_anisotropic.integration.vllm.budget import BatchBudget
-from vllm_anisotropic.integration.vllm.config import EngineTreeConfig
+from vllm_anisotropic.integration.vllm.engine.budget import BatchBudget
+from vllm_anisotropic.integration.vllm.frontdoor.config import EngineTreeConfig
 
 
 def test_bucket_worked_example():

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_anisotropic.bench.tree_attention_check import random_batch, random_tree
+from vllm_anisotropic.attention.random_batch import random_batch, random_tree
 from vllm_anisotropic.tree import DraftTree
-from vllm_anisotropic.tree_attention import (
+from vllm_anisotropic.attention.tree_attention import (
     TreeAttentionPlan,
     ancestor_attention,
     dense_tree_reference,
@@ -129,7 +129,7 @@ class _FAStandIn:
 
 
 def _impl(h, kvh, hs, softcap):
-    from vllm_anisotropic.integration.vllm.gpu_attention import TreeFlashAttentionImpl
+    from vllm_anisotropic.integration.vllm.kernels.gpu_attention import TreeFlashAttentionImpl
 
     impl = object.__new__(TreeFlashAttentionImpl)  # the real __init__ needs a CUDA FlashAttention
     impl.num_heads, impl.num_kv_heads, impl.head_size = h, kvh, hs
@@ -175,8 +175,8 @@ def test_impl_tree_rows_through_the_flash_attention_contract(monkeypatch, h, kvh
 def test_self_test_passes_and_catches_a_broken_mask(monkeypatch):
     from vllm.v1.attention.backends import flash_attn as fa_backend
 
-    from vllm_anisotropic import tree_attention
-    from vllm_anisotropic.integration.vllm import gpu_attention
+    from vllm_anisotropic.attention import tree_attention
+    from vllm_anisotropic.integration.vllm.kernels import gpu_attention
 
     def fa(**kw):
         return paged_context_attention(kw["q"], kw["k"], kw["v"], kw["cu_seqlens_q"], kw["seqused_k"],
@@ -211,7 +211,7 @@ def test_self_test_passes_and_catches_a_broken_mask(monkeypatch):
 def test_unsupported_features_are_refused_by_name(attr, value, needle):
     from vllm.v1.attention.backend import AttentionType
 
-    from vllm_anisotropic.integration.vllm.gpu_attention import _refusal
+    from vllm_anisotropic.integration.vllm.kernels.gpu_attention import _refusal
 
     impl = _impl(4, 2, 32, 0.0)
     impl.attn_type, impl.sliding_window, impl.alibi_slopes, impl.sinks = AttentionType.DECODER, (-1, -1), None, None
@@ -223,9 +223,9 @@ def test_unsupported_features_are_refused_by_name(attr, value, needle):
 
 FUSED_SCRIPT = r"""
 import numpy as np, torch
-from vllm_anisotropic.bench.tree_attention_check import random_batch
-from vllm_anisotropic.tree_attention import paged_context_attention
-from vllm_anisotropic.tree_attention_triton import fused_tree_rows_attention
+from vllm_anisotropic.attention.random_batch import random_batch
+from vllm_anisotropic.attention.tree_attention import paged_context_attention
+from vllm_anisotropic.attention.tree_attention_triton import fused_tree_rows_attention
 # float32: IEEE products; float16: tensor-core products (16-bit operands, float32 accumulation).
 # bfloat16 is not run here: Triton 3.9's interpreter multiplies bfloat16 tiles as raw 16-bit
 # integers in tl.dot (errors ~1e10 on a 16 x 16 product of randn); the H100/H200 check and the
@@ -260,7 +260,7 @@ def test_fused_triton_kernel_under_the_interpreter():
 
 def test_fused_kernel_refuses_tensor_cores_for_float32():
     pytest.importorskip("triton")
-    from vllm_anisotropic.tree_attention_triton import fused_tree_rows_attention
+    from vllm_anisotropic.attention.tree_attention_triton import fused_tree_rows_attention
 
     x = torch.zeros(2, 1, 16)
     rows = torch.zeros(1, 1, dtype=torch.int64)

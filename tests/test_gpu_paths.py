@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_anisotropic.bench.tree_attention_check import random_tree
+from vllm_anisotropic.attention.random_batch import random_tree
 from vllm_anisotropic.proposers.adjacency import AdjacencyTable, TopKRows
 from vllm_anisotropic.tree import DraftTree, NodeSource, pack_trees
 from vllm_anisotropic.verifiers import get_verifier
@@ -62,7 +62,7 @@ def test_dense_walk_is_chosen_on_cuda_logits_only():
 
 
 def test_scatter_tree_positions_worked_example():
-    from vllm_anisotropic.integration.vllm.runner import scatter_tree_positions
+    from vllm_anisotropic.integration.vllm.engine.runner import scatter_tree_positions
 
     positions = torch.tensor([9, 10, 11, 12, 13, 20, 21, 22], dtype=torch.int64)
     # request A: rows 2..4 under root row 1 with depths [1, 1, 2]; request B: rows 6..7 under row 5
@@ -71,8 +71,8 @@ def test_scatter_tree_positions_worked_example():
 
 
 def test_device_plan_from_the_runner_plan():
-    from vllm_anisotropic.integration.vllm.gpu_runner import device_plan
-    from vllm_anisotropic.integration.vllm.runner import TreePlan
+    from vllm_anisotropic.integration.vllm.engine.gpu_runner import device_plan
+    from vllm_anisotropic.integration.vllm.engine.runner import TreePlan
 
     tree = DraftTree(tokens=[0] * 4, parents=[-1, 0, 0, 1])
     plan = TreePlan(req_index=[2], num_nodes=[3], masks=[tree.ancestor_mask[1:, 1:]], chain_prefix=[1],
@@ -119,7 +119,7 @@ def test_gpu_defaults_are_flash_attn_and_piecewise():
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_anisotropic.integration.vllm.patches import force_gpu_settings
+    from vllm_anisotropic.integration.vllm.frontdoor.patches import force_gpu_settings
 
     comp, attn, par, model = _configs()
     assert force_gpu_settings(comp, attn, par, model) == []
@@ -143,7 +143,7 @@ def test_gpu_defaults_are_flash_attn_and_piecewise():
     ],
 )
 def test_gpu_refusals_name_the_setting(kwargs, needle):
-    from vllm_anisotropic.integration.vllm.patches import force_gpu_settings
+    from vllm_anisotropic.integration.vllm.frontdoor.patches import force_gpu_settings
 
     problems = force_gpu_settings(*_configs(**kwargs))
     assert len(problems) == 1 and needle in problems[0], problems

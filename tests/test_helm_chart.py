@@ -433,7 +433,7 @@ def test_rendered_speculative_config_passes_the_plugins_validator(chart, method)
     """The chart's default GPU deployment starts: its rendered --speculative-config is accepted
     by the plugin's own validator (the code path `vllm serve` runs at start-up), and it renders
     no flag the CUDA path refuses (attention backend, CUDA-graph mode, async scheduling)."""
-    from vllm_anisotropic.integration.vllm.config import TreeSpecConfig, split_speculative_dict
+    from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig, split_speculative_dict
 
     docs = render(chart, {"speculative": {"method": method}})
     spec = json.loads(speculative_arg(docs))
@@ -450,7 +450,7 @@ def test_rendered_speculative_config_passes_the_plugins_validator(chart, method)
 
 def _plugin_field(method: str, key: str):
     """The pydantic field behind option ``key`` of tree method ``method`` (None: not a key)."""
-    from vllm_anisotropic.integration.vllm.config import TREE_METHODS, EngineTreeConfig
+    from vllm_anisotropic.integration.vllm.frontdoor.config import TREE_METHODS, EngineTreeConfig
     from vllm_anisotropic.proposers import PROPOSERS
 
     for cls in (PROPOSERS[TREE_METHODS[method]][1], EngineTreeConfig):

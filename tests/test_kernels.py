@@ -14,9 +14,9 @@ def test_the_plugin_and_the_core_import_no_numba():
     code = (
         "import sys\n"
         "import vllm_anisotropic.proposers, vllm_anisotropic.verifiers, vllm_anisotropic.allocator\n"
-        "from vllm_anisotropic.integration.vllm import plugin\n"
+        "from vllm_anisotropic.integration.vllm.frontdoor import plugin\n"
         "plugin.register()\n"
-        "import vllm_anisotropic.integration.vllm.runner\n"
+        "import vllm_anisotropic.integration.vllm.engine.runner\n"
         "assert 'numba' not in sys.modules and 'llvmlite' not in sys.modules, "
         "sorted(m for m in sys.modules if m.startswith(('numba', 'llvmlite')))[:5]\n"
         "from vllm_anisotropic import kernels\n"

@@ -1,4 +1,4 @@
-"""K/V slot moves after tree acceptance (``integration/vllm/kv_moves.py``): which rows move, and
+"""K/V slot moves after tree acceptance (``integration/vllm/engine/kv_moves.py``): which rows move, and
 the moves themselves in vLLM's real CPU cache layouts (written by vLLM's own
 ``cpu_attn_reshape_and_cache``) and in FLASH_ATTN's layout."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_anisotropic.integration.vllm.kv_moves import KVMover, accepted_moves
+from vllm_anisotropic.integration.vllm.engine.kv_moves import KVMover, accepted_moves
 
 
 def test_accepted_moves_worked_example_and_edges():
@@ -20,7 +20,7 @@ def test_accepted_moves_worked_example_and_edges():
 
 
 def _cpu_layouts():
-    from vllm_anisotropic.integration.vllm.attention import kv_layout
+    from vllm_anisotropic.integration.vllm.kernels.attention import kv_layout
 
     out = []
     for isa in ("vec", "vec16", "amx"):
@@ -35,7 +35,7 @@ def _cpu_layouts():
 
 def _read(cache, isa, slots, num_heads, head_size):
     """K and V of ``slots`` as ``[M, H, head_size]`` each, through the probed layout."""
-    from vllm_anisotropic.integration.vllm.attention import kv_layout
+    from vllm_anisotropic.integration.vllm.kernels.attention import kv_layout
 
     block_size = cache.shape[2]
     k_off, v_off, _, _ = kv_layout(isa, cache.dtype, block_size, head_size)

@@ -1,4 +1,4 @@
-"""Tree metrics (integration/vllm/metrics.py) without an engine: counting, the stats file and
+"""Tree metrics (integration/vllm/engine/metrics.py) without an engine: counting, the stats file and
 the Prometheus collector that reads it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from vllm_anisotropic.integration.vllm.metrics import (
+from vllm_anisotropic.integration.vllm.engine.metrics import (
     STATS_ENV,
     TRACE_ENV,
     MetricsSink,
@@ -138,7 +138,7 @@ def test_our_env_vars_pass_vllm_strict_environment_validation(monkeypatch):
     declares ours (the stats file variable is set by the plugin itself in every server)."""
     from vllm.platforms import current_platform
 
-    from vllm_anisotropic.integration.vllm.plugin import OUR_ENV_VARS, register
+    from vllm_anisotropic.integration.vllm.frontdoor.plugin import OUR_ENV_VARS, register
 
     register()
     for name in OUR_ENV_VARS:
@@ -152,7 +152,7 @@ def test_our_env_vars_pass_vllm_strict_environment_validation(monkeypatch):
 
 
 def test_collector_exports_the_budget_allocator_counters(tmp_path):
-    from vllm_anisotropic.integration.vllm.budget import BudgetMetrics
+    from vllm_anisotropic.integration.vllm.engine.budget import BudgetMetrics
 
     path = tmp_path / "stats.json"
     b = BudgetMetrics(steps=10, steps_without_drafts=4, tree_rows=30, tree_rows_offered=300, cost_samples=8,

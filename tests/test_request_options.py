@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_anisotropic.integration.vllm.config import request_tree_options
+from vllm_anisotropic.integration.vllm.frontdoor.config import request_tree_options
 
 
 @pytest.mark.parametrize("extra, trees, cap", [
@@ -64,13 +64,13 @@ def _params(**kw):
     ({"extra_args": {"tree_max_nodes": 3}}, False, None),
 ])
 def test_which_requests_get_trees(kw, sampling_trees, reason):
-    from vllm_anisotropic.integration.vllm.runner import ineligible_reason
+    from vllm_anisotropic.integration.vllm.engine.runner import ineligible_reason
 
     assert ineligible_reason(_params(**kw), sampling_trees) == reason
 
 
 def test_logprobs_keep_trees_only_in_raw_modes():
-    from vllm_anisotropic.integration.vllm.runner import ineligible_reason
+    from vllm_anisotropic.integration.vllm.engine.runner import ineligible_reason
 
     assert ineligible_reason(_params(logprobs=2), logprobs_trees=False) == "logprobs"
 
@@ -78,7 +78,7 @@ def test_logprobs_keep_trees_only_in_raw_modes():
 def test_row_edits_apply_as_vllms_sampler_does():
     """Allowed set first (every other token -inf), then the bias at its tokens: the argmax of
     an edited row is the biased argmax among the allowed tokens."""
-    from vllm_anisotropic.integration.vllm.runner import RowEdits
+    from vllm_anisotropic.integration.vllm.engine.runner import RowEdits
 
     assert RowEdits.of(_params()) is None
     rows = torch.tensor([[0.0, 5.0, 1.0, 2.0, 3.0], [4.0, 0.0, 0.0, 0.0, 0.0]])
@@ -92,7 +92,7 @@ def test_row_edits_apply_as_vllms_sampler_does():
 def test_row_pasts_follow_each_nodes_path():
     import numpy as np
 
-    from vllm_anisotropic.integration.vllm.sampler import _row_pasts
+    from vllm_anisotropic.integration.vllm.engine.sampler import _row_pasts
 
     # root 9 -> a 1 -> b 2, root -> c 3 (sibling of a)
     assert _row_pasts(np.array([9, 1, 2, 3]), np.array([-1, 0, 1, 0]), [5, 9]) == [
@@ -102,7 +102,7 @@ def test_row_pasts_follow_each_nodes_path():
 def test_min_tokens_masks_stop_tokens_on_rows_still_short():
     """``min_tokens`` 3 and output length 2: the root row (2 tokens before it) masks the stop
     token, a depth-1 row (3 before it) does not."""
-    from vllm_anisotropic.integration.vllm.runner import RowEdits
+    from vllm_anisotropic.integration.vllm.engine.runner import RowEdits
 
     sp = _params(min_tokens=3, stop_token_ids=[4])
     edits = RowEdits.of(sp)
@@ -120,8 +120,8 @@ def test_penalties_count_each_rows_own_path():
     import numpy as np
     from types import SimpleNamespace
 
-    from vllm_anisotropic.integration.vllm.runner import RowEdits
-    from vllm_anisotropic.integration.vllm.sampler import _row_pasts
+    from vllm_anisotropic.integration.vllm.engine.runner import RowEdits
+    from vllm_anisotropic.integration.vllm.engine.sampler import _row_pasts
 
     vocab = 10
     edits = RowEdits.of(_params(frequency_penalty=1.0))
@@ -142,7 +142,7 @@ def test_penalties_count_each_rows_own_path():
 def test_min_p_masks_as_vllms_processor_at_the_requests_temperature():
     """Sampled min_p 0.3 at temperature 0.5: the edited rows, divided by the temperature, equal
     vLLM's MinPLogitsProcessor applied to the rows divided by the temperature."""
-    from vllm_anisotropic.integration.vllm.runner import RowEdits
+    from vllm_anisotropic.integration.vllm.engine.runner import RowEdits
 
     torch.manual_seed(0)
     rows = torch.randn(3, 50)

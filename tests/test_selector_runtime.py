@@ -95,7 +95,7 @@ def test_proposer_drafts_the_selectors_shape_from_the_roots_features(draft_dir, 
     # (key, count) tuples as keys and broke the worker's JSON dump)
     from dataclasses import asdict
 
-    from vllm_anisotropic.integration.vllm.metrics import TreeMetrics
+    from vllm_anisotropic.integration.vllm.engine.metrics import TreeMetrics
 
     dumped = json.loads(json.dumps(asdict(TreeMetrics(selector_shapes=proposer.shape_counts))))
     assert dumped["selector_shapes"] == {",".join(map(str, best)): 1}

@@ -1,4 +1,4 @@
-"""The private vLLM surface check (``integration/vllm/vllm_surface.py``) against the installed
+"""The private vLLM surface check (``integration/vllm/frontdoor/vllm_surface.py``) against the installed
 vLLM, and that a changed surface is refused with every mismatch named.
 
 What each test would catch: a list that names something vLLM 0.32 does not have (the check
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_anisotropic.integration.vllm import vllm_surface
-from vllm_anisotropic.integration.vllm.vllm_surface import VllmSurfaceError, check_runner, surface_problems
+from vllm_anisotropic.integration.vllm.frontdoor import vllm_surface
+from vllm_anisotropic.integration.vllm.frontdoor.vllm_surface import VllmSurfaceError, check_runner, surface_problems
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])

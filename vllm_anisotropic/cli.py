@@ -24,7 +24,7 @@ COMMAND_MODULES = (
     "vllm_anisotropic.bench.tree_attention_check",
     "vllm_anisotropic.bench.verify_cost",
     "vllm_anisotropic.selector.train",
-    "vllm_anisotropic.integration.vllm.serve_cli",
+    "vllm_anisotropic.integration.vllm.frontdoor.serve_cli",
 )
 
 

@@ -13,7 +13,7 @@ the other rows (batch-invariant), and matches oneDNN's bit for bit in ~99.996 % 
 
 Timed alone on that machine (``scripts/cpu_gemm_rows.py --rows-kernel``): 0.79x vLLM's time at
 one row, 0.71x at four, 0.66x at eight. It is an engine speed-up (plain decoding gains as much
-as trees); ``integration/vllm/patches.py`` routes vLLM's linear layers through it only when
+as trees); ``integration/vllm/frontdoor/patches.py`` routes vLLM's linear layers through it only when
 ``VLLM_ANISOTROPIC_CPU_GEMM=rows`` is set.
 
 Built on first use with the system's g++ into the cache directory (keyed by the source's

@@ -94,8 +94,8 @@ def run_engine(model_dir, prompts: list[list[int]], max_tokens: int, method: str
     The budget allocator is pinned off (unless ``options`` says otherwise): the harness verifies
     whole trees, so an engine that cuts them would accept fewer tokens at some steps by design.
     """
-    from vllm_anisotropic.integration.vllm.metrics import STATS_ENV, TRACE_ENV
-    from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+    from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV, TRACE_ENV
+    from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
 
     job = OfflineJob(model=str(model_dir), prompt_token_ids=prompts, max_tokens=max_tokens,
                      speculative_config={"method": method, "allocator": "off", **options}, llm_kwargs=llm_kwargs or LLM_KWARGS)
@@ -109,7 +109,7 @@ def run_harness(model, prompts: list[list[int]], max_tokens: int, method: str, o
     """The exact harness started the way vLLM starts, learning in the engine's order (a step's
     harvest after the next proposal): (tokens, traces) per prompt."""
     from vllm_anisotropic.bench.harness import TreeDecoder
-    from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
+    from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
     from vllm_anisotropic.proposers import get_proposer
 
     cfg = TreeSpecConfig.build(method, options)
@@ -129,8 +129,8 @@ def run(args) -> int:
 
     from vllm_anisotropic.bench.harness import load_model
     from vllm_anisotropic.bench.tau import _resolve_model, load_prompts
-    from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
-    from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+    from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
+    from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
 
     options = {"shared_table": False}
     for spec in args.option:

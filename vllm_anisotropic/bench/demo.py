@@ -1,16 +1,22 @@
 """The main job: ``vllm-anisotropic demo``.
 
 Runs offline ``LLM.generate`` in real vLLM on a real model over real benchmark prompts, side by
-side: plain decoding, then each speculative method. Each engine first generates
-``--one-at-a-time`` prompts one request at a time (one ``generate`` call each: where
-speculation is meant to pay), then a batch of ``--num-prompts`` other prompts in one call (vLLM
-runs them together: where, on a small CPU, the allocator should keep speculation from costing
-anything). Each pass is timed apart and prints tokens/s, the
-speedup, tau (mean tokens per target forward pass: output tokens / (output tokens - accepted
-drafts), from vLLM's spec-decode counters), the tree metrics
-(spine / branch acceptance, tree size, bypass rate) and how many outputs are token-identical
-to plain greedy decoding. Each run is its own process (see
-``integration/vllm/offline.py``), so the numbers are measured in one invocation on one machine.
+side: plain decoding, then each speculative method, each engine its own process (see
+``bench/offline.py``), all in one invocation on one machine. Each engine first
+generates ``--one-at-a-time`` prompts one request at a time (where speculation is meant to
+pay), then ``--repeats`` times a batch of ``--num-prompts`` other prompts in one call (vLLM runs
+them together: where, on a small CPU, the allocator should keep speculation from costing
+anything). Each timed pass follows an untimed warm-up of the same requests (``--warmup-tokens``
+tokens, under a cache salt of their own, so vLLM has met the pass's shapes and the timed pass
+reads neither its prefix cache nor its learned tables); each batch repeat runs under a salt of
+its own, so no repeat learns from another.
+
+It prints one table: per method and pass, tokens/s, the speedup over plain on the same prompts
+with a 95 % interval (one at a time: a bootstrap over the prompts, each timed alone; the batch:
+over the repeats), tau (mean tokens per target forward pass: output tokens / (output tokens -
+accepted drafts), from vLLM's spec-decode counters) and how many outputs are token-identical to
+plain greedy decoding. ``--details`` adds the tree metrics (spine / branch acceptance, tree size,
+bypass rate) and what the allocator kept.
 
 Speculative methods available today (``--method``):
 - ``goose`` (default): GOOSE tree speculative decoding through this plugin's front door,
@@ -30,9 +36,12 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import platform
 from pathlib import Path
 from typing import Any
+
+from vllm_anisotropic.bench.machine import cpu_model
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +55,7 @@ DEFAULT_CHAIN_TOKENS = 5
 
 def speculative_config_for(method: str, num_speculative_tokens: int | None = None) -> dict[str, Any]:
     """The ``speculative_config`` dict that selects ``method`` in vLLM."""
-    from vllm_anisotropic.integration.vllm.proposer import PROMPT_LOOKUP_CLASS
+    from vllm_anisotropic.integration.vllm.frontdoor.proposer import PROMPT_LOOKUP_CLASS
 
     configs = {
         "goose": {"method": "goose"},
@@ -77,7 +86,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", default="humaneval", help="dataset name, or several comma-separated")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per dataset")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--method", default="goose",
+    p.add_argument("--method", default="goose,ngram",
                    help=f"speculative method, or several comma-separated, each run against the same plain run; valid: {', '.join(DEMO_METHODS)}")
     p.add_argument(
         "--num-speculative-tokens",
@@ -92,6 +101,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--one-at-a-time", type=int, default=8, metavar="N",
                    help="first, in the same engines, N other prompts per dataset (the next ones) one request at a "
                         "time, timed apart (0: the batch alone)")
+    p.add_argument("--repeats", type=int, default=2, help="batch passes per engine, each timed apart (default 2)")
+    p.add_argument("--warmup-tokens", type=int, default=16,
+                   help="before each timed pass, the same requests untimed with this many tokens, under a cache salt of "
+                        "their own (0: no warm-up)")
+    p.add_argument("--details", action="store_true", help="also print each method's tree and allocator metrics")
     p.add_argument("--out", type=Path, default=None, help="append a JSONL record per method here")
     p.set_defaults(func=run)
 
@@ -105,8 +119,6 @@ def resolve_dtype(dtype: str, isa: list[str] | None = None) -> tuple[str, str]:
     if dtype != "auto":
         return dtype, "chosen"
     if isa is None:
-        from vllm_anisotropic.bench.sweep import cpu_model
-
         isa = cpu_model().get("cpu_isa", [])
     native = [f for f in ("amx_tile", "avx512_bf16") if f in isa]
     if native:
@@ -141,15 +153,17 @@ def build_prompts(model_dir: Path, dataset: str, limit: int, skip: int = 0) -> l
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
-    from vllm_anisotropic.integration.vllm.metrics import STATS_ENV
-    from vllm_anisotropic.integration.vllm.offline import OfflineJob, run_offline_job
+    from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
+    from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
 
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
     for m in methods:
         if m not in DEMO_METHODS:
             raise SystemExit(f"unknown method {m!r}; valid: {', '.join(DEMO_METHODS)}")
-    if args.one_at_a_time < 0:
-        raise SystemExit(f"--one-at-a-time must be >= 0, got {args.one_at_a_time}")
+    for flag, value, low in (("--one-at-a-time", args.one_at_a_time, 0), ("--repeats", args.repeats, 1),
+                             ("--warmup-tokens", args.warmup_tokens, 0)):
+        if value < low:
+            raise SystemExit(f"{flag} must be >= {low}, got {value}")
     model_dir = _resolve_model(args.model)
     prompts = build_prompts(model_dir, args.dataset, args.num_prompts)
     solo_prompts = (build_prompts(model_dir, args.dataset, args.one_at_a_time, skip=args.num_prompts)
@@ -160,121 +174,161 @@ def run(args: argparse.Namespace) -> int:
     if args.max_num_seqs:
         llm_kwargs["max_num_seqs"] = args.max_num_seqs
     base = OfflineJob(model=str(model_dir), prompts=prompts, solo_prompts=solo_prompts, max_tokens=args.max_tokens,
-                      llm_kwargs=llm_kwargs)
+                      llm_kwargs=llm_kwargs, warmup_tokens=min(args.warmup_tokens, args.max_tokens),
+                      batch_repeats=args.repeats)
 
-    logger.info("plain decoding: %s%d prompts x %d tokens (starting vLLM)",
-                f"{len(solo_prompts)} prompts one at a time, then " if solo_prompts else "", len(prompts),
-                args.max_tokens)
-    plain = run_offline_job(base, timeout=None)
-    header = f"model {args.model}  dataset {args.dataset}  max_tokens {args.max_tokens}  greedy  {args.dtype} " \
-             f"[{dtype_why}]  " \
-             f"({platform.machine()} CPU, vLLM CPU build)"
-    solo_lines = [f"one request at a time ({len(solo_prompts)} prompts, each engine's first pass):",
-                  _rate_line("plain", plain.solo)] if solo_prompts else []
-    batch_lines = [f"batch of {len(prompts)} prompts (one generate call{', after that' if solo_prompts else ''}):",
-                   _rate_line("plain", plain)]
-    lines: list[str] = []  # each method's tree and allocator metrics, printed after the two passes
-    all_identical = True
-    divergent: list[Divergence] = []
+    logger.info("plain decoding (starting vLLM)")
+    plain = run_offline_job(base, timeout=None, progress="plain")
+    runs: list[MethodRun] = []
     for method in methods:
         spec_config = speculative_config_for(method, args.num_speculative_tokens)
         logger.info("speculative decoding with %s (starting vLLM)", method)
         with tempfile.TemporaryDirectory() as tmp:
             stats_file = Path(tmp, "tree_stats.json")
             spec = run_offline_job(base.model_copy(update={"speculative_config": spec_config}), timeout=None,
-                                   env={STATS_ENV: str(stats_file)})
+                                   env={STATS_ENV: str(stats_file)}, progress=method)
             tree = json.loads(stats_file.read_text()) if stats_file.exists() else None
             budget_file = Path(f"{stats_file}.budget")
             budget = json.loads(budget_file.read_text()) if budget_file.exists() else None
-        identical = sum(a == b for a, b in zip(plain.token_ids, spec.token_ids))
-        all_identical &= identical == len(prompts)
-        divergent += divergences(method, plain.token_ids, spec.token_ids)
-        speedup = spec.tokens_per_second / plain.tokens_per_second
-        # output tokens / target passes, a pass emitting 1 + its accepted drafts (vLLM's counters,
-        # equal to the drafter's accepted count). Counting the drafter's tree steps instead would
-        # miss the steps a request decodes plainly while the allocator's backoff skips its trees.
-        tau = spec.spec.tau
-        batch_lines.append(_rate_line(method, spec, plain, identical, len(prompts)))
-        solo_speedup = solo_identical = None
-        if solo_prompts:
-            solo_identical = sum(a == b for a, b in zip(plain.solo.token_ids, spec.solo.token_ids))
-            all_identical &= solo_identical == len(solo_prompts)
-            solo_speedup = spec.solo.tokens_per_second / plain.solo.tokens_per_second
-            solo_lines.append(_rate_line(method, spec.solo, plain.solo, solo_identical, len(solo_prompts)))
-        lines.append(f"{method}, {'both passes' if solo_prompts else 'the batch'}:")
-        if tree and tree.get("verified_trees"):
-            lines.append(
-                f"          spine acceptance {_rate(tree['accepted_spine_nodes'], tree['spine_nodes'])}  "
-                f"branch acceptance {_rate(tree['accepted_branch_nodes'], tree['branch_nodes'])}  "
-                f"mean draft nodes {tree['draft_nodes'] / tree['verified_trees']:.1f}  "
-                f"bypass {_rate(tree['bypass_steps'], tree['steps'])}  plain steps {_rate(tree['plain_steps'], tree['steps'])}"
-            )
-        if budget and budget.get("steps"):
-            steps = budget["steps"]
-            err = budget["cost_abs_rel_err"] / budget["cost_samples"] if budget.get("cost_samples") else float("nan")
-            lines.append(
-                f"          allocator: kept {budget['tree_rows'] / steps:.1f} of {budget['tree_rows_offered'] / steps:.1f} "
-                f"offered draft nodes per step, no drafts in {budget['steps_without_drafts'] / steps:.0%} of steps, "
-                f"accepted {budget['realized_accepted']} (predicted {budget['predicted_accepted']:.0f}), "
-                f"cost model error {err:.0%}"
-            )
-            gate = budget.get("gate") or {}
-            if gate:
-                # per batch size: what the measured gate saw in each arm (tokens/s of decode steps)
-                lines.append("          measured gate (tokens/s of decode steps, plain vs trees vs chains): " + ", ".join(
-                    f"{r} req {g['plain_rate']:.0f} vs {g['spec_rate']:.0f}"
-                    + (f" vs {g['chain_rate']:.0f}" if g.get("chain_steps") else "")
-                    + (" (plain)" if max(g["spec_rate"], g.get("chain_rate", 0.0)) < g["plain_rate"] else "")
-                    for r, g in sorted(gate.items(), key=lambda kv: int(kv[0])) if g["plain_steps"] and g["spec_steps"])
-                    + f"; {budget.get('gate_plain_steps', 0) / steps:.0%} of steps made plain by it, "
-                    + f"{budget.get('chain_steps', 0) / steps:.0%} chain steps")
-        if args.out:
-            record = {
-                "model": args.model, "dataset": args.dataset, "num_prompts": len(prompts),
-                "max_tokens": args.max_tokens, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-                "method": method, "speculative_config": spec_config,
-                "plain_tokens_per_s": plain.tokens_per_second, "spec_tokens_per_s": spec.tokens_per_second,
-                "speedup": speedup, "tau": tau, "tau_vllm_counters": spec.spec.tau,
-                "acceptance_rate": spec.spec.acceptance_rate, "identical": identical, "tree_metrics": tree,
-                "budget_metrics": budget,
-                "one_at_a_time": None if not solo_prompts else {
-                    "num_prompts": len(solo_prompts), "plain_tokens_per_s": plain.solo.tokens_per_second,
-                    "spec_tokens_per_s": spec.solo.tokens_per_second, "speedup": solo_speedup,
-                    "tau": spec.solo.spec.tau, "identical": solo_identical},
-                "machine": platform.machine(),
-            }
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            with open(args.out, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-    lines = [header, *solo_lines, *batch_lines, *lines]
-    lines.append(f"outputs identical to plain decoding: {'yes' if all_identical else 'NO'}")
-    if not all_identical and args.dtype != "float32":
+        runs.append(MethodRun(method, spec_config, spec, tree, budget))
+
+    cpu = cpu_model().get("cpu_model") or platform.machine()
+    header = (f"model {args.model}  dataset {args.dataset}  max_tokens {args.max_tokens}  greedy  {args.dtype} "
+              f"[{dtype_why}]\n{cpu}, {os.cpu_count()} cores, vLLM CPU build; each pass after an untimed warm-up of "
+              f"{base.warmup_tokens} tokens")
+    table = demo_table(plain, runs, solo_prompts is not None)
+    lines = [header, "", *table.lines]
+    if args.details:
+        lines += ["", *[line for r in runs for line in _detail_lines(r)]]
+    lines.append(f"outputs identical to plain decoding: {'yes' if table.all_identical else 'NO'}")
+    if not table.all_identical and args.dtype != "float32":
         lines.append(
             f"  ({args.dtype}: vLLM's kernels round differently for different query shapes, so a draft step and a "
             "plain step can pick different tokens where the top two logits are nearly tied; vLLM's own ngram "
             "shows the same. The exactness check is --dtype float32; see docs/engine.md.)"
         )
+    divergent = [d for r in runs for d in divergences(r.method, plain.token_ids, r.result.token_ids)]
     if divergent and args.dtype != "float32":
         logger.info("measuring the margins of %d divergences (starting vLLM)", len(divergent))
         probe = base.model_copy(update={
-            "prompts": None, "solo_prompts": None, "max_tokens": 1, "logprobs": MARGIN_TOP,
+            "prompts": None, "solo_prompts": None, "max_tokens": 1, "logprobs": MARGIN_TOP, "warmup_tokens": 0,
+            "batch_repeats": 1,
             "prompt_token_ids": [plain.prompt_token_ids[d.prompt] + plain.token_ids[d.prompt][0][: d.position]
                                  for d in divergent],
         })
         lines += margin_report(divergent, run_offline_job(probe, timeout=None).logprobs)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a", encoding="utf-8") as f:
+            for r, row in zip(runs, table.rows):
+                f.write(json.dumps({
+                    "model": args.model, "dataset": args.dataset, "num_prompts": len(prompts),
+                    "one_at_a_time": len(solo_prompts or []), "repeats": args.repeats, "max_tokens": args.max_tokens,
+                    "warmup_tokens": base.warmup_tokens, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                    "method": r.method, "speculative_config": r.spec_config, **row,
+                    "tree_metrics": r.tree, "budget_metrics": r.budget, "cpu_model": cpu, "machine": platform.machine(),
+                }) + "\n")
     print("\n".join(lines))
-    return 0 if all_identical else 1
+    return 0 if table.all_identical else 1
 
 
-def _rate_line(name: str, run, plain=None, identical: int = 0, n: int = 0) -> str:
-    """``name  N tokens in S s = R tokens/s``, and for a speculative ``run`` (an ``OfflineResult``
-    or its ``solo`` pass) its tau, speedup over ``plain`` and identical outputs."""
-    line = (f"  {name:<9} {run.num_output_tokens:6d} tokens in {run.generate_seconds:6.2f} s  "
-            f"= {run.tokens_per_second:7.1f} tokens/s")
-    if plain is not None:
-        line += (f"   tau {run.spec.tau:.2f}  speedup {run.tokens_per_second / plain.tokens_per_second:.2f}x  "
-                 f"identical {identical}/{n}")
-    return line
+@dataclasses.dataclass
+class MethodRun:
+    """One speculative method's engine run and what its plugin metrics files held."""
+
+    method: str
+    spec_config: dict[str, Any]
+    result: Any  # OfflineResult
+    tree: dict | None
+    budget: dict | None
+
+
+@dataclasses.dataclass
+class DemoTable:
+    lines: list[str]
+    rows: list[dict[str, Any]]  # per method: the numbers of its table row
+    all_identical: bool
+
+
+def demo_table(plain, runs: list[MethodRun], solo: bool) -> DemoTable:
+    """The demo's one table: per method and pass, tokens/s, the speedup over plain with its
+    interval, tau and outputs identical to plain's. The one-at-a-time pass: a bootstrap over its
+    prompts (each prompt timed alone, paired with plain's); the batch: each repeat's ratio to
+    plain's same repeat, their geometric mean and t-interval (``bench.stats``)."""
+    from vllm_anisotropic.bench.stats import bootstrap_rate_ratio, format_speedup, ratio_interval
+
+    n_batch, repeats = len(plain.token_ids), len(plain.repeats)
+    cols = []
+    if solo:
+        cols.append(f"one request at a time ({len(plain.solo.token_ids)} prompts)")
+    cols.append(f"batch of {n_batch} prompts ({repeats} repeat{'s' if repeats > 1 else ''})")
+    head = f"{'':10}" + "".join(f"{c:<50}" for c in cols)
+    sub = f"{'method':10}" + f"{'tokens/s':>9}  {'speedup [95% CI]':<22}{'tau':>5}  {'identical':<10}" * len(cols)
+    lines = [head.rstrip(), sub.rstrip()]
+
+    def rate(passes) -> float:
+        return sum(sum(len(t) for t in p.token_ids) for p in passes) / sum(p.generate_seconds for p in passes)
+
+    plain_cells = ([f"{rate([plain.solo]):9.1f}  {'1.00x':<22}{'':>5}  {'':<10}"] if solo else []) + \
+        [f"{rate(plain.repeats):9.1f}  {'1.00x':<22}{'':>5}  {'':<10}"]
+    lines.append(f"{'plain':10}" + "".join(plain_cells).rstrip())
+    rows, all_identical = [], True
+    for r in runs:
+        spec, cells, row = r.result, [], {}
+        if solo:
+            tokens = lambda p: [len(t) for t in p.token_ids]  # noqa: E731
+            point, low, high = bootstrap_rate_ratio(tokens(spec.solo), spec.solo.prompt_seconds, tokens(plain.solo),
+                                                    plain.solo.prompt_seconds)
+            same = sum(a == b for a, b in zip(plain.solo.token_ids, spec.solo.token_ids))
+            all_identical &= same == len(plain.solo.token_ids)
+            cells.append(f"{rate([spec.solo]):9.1f}  {format_speedup(point, low, high):<22}{spec.solo.spec.tau:5.2f}  "
+                         f"{f'{same}/{len(plain.solo.token_ids)}':<10}")
+            row["one_at_a_time"] = {"plain_tokens_per_s": rate([plain.solo]), "tokens_per_s": rate([spec.solo]),
+                                    "speedup": point, "ci95": [low, high], "tau": spec.solo.spec.tau, "identical": same}
+        ratios = [rate([s]) / rate([p]) for s, p in zip(spec.repeats, plain.repeats)]
+        point, low, high = ratio_interval(ratios)
+        same = sum(a == b for s, p in zip(spec.repeats, plain.repeats) for a, b in zip(p.token_ids, s.token_ids))
+        all_identical &= same == n_batch * repeats
+        tau = (sum(s.spec.num_output_tokens for s in spec.repeats)
+               / max(1, sum(s.spec.num_output_tokens - s.spec.num_accepted_tokens for s in spec.repeats)))
+        cells.append(f"{rate(spec.repeats):9.1f}  {format_speedup(point, low, high):<22}{tau:5.2f}  "
+                     f"{f'{same}/{n_batch * repeats}':<10}")
+        row["batch"] = {"plain_tokens_per_s": rate(plain.repeats), "tokens_per_s": rate(spec.repeats),
+                        "speedup": point, "ci95": [low, high], "repeat_speedups": ratios, "tau": tau, "identical": same}
+        lines.append(f"{r.method:10}" + "".join(cells).rstrip())
+        rows.append(row)
+    lines.append("speedup: tokens/s over plain's on the same prompts; one at a time, [95% CI] bootstraps the prompts; "
+                 "batch, the repeats' geometric mean, t-interval; ~ marks an interval containing 1.00x")
+    return DemoTable(lines, rows, all_identical)
+
+
+def _detail_lines(r: MethodRun) -> list[str]:
+    """``--details``: a method's tree and allocator metrics over its whole run (warm-ups included)."""
+    tree, budget, lines = r.tree, r.budget, []
+    if tree and tree.get("verified_trees"):
+        lines.append(
+            f"{r.method}: spine acceptance {_rate(tree['accepted_spine_nodes'], tree['spine_nodes'])}  "
+            f"branch acceptance {_rate(tree['accepted_branch_nodes'], tree['branch_nodes'])}  "
+            f"mean draft nodes {tree['draft_nodes'] / tree['verified_trees']:.1f}  "
+            f"bypass {_rate(tree['bypass_steps'], tree['steps'])}  plain steps {_rate(tree['plain_steps'], tree['steps'])}"
+        )
+    if budget and budget.get("steps"):
+        steps = budget["steps"]
+        err = budget["cost_abs_rel_err"] / budget["cost_samples"] if budget.get("cost_samples") else float("nan")
+        lines.append(
+            f"{r.method}: allocator kept {budget['tree_rows'] / steps:.1f} of {budget['tree_rows_offered'] / steps:.1f} "
+            f"offered draft nodes per step, no drafts in {budget['steps_without_drafts'] / steps:.0%} of steps, "
+            f"accepted {budget['realized_accepted']} (predicted {budget['predicted_accepted']:.0f}), "
+            f"cost model error {err:.0%}, {budget.get('gate_plain_steps', 0) / steps:.0%} of steps made plain by the "
+            f"gate, {budget.get('chain_steps', 0) / steps:.0%} chain steps"
+        )
+        gate = budget.get("gate") or {}
+        if gate:
+            lines.append(f"{r.method}: measured gate (tokens/s of decode steps, plain vs trees vs chains): " + ", ".join(
+                f"{n} req {g['plain_rate']:.0f} vs {g['spec_rate']:.0f}"
+                + (f" vs {g['chain_rate']:.0f}" if g.get("chain_steps") else "")
+                for n, g in sorted(gate.items(), key=lambda kv: int(kv[0])) if g["plain_steps"] and g["spec_steps"]))
+    return lines
 
 
 MARGIN_TOP = 5  # top logprobs read at each first differing position

@@ -6,7 +6,7 @@ Runs one offline batch with vLLM's engine core in this process
 * the wall time, the model forward (``_model_forward`` of vLLM's runner, timed here) and
   everything else, for any method (plain decoding, vLLM's ngram, ours);
 * the plugin's own host work phase by phase, from the clocks the per-step path keeps
-  (``integration/vllm/host_clock.py``: ``propose``, ``prepare``, ``plan``, ``walk``, ``kv``,
+  (``integration/vllm/engine/host_clock.py``: ``propose``, ``prepare``, ``plan``, ``walk``, ``kv``,
   ``harvest``, ``reply``, ``states`` in the worker; ``cut``, ``scheduled``, ``on_output``,
   ``update`` in the scheduler), their sum, and the tree rows' attention (compute inside the
   forward, listed apart); for vLLM's ngram, its ``propose``;
@@ -37,18 +37,18 @@ from pathlib import Path
 
 # (label, file suffix, function name): cumulative time of these frames, per step
 PHASES = (
-    ("propose (drafter)", "integration/vllm/drafter.py", "propose_trees"),
-    ("allocator cut", "integration/vllm/budget.py", "cut"),
-    ("allocator step bookkeeping", "integration/vllm/budget.py", "on_output"),
-    ("prepare inputs (tree part + vLLM)", "integration/vllm/runner.py", "_prepare_inputs"),
-    ("attention metadata", "integration/vllm/runner.py", "_build_attention_metadata"),
-    ("tree walk (sampler)", "integration/vllm/sampler.py", "forward"),
-    ("harvest + metrics", "integration/vllm/drafter.py", "observe_batch"),
-    ("plain-step harvest", "integration/vllm/sampler.py", "harvest_plain"),
-    ("tree attention incl. vLLM's (all layers)", "integration/vllm/attention.py", "forward"),
-    ("tree rows attention (all layers)", "integration/vllm/attention.py", "tree_rows"),
-    ("scheduler.schedule", "integration/vllm/scheduler.py", "schedule"),
-    ("scheduler.update_from_output", "integration/vllm/scheduler.py", "update_from_output"),
+    ("propose (drafter)", "integration/vllm/engine/drafter.py", "propose_trees"),
+    ("allocator cut", "integration/vllm/engine/budget.py", "cut"),
+    ("allocator step bookkeeping", "integration/vllm/engine/budget.py", "on_output"),
+    ("prepare inputs (tree part + vLLM)", "integration/vllm/engine/runner.py", "_prepare_inputs"),
+    ("attention metadata", "integration/vllm/engine/runner.py", "_build_attention_metadata"),
+    ("tree walk (sampler)", "integration/vllm/engine/sampler.py", "forward"),
+    ("harvest + metrics", "integration/vllm/engine/drafter.py", "observe_batch"),
+    ("plain-step harvest", "integration/vllm/engine/sampler.py", "harvest_plain"),
+    ("tree attention incl. vLLM's (all layers)", "integration/vllm/kernels/attention.py", "forward"),
+    ("tree rows attention (all layers)", "integration/vllm/kernels/attention.py", "tree_rows"),
+    ("scheduler.schedule", "integration/vllm/engine/scheduler.py", "schedule"),
+    ("scheduler.update_from_output", "integration/vllm/engine/scheduler.py", "update_from_output"),
     ("draft model: delayed trees (draft_tree)", "proposers/draft_model.py", "delayed_tree"),
     ("draft model: q forwards (draft_tree)", "proposers/draft_model.py", "forward"),
 )
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     from vllm_anisotropic.bench.demo import _resolve_model, build_prompts
     from vllm_anisotropic.bench.sweep import IOMP, METHODS, method_llm_kwargs, modifiers, resolve_config, valid_method
-    from vllm_anisotropic.integration.vllm.offline import CPU_LLM_DEFAULTS
+    from vllm_anisotropic.bench.offline import CPU_LLM_DEFAULTS
 
     if not valid_method(args.method) or IOMP in modifiers(args.method):
         raise SystemExit(f"unknown method {args.method!r}; valid: {', '.join(METHODS)}, each also as NAME+sync "

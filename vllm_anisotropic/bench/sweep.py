@@ -51,7 +51,7 @@ NAME+sync    any of the above with vLLM's async scheduling off (``async_scheduli
              ``plain+sync`` measures what that overlap is worth on this machine
 NAME+recompute  a tree method whose CPU tree rows always take the masked float32 recompute
              (``VLLM_ANISOTROPIC_TREE_ROWS=recompute``) instead of path rounds through vLLM's
-             kernel where the trees are slim (integration/vllm/attention.py)
+             kernel where the trees are slim (integration/vllm/kernels/attention.py)
 NAME+rowsgemm  any of the above with bf16 linear layers on this package's rows GEMM kernel
              up to 16 rows a step (``VLLM_ANISOTROPIC_CPU_GEMM=rows``, cpu_rows_gemm.py;
              experimental): compare ``plain+rowsgemm`` with ``goose-auto+rowsgemm``
@@ -60,9 +60,14 @@ NAME+src     any of the above with its engine importing ``vllm_anisotropic`` fro
              ``--methods plain,goose-auto,goose-auto+src --src /tmp/before`` is a before/after A/B
              in one run, both against the same plain cells (records carry ``src_commit``)
 
-Example (the bounded run recorded in docs/allocator.md)::
+Prompts (``--split``): ``report`` (default: mbpp, math500) or ``tune`` (humaneval, gsm8k,
+mtbench). The allocator's tunable defaults were chosen on bench runs over the tune datasets;
+the report datasets were never used to choose anything, so a speedup reported on them is not
+fitted to its prompts. Records carry the split.
 
-    vllm-anisotropic bench --dataset humaneval,gsm8k,mtbench --num-prompts 6 --max-tokens 128 \\
+Example::
+
+    vllm-anisotropic bench --split report --num-prompts 6 --max-tokens 128 \\
         --concurrency 1,8 --repeats 2 --out results/bench.jsonl --plot docs/figures/bench.png
     vllm-anisotropic bench --summarize results/bench.jsonl --plot docs/figures/bench.png
 
@@ -99,6 +104,8 @@ from typing import Any, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllm_anisotropic.bench.machine import cpu_model
+
 logger = logging.getLogger(__name__)
 
 _NGRAM = {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 5}
@@ -122,6 +129,18 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "tr-auto": {"method": "token_recycling"},
 }
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
+
+# Prompt splits (``--split``), by dataset. Every tunable default of the allocator (the gate's
+# margin, the offer factor, the backoff, the cost model's priors) was chosen on bench runs over
+# the "tune" datasets; none of them has seen "report"'s: numbers meant to be believed come from it.
+SPLITS: dict[str, tuple[str, ...]] = {"tune": ("humaneval", "gsm8k", "mtbench"), "report": ("mbpp", "math500")}
+
+
+def split_of(datasets: Iterable[str]) -> str:
+    """``"tune"`` / ``"report"`` when every dataset is in that split, else ``"mixed"``.
+    ``split_of(["mbpp"])`` -> ``"report"``."""
+    names = set(datasets)
+    return next((name for name, members in SPLITS.items() if names <= set(members)), "mixed")
 
 
 SUFFIX_DIR = Path(__file__).resolve().parents[2] / ".suffix"  # scripts/build_suffix.sh
@@ -272,7 +291,7 @@ class SweepJob(BaseModel):
 
 def _spec_counters(llm) -> dict[str, int]:
     """vLLM's ``vllm:spec_decode_*`` counters so far (missing ones read 0)."""
-    from vllm_anisotropic.integration.vllm.offline import _counters
+    from vllm_anisotropic.bench.offline import _counters
 
     out: dict[str, int] = defaultdict(int)
     for name, value in _counters(llm).items():
@@ -307,7 +326,7 @@ def run_job(job: SweepJob, out_file: Path) -> None:
     """Start vLLM once for ``job.method`` and append one record per cell to ``out_file``."""
     from vllm import LLM, SamplingParams
 
-    from vllm_anisotropic.integration.vllm.offline import CPU_LLM_DEFAULTS
+    from vllm_anisotropic.bench.offline import CPU_LLM_DEFAULTS
 
     started = time.perf_counter()
     llm = LLM(model=job.model, speculative_config=job.speculative_config, disable_log_stats=False,
@@ -415,29 +434,18 @@ def environment() -> dict[str, Any]:
     }
 
 
-def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
-    """The CPU's model name and the vector extensions vLLM's CPU kernels pick from
-    (``amx_tile``: the AMX attention path for bf16; ``avx512f``, ``avx512_bf16``): machines of
-    the same kind here differ in them, and CPU figures are only comparable within one model.
-    Empty where /proc/cpuinfo cannot be read."""
-    try:
-        with open(cpuinfo, encoding="ascii", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return {}
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return {"cpu_model": name, "cpu_isa": [f for f in ("amx_tile", "avx512f", "avx512_bf16") if f in flags]}
-
-
 # ---------------------------------------------------------------------- summary
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (method, concurrency): median / min / max tokens/s over repeats, speedup over
     plain at that concurrency, median tau, outputs identical to plain's first repeat.
 
-    Speedup: where plain ran every repeat this method ran, the median (min, max) of the
-    per-repeat ratios to plain's cell of the same repeat (paired: a drift of the machine between
-    repeats cancels); otherwise this method's median (min, max) over plain's median."""
+    Speedup: where plain ran every repeat this method ran, the geometric mean of the per-repeat
+    ratios to plain's cell of the same repeat (paired: a drift of the machine between repeats
+    cancels), with a 95 % t-interval on their logs (``speedup_low`` / ``speedup_high``; None from
+    one repeat) and their min / max; otherwise this method's median (min, max) over plain's
+    median, without an interval (nothing to pair)."""
+    from vllm_anisotropic.bench.stats import ratio_interval
+
     cells: dict[tuple[str, int], list[dict]] = defaultdict(list)
     skipped = {}
     for r in records:
@@ -453,12 +461,14 @@ def summarize(records: list[dict]) -> list[dict]:
         tps = [r["tokens_per_s"] for r in rs]
         row = {"method": method, "concurrency": conc, "repeats": len(rs), "median": statistics.median(tps),
                "min": min(tps), "max": max(tps), "tau": statistics.median(r["tau"] for r in rs),
-               "speedup": None, "speedup_min": None, "speedup_max": None, "identical": None}
+               "speedup": None, "speedup_min": None, "speedup_max": None, "speedup_low": None, "speedup_high": None,
+               "identical": None}
         if conc in plain:
             by_repeat = {r.get("repeat"): r["tokens_per_s"] for r in plain[conc]}
             if all(r.get("repeat") in by_repeat for r in rs):
                 ratios = [r["tokens_per_s"] / by_repeat[r.get("repeat")] for r in rs]
-                row["speedup"], row["speedup_min"], row["speedup_max"] = statistics.median(ratios), min(ratios), max(ratios)
+                row["speedup"], row["speedup_low"], row["speedup_high"] = ratio_interval(ratios)
+                row["speedup_min"], row["speedup_max"] = min(ratios), max(ratios)
             else:
                 base = statistics.median(r["tokens_per_s"] for r in plain[conc])
                 row["speedup"], row["speedup_min"], row["speedup_max"] = row["median"] / base, row["min"] / base, row["max"] / base
@@ -472,17 +482,28 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| method | concurrency | tokens/s median (min..max) | speedup vs plain (min..max) | tau | identical to plain |",
+    """The markdown table: speedup as ``**1.10x** [low, high] (min..max)``, ``~`` after an
+    interval that contains 1.00x (no difference from plain shown by these repeats)."""
+    from vllm_anisotropic.bench.stats import contains_one
+
+    lines = ["| method | concurrency | tokens/s median (min..max) | speedup vs plain [95% CI] (min..max) | tau | identical to plain |",
              "|---|---:|---:|---:|---:|---:|"]
     notes = []
     for r in rows:
         if r.get("skipped"):
             notes.append(f"{r['method']}: not run: {r['skipped']}")
             continue
-        sp = "—" if r["speedup"] is None else f"**{r['speedup']:.2f}x** ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})"
+        sp = "—"
+        if r["speedup"] is not None:
+            ci = "" if r.get("speedup_low") is None else f" [{r['speedup_low']:.2f}, {r['speedup_high']:.2f}]" + (
+                " ~" if contains_one(r["speedup_low"], r["speedup_high"]) else "")
+            sp = f"**{r['speedup']:.2f}x**{ci} ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})"
         ident = "—" if r["identical"] is None else f"{r['identical'][0]}/{r['identical'][1]}"
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['median']:.1f} ({r['min']:.1f}..{r['max']:.1f}) | "
                      f"{sp} | {r['tau']:.2f} | {ident} |")
+    if any(r.get("speedup_low") is not None for r in rows if not r.get("skipped")):
+        notes.append("speedup: geometric mean of per-repeat ratios to plain's same repeat, 95 % t-interval; "
+                     "~ marks an interval containing 1.00x")
     return "\n".join(lines + notes)
 
 
@@ -533,7 +554,8 @@ def _title(records: list[dict]) -> str:
     env = r.get("environment", {})
     sizes = sorted({int(x["num_prompts"]) for x in ran if "num_prompts" in x})
     prompts = "?" if not sizes else str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
-    return (f"{r.get('model', '?')} {r.get('dtype', '')}, {r.get('dataset', '')}, {prompts} prompts per cell x "
+    split = f" ({r['split']} split)" if r.get("split") else ""
+    return (f"{r.get('model', '?')} {r.get('dtype', '')}, {r.get('dataset', '')}{split}, {prompts} prompts per cell x "
             f"{r.get('max_tokens', '?')} tokens, vLLM {env.get('vllm', '?')} on {env.get('cpu_count', '?')} "
             f"{env.get('machine', '')} cores" + (f" ({env['cpu_model']})" if env.get("cpu_model") else ""))
 
@@ -546,7 +568,7 @@ def report(records: list[dict], plot_path: Path | None) -> str:
     rows = summarize(records)
     if plot_path is not None:
         plot(rows, plot_path, _title(records))
-    return format_table(rows)
+    return _title(records) + "\n" + format_table(rows)
 
 
 # ---------------------------------------------------------------------- CLI
@@ -564,7 +586,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="tokens/s of speculative methods vs plain decoding across concurrency, in real vLLM",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="registry name or model directory")
-    p.add_argument("--dataset", default="humaneval,gsm8k,mtbench", help="comma-separated dataset names")
+    p.add_argument("--split", default="report", choices=sorted(SPLITS),
+                   help="prompt split when --dataset is not given: " + "; ".join(
+                       f"{k}: {','.join(v)}" for k, v in SPLITS.items()) + " (the allocator's defaults were chosen on "
+                       "tune; report is held out)")
+    p.add_argument("--dataset", default=None, help="comma-separated dataset names (default: the --split's)")
     p.add_argument("--num-prompts", type=int, default=8,
                    help="prompts per dataset in each cell, at least 2 x concurrency in all (every cell and the "
                         "warm-up get prompts of their own)")
@@ -614,6 +640,8 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = _resolve_model(args.model)
     draft_dir = str(_resolve_model(args.draft)) if args.draft else None
+    if args.dataset is None:
+        args.dataset = ",".join(SPLITS[args.split])
     datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
     sizes = cell_sizes(args.concurrency, args.repeats, args.num_prompts * len(datasets))
     warmup_size = min(max(args.concurrency), 8)
@@ -624,7 +652,8 @@ def run(args: argparse.Namespace) -> int:
         cell_prompts, warmup = split_prompts(per_dataset, sizes, warmup_size)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    base = {"model": args.model, "draft": args.draft, "dataset": args.dataset, "prompt_offset": args.prompt_offset,
+    base = {"model": args.model, "draft": args.draft, "dataset": args.dataset, "split": split_of(datasets),
+            "prompt_offset": args.prompt_offset,
             "dtype": args.dtype, "environment": environment(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -172,7 +172,7 @@ def check_against_transformers(model, device, context=40, nodes=6) -> float:
     from transformers import DynamicCache
 
     from vllm_anisotropic.bench.harness import tree_attention_mask
-    from vllm_anisotropic.bench.tree_attention_check import random_tree
+    from vllm_anisotropic.attention.random_batch import random_tree
 
     cfg = model.config
     g = torch.Generator().manual_seed(1)

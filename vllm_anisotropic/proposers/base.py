@@ -21,7 +21,7 @@ returns a per-request
 * ``state.observe_later(tree, accepted)`` -- the same learning, to run later: returns a
   callable taking the ``logits``, bound now to whatever the next ``propose`` overwrites (the
   engine's drafter harvests a step's rows after it has proposed the next tree; see
-  ``integration/vllm/drafter.py``).
+  ``integration/vllm/engine/drafter.py``).
 * ``state.observe_prefill(prompt_tokens, logits)`` -- optional harvest of the prefill
   (row j = logits after ``prompt_tokens[j]``).
 

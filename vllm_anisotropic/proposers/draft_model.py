@@ -48,7 +48,6 @@ top two tokens are b and x, and x continues with y)::
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -57,6 +56,8 @@ import torch
 
 from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, RequestState, node_budget, root_only
 from vllm_anisotropic.selector.features import root_features
+from vllm_anisotropic.selector.policy import ShapeSelector
+from vllm_anisotropic.selector.shape import DelayedShape
 from vllm_anisotropic.tree import DraftTree, NodeSource
 from vllm_anisotropic.verifiers.sampling import TargetSampling, sample_inverse_cdf, target_probs
 
@@ -65,25 +66,6 @@ __all__ = ["DelayedShape", "DraftLM", "DraftSession", "delayed_tree", "shape_par
 
 GREEDY = TargetSampling(temperature=0.0)
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DelayedShape:
-    """(K, L1, L2): ``branches`` paths of ``branch_length`` tokens after a trunk of ``trunk``.
-
-    ``DelayedShape(2, 1, 2).num_drafts == 5``; with ``branch_length`` 0 the tree is the trunk."""
-
-    branches: int
-    trunk: int
-    branch_length: int
-
-    def __post_init__(self) -> None:
-        if self.branches < 1 or self.trunk < 0 or self.branch_length < 0:
-            raise ValueError(f"need branches >= 1, trunk >= 0, branch_length >= 0; got {self}")
-
-    @property
-    def num_drafts(self) -> int:
-        return self.trunk + (self.branches * self.branch_length)
 
 
 NO_DRAFTS = DelayedShape(1, 0, 0)  # the root alone: a plain step
@@ -349,8 +331,6 @@ class DraftTreeProposer(Proposer):
         # the target): left unresolved here, it means the fixed shape
         self.selector = None
         if config.selector not in ("auto", "off"):
-            from vllm_anisotropic.selector.policy import ShapeSelector  # it imports this module
-
             self.selector = ShapeSelector.load(config.selector)
             if self.selector.verifier != config.verifier:
                 logger.info("draft_tree: selector %s was trained for verifier %r; sampled requests are verified by %r "

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_anisotropic.proposers.draft_model import DelayedShape
 from vllm_anisotropic.selector.features import FEATURES, features_of
+from vllm_anisotropic.selector.shape import DelayedShape
 
 __all__ = ["FORMAT", "VERSION", "SelectorFileError", "SelectorNet", "ShapeSelector", "action_grid", "in_paper_grid"]
 

@@ -128,13 +128,22 @@ class Verifier(abc.ABC):
         generator: torch.Generator | None = None,
         draft_probs: torch.Tensor | None = None,
     ) -> list[VerifyResult]:
-        """Slow reference: a plain Python loop per tree and per node (``reference.py``) that
+        """Slow reference: a plain Python loop per tree and per node (``reference_tree``) that
         consumes the same uniforms as ``verify_batch``; both agree on a fixed seed."""
-        from vllm_anisotropic.verifiers import reference
-
         sampling, draft_probs = self._check(batch, target_logits, sampling, draft_probs)
         u = draw_uniforms(generator, (batch.batch_size, *self.uniform_shape(batch)), target_logits.device)
-        return reference.run(self, batch, target_logits, sampling, draft_probs, u)
+        offsets = batch.node_offsets.tolist()
+        return [
+            self.reference_tree(
+                list(range(offsets[b], offsets[b + 1])),
+                batch,
+                target_logits,
+                sampling.index(slice(b, b + 1)),
+                draft_probs,
+                u[b],
+            )
+            for b in range(batch.batch_size)
+        ]
 
     # ------------------------------------------------------------------ subclass hooks
     @abc.abstractmethod
@@ -151,6 +160,12 @@ class Verifier(abc.ABC):
 
     @abc.abstractmethod
     def _verify_batch(self, batch, target_logits, sampling, draft_probs, u) -> BatchVerifyResult: ...
+
+    def reference_tree(self, tree_nodes, batch, logits, sampling_b, q, u_b) -> VerifyResult:
+        """Slow reference for one tree: ``tree_nodes`` its global node ids, ``sampling_b`` its
+        one-row ``SamplingTensors``, ``u_b`` its uniform block (top-down verifiers:
+        ``reference.topdown_tree``)."""
+        raise NotImplementedError(f"verifier {self.name!r} has no slow reference")
 
     # ------------------------------------------------------------------ helpers
     def _check(self, batch, target_logits, sampling, draft_probs):

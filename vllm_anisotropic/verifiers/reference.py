@@ -1,6 +1,7 @@
-"""Slow reference implementations: a plain Python loop per tree and per node.
+"""Slow reference of the top-down verifiers: a plain Python loop per tree and per node.
 
-Scope: test oracles for the vectorised verifiers. They read the same uniform block ``u`` in
+Scope: test oracles for the vectorised verifiers (``Verifier.reference_batch``; the bottom-up
+traversal and block verifiers keep their own ``reference_tree``). They read the same uniform block ``u`` in
 the same layout, so on a fixed seed the fast and the reference implementation must return
 identical paths and bonus tokens (``tests/test_verifier_reference.py``). Per-node vector
 arithmetic over the vocabulary uses torch on 1-D rows; all control flow is Python.
@@ -13,11 +14,12 @@ import torch
 from vllm_anisotropic.verifiers.base import VerifyResult
 from vllm_anisotropic.verifiers.sampling import sample_inverse_cdf
 
-__all__ = ["run"]
+__all__ = ["topdown_tree"]
 
 
-def _topdown_tree(verifier, nodes, batch, logits, sampling_b, q, u_b) -> VerifyResult:
-    """Walk one tree top-down, calling the verifier's per-node ``solve_reference``."""
+def topdown_tree(verifier, nodes, batch, logits, sampling_b, q, u_b) -> VerifyResult:
+    """Walk one tree top-down, calling the verifier's per-node ``solve_reference``
+    (``TopDownVerifier.reference_tree``; ``sampling_b``: the tree's one-row ``SamplingTensors``)."""
     root = nodes[0]
     table = batch.children if verifier.use_children else batch.slots
     s = table.shape[1]
@@ -44,30 +46,3 @@ def _topdown_tree(verifier, nodes, batch, logits, sampling_b, q, u_b) -> VerifyR
         path.append(nxt - root)
         cur = nxt
     raise AssertionError("walked past the deepest node")
-
-
-class _SamplingRow:
-    """One request's sampling tensors, shaped [1], with the ``SamplingTensors`` fields."""
-
-    def __init__(self, st, b):
-        self.temperature = st.temperature[b : b + 1]
-        self.top_k = st.top_k[b : b + 1]
-        self.top_p = st.top_p[b : b + 1]
-
-    def __iter__(self):
-        return iter((self.temperature, self.top_k, self.top_p))
-
-
-def run(verifier, batch, target_logits, sampling, draft_probs, u) -> list[VerifyResult]:
-    from vllm_anisotropic.verifiers.topdown import TopDownVerifier
-
-    out = []
-    offsets = batch.node_offsets.tolist()
-    for b in range(batch.batch_size):
-        nodes = list(range(offsets[b], offsets[b + 1]))
-        srow = _SamplingRow(sampling, b)
-        if isinstance(verifier, TopDownVerifier):
-            out.append(_topdown_tree(verifier, nodes, batch, target_logits, srow, draft_probs, u[b]))
-        else:
-            out.append(verifier.reference_tree(nodes, batch, target_logits, tuple(srow), draft_probs, u[b]))
-    return out

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from vllm_anisotropic.tree import TreeBatch
-from vllm_anisotropic.verifiers.base import BatchVerifyResult, Verifier
+from vllm_anisotropic.verifiers import reference
+from vllm_anisotropic.verifiers.base import BatchVerifyResult, Verifier, VerifyResult
 from vllm_anisotropic.verifiers.sampling import sample_inverse_cdf, target_probs
 
 __all__ = ["TopDownVerifier", "shuffle_slots"]
@@ -123,6 +124,9 @@ class TopDownVerifier(Verifier):
         part = np.where(col < 3 * s, col // max(s, 1), col - 3 * s + 3)
         index = np.where(col < 3 * s, col % max(s, 1), 0)
         return (np.arange(steps, dtype=np.int64)[:, None] << 20) + (part << 16)[None, :] + index[None, :]
+
+    def reference_tree(self, tree_nodes, batch, logits, sampling_b, q, u_b) -> VerifyResult:
+        return reference.topdown_tree(self, tree_nodes, batch, logits, sampling_b, q, u_b)
 
     # ---- solver hooks -------------------------------------------------------------------
     def node_target(self, logits_rows: torch.Tensor, sampling) -> torch.Tensor:

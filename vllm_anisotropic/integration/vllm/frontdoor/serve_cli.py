@@ -29,7 +29,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_anisotropic.integration.vllm import dist_alias
+    from vllm_anisotropic.integration.vllm.platform_fixes import dist_alias
 
     dist_alias.install()
     from vllm.entrypoints.cli.main import main as vllm_main

@@ -29,8 +29,8 @@ class TreeCPUWorker(CPUWorker):
     def init_device(self):
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-        from vllm_anisotropic.integration.vllm.attention import TREE_BACKEND_CLS
-        from vllm_anisotropic.integration.vllm.runner import TreeCPUModelRunner
+        from vllm_anisotropic.integration.vllm.kernels.attention import TREE_BACKEND_CLS
+        from vllm_anisotropic.integration.vllm.engine.runner import TreeCPUModelRunner
 
         if getattr(self, "use_v2_model_runner", False):
             raise ValueError(_V2_REFUSAL)
@@ -58,7 +58,7 @@ class TreeGPUWorker(_gpu_worker_base()):
     def init_device(self):
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-        from vllm_anisotropic.integration.vllm.gpu_attention import TREE_FLASH_BACKEND_CLS
+        from vllm_anisotropic.integration.vllm.kernels.gpu_attention import TREE_FLASH_BACKEND_CLS
 
         if getattr(self, "use_v2_model_runner", False):
             raise ValueError(_V2_REFUSAL)
@@ -66,7 +66,7 @@ class TreeGPUWorker(_gpu_worker_base()):
         return super().init_device()
 
     def _make_model_runner(self):
-        from vllm_anisotropic.integration.vllm.gpu_runner import TreeGPUModelRunner
+        from vllm_anisotropic.integration.vllm.engine.gpu_runner import TreeGPUModelRunner
 
         if getattr(self, "use_v2_model_runner", False):
             raise ValueError(_V2_REFUSAL)
@@ -95,7 +95,7 @@ def tree_attention_self_test(model, vllm_config, device) -> float | None:
     """Check the first ``TreeFlashAttentionImpl`` of ``model`` on ``device`` (see module doc)."""
     import logging
 
-    from vllm_anisotropic.integration.vllm.gpu_attention import TreeFlashAttentionImpl, self_test
+    from vllm_anisotropic.integration.vllm.kernels.gpu_attention import TreeFlashAttentionImpl, self_test
 
     for module in model.modules():
         impl = getattr(module, "impl", None)

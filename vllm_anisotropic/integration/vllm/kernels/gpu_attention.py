@@ -42,7 +42,8 @@ import torch
 from vllm.v1.attention.backends import flash_attn as fa_backend
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
-from vllm_anisotropic.tree_attention import TreeAttentionPlan, tree_rows_attention
+from vllm_anisotropic.attention.random_batch import random_batch
+from vllm_anisotropic.attention.tree_attention import TreeAttentionPlan, tree_rows_attention
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
         if q.is_cuda and rows <= FUSED_MAX_ROWS and plan.max_nodes <= 64:
-            from vllm_anisotropic.tree_attention_triton import fused_tree_rows_attention
+            from vllm_anisotropic.attention.tree_attention_triton import fused_tree_rows_attention
 
             out_a, lse_a = context_attention(q[plan.packed_rows], plan.cu_nodes, plan.context_lens)
             fused_tree_rows_attention(q, k, v, out_a, lse_a, plan.node_rows, plan.ancestor_bits, plan.cu_nodes,
@@ -171,8 +172,6 @@ def self_test(impl: TreeFlashAttentionImpl, dtype: torch.dtype, device, block_si
     through ``impl.tree_rows`` with the real kernels on ``device``; compare with the float64
     one-softmax reference. Returns the max |error|; raises ``RuntimeError`` above ``tolerance``
     (default: 4x the worst error measured on an H100 for the dtype, docs/gpu.md)."""
-    from vllm_anisotropic.bench.tree_attention_check import random_batch
-
     tol = tolerance if tolerance is not None else {torch.bfloat16: 6e-2, torch.float16: 8e-3}.get(dtype, 1e-4)
     rng = np.random.default_rng(seed)
     b = random_batch(rng, 5, impl.num_heads, impl.num_kv_heads, impl.head_size, block_size, dtype, device,

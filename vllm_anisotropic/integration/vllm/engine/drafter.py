@@ -39,10 +39,10 @@ import numpy as np
 import torch
 
 from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, rank_flat
-from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
-from vllm_anisotropic.integration.vllm.cpu_gemm import use_vllm_cpu_gemm
-from vllm_anisotropic.integration.vllm.host_clock import HostClock, timed
-from vllm_anisotropic.integration.vllm.metrics import MetricsSink, TreeMetrics
+from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
+from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import use_vllm_cpu_gemm
+from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
+from vllm_anisotropic.integration.vllm.engine.metrics import MetricsSink, TreeMetrics
 from vllm_anisotropic.proposers import DraftTreeProposer, get_proposer
 from vllm_anisotropic.proposers.adjacency import TopKRows
 from vllm_anisotropic.proposers.base import MODE_CODES, ProposalMode, RequestState

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_anisotropic.integration.vllm.runner import TreePlan, TreeRunnerMixin
-from vllm_anisotropic.tree_attention import TreeAttentionPlan
+from vllm_anisotropic.integration.vllm.engine.runner import TreePlan, TreeRunnerMixin
+from vllm_anisotropic.attention.tree_attention import TreeAttentionPlan
 
 __all__ = ["TreeGPUModelRunner", "device_plan"]
 

@@ -57,7 +57,7 @@ import numpy as np
 
 from vllm_anisotropic.allocator import (CHAIN, PLAIN, TREE, CostModel, CostSample, GateConfig, SpeculationGate, allocate,
                                        request_caps)
-from vllm_anisotropic.integration.vllm.host_clock import HostClock, timed
+from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 
 logger = logging.getLogger(__name__)
 log = logging.getLogger("vllm.anisotropic")
@@ -419,7 +419,7 @@ class BatchBudget:
     def _tick(self, now: float, force: bool = False) -> None:
         if self.stats_path and (force or now - self._last_write >= WRITE_INTERVAL_S):
             self._score()
-            from vllm_anisotropic.integration.vllm.metrics import write_json_atomic
+            from vllm_anisotropic.integration.vllm.engine.metrics import write_json_atomic
 
             self._last_write = now
             stats = asdict(self.metrics)

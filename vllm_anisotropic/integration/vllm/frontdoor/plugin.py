@@ -25,9 +25,9 @@ from __future__ import annotations
 import logging
 import os
 
-from vllm_anisotropic.integration.vllm.amx import request_amx_permission
-from vllm_anisotropic.integration.vllm.metrics import STATS_ENV, install_collector
-from vllm_anisotropic.integration.vllm.metrics import TRACE_ENV as TREE_TRACE_ENV
+from vllm_anisotropic.integration.vllm.platform_fixes.amx import request_amx_permission
+from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV, install_collector
+from vllm_anisotropic.integration.vllm.engine.metrics import TRACE_ENV as TREE_TRACE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def register() -> None:
     if _registered_pid == pid:
         return
     amx = request_amx_permission()
-    from vllm_anisotropic.integration.vllm.patches import apply
+    from vllm_anisotropic.integration.vllm.frontdoor.patches import apply
 
     apply()
     _declare_env_vars()

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,15 @@ class OfflineJob(BaseModel):
     same engine before the batch; timed apart (``OfflineResult.solo``)."""
     cache_salts: list[str | None] | None = None
     """Per-prompt vLLM ``cache_salt`` (the tenant of prefix caching and of the adjacency tables)."""
+    warmup_tokens: int = Field(0, ge=0)
+    """Before each timed pass (the one-at-a-time pass, each batch repeat), the same requests
+    untimed with this many output tokens, under the cache salt ``"warmup"``: vLLM meets the
+    pass's prompt shapes and batch sizes, the allocator's gate measures them, and the timed
+    pass reads neither the warm-up's prefix-cache blocks nor its adjacency table."""
+    batch_repeats: int = Field(1, ge=1)
+    """The batch generated this many times, timed apart (``OfflineResult.repeats``). With more
+    than one, repeat k runs under the cache salt ``f"repeat{k}"`` (k = 0 included): no repeat
+    reads another's prefix cache or learned tables, so the repeats are alike."""
     max_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -95,13 +105,16 @@ class SpecStats(BaseModel):
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
-class SoloPass(BaseModel):
-    """``OfflineJob.solo_prompts``, one request at a time: outputs, time, counters of that pass."""
+class TimedPass(BaseModel):
+    """One timed pass: ``OfflineJob.solo_prompts`` one request at a time, or a batch repeat:
+    outputs (first completions), time, counters of that pass."""
 
     token_ids: list[list[int]]
-    """``[num_solo_prompts][num_output_tokens]``."""
+    """``[num_prompts][num_output_tokens]``."""
     generate_seconds: float
     spec: SpecStats
+    prompt_seconds: list[float] = []
+    """One request at a time: each prompt's seconds (for per-prompt paired ratios)."""
 
     @property
     def num_output_tokens(self) -> int:
@@ -131,8 +144,10 @@ class OfflineResult(BaseModel):
     prompt_logprobs: list[list[dict[int, float]]] | None = None
     """When a request asked ``prompt_logprobs``: ``[num_prompts][num_prompt_tokens - 1]`` token id
     -> logprob (the first prompt position, which has none, dropped; [] for the others)."""
-    solo: SoloPass | None = None
-    """With ``OfflineJob.solo_prompts``: that pass (``spec`` above counts the batch alone; ``counters`` both passes)."""
+    solo: TimedPass | None = None
+    """With ``OfflineJob.solo_prompts``: that pass (``spec`` above counts the batch alone; ``counters`` every pass)."""
+    repeats: list[TimedPass] = []
+    """Every batch repeat (the first is also ``token_ids`` / ``generate_seconds`` / ``spec``)."""
 
     @property
     def num_output_tokens(self) -> int:
@@ -188,6 +203,49 @@ def _salted(prompt, salt):
     return {**prompt, "cache_salt": salt}
 
 
+PROGRESS_FD_ENV = "VLLM_ANISOTROPIC_PROGRESS_FD"
+"""A file descriptor the job's process draws its progress bars on (``run_offline_job(progress=)``)."""
+
+
+class ProgressBars:
+    """One tqdm bar per pass on the progress descriptor, labelled ``"<label>: <pass>"``; nothing
+    without one. ``bars(items, desc)`` wraps an iterable; ``bars.vllm(desc)`` is the ``use_tqdm``
+    argument of ``LLM.generate`` (False: no bar)."""
+
+    def __init__(self, stream=None, label: str = "") -> None:
+        self.stream, self.label = stream, label
+
+    @classmethod
+    def from_env(cls) -> "ProgressBars":
+        fd = os.environ.get(PROGRESS_FD_ENV)
+        if not fd:
+            return cls()
+        stream = os.fdopen(int(fd), "w", buffering=1)
+        return cls(stream, os.environ.get(f"{PROGRESS_FD_ENV}_LABEL", ""))
+
+    def _kwargs(self, desc: str) -> dict[str, Any]:
+        return {"file": self.stream, "desc": f"{self.label}: {desc}" if self.label else desc, "leave": False,
+                "dynamic_ncols": True}
+
+    def __call__(self, items, desc: str):
+        if self.stream is None:
+            return items
+        from tqdm import tqdm
+
+        return tqdm(items, **self._kwargs(desc))
+
+    def vllm(self, desc: str):
+        if self.stream is None:
+            return False
+        from tqdm import tqdm
+
+        def bar(*args, **kwargs):
+            # vLLM opens a short "Adding requests" bar, then the "Processed prompts" one: name the second
+            adding = str(kwargs.get("desc", "")).startswith("Adding")
+            return tqdm(*args, **{**kwargs, **self._kwargs(f"{desc}, adding requests" if adding else desc)})
+        return bar
+
+
 def run_in_this_process(job: OfflineJob) -> OfflineResult:
     """Build the engine, generate, collect outputs and counters. Imports vLLM."""
     from vllm import LLM, SamplingParams
@@ -226,27 +284,47 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
         params = [params_for(job.seed + i if per_seed else job.seed, _json_params(o)) for i, o in enumerate(overs)]
     else:
         params = params_for(job.seed)
+    if job.batch_repeats > 1 and job.cache_salts is not None:
+        raise ValueError("batch_repeats > 1 salts each repeat itself: give no cache_salts")
+    progress = ProgressBars.from_env()
+    warmup = params_for(job.seed, {"max_tokens": job.warmup_tokens}) if job.warmup_tokens else None
     solo = None
     if job.solo_prompts:
         if job.n != 1 or job.seed_per_prompt:
             raise ValueError("solo_prompts needs n = 1 and no seed_per_prompt")
+        if warmup:
+            for p in progress(job.solo_prompts, "warm-up, one at a time"):
+                llm.generate([_salted(p, "warmup")], warmup, use_tqdm=False)
+        before = _spec_stats(llm, 0)
+        solo_ids, prompt_seconds = [], []
+        for p in progress(job.solo_prompts, "one at a time"):
+            started = time.perf_counter()
+            solo_ids.append(list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids))
+            prompt_seconds.append(time.perf_counter() - started)
+        solo = TimedPass(token_ids=solo_ids, generate_seconds=sum(prompt_seconds), prompt_seconds=prompt_seconds,
+                         spec=_spec_stats(llm, sum(len(c) for c in solo_ids), before))
+    repeats = []
+    for k in range(job.batch_repeats):
+        if warmup:
+            llm.generate([_salted(p, "warmup") for p in prompts], warmup, use_tqdm=progress.vllm("warm-up, batch"))
+        batch = prompts if job.batch_repeats == 1 else [_salted(p, f"repeat{k}") for p in prompts]
+        before = _spec_stats(llm, 0)
         started = time.perf_counter()
-        solo_ids = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in job.solo_prompts]
+        out = llm.generate(batch, params, use_tqdm=progress.vllm(
+            "batch" + (f" {k + 1}/{job.batch_repeats}" if job.batch_repeats > 1 else "")))
         seconds = time.perf_counter() - started
-        solo = SoloPass(token_ids=solo_ids, generate_seconds=seconds,
-                        spec=_spec_stats(llm, sum(len(c) for c in solo_ids)))
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - started
+        repeats.append(TimedPass(token_ids=[list(o.outputs[0].token_ids) for o in out], generate_seconds=seconds,
+                                 spec=_spec_stats(llm, sum(len(c.token_ids) for o in out for c in o.outputs), before)))
+        if k == 0:
+            outputs = out
     token_ids = [[list(c.token_ids) for c in o.outputs] for o in outputs]
-    num_output_tokens = sum(len(c) for req in token_ids for c in req)
     return OfflineResult(
         token_ids=token_ids,
         texts=[[c.text for c in o.outputs] for o in outputs],
         finish_reasons=[[c.finish_reason for c in o.outputs] for o in outputs],
         startup_seconds=startup,
-        generate_seconds=seconds,
-        spec=_spec_stats(llm, num_output_tokens, solo.spec if solo else None),
+        generate_seconds=repeats[0].generate_seconds,
+        spec=repeats[0].spec,
         counters=_counters(llm),
         pid=os.getpid(),
         prompt_token_ids=[list(o.prompt_token_ids or []) for o in outputs],
@@ -259,6 +337,7 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
             for o in outputs
         ],
         solo=solo,
+        repeats=repeats,
     )
 
 
@@ -276,24 +355,49 @@ def run_offline_job(
     timeout: float | None = 900.0,
     env: dict[str, str] | None = None,
     log_path: Path | None = None,
+    progress: str | None = None,
 ) -> OfflineResult:
-    """Run ``job`` in a fresh Python process (vLLM's default multiprocess engine inside)."""
+    """Run ``job`` in a fresh Python process (vLLM's default multiprocess engine inside). Its
+    log goes to ``log_path`` (else a temporary file, its tail raised on failure); with
+    ``progress`` (a label), one bar per pass on this process's stderr."""
     with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-job-") as tmp:
         job_file, out_file = Path(tmp, "job.json"), Path(tmp, "result.json")
         job_file.write_text(job.model_dump_json())
         log_file = log_path or Path(tmp, "log.txt")
+        env = {**os.environ, **(env or {})}
+        read_end = write_end = None
+        if progress is not None:
+            read_end, write_end = os.pipe()
+            env.update({PROGRESS_FD_ENV: str(write_end), f"{PROGRESS_FD_ENV}_LABEL": progress})
         with open(log_file, "wb") as log:
-            proc = subprocess.run(
-                [sys.executable, "-m", __name__, str(job_file), str(out_file)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
-                timeout=timeout,
-            )
+            proc = subprocess.Popen([sys.executable, "-m", __name__, str(job_file), str(out_file)], stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, pass_fds=() if write_end is None else (write_end,))
+            relay = None
+            if write_end is not None:
+                os.close(write_end)  # the child holds its copy; EOF when it exits
+                relay = threading.Thread(target=_relay, args=(read_end, sys.stderr), daemon=True)
+                relay.start()
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise
+            finally:
+                if relay is not None:
+                    relay.join(timeout=5)
         if proc.returncode != 0 or not out_file.exists():
             tail = log_file.read_text(errors="replace")[-6000:]
             raise OfflineJobFailed(proc.returncode, tail)
         return OfflineResult.model_validate_json(out_file.read_text())
+
+
+def _relay(fd: int, stream) -> None:
+    """Copy what the job's process writes on ``fd`` to ``stream`` until it closes."""
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        while chunk := f.read(4096):
+            stream.write(chunk.decode(errors="replace"))
+            stream.flush()
 
 
 def main(argv: list[str]) -> int:

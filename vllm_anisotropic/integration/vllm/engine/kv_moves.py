@@ -83,7 +83,7 @@ class KVMover:
             _, _, block_size, two_hs = cache.shape
             isa = getattr(layer, "isa", None)
             if isa is not None:  # CPU: the ISA's layout, probed through vLLM's writer
-                from vllm_anisotropic.integration.vllm.attention import kv_layout
+                from vllm_anisotropic.integration.vllm.kernels.attention import kv_layout
 
                 k_off, v_off, _, _ = kv_layout(isa, cache.dtype, block_size, two_hs // 2)
             else:

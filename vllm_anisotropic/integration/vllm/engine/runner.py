@@ -41,11 +41,11 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_anisotropic.allocator import CHAIN, PLAIN, TREE
-from vllm_anisotropic.integration.vllm.config import DRAFT_MODEL_METHODS, request_tree_options
-from vllm_anisotropic.integration.vllm.drafter import StepTrees, TreeDrafter
-from vllm_anisotropic.integration.vllm.host_clock import HostClock, timed
-from vllm_anisotropic.integration.vllm.kv_moves import KVMover
-from vllm_anisotropic.integration.vllm.sampler import TreeRejectionSampler, harvest_plain
+from vllm_anisotropic.integration.vllm.frontdoor.config import DRAFT_MODEL_METHODS, request_tree_options
+from vllm_anisotropic.integration.vllm.engine.drafter import StepTrees, TreeDrafter
+from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
+from vllm_anisotropic.integration.vllm.engine.kv_moves import KVMover
+from vllm_anisotropic.integration.vllm.engine.sampler import TreeRejectionSampler, harvest_plain
 from vllm_anisotropic.tree import FlatTrees
 from vllm_anisotropic.verifiers.sampling import TargetSampling
 
@@ -246,7 +246,7 @@ class TreeRunnerMixin:
             super().__init__(vllm_config, device)
         finally:
             spec.method, spec.model = method, model
-        from vllm_anisotropic.integration.vllm.vllm_surface import check_runner
+        from vllm_anisotropic.integration.vllm.frontdoor.vllm_surface import check_runner
 
         check_runner(self)
         self._builtin_logits_processors(vllm_config)
@@ -555,7 +555,7 @@ class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
         Rt n) + tree time)``, the forward interpolated from the sweep."""
         from types import SimpleNamespace
 
-        from vllm_anisotropic.integration.vllm.attention import TreeCPUAttentionImpl
+        from vllm_anisotropic.integration.vllm.kernels.attention import TreeCPUAttentionImpl
 
         layers = [m for m in self.compilation_config.static_forward_context.values()
                   if isinstance(getattr(m, "impl", None), TreeCPUAttentionImpl) and getattr(m, "kv_cache", None) is not None

@@ -1,7 +1,7 @@
 """Tree attention as a log-sum-exp split: paged context attention + dense ancestor attention.
 
 Scope: the math of the GPU tree-attention path (pure torch, no vLLM import), used by the vLLM
-FLASH_ATTN adapter (``integration/vllm/gpu_attention.py``), by its CPU tests and by the GPU
+FLASH_ATTN adapter (``integration/vllm/kernels/gpu_attention.py``), by its CPU tests and by the GPU
 kernel check (``bench/tree_attention_check.py``). It does not call FlashAttention itself.
 
 Why a split: softmax over a union of key sets is the log-sum-exp merge of the softmaxes over

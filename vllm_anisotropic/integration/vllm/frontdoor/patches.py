@@ -56,8 +56,8 @@ The subclasses those classes install override private vLLM methods; ``vllm_surfa
 every such name (with the parameters passed through) and every step-object field they read,
 and patch 4 refuses to start, naming each mismatch, when the installed vLLM differs.
 
-On a vLLM version other than ``SUPPORTED_VLLM``, only patch 3 is installed, and it raises a
-clear error when one of our methods is requested; plain vLLM use is untouched.
+On a vLLM version other than ``vllm_surface.SUPPORTED_VLLM``, only patch 3 is installed, and it
+raises a clear error when one of our methods is requested; plain vLLM use is untouched.
 """
 
 from __future__ import annotations
@@ -70,12 +70,13 @@ import typing
 import weakref
 from typing import Any
 
+from vllm_anisotropic.integration.vllm.frontdoor import vllm_surface
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM = ("0.32.", "0.33.")
-WORKER_CLS = "vllm_anisotropic.integration.vllm.worker.TreeCPUWorker"
-GPU_WORKER_CLS = "vllm_anisotropic.integration.vllm.worker.TreeGPUWorker"
-SCHEDULER_CLS = "vllm_anisotropic.integration.vllm.scheduler.TreeScheduler"
+WORKER_CLS = "vllm_anisotropic.integration.vllm.engine.worker.TreeCPUWorker"
+GPU_WORKER_CLS = "vllm_anisotropic.integration.vllm.engine.worker.TreeGPUWorker"
+SCHEDULER_CLS = "vllm_anisotropic.integration.vllm.engine.scheduler.TreeScheduler"
 _MARK = "_vllm_anisotropic_patched"
 CPU_GEMM_ENV = "VLLM_ANISOTROPIC_CPU_GEMM"
 ROWS_MAX = 16  # most rows per step through the rows kernel (above: vLLM's oneDNN matmul)
@@ -86,24 +87,13 @@ class UnsupportedConfigError(ValueError):
 
 
 def _tree_methods() -> dict[str, str]:
-    from vllm_anisotropic.integration.vllm.config import TREE_METHODS
+    from vllm_anisotropic.integration.vllm.frontdoor.config import TREE_METHODS
 
     return TREE_METHODS
 
 
 def is_tree_method(method: Any) -> bool:
     return isinstance(method, str) and method in _tree_methods()
-
-
-def vllm_version() -> str:
-    import vllm
-
-    return getattr(vllm, "__version__", "unknown")
-
-
-def version_supported(version: str | None = None) -> bool:
-    version = version or vllm_version()
-    return any(version.startswith(v) for v in SUPPORTED_VLLM)
 
 
 def _already(obj, name: str) -> bool:
@@ -149,12 +139,12 @@ def _patch_speculative_post_init(cls) -> None:
                 f"logits; it takes no draft 'model' (got {self.model!r})"
             )
         if self.num_speculative_tokens is None:
-            from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
+            from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
 
             self.num_speculative_tokens = TreeSpecConfig.build(method, {}).budget - 1
         # vLLM's custom_class branch: no draft model, draft config = target config.
         self.method = "custom_class"
-        self.model = "vllm_anisotropic.integration.vllm.drafter.TreeDrafter"
+        self.model = "vllm_anisotropic.integration.vllm.engine.drafter.TreeDrafter"
         try:
             original(self, *args, **kwargs)
         finally:
@@ -178,12 +168,12 @@ def _patch_create_speculative_config(engine_args_cls, supported: bool) -> None:
             return original(self, *args, **kwargs)
         if not supported:
             raise UnsupportedConfigError(
-                f"vllm-anisotropic's method {method!r} supports vLLM {SUPPORTED_VLLM[0]}x; "
-                f"installed vLLM is {vllm_version()}"
+                f"vllm-anisotropic's method {method!r} supports vLLM {vllm_surface.SUPPORTED_VLLM[0]}x; "
+                f"installed vLLM is {vllm_surface.vllm_version()}"
             )
         from vllm.config import SpeculativeConfig
 
-        from vllm_anisotropic.integration.vllm.config import (
+        from vllm_anisotropic.integration.vllm.frontdoor.config import (
             ADDITIONAL_CONFIG_KEY,
             DRAFT_MODEL_METHODS,
             TreeSpecConfig,
@@ -290,12 +280,10 @@ def check_and_install(vllm_config) -> None:
             f"speculative method {method!r} (vllm-anisotropic) does not support: " + "; ".join(problems)
         )
     # the private vLLM names the tree worker, runner, scheduler, sampler and attention rely on
-    from vllm_anisotropic.integration.vllm.vllm_surface import check_vllm_surface
-
-    check_vllm_surface("cuda" if on_gpu else "cpu")
+    vllm_surface.check_vllm_surface("cuda" if on_gpu else "cpu")
     # The tunables normally arrive through create_speculative_config; a SpeculativeConfig
     # built by hand gets the defaults (or whatever additional_config holds), validated here.
-    from vllm_anisotropic.integration.vllm.config import ADDITIONAL_CONFIG_KEY, TreeSpecConfig
+    from vllm_anisotropic.integration.vllm.frontdoor.config import ADDITIONAL_CONFIG_KEY, TreeSpecConfig
 
     additional = vllm_config.additional_config
     if isinstance(additional, dict):
@@ -496,7 +484,7 @@ def _patch_cpu_gemm() -> None:
     for name in ("dispatch_cpu_unquantized_gemm", "check_cpu_sgl_kernel"):
         if not callable(getattr(utils, name, None)):
             raise RuntimeError(f"{CPU_GEMM_ENV}=rows: vllm.model_executor.layers.utils.{name} is missing in vLLM "
-                               f"{vllm_version()}")
+                               f"{vllm_surface.vllm_version()}")
     if _already(utils, "dispatch_cpu_unquantized_gemm") or not current_platform.is_cpu():
         return
     reason = unavailable_reason()
@@ -541,7 +529,7 @@ def _patch_validate_spec_decode(cls) -> None:
             return original(self, speculative_config, *args, **kwargs)
         # a tree method: min_p and logit_bias are served (runner._builtin_logits_processors);
         # the request's own tree options are validated here, in the front end (a 400 naming them)
-        from vllm_anisotropic.integration.vllm.config import request_tree_options
+        from vllm_anisotropic.integration.vllm.frontdoor.config import request_tree_options
 
         try:
             request_tree_options(self.extra_args)
@@ -558,13 +546,13 @@ def apply() -> bool:
     """Install the patches in this process (idempotent). Returns whether vLLM is supported."""
     from vllm.engine.arg_utils import EngineArgs
 
-    supported = version_supported()
+    supported = vllm_surface.version_supported()
     _patch_create_speculative_config(EngineArgs, supported)
     if not supported:
         logger.warning(
             "vllm-anisotropic supports vLLM %sx, found %s: tree methods disabled",
-            SUPPORTED_VLLM[0],
-            vllm_version(),
+            vllm_surface.SUPPORTED_VLLM[0],
+            vllm_surface.vllm_version(),
         )
         return False
     from vllm.config import SpeculativeConfig, VllmConfig

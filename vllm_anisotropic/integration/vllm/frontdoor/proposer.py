@@ -10,7 +10,7 @@ Usage::
 
     LLM(model, speculative_config={
         "method": "custom_class",
-        "model": "vllm_anisotropic.integration.vllm.proposer.PromptLookupProposer",
+        "model": "vllm_anisotropic.integration.vllm.frontdoor.proposer.PromptLookupProposer",
         "num_speculative_tokens": 5,
     })
 """

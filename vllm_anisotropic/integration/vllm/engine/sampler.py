@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vllm_anisotropic.integration.vllm.kv_moves import accepted_moves
+from vllm_anisotropic.integration.vllm.engine.kv_moves import accepted_moves
 from vllm_anisotropic.verifiers import SamplingTensors, get_verifier
 from vllm_anisotropic.verifiers.greedy import walk_flat
 from vllm_anisotropic.verifiers.sampling import SAMPLING_EPS

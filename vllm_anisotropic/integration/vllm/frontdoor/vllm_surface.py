@@ -4,8 +4,9 @@ Scope: every vLLM name the adapter overrides, calls or reads that is not public 
 methods the tree runner, worker, scheduler, sampler and attention subclasses override (with
 the leading parameters they pass through), the dataclass fields they read from vLLM's step
 objects, and the attributes the tree runner reads from a constructed model runner. The
-overrides themselves stay in the subclasses (``runner.py``, ``worker.py``, ``scheduler.py``,
-``sampler.py``, ``attention.py``) and the front-door patches in ``patches.py``; this module is
+overrides themselves stay in the subclasses (``engine/runner.py``, ``engine/worker.py``,
+``engine/scheduler.py``, ``engine/sampler.py``, ``kernels/attention.py``) and the front-door
+patches in ``patches.py``; this module is
 the one list of what they assume, so a vLLM release that renames, removes or re-orders any of
 it is refused at start-up with every mismatch named, instead of failing mid-step or, worse,
 silently skipping an override (a renamed ``_prepare_inputs`` would leave tree positions
@@ -14,7 +15,7 @@ unscattered: wrong tokens, no error).
 ``check_vllm_surface()`` runs in ``patches.check_and_install`` (every engine configuration with
 a tree method, in the process that builds it); ``check_runner(runner)`` runs in the tree
 runner's ``__init__`` (attributes exist only on a constructed runner). Both raise
-``VllmSurfaceError``. Written against vLLM 0.32 (``patches.SUPPORTED_VLLM``); file:line
+``VllmSurfaceError``. Written against vLLM 0.32 (``SUPPORTED_VLLM``); file:line
 references in shared/notes/vllm-0.32-spec-decode-map.md.
 
 Example of the error::
@@ -32,8 +33,13 @@ import importlib
 import inspect
 import re
 
-__all__ = ["VllmSurfaceError", "check_runner", "check_vllm_surface", "surface_problems",
-           "RUNNER_METHODS", "METHODS", "FIELDS", "CLASS_ATTRIBUTES", "RUNNER_ATTRIBUTES"]
+__all__ = ["VllmSurfaceError", "check_runner", "check_vllm_surface", "surface_problems", "SUPPORTED_VLLM",
+           "vllm_version", "version_supported", "RUNNER_METHODS", "METHODS", "FIELDS", "CLASS_ATTRIBUTES",
+           "RUNNER_ATTRIBUTES"]
+
+# the vLLM releases the names below were checked against; on any other, ``patches.apply``
+# installs only the patch that refuses our methods by name
+SUPPORTED_VLLM = ("0.32.", "0.33.")
 
 # modules that exist only for (or only import on) one platform
 _CPU_ONLY = ("vllm.v1.worker.cpu_", "vllm.v1.attention.backends.cpu_attn")
@@ -211,9 +217,18 @@ def surface_problems(platform: str = "cpu") -> list[str]:
     return problems
 
 
-def _raise(problems: list[str]) -> None:
-    from vllm_anisotropic.integration.vllm.patches import SUPPORTED_VLLM, vllm_version
+def vllm_version() -> str:
+    import vllm
 
+    return getattr(vllm, "__version__", "unknown")
+
+
+def version_supported(version: str | None = None) -> bool:
+    version = version or vllm_version()
+    return any(version.startswith(v) for v in SUPPORTED_VLLM)
+
+
+def _raise(problems: list[str]) -> None:
     raise VllmSurfaceError(
         f"vLLM {vllm_version()} does not have the surface vllm-anisotropic relies on (written for vLLM "
         f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)}):\n  " + "\n  ".join(problems))

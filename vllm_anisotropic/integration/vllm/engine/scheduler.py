@@ -17,7 +17,7 @@ import time
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_anisotropic.integration.vllm.config import request_tree_options
+from vllm_anisotropic.integration.vllm.frontdoor.config import request_tree_options
 
 __all__ = ["TreeScheduler"]
 
@@ -29,9 +29,9 @@ class TreeScheduler(Scheduler):
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
-        from vllm_anisotropic.integration.vllm.budget import BatchBudget
-        from vllm_anisotropic.integration.vllm.config import TreeSpecConfig
-        from vllm_anisotropic.integration.vllm.metrics import budget_stats_path
+        from vllm_anisotropic.integration.vllm.engine.budget import BatchBudget
+        from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
+        from vllm_anisotropic.integration.vllm.engine.metrics import budget_stats_path
 
         spec = vllm_config.speculative_config
         tree = TreeSpecConfig.from_additional_config(spec.method, vllm_config.additional_config)
