@@ -408,5 +408,5 @@ def test_demo_table_pairs_each_pass_with_plains_and_counts_identical_outputs():
     ngram = next(line for line in table.lines if line.startswith("ngram"))
     assert "~" in ngram and "2/4" in ngram  # 1.11x and 0.91x: an interval across 1.00x
     assert table.rows[0]["batch"]["repeat_speedups"] == pytest.approx([2.0, 2.0])
-    assert not table.all_identical and "one request at a time (2 prompts)" in text and "(2 repeats)" in text
+    assert not table.all_identical and "one request at a time (2 prompts, 20 tokens)" in text and "(2 repeats, 20 tokens each)" in text
     assert demo_table(plain, [MethodRun("goose", {}, fast, None, None)], solo=True).all_identical

@@ -14,7 +14,7 @@ different blocks: it agrees with the target often, not always). Engine runs in f
   these positions), for each of the eight verifiers. Plain vLLM's samples are drawn once for
   all of them. CI runs Traversal (the default) and SpecInfer (~2 min each: q drafts and seeded
   requests are verified one request at a time); ``VLLM_ANISOTROPIC_ALL_VERIFIERS=1`` runs all
-  eight (the last full run is in docs/draft_tree.md). test_draft_model.py checks Traversal and
+  eight (the last full run is in docs/notebook/draft_tree.md). test_draft_model.py checks Traversal and
   SpecInfer on these trees offline, and tests/test_verifiers*.py every verifier's exact law.
 * Tensor parallelism 2: greedy identical to TP = 2 plain, sampled requests keep both ranks'
   drafts and walks in step, with a selector whose shape changes with q's root entropy.
@@ -111,7 +111,7 @@ def test_sampled_tokens_follow_plain_vllm_law(pair, tiny_prompts, plain_samples,
     from test_engine_sampling import two_sample_z
 
     if verifier not in CI_VERIFIERS and os.environ.get(ALL_ENV) != "1":
-        pytest.skip(f"CI runs {CI_VERIFIERS} (~2 min each); {ALL_ENV}=1 runs all eight (docs/draft_tree.md has the last full run)")
+        pytest.skip(f"CI runs {CI_VERIFIERS} (~2 min each); {ALL_ENV}=1 runs all eight (docs/notebook/draft_tree.md has the last full run)")
     target, draft = pair
     shape = SAMPLED_SHAPE if verifier != "block" else {"trunk": 1, "branches": 1, "branch_length": 1}
     job = _sampled_job(target, tiny_prompts[0]).model_copy(update={"seed": 1_000_000, "speculative_config": {

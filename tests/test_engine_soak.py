@@ -83,12 +83,12 @@ STARTUP_TIMEOUT = 300.0
 REQUEST_TIMEOUT = 180.0
 STORM_TIMEOUT = max(SOAK_SECONDS, 0) + 180.0  # past this the requests in flight are stuck
 DRAIN_TIMEOUT = 30.0
-# Server tree RSS growth allowed over the storm (measured: see docs/testing.md): a leak of
+# Server tree RSS growth allowed over the storm (measured: see docs/notebook/testing.md): a leak of
 # per-request state (KV bookkeeping, proposer states, trees, adjacency tables) at ~200 requests
 # of ~300 tokens would show; allocator noise (tens of MiB) must not.
 # Long runs (SOAK_SECONDS): vLLM's own worker grows with the number of requests served, plain
 # vLLM as much as GOOSE (150 s storms of this mix, worker RSS: plain 977 -> 1770 MiB, GOOSE
-# 983 -> 1619 MiB; docs/testing.md), so a long run needs a bound of its own: SOAK_RSS_BOUND.
+# 983 -> 1619 MiB; docs/notebook/testing.md), so a long run needs a bound of its own: SOAK_RSS_BOUND.
 RSS_GROWTH_BOUND = float(os.environ.get("SOAK_RSS_BOUND", "0.25"))
 
 # the GOOSE server's --speculative-config. Default: a fixed 16-node tree every step, so the

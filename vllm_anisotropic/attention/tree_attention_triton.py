@@ -2,7 +2,7 @@
 
 Scope: one kernel launch per layer replaces ``tree_attention.ancestor_attention`` (about fifteen
 small torch kernels), ``merge_partials`` and the scatter into the output rows: measured on an
-H100, the torch path costs 40-130 us + ~40 us per layer (docs/gpu.md). It does not compute part
+H100, the torch path costs 40-130 us + ~40 us per layer (docs/notebook/gpu.md). It does not compute part
 (a), the paged context attention (FlashAttention inside vLLM).
 
 Per program (tree request r, query head h), with ``n`` draft nodes (n <= 64):
@@ -20,7 +20,7 @@ Two precisions (``TENSOR_CORES``): for 16-bit inputs (the default there) both pr
 before ``p @ v``, as FlashAttention does; otherwise (float32 inputs, or ``tensor_cores=False``)
 every product is IEEE float32 (``input_precision="ieee"``: no TF32). The float32 products of a
 64 x 64 tile spill registers: measured on an H100, 906 us a layer at 32 requests x 64 nodes
-against 133 + 59 us for the torch parts (docs/gpu.md). ``lse_a = +inf`` (an empty context,
+against 133 + 59 us for the torch parts (docs/notebook/gpu.md). ``lse_a = +inf`` (an empty context,
 FlashAttention's convention) is read as ``-inf``, as vLLM's ``merge_attn_states`` does.
 Testable on CPU with ``TRITON_INTERPRET=1``.
 """

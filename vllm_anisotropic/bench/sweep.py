@@ -104,6 +104,8 @@ from typing import Any, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllm_anisotropic.data import SPLITS, split_of
+
 from vllm_anisotropic.bench.machine import cpu_model
 
 logger = logging.getLogger(__name__)
@@ -130,17 +132,6 @@ METHODS: dict[str, dict[str, Any] | None] = {
 }
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 
-# Prompt splits (``--split``), by dataset. Every tunable default of the allocator (the gate's
-# margin, the offer factor, the backoff, the cost model's priors) was chosen on bench runs over
-# the "tune" datasets; none of them has seen "report"'s: numbers meant to be believed come from it.
-SPLITS: dict[str, tuple[str, ...]] = {"tune": ("humaneval", "gsm8k", "mtbench"), "report": ("mbpp", "math500")}
-
-
-def split_of(datasets: Iterable[str]) -> str:
-    """``"tune"`` / ``"report"`` when every dataset is in that split, else ``"mixed"``.
-    ``split_of(["mbpp"])`` -> ``"report"``."""
-    names = set(datasets)
-    return next((name for name, members in SPLITS.items() if names <= set(members)), "mixed")
 
 
 SUFFIX_DIR = Path(__file__).resolve().parents[2] / ".suffix"  # scripts/build_suffix.sh
@@ -494,7 +485,9 @@ def format_table(rows: list[dict]) -> str:
             notes.append(f"{r['method']}: not run: {r['skipped']}")
             continue
         sp = "—"
-        if r["speedup"] is not None:
+        if r["method"] == "plain":
+            sp = "1.00x"  # its own reference
+        elif r["speedup"] is not None:
             ci = "" if r.get("speedup_low") is None else f" [{r['speedup_low']:.2f}, {r['speedup_high']:.2f}]" + (
                 " ~" if contains_one(r["speedup_low"], r["speedup_high"]) else "")
             sp = f"**{r['speedup']:.2f}x**{ci} ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})"

@@ -12,7 +12,7 @@ root), then overwrites the rows of draft nodes with the split of ``tree_attentio
     (b) + (c) attention of each node over its ancestors among the step's fresh K/V, merged with
         (a) by log-sum-exp: the fused Triton kernel (``tree_attention_triton``, tensor-core
         products for 16-bit dtypes) up to ``FUSED_MAX_ROWS`` node rows, the torch parts +
-        vLLM's ``merge_attn_states`` beyond (docs/gpu.md: on an H200 the fused kernel is 10-25x
+        vLLM's ``merge_attn_states`` beyond (docs/gpu.md: on an H200 the fused kernel is 14-30x
         cheaper than the torch parts at every measured shape, 1 to 64 requests x 4 to 64 nodes).
 
 The identity is the one vLLM's own ``FlashAttentionImpl._forward_with_dcp`` relies on (a paged
