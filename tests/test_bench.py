@@ -410,3 +410,17 @@ def test_demo_table_pairs_each_pass_with_plains_and_counts_identical_outputs():
     assert table.rows[0]["batch"]["repeat_speedups"] == pytest.approx([2.0, 2.0])
     assert not table.all_identical and "one request at a time (2 prompts, 20 tokens)" in text and "(2 repeats, 20 tokens each)" in text
     assert demo_table(plain, [MethodRun("goose", {}, fast, None, None)], solo=True).all_identical
+
+
+def test_profile_host_phases_name_functions_that_exist():
+    """Every phase of ``profile-host`` names a function defined in its file: a renamed function
+    (``observe_batch`` -> ``observe_step``) made a phase read 0 ms with no error."""
+    import ast
+
+    from vllm_anisotropic.bench.profile_host import PHASES
+
+    root = Path(__file__).resolve().parents[1] / "vllm_anisotropic"
+    for label, suffix, name in PHASES:
+        tree = ast.parse((root / suffix).read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        assert name in defined, f"profile-host phase {label!r}: no function {name} in {suffix}"

@@ -134,7 +134,7 @@ TP2 = {**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"
 def test_tp2_greedy_identical_and_sampled_ranks_stay_in_step(pair, tiny_prompts, tmp_path):
     """Each rank loads its own copy of the draft model and drafts its own trees: greedy trees
     must match, and under sampling every rank must draw the same tokens from q (request-seeded
-    uniforms) and accept the same path, or the next step's ``take_tree`` raises on some rank.
+    uniforms) and accept the same path, or the next step's ``take_step`` raises on some rank.
     The shape comes from a selector whose choice follows q's root entropy (thresholds at this
     draft's median: ~6.7 nats raw, ~4.0 processed at T 0.8, top-p 0.9), so the ranks must also
     make the same changing choices; both shapes must occur."""

@@ -4,7 +4,7 @@ Each rank runs its own drafter and must draft the very same tree every step (vLL
 rank 0's draft list on every rank; each rank computes the tree attention of its own heads from
 its own tree). Greedy: the tree walk is deterministic given the all-gathered logits. Sampling:
 the verifier's uniforms come from a generator seeded alike on every rank (``sampler.py``); a
-rank that accepted a different path would draft a different next tree, and ``take_tree`` would
+rank that accepted a different path would draft a different next tree, and ``take_step`` would
 raise (the job would fail).
 
 vLLM's CPU backend binds each TP rank's threads to a NUMA node and refuses two ranks on a

@@ -13,9 +13,10 @@ second of *decode steps* in two arms,
 
 (re-run tokens are speculation's cost, so they count against it; so do the proposing, scoring,
 allocating and harvesting of drafts the allocator cut to nothing: a gate that counted such steps
-as plain stayed open at eight requests on this CPU, every step paying ~1.5 ms of drafting for
-no draft kept), and lets the allocator keep
-drafts at R only while the speculative arm's rate is at least the plain arm's. Steps with
+as plain stayed open at eight requests on a 2-core CPU, every step paying ~1.5 ms of drafting
+for no draft kept), and lets the allocator keep
+drafts at R only while the speculative arm's rate beats the plain arm's by more than
+``margin`` (below). Steps with
 prompt tokens (prefill chunks, new or resumed requests) belong to neither arm.
 
     rate(arm, R) = sum_s w_s tokens_s / sum_s w_s seconds_s
@@ -73,8 +74,9 @@ then the faster one, trees only when they are faster by more than ``margin`` (ti
 cheaper chains), the other explored every ``explore_every``-th speculative decision. The
 speculative rate that plain decoding is compared with is the chosen kind's.
 
-This is the "measured per-concurrency gate" of docs/allocator.md; ECHO (arXiv 2604.09603)
-has no such guard: its cost model is a fixed profile.
+This is the gate of docs/allocator.md, section "The measured gate" (its dated runs:
+docs/measurements/cpu/allocator_measurements.md); ECHO (arXiv 2604.09603) has no such guard:
+its cost model is a fixed profile.
 """
 
 from __future__ import annotations

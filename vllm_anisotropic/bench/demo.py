@@ -212,14 +212,23 @@ def run(args: argparse.Namespace) -> int:
             "plain step can pick different tokens where the top two logits are nearly tied; vLLM's own ngram "
             "shows the same. The exactness check is --dtype float32; see docs/engine.md.)"
         )
-    divergent = [d for r in runs for d in divergences(r.method, plain.token_ids, r.result.token_ids)]
+    # first differences of the batch's first repeat and of the one-at-a-time pass, with the prefix
+    # plain decoding had at each (prompt + common output), to measure the margin there
+    divergent, prefixes = [], []
+    for r in runs:
+        for d in divergences(r.method, plain.token_ids, r.result.token_ids):
+            divergent.append(d)
+            prefixes.append(plain.prompt_token_ids[d.prompt] + plain.token_ids[d.prompt][0][: d.position])
+        if solo_prompts:
+            for d in divergences(f"{r.method} (one at a time)", [[t] for t in plain.solo.token_ids],
+                                 [[t] for t in r.result.solo.token_ids]):
+                divergent.append(d)
+                prefixes.append(plain.solo.prompt_token_ids[d.prompt] + plain.solo.token_ids[d.prompt][: d.position])
     if divergent and args.dtype != "float32":
         logger.info("measuring the margins of %d divergences (starting vLLM)", len(divergent))
         probe = base.model_copy(update={
             "prompts": None, "solo_prompts": None, "max_tokens": 1, "logprobs": MARGIN_TOP, "warmup_tokens": 0,
-            "batch_repeats": 1,
-            "prompt_token_ids": [plain.prompt_token_ids[d.prompt] + plain.token_ids[d.prompt][0][: d.position]
-                                 for d in divergent],
+            "batch_repeats": 1, "prompt_token_ids": prefixes,
         })
         lines += margin_report(divergent, run_offline_job(probe, timeout=None).logprobs)
     if args.out:

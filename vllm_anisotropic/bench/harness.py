@@ -199,7 +199,7 @@ class TreeDecoder:
 
         ``harvest_lag=True`` learns in the engine's order: a step's harvest (top-k rows,
         adjacency / EMA updates) is applied after the next tree is proposed, so each proposal
-        sees the tables as they were one step earlier (``TreeDrafter.observe_batch``).
+        sees the tables as they were one step earlier (``TreeDrafter.observe_step``).
         """
         assert len(prompt) >= 1
         t_start = time.perf_counter()

@@ -115,6 +115,8 @@ class TimedPass(BaseModel):
     spec: SpecStats
     prompt_seconds: list[float] = []
     """One request at a time: each prompt's seconds (for per-prompt paired ratios)."""
+    prompt_token_ids: list[list[int]] = []
+    """One request at a time: the prompts as vLLM tokenized them."""
 
     @property
     def num_output_tokens(self) -> int:
@@ -296,13 +298,15 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
             for p in progress(job.solo_prompts, "warm-up, one at a time"):
                 llm.generate([_salted(p, "warmup")], warmup, use_tqdm=False)
         before = _spec_stats(llm, 0)
-        solo_ids, prompt_seconds = [], []
+        solo_ids, prompt_seconds, solo_prompt_ids = [], [], []
         for p in progress(job.solo_prompts, "one at a time"):
             started = time.perf_counter()
-            solo_ids.append(list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids))
+            out = llm.generate([p], params, use_tqdm=False)[0]
             prompt_seconds.append(time.perf_counter() - started)
+            solo_ids.append(list(out.outputs[0].token_ids))
+            solo_prompt_ids.append(list(out.prompt_token_ids or []))
         solo = TimedPass(token_ids=solo_ids, generate_seconds=sum(prompt_seconds), prompt_seconds=prompt_seconds,
-                         spec=_spec_stats(llm, sum(len(c) for c in solo_ids), before))
+                         prompt_token_ids=solo_prompt_ids, spec=_spec_stats(llm, sum(len(c) for c in solo_ids), before))
     repeats = []
     for k in range(job.batch_repeats):
         if warmup:

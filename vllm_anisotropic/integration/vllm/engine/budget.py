@@ -1,6 +1,6 @@
 """The budget allocator at vLLM's scheduler step: one cut of every request's draft list per step.
 
-Scope: the engine side of issue 10 (the math is ``vllm_anisotropic.allocator``). Owned by
+Scope: the engine side of the batch allocator (the math is ``vllm_anisotropic.allocator``). Owned by
 ``scheduler.TreeScheduler`` in the EngineCore process, so the decision is made once per step
 for the whole batch and every tensor-parallel rank receives the same scheduled drafts.
 

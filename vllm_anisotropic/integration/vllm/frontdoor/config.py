@@ -93,12 +93,13 @@ class EngineTreeConfig(BaseModel):
     have chosen, not sampled, children, so the verifiers for point-mass drafts apply:
     ``deterministic`` (one-hot SpecInfer, children tried in priority order) or ``nss`` (sample
     y ~ p, descend if a child holds y); both emit tokens with exactly the target's law.
-    ``none``: sampled requests decode without trees. Requests with penalties, logit bias, bad
-    words, min_p, min_tokens, structured output or logprobs always decode without trees
-    (plain decoding through vLLM's sampler, lossless)."""
+    ``none``: sampled requests decode without trees. Penalties, logit bias, bad words, min_p,
+    min_tokens, allowed token ids and raw logprobs keep trees (each tree row edited as vLLM edits its
+    one row, ``runner.RowEdits``); structured output decodes without trees (plain decoding
+    through vLLM's sampler, lossless), counted by reason on /metrics."""
 
     allocator: Literal["auto", "off"] = "auto"
-    """Budget-aware batch allocator (issue 10; ECHO, arXiv 2604.09603): ``auto`` cuts every
+    """Budget-aware batch allocator (ECHO, arXiv 2604.09603): ``auto`` cuts every
     request's value-ordered draft list each step where the expected accepted tokens stop
     paying for the step time a calibrated cost model predicts (0 drafts = plain decoding);
     ``off`` verifies the proposer's whole tree (up to ``num_speculative_tokens``) every step."""
@@ -119,7 +120,8 @@ class EngineTreeConfig(BaseModel):
     (``allocator.GateConfig.margin`` has the default and why)."""
 
     allocator_gate_explore_every: int = Field(default=32, ge=2)
-    """Every this-many-th step at a batch size a closed gate speculates (so it can re-open),
+    """A closed gate speculates every this-many-th step at a batch size (so it can re-open; more
+    often, down to every this // 8-th, while speculation nearly pays: ``GateConfig.explore_shortfall``),
     and every 4 x this-many-th an open gate decodes plainly for a block of 4 steps (so it can
     close): costs ~1/this of the difference either way."""
 

@@ -32,11 +32,13 @@ Patches (vLLM 0.32; file:line in shared/notes/vllm-0.32-spec-decode-map.md secti
    runner sends them with the step's output instead and the tree scheduler applies them in
    ``update_from_output``; for a scheduler that says so (``drafts_arrive_with_output``) the
    RPC is skipped. Measured: the reply alone was 2.6 % of the worker's wall time at four
-   requests (docs/allocator.md). Every other scheduler: vLLM's own ``post_step``.
+   requests (docs/measurements/cpu/allocator_measurements.md, "Interleaved and paired").
+   Every other scheduler: vLLM's own ``post_step``.
 7. ``WorkerProc._execute_worker_rpc`` (worker processes of vLLM's multiprocess executor): after
    an RPC has been answered, a model runner with ``after_reply`` (the tree runner) runs the
-   work it deferred past its reply (the step's harvest, ``drafter.TreeDrafter.observe_batch``)
-   while the engine core schedules the next step; any other runner: nothing. In-process
+   work it deferred past its reply (``drafter.TreeDrafter.run_deferred``: the harvest and
+   learning ``TreeDrafter.observe_step`` left for later) while the engine core schedules the
+   next step; any other runner: nothing. In-process
    executors have no such loop; the tree runner then runs it at the start of the next step.
 8. ``model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` (every process; only with
    ``VLLM_ANISOTROPIC_CPU_GEMM=rows`` on a CPU with AVX512-BF16 and g++; experimental): for a
