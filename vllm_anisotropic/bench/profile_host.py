@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_anisotropic.bench.machine import cpu_model
+
 # (label, file suffix, function name): cumulative time of these frames, per step
 PHASES = (
     ("propose (drafter)", "integration/vllm/engine/drafter.py", "propose_trees"),
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         record = {"method": args.method, "max_num_seqs": args.max_num_seqs, "num_prompts": len(prompts),
                   "max_tokens": args.max_tokens, "dtype": args.dtype, "profiled": prof is not None,
-                  "tokens": tokens, "seconds": seconds, "cpu": _cpu_model(), **report}
+                  "tokens": tokens, "seconds": seconds, "cpu": cpu_model().get("cpu_model") or platform.processor(), **report}
         with open(args.json, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
     if prof is None:
@@ -262,14 +264,3 @@ def format_report(r: dict) -> str:
         total = sum(kinds.values())
         lines.append("decode steps: " + ", ".join(f"{k} {v} ({v / total:.0%})" for k, v in kinds.items()))
     return "\n".join(lines)
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
