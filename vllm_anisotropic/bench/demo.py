@@ -269,23 +269,21 @@ def demo_table(plain, runs: list[MethodRun], solo: bool) -> DemoTable:
     interval, tau and outputs identical to plain's. The one-at-a-time pass: a bootstrap over its
     prompts (each prompt timed alone, paired with plain's); the batch: each repeat's ratio to
     plain's same repeat, their geometric mean and t-interval (``bench.stats``)."""
+    from vllm_anisotropic.bench.offline import SpecStats
     from vllm_anisotropic.bench.stats import bootstrap_rate_ratio, format_speedup, ratio_interval
 
     n_batch, repeats = len(plain.token_ids), len(plain.repeats)
-    def tokens(p) -> int:
-        return sum(len(t) for t in p.token_ids)
-
     cols = []
     if solo:
-        cols.append(f"one request at a time ({len(plain.solo.token_ids)} prompts, {tokens(plain.solo)} tokens)")
+        cols.append(f"one request at a time ({len(plain.solo.token_ids)} prompts, {plain.solo.num_output_tokens} tokens)")
     cols.append(f"batch of {n_batch} prompts ({repeats} repeat{'s' if repeats > 1 else ''}, "
-                f"{tokens(plain.repeats[0])} tokens each)")
+                f"{plain.repeats[0].num_output_tokens} tokens each)")
     head = f"{'':10}" + "".join(f"{c:<50}" for c in cols)
     sub = f"{'method':10}" + f"{'tokens/s':>9}  {'speedup [95% CI]':<22}{'tau':>5}  {'identical':<10}" * len(cols)
     lines = [head.rstrip(), sub.rstrip()]
 
-    def rate(passes) -> float:
-        return sum(tokens(p) for p in passes) / sum(p.generate_seconds for p in passes)
+    def rate(passes) -> float:  # pooled over passes
+        return sum(p.num_output_tokens for p in passes) / sum(p.generate_seconds for p in passes)
 
     plain_cells = ([f"{rate([plain.solo]):9.1f}  {'1.00x':<22}{'':>5}  {'':<10}"] if solo else []) + \
         [f"{rate(plain.repeats):9.1f}  {'1.00x':<22}{'':>5}  {'':<10}"]
@@ -303,12 +301,12 @@ def demo_table(plain, runs: list[MethodRun], solo: bool) -> DemoTable:
                          f"{f'{same}/{len(plain.solo.token_ids)}':<10}")
             row["one_at_a_time"] = {"plain_tokens_per_s": rate([plain.solo]), "tokens_per_s": rate([spec.solo]),
                                     "speedup": point, "ci95": [low, high], "tau": spec.solo.spec.tau, "identical": same}
-        ratios = [rate([s]) / rate([p]) for s, p in zip(spec.repeats, plain.repeats)]
+        ratios = [s.tokens_per_second / p.tokens_per_second for s, p in zip(spec.repeats, plain.repeats)]
         point, low, high = ratio_interval(ratios)
         same = sum(a == b for s, p in zip(spec.repeats, plain.repeats) for a, b in zip(p.token_ids, s.token_ids))
         all_identical &= same == n_batch * repeats
-        tau = (sum(s.spec.num_output_tokens for s in spec.repeats)
-               / max(1, sum(s.spec.num_output_tokens - s.spec.num_accepted_tokens for s in spec.repeats)))
+        tau = SpecStats(num_output_tokens=sum(s.spec.num_output_tokens for s in spec.repeats),
+                        num_accepted_tokens=sum(s.spec.num_accepted_tokens for s in spec.repeats)).tau
         cells.append(f"{rate(spec.repeats):9.1f}  {format_speedup(point, low, high):<22}{tau:5.2f}  "
                      f"{f'{same}/{n_batch * repeats}':<10}")
         row["batch"] = {"plain_tokens_per_s": rate(plain.repeats), "tokens_per_s": rate(spec.repeats),

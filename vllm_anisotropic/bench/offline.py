@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -369,39 +368,22 @@ def run_offline_job(
         job_file.write_text(job.model_dump_json())
         log_file = log_path or Path(tmp, "log.txt")
         env = {**os.environ, **(env or {})}
-        read_end = write_end = None
-        if progress is not None:
-            read_end, write_end = os.pipe()
-            env.update({PROGRESS_FD_ENV: str(write_end), f"{PROGRESS_FD_ENV}_LABEL": progress})
-        with open(log_file, "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", __name__, str(job_file), str(out_file)], stdout=log,
-                                    stderr=subprocess.STDOUT, env=env, pass_fds=() if write_end is None else (write_end,))
-            relay = None
-            if write_end is not None:
-                os.close(write_end)  # the child holds its copy; EOF when it exits
-                relay = threading.Thread(target=_relay, args=(read_end, sys.stderr), daemon=True)
-                relay.start()
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise
-            finally:
-                if relay is not None:
-                    relay.join(timeout=5)
+        # the job draws its bars straight on a copy of this process's stderr (its own stderr is the log)
+        bars_fd = os.dup(2) if progress is not None else None
+        if bars_fd is not None:
+            env.update({PROGRESS_FD_ENV: str(bars_fd), f"{PROGRESS_FD_ENV}_LABEL": progress})
+        try:
+            with open(log_file, "wb") as log:
+                proc = subprocess.run([sys.executable, "-m", __name__, str(job_file), str(out_file)], stdout=log,
+                                      stderr=subprocess.STDOUT, env=env, timeout=timeout,
+                                      pass_fds=() if bars_fd is None else (bars_fd,))
+        finally:
+            if bars_fd is not None:
+                os.close(bars_fd)
         if proc.returncode != 0 or not out_file.exists():
             tail = log_file.read_text(errors="replace")[-6000:]
             raise OfflineJobFailed(proc.returncode, tail)
         return OfflineResult.model_validate_json(out_file.read_text())
-
-
-def _relay(fd: int, stream) -> None:
-    """Copy what the job's process writes on ``fd`` to ``stream`` until it closes."""
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        while chunk := f.read(4096):
-            stream.write(chunk.decode(errors="replace"))
-            stream.flush()
 
 
 def main(argv: list[str]) -> int:

@@ -69,8 +69,13 @@ def contains_one(low: float | None, high: float | None) -> bool:
     return low is None or high is None or low <= 1.0 <= high
 
 
-def format_speedup(point: float, low: float | None, high: float | None) -> str:
-    """``1.15x [1.03, 1.28]``; ``~`` appended when the interval contains 1.0 (no difference shown)."""
+def format_interval(low: float | None, high: float | None) -> str:
+    """`` [1.03, 1.28]``; `` ~`` appended when it contains 1.0 (no difference shown); "" without one."""
     if low is None:
-        return f"{point:.2f}x"
-    return f"{point:.2f}x [{low:.2f}, {high:.2f}]" + (" ~" if contains_one(low, high) else "")
+        return ""
+    return f" [{low:.2f}, {high:.2f}]" + (" ~" if contains_one(low, high) else "")
+
+
+def format_speedup(point: float, low: float | None, high: float | None) -> str:
+    """``1.15x [1.03, 1.28]`` (``format_interval``)."""
+    return f"{point:.2f}x" + format_interval(low, high)

@@ -475,7 +475,7 @@ def summarize(records: list[dict]) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     """The markdown table: speedup as ``**1.10x** [low, high] (min..max)``, ``~`` after an
     interval that contains 1.00x (no difference from plain shown by these repeats)."""
-    from vllm_anisotropic.bench.stats import contains_one
+    from vllm_anisotropic.bench.stats import format_interval
 
     lines = ["| method | concurrency | tokens/s median (min..max) | speedup vs plain [95% CI] (min..max) | tau | identical to plain |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -488,8 +488,7 @@ def format_table(rows: list[dict]) -> str:
         if r["method"] == "plain":
             sp = "1.00x"  # its own reference
         elif r["speedup"] is not None:
-            ci = "" if r.get("speedup_low") is None else f" [{r['speedup_low']:.2f}, {r['speedup_high']:.2f}]" + (
-                " ~" if contains_one(r["speedup_low"], r["speedup_high"]) else "")
+            ci = format_interval(r.get("speedup_low"), r.get("speedup_high"))
             sp = f"**{r['speedup']:.2f}x**{ci} ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})"
         ident = "—" if r["identical"] is None else f"{r['identical'][0]}/{r['identical'][1]}"
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['median']:.1f} ({r['min']:.1f}..{r['max']:.1f}) | "

@@ -110,8 +110,8 @@ class BlockVerifier(Verifier):
         while int(batch.children[chain[-1], 0]) >= 0:
             chain.append(int(batch.children[chain[-1], 0]))
         big_l = len(chain) - 1
-        st = sampling_b
-        ps = [target_probs(logits[n : n + 1], st.temperature, st.top_k, st.top_p, self.dtype)[0] for n in chain]
+        ps = [target_probs(logits[n : n + 1], sampling_b.temperature, sampling_b.top_k, sampling_b.top_p, self.dtype)[0]
+              for n in chain]
         qs = [q[n].to(self.dtype) for n in chain]
         w = [1.0]
         for i in range(1, big_l + 1):

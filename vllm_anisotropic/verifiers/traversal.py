@@ -163,8 +163,8 @@ class TraversalVerifier(Verifier):
         ev = [0]  # event counter (matches postorder_events)
 
         def p_of(n):
-            st = sampling_b
-            return target_probs(logits[n : n + 1], st.temperature, st.top_k, st.top_p, self.dtype)[0]
+            return target_probs(logits[n : n + 1], sampling_b.temperature, sampling_b.top_k, sampling_b.top_p,
+                                self.dtype)[0]
 
         state = {root: [1.0, p_of(root)]}
 
