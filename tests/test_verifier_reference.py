@@ -102,6 +102,30 @@ def test_greedy_half_precision_logits():
         v.reference_batch(batch, half.float(), TargetSampling(0.0))
 
 
+def test_bf16_rows_widened_bit_for_bit_and_argmaxed_as_torch():
+    """The CPU walk's and the harvest's bf16 path (``widen_rows``: gather + widen in one compiled
+    pass, ``host_rows_argmax``): every bf16 bit pattern -- both zeros, subnormals, infinities,
+    NaNs of both signs, the largest finite values -- becomes exactly torch's ``.float()`` of it,
+    rows in the requested order with repeats; the argmax equals torch's on rows built to catch a
+    wrong shift (values equal in the low byte), a signed widening (negative rows) and a reversed
+    row index."""
+    from vllm_anisotropic.verifiers.greedy import host_rows_argmax, widen_rows
+
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+    rows = np.array([255, 0, 128, 0, 7], np.int64)
+    got = widen_rows(every, rows)
+    want = every[torch.from_numpy(rows)].float().numpy()
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(8, 1000, generator=g) * 3).to(torch.bfloat16)
+    x[1] = -x[1].abs() - 1  # all negative: a signed widening would pick the smallest
+    x[2, 900] = 64.0
+    x[2, 100] = 64.5  # 64.5 and 64 differ only in the low byte of the float32 word
+    x[3, 5] = float("nan")
+    rows = np.array([3, 2, 1, 0, 7, 2], np.int64)
+    assert host_rows_argmax(x, rows).tolist() == x[torch.from_numpy(rows)].float().argmax(-1).tolist()
+
+
 def test_greedy_host_walk_equals_the_packed_walk():
     """``GreedyVerifier.verify_host`` (the CPU engine's walk) against ``verify_batch`` on random
     trees with many token collisions among siblings (so child priority decides): would catch a

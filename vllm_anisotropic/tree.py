@@ -539,9 +539,12 @@ class FlatTrees:
         )
 
     def select(self, index) -> "FlatTrees":
-        """Trees ``index`` (any order, repeats allowed) as a new batch.
+        """Trees ``index`` (any order, repeats allowed) as a batch (``self`` for every tree in order;
+        trees are never edited in place).
         ``sizes [3, 1, 2]``, index ``[2, 0]`` -> trees with 2 and 3 nodes."""
         index = np.asarray(index, np.int64)
+        if index.shape[0] == self.num_trees and np.array_equal(index, np.arange(self.num_trees)):
+            return self  # every tree, in order (the common step): nothing to gather
         sizes = self.sizes()[index]
         starts = self.offsets[:-1][index]
         nodes = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes) + np.arange(int(sizes.sum()))
@@ -554,6 +557,8 @@ class FlatTrees:
         keep = np.minimum(np.asarray(keep, np.int64), self.sizes())
         if keep.shape != (self.num_trees,) or np.any(keep < 1):
             raise ValueError(f"keep must hold one count >= 1 per tree ({self.num_trees}), got {keep}")
+        if np.array_equal(keep, self.sizes()):
+            return self  # every node kept
         local = np.arange(self.num_nodes) - np.repeat(self.offsets[:-1], self.sizes())
         nodes = np.flatnonzero(local < np.repeat(keep, self.sizes()))
         q = None if self.draft_probs is None else [

@@ -232,15 +232,14 @@ def allocate(
     if ctx.shape != (batch,):
         raise ValueError(f"ctx_lens needs one entry per request, got shape {ctx.shape}")
 
+    if batch == 1:
+        return _allocate_one(np.asarray(probs[0], np.float64)[: int(caps[0])], cost, num_reqs, q0, base,
+                             float(ctx[0]), token_budget)
     p, valid = pad_probs(probs, caps)  # [batch_size, max_len]
-    if np.any(p[valid] < 0) or np.any(p[valid] > 1) or not np.all(np.isfinite(p)):
-        raise ValueError("probs must be probabilities in [0, 1]")
+    _check_probs(p)
     h = concave_slopes(p, valid)  # [batch_size, max_len]
     # hull gap delta: max over requests and k of H_i(k) - E_i(k)
     hull_gap = float(np.max(np.cumsum(h, axis=1) - np.cumsum(p, axis=1), initial=0.0))
-
-    if batch == 1:
-        return _allocate_one(p[0, valid[0]], cost, num_reqs, q0, base, float(ctx[0]), token_budget, hull_gap)
 
     rows, ks = np.nonzero(valid)  # [num_nodes] request and index k of each candidate node, row-major
     first = ks == 0  # [num_nodes] a request's first node: taking it makes the request speculate
@@ -333,21 +332,40 @@ def allocate(
     )
 
 
+def _check_probs(p: np.ndarray) -> None:
+    if not (p.min(initial=0.0) >= 0.0 and p.max(initial=0.0) <= 1.0):  # NaN fails both
+        raise ValueError("probs must be probabilities in [0, 1]")
+
+
 def _allocate_one(gain: np.ndarray, cost: StepCost, num_reqs: int, q0: int, base: float, ctx: float,
-                  token_budget: int | None, hull_gap: float) -> Allocation:
-    """One request: every prefix n = 0 .. cap scored with one cost call, the best kept (exact,
-    so ``rate_upper`` is the rate itself). ``gain`` [cap]: the request's capped probabilities.
-    Ties go to the smaller n, as in the batched scan. Example: gains [0.9, 0.1], cost 1 + 0.2 n
-    s, base 1 -> rates [1, 1.58, 1.43] -> n = 1."""
+                  token_budget: int | None) -> Allocation:
+    """One request: every prefix n = 0 .. cap scored, the best kept (exact, so ``rate_upper``
+    is the rate itself). ``gain`` [cap]: the request's capped probabilities. Ties go to the
+    smaller n, as in the batched scan. ``hull_gap``: the request's own concave envelope's
+    largest gap (reported, not needed: the scan is exact). Example: gains [0.9, 0.1], cost
+    1 + 0.2 n s, base 1 -> rates [1, 1.58, 1.43] -> n = 1."""
+    _check_probs(gain)
     t_max = gain.size if token_budget is None else min(gain.size, max(int(token_budget), 0))
-    totals = np.arange(t_max + 1)  # [t_max + 1] candidate n
-    num = base + np.concatenate([[0.0], np.cumsum(gain[:t_max])])
-    sec = np.asarray(cost.predict(num_reqs, q0 + totals, totals, ctx * totals, np.minimum(totals, 1)),
-                     np.float64).reshape(-1)
-    if sec.shape != totals.shape or np.any(~(sec > 0)):
+    params = getattr(cost, "kernel_params", None)
+    if params is not None:  # the cost model's own arithmetic, compiled (one call for every n)
+        out = np.empty((4, t_max + 1))
+        first = np.zeros(gain.size, np.int64)
+        first[:1] = 1
+        kernels.load("allocate").scan_prefixes(np.arange(t_max, dtype=np.int64), t_max, gain, gain,
+                                               np.full(gain.size, ctx), first, base, float(num_reqs), float(q0),
+                                               *params(), out[0], out[1], out[2], out[3])
+        num, sec = out[0], out[2]
+    else:
+        totals = np.arange(t_max + 1)  # [t_max + 1] candidate n
+        num = base + np.concatenate([[0.0], np.cumsum(gain[:t_max])])
+        sec = np.asarray(cost.predict(num_reqs, q0 + totals, totals, ctx * totals, np.minimum(totals, 1)),
+                         np.float64).reshape(-1)
+    if sec.shape != (t_max + 1,) or not sec.min() > 0:
         raise ValueError("cost.predict must return positive seconds for every total")
     rate = num / sec
     t = int(np.argmax(rate))
+    h = concave_slopes(gain[None, :], np.ones((1, gain.size), bool))[0]
+    hull_gap = float(np.max(np.cumsum(h) - np.cumsum(gain), initial=0.0))
     return Allocation(cuts=np.array([t], np.int64), tree_rows=t, expected_tokens=float(num[t]),
                       seconds=float(sec[t]), rate=float(rate[t]), plain_rate=float(rate[0]),
                       rate_upper=float(rate[t]), hull_gap=hull_gap)

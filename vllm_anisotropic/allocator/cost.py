@@ -233,8 +233,7 @@ class CostModel:
         self.knots = np.asarray(knots, np.float64)
         if self.knots.ndim != 1 or self.knots.size < 1 or self.knots[0] != 0 or np.any(np.diff(self.knots) <= 0):
             raise ValueError(f"knots must start at 0 and increase strictly, got {self.knots.tolist()}")
-        # [num_features] float64 >= 0, columns of cost_features
-        self.weights = np.asarray(weights, np.float64)
+        self.weights = weights  # [num_features] float64 >= 0 (the property below)
         if self.weights.shape != (len(feature_names(self.knots)),):
             raise ValueError(f"weights must have {len(feature_names(self.knots))} entries (one per feature)")
         if np.any(self.weights < 0) or not np.all(np.isfinite(self.weights)):
@@ -336,17 +335,31 @@ class CostModel:
         out = w[0] + w[1] * r + f_q + on * (b_on + b_on_r * r) + b_t * t + b_c * c + (d > 0) * b_spec + b_d * d + b_step
         return float(out) if out.ndim == 0 else out
 
+    @property
+    def weights(self) -> np.ndarray:
+        """[num_features] float64 >= 0, the columns of ``cost_features`` (set as a whole: a fit
+        assigns new weights, and ``kernel_params`` is recomputed from them)."""
+        return self._weights
+
+    @weights.setter
+    def weights(self, value) -> None:
+        self._weights = np.asarray(value, np.float64)
+        self._kernel_params = None
+
     def kernel_params(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``predict`` as arrays for the compiled allocator (``kernels.allocate.step_seconds``):
         ``(knots [m], f at the knots [m], tail [10])``, tail = (w0, w_request, last Q slope,
-        b_on, b_on_r, b_t, b_c, b_spec, b_d, b_step)."""
-        m = self.knots.size
-        w = self.weights
-        slopes = w[2: 2 + m]
-        at_knots = np.concatenate([[0.0], np.cumsum(slopes[:-1] * np.diff(self.knots))])
-        b_on, b_on_r, b_t, b_c, b_spec, b_d, b_step = w[2 + m:]
-        tail = np.array([w[0], w[1], slopes[-1], b_on, b_on_r, b_t, b_c, b_spec, b_d, b_step], np.float64)
-        return self.knots, at_knots, tail
+        b_on, b_on_r, b_t, b_c, b_spec, b_d, b_step). Computed once per set of weights (the
+        allocator asks every step)."""
+        if self._kernel_params is None:
+            m = self.knots.size
+            w = self.weights
+            slopes = w[2: 2 + m]
+            at_knots = np.concatenate([[0.0], np.cumsum(slopes[:-1] * np.diff(self.knots))])
+            b_on, b_on_r, b_t, b_c, b_spec, b_d, b_step = w[2 + m:]
+            tail = np.array([w[0], w[1], slopes[-1], b_on, b_on_r, b_t, b_c, b_spec, b_d, b_step], np.float64)
+            self._kernel_params = (self.knots, at_knots, tail)
+        return self._kernel_params
 
     def fit_error(self, samples=None) -> float:
         """Mean absolute relative error |pred - seconds| / seconds over ``samples`` (default: the

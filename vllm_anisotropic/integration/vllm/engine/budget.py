@@ -109,6 +109,7 @@ class _ChainCost:
 
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
+        self._params = None  # (the wrapped model's kernel_params, ours)
 
     @property
     def spec_request_weight(self) -> float:
@@ -120,11 +121,15 @@ class _ChainCost:
         return self.cost.predict(num_reqs, query_tokens, np.zeros_like(np.asarray(tree_rows)), 0, spec_reqs)
 
     def kernel_params(self):
-        """The wrapped model's, with every tree-row term zero (rows are plain query tokens)."""
-        knots, at_knots, tail = self.cost.kernel_params()
-        tail = tail.copy()
-        tail[3:7] = 0.0  # b_on, b_on_r, b_t, b_c
-        return knots, at_knots, tail
+        """The wrapped model's, with every tree-row term zero (rows are plain query tokens);
+        recomputed only when the wrapped model's change."""
+        params = self.cost.kernel_params()
+        if self._params is None or self._params[0] is not params:
+            knots, at_knots, tail = params
+            tail = tail.copy()
+            tail[3:7] = 0.0  # b_on, b_on_r, b_t, b_c
+            self._params = (params, (knots, at_knots, tail))
+        return self._params[1]
 
 
 class BatchBudget:
@@ -152,6 +157,7 @@ class BatchBudget:
         else:
             self.cost = CostModel.linear(PRIOR_BASE_S, PRIOR_PER_TOKEN_S)
             self.calibrated = False
+        self._chain_cost: _ChainCost | None = None  # self.cost seen as chains only (made again when it changes)
         self.probs: dict[str, np.ndarray] = {}
         self.chains: dict[str, int] = {}  # req_id -> leading draft nodes that form a chain below the root
         self.metrics = BudgetMetrics()
@@ -246,7 +252,9 @@ class BatchBudget:
         # the cost model's tree terms do not apply. Kept when it predicts the higher rate.
         chains = [p[: self.chains.get(r.request_id, 0)] for r, p in zip(reqs, probs)]
         if any(len(c) for c in chains):
-            chain_alloc = allocate(chains, _ChainCost(self.cost), **caps)
+            if self._chain_cost is None or self._chain_cost.cost is not self.cost:
+                self._chain_cost = _ChainCost(self.cost)
+            chain_alloc = allocate(chains, self._chain_cost, **caps)
             if chain_alloc.rate > alloc.rate:
                 alloc = chain_alloc
         cuts = alloc.cuts.copy()
