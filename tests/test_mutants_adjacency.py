@@ -164,3 +164,68 @@ def test_lookup_at_length_n_plus_one_and_match_length_at_the_start():
     m2 = ContextMatcher((2,))
     m2.sync([5, 5, 5])
     assert m2.match().position == 2 and m2.match().match_length == 2
+
+
+# ------------------------------------------------------------------------ compiled table kernel
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64_finaliser(key: int) -> int:
+    """Reference: one splitmix64 output for state ``key`` (Steele, Lea & Flood 2014; Vigna's
+    splitmix64.c), in Python integers: add the golden gamma, then the two xor-shift-multiply
+    rounds and a last xor-shift."""
+    z = (key + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def test_bigram_home_slot_is_splitmix64_masked():
+    """The home slot of a bigram key is splitmix64's finaliser masked to the table
+    (``kernels.table`` docstring). The reference reproduces splitmix64's published stream for
+    seed 0 (0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F); the kernel equals it
+    on 63 bits for keys of several sizes, and an empty 4,096-slot table places each key at
+    ``hash & 4095``, where ``find`` then finds it."""
+    from vllm_anisotropic.kernels import table as tk
+
+    gamma = 0x9E3779B97F4A7C15
+    assert [_splitmix64_finaliser(k * gamma & _M64) for k in range(3)] == [
+        0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    keys = [0, 1, 2, 3, 7, 255, 256, 49151, 49152, 12345 * 49152 + 678, 2**31 - 1, 2**40 + 5, 2**62 + 3]
+    wide = (1 << 63) - 1
+    for key in keys:
+        assert int(tk._home(np.int64(key), np.int64(wide))) == _splitmix64_finaliser(key) & wide, key
+    cap = 4096
+    for key in keys:
+        bi_keys, stamps, counters = np.full(cap, -1, np.int64), np.zeros(cap, np.int64), np.zeros(3, np.int64)
+        slot = int(tk.slot_of(bi_keys, stamps, counters, np.int64(key)))
+        assert slot == _splitmix64_finaliser(key) & (cap - 1), key
+        assert bi_keys[slot] == key and int(tk.find(bi_keys, np.int64(key))) == slot
+
+
+def test_find_answers_minus_one_for_a_missing_key():
+    """``find`` returns the slot or exactly -1 ("the slot holding key, or -1"): a missing key
+    whose window reaches an empty slot, and one whose whole window holds other keys."""
+    from vllm_anisotropic.kernels import table as tk
+
+    cap = 16
+    bi_keys, stamps, counters = np.full(cap, -1, np.int64), np.zeros(cap, np.int64), np.zeros(3, np.int64)
+    for key in (3, 40, 77):
+        tk.slot_of(bi_keys, stamps, counters, np.int64(key))
+    assert int(tk.find(bi_keys, np.int64(5))) == -1
+    assert int(tk.find(bi_keys, np.int64(40))) == int(np.flatnonzero(bi_keys == 40)[0])
+    full = np.arange(100, 100 + cap, dtype=np.int64)  # every slot taken by another key
+    assert int(tk.find(full, np.int64(5))) == -1
+
+
+def test_update_empties_the_columns_a_narrow_row_leaves():
+    """A row narrower than top_k overwrites a full one: the columns past it become empty in both
+    tiers, id -1 and score 0 (the layout of ``kernels.table``), not just unreadable."""
+    t = AdjacencyTable(6, top_k=3, bigram_capacity=8)
+    t.update([2], [4], np.array([[1, 2, 3]], np.int32), np.array([[0.5, 0.25, 0.125]], np.float32))
+    t.update([2], [4], np.array([[5]], np.int32), np.array([[0.75]], np.float32))
+    slot = t.bigram_slot(2, 4)
+    for ids, scores in ((t.unigram_ids[4], t.unigram_scores[4]), (t.bigram_ids[slot], t.bigram_scores[slot])):
+        assert ids.tolist() == [5, -1, -1]
+        assert scores.tolist() == [0.75, 0.0, 0.0]
+    assert t.unigram_ids[3].tolist() == [-1, -1, -1] and len(t) == 1
