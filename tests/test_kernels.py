@@ -32,3 +32,30 @@ def test_load_names_the_valid_modules():
 
     with pytest.raises(ValueError, match="allocate, goose, harvest, match, rank, table, walk"):
         kernels.load("nope")
+
+
+def test_the_drafters_warm_up_compiles_for_vllms_token_dtype_and_keeps_nothing():
+    """``TreeDrafter.warm_up`` (the worker's start): the context matcher and the tree builder get
+    their machine code for vLLM's int32 token array before any request, and the drafter's own
+    state (request states, shared adjacency table, pending trees) is untouched."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_anisotropic import kernels
+    from vllm_anisotropic.integration.vllm.engine.drafter import TreeDrafter
+    from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
+
+    spec = TreeSpecConfig.build("goose", {})
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(method="goose", num_speculative_tokens=59),
+                          additional_config={"vllm_anisotropic": spec.to_additional_config()},
+                          model_config=SimpleNamespace(get_vocab_size=lambda: 64, max_model_len=512))
+    d = TreeDrafter(cfg)
+    table = d.proposer.table
+    before = None if table.unigram_ids is None else table.unigram_ids.copy()
+    d.warm_up(np.int32)
+    match, goose = kernels.load("match").match_rows, kernels.load("goose").build_trees
+    assert any("int32" in str(sig[0]) for sig in match.signatures), match.signatures
+    assert goose.signatures
+    assert d.states == {} and d.pending == {} and d.proposer.table is table
+    assert (before is None and table.unigram_ids is None) or np.array_equal(table.unigram_ids, before)

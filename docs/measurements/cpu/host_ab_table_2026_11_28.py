@@ -1,8 +1,10 @@
-"""The tables of docs/measurements/cpu/allocator_measurements.md, "The batched host path": python docs/measurements/cpu/host_ab_table_2026_11_28.py"""
-import json, statistics as st
+"""The tables of docs/measurements/cpu/allocator_measurements.md, "The batched host path": python docs/measurements/cpu/host_ab_table_2026_11_28.py
+(the second A/B of the day, host_ab_2026_11_28b.sh: add the argument b)"""
+import json, statistics as st, sys
+run = sys.argv[1] if len(sys.argv) > 1 else ""
 rows={}
 for tag in ["after","before"]:
-    for l in open(f"docs/measurements/cpu/host_ab_{tag}_2026_11_28.jsonl"):
+    for l in open(f"docs/measurements/cpu/host_ab_{tag}_2026_11_28{run}.jsonl"):
         r=json.loads(l)
         rows.setdefault((r["method"],tag,r["max_num_seqs"]),[]).append(r)
 print("| method | tree | requests | runs | tokens/s | wall ms/step | forward ms/step | outside forward ms/step | plugin host ms/step | without the vocabulary pass | decode steps trees / chains / plain |")

@@ -165,6 +165,22 @@ class TreeDrafter:
     def load_model(self, *args, **kwargs) -> None:
         """No draft model: drafts come from the context and the target's own logits."""
 
+    def warm_up(self, token_dtype=np.int32) -> None:
+        """Load the batched proposer's compiled kernels now, at the worker's start (after vLLM's
+        start-up scan, which must not meet numba: ``kernels``), not in the first request's
+        steps: a first GOOSE proposal in a new process costs ~0.3 s of loading cached machine
+        code. One throwaway proposal with a throwaway proposer of the same configuration over a
+        token array of vLLM's dtype (``token_dtype``); nothing of it is kept."""
+        batch = getattr(self.proposer, "propose_batch", None)
+        if batch is None:
+            return
+        t0 = time.perf_counter()
+        proposer = type(self.proposer)(self.proposer.config, self.proposer.vocab_size)
+        tokens = np.tile(np.arange(8, dtype=token_dtype), 8).reshape(1, -1)
+        proposer.propose_batch([proposer.new_request()], tokens, np.zeros(1, np.int64),
+                               np.array([tokens.shape[1]], np.int64))
+        logger.debug("vllm-anisotropic: proposer kernels loaded in %.2f s", time.perf_counter() - t0)
+
     # ------------------------------------------------------------------ pending trees
     def pending_probs(self, req_ids: Sequence[str]) -> list:
         """Per request, its pending tree's draft-node probabilities (the allocator's input), or

@@ -84,8 +84,9 @@ class TreeGPUWorker(_gpu_worker_base()):
 
 
 def _calibrate(runner) -> None:
-    """The allocator's start-up sweep of real forwards (skipped when it is off or a cost-model
-    file is given)."""
+    """The compiled kernels' warm-up (``TreeDrafter.warm_up``), then the allocator's start-up
+    sweep of real forwards (skipped when it is off or a cost-model file is given)."""
+    runner.drafter.warm_up(runner.input_batch.token_ids_cpu.dtype)
     engine = runner.drafter.config.engine
     if engine.allocator == "auto" and not engine.cost_model:
         runner.calibrate_step_cost()
