@@ -115,3 +115,32 @@ def test_walk_flat_equals_the_per_tree_walk(dtype):
     logits = torch.tensor([[0.0] * 5 + [1.0], [0.0] * 6, [0.0] * 6])
     accepted, num, bonus = walk_flat(FlatTrees.from_trees([tree]), logits, np.array([0]))
     assert accepted[0, : num[0]].tolist() == [2]  # the spine child first (GOOSE Algorithm 3)
+
+
+def test_one_descent_step_moves_the_matching_trees_stops_the_others_and_counts_the_movers():
+    """``kernels.walk.descend_flat``'s contract for one depth step, read directly: a tree whose
+    argmax matches a child descends (path, count, cursor) and is counted in the return value; a
+    tree without a matching child gets its bonus token and is no longer active (a walk that kept
+    it active would argmax its row again every later step); inactive trees are not touched.
+    Trees: A = root -> 5 (spine) with y = 5; B = root -> 7 with y = 9; C inactive."""
+    from vllm_anisotropic import kernels
+
+    flat = FlatTrees.from_trees([DraftTree.chain([5], root_token=1), DraftTree.chain([7], root_token=2),
+                                 DraftTree.chain([3], root_token=4)])
+    ranks = np.zeros(flat.num_nodes, np.int8)
+    active = np.array([True, True, False])
+    y = np.array([5, 9, 3], np.int64)
+    cur = np.zeros(3, np.int64)
+    accepted = np.full((3, 1), -1, np.int64)
+    num_accepted = np.zeros(3, np.int64)
+    bonus = np.full(3, -7, np.int64)
+    moved = kernels.load("walk").descend_flat(flat.tokens, flat.parents, ranks, flat.offsets, active, y, cur,
+                                              accepted, num_accepted, bonus)
+    assert moved == 1
+    assert active.tolist() == [True, False, False]
+    assert accepted[:, 0].tolist() == [1, -1, -1] and num_accepted.tolist() == [1, 0, 0] and cur.tolist() == [1, 0, 0]
+    assert bonus.tolist() == [-7, 9, -7]
+    y[:] = [8, 0, 0]  # A's node 1 has no child: it stops too, nothing moves
+    assert kernels.load("walk").descend_flat(flat.tokens, flat.parents, ranks, flat.offsets, active, y, cur,
+                                             accepted, num_accepted, bonus) == 0
+    assert not active.any() and bonus.tolist() == [8, 9, -7]
