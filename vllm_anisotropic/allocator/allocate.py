@@ -341,8 +341,8 @@ def _allocate_one(gain: np.ndarray, cost: StepCost, num_reqs: int, q0: int, base
                   token_budget: int | None) -> Allocation:
     """One request: every prefix n = 0 .. cap scored, the best kept (exact, so ``rate_upper``
     is the rate itself). ``gain`` [cap]: the request's capped probabilities. Ties go to the
-    smaller n, as in the batched scan. ``hull_gap``: the request's own concave envelope's
-    largest gap (reported, not needed: the scan is exact). Example: gains [0.9, 0.1], cost
+    smaller n, as in the batched scan; the reported ``hull_gap`` is the request's own concave
+    envelope's largest gap (the scan itself is exact and does not use it). Example: gains [0.9, 0.1], cost
     1 + 0.2 n s, base 1 -> rates [1, 1.58, 1.43] -> n = 1."""
     _check_probs(gain)
     t_max = gain.size if token_budget is None else min(gain.size, max(int(token_budget), 0))

@@ -38,8 +38,7 @@ from vllm_anisotropic.verifiers.topdown import TopDownVerifier, descend, descend
 
 __all__ = ["GreedyVerifier", "host_rows_argmax", "rows_argmax", "walk_flat", "widen_rows"]
 
-# rows widened to float32 per chunk: 64 x 151,936 x 4 B = 39 MB; one chunk per depth step for
-# batches of <= 64 trees, so each step runs one gather, one conversion and one reduction
+# GPU half rows widened to float32 per chunk: 64 x 151,936 x 4 B = 39 MB (CPU rows: host_rows_argmax)
 ARGMAX_CHUNK_ROWS = 64
 
 

@@ -171,8 +171,7 @@ class TreeDrafter:
         steps: a first GOOSE proposal in a new process costs ~0.3 s of loading cached machine
         code. One throwaway proposal with a throwaway proposer of the same configuration over a
         token array of vLLM's dtype (``token_dtype``); nothing of it is kept."""
-        batch = getattr(self.proposer, "propose_batch", None)
-        if batch is None:
+        if getattr(self.proposer, "propose_batch", None) is None:
             return
         t0 = time.perf_counter()
         proposer = type(self.proposer)(self.proposer.config, self.proposer.vocab_size)
