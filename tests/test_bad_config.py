@@ -115,7 +115,7 @@ BAD_CONFIGS = [
     row("gate_str", {**GOOSE, "allocator_gate": "sometimes"}, "allocator_gate", "'sometimes'", "valid boolean"),
     row("verifier_unknown", {**GOOSE, "verifier": "specinfer"}, "verifier", "'specinfer'", "'greedy'"),
     row("sampling_verifier_unknown", {**GOOSE, "sampling_verifier": "typical"}, "sampling_verifier", "'typical'",
-        "'deterministic', 'nss' or 'none'"),
+        "'nss', 'deterministic' or 'none'"),
     row("bypass_signal_unknown", {**GOOSE, "bypass_signal": "length"}, "bypass_signal", "'length'",
         "'draft_length' or 'match_length'"),
     row("cost_model_missing", {**GOOSE, "cost_model": MISSING_COST_MODEL}, "cost_model",

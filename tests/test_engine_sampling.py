@@ -2,10 +2,11 @@
 
 Engine runs (real vLLM CPU build, tiny Llama whose text is not a pure cycle): the same prompt
 N times with per-request seeds, temperature 0.7, top-p 0.9, ``max_tokens`` 24; once plain, once
-with GOOSE trees verified by the default sampling verifier (one-hot SpecInfer). The two sides
-draw from *independent* seeds (plain 1000 + i, trees 1,000,000 + i): with shared seeds a
-verifier that replayed plain decoding's random stream would match it token for token without
-having the right law. Each run is seeded, so the outcome is deterministic in CI.
+with GOOSE trees verified by the default sampling verifier (NSS through vLLM's own sampler). The
+two sides draw from *independent* seeds (plain 1000 + i, trees 1,000,000 + i), so this tests the
+law itself; that the default verifier emits plain vLLM's very tokens under the *same* seeds is
+``test_seeded_sampled_trees_emit_plain_vllms_tokens``. Each run is seeded, so the outcome is
+deterministic in CI.
 
 Statistical test: the two-sample Pearson chi-square of the token counts (a 2 x k contingency
 table, outcomes with a pooled expected count < 5 merged into one cell), mapped to a standard
@@ -160,3 +161,50 @@ def test_n2_sampled_children_with_trees(tiny_prompts):
     assert spec.spec.num_accepted_tokens > 0
     assert all(len(r) == 2 and all(len(c) == MAX_TOKENS for c in r) for r in spec.token_ids)
     assert sum(r[0] != r[1] for r in spec.token_ids) >= 6  # children sample independently
+
+
+def _seeded_requests(n: int) -> list[dict]:
+    """Per-request sampling of the identity test: every request seeded; top-k, min_p with a
+    logit bias, and penalties on every other one of them (each edit a different path of
+    ``sampler._walk_sampled``: vLLM's top-k, ``RowEdits``' mask, its path-dependent penalties)."""
+    kinds = [{}, {"top_k": 12}, {"min_p": 0.1, "logit_bias": {"7": 1.5, "11": -2.0}},
+             {"presence_penalty": 0.4, "repetition_penalty": 1.2}]
+    return [{"seed": 5000 + 37 * i, **kinds[i % len(kinds)]} for i in range(n)]
+
+
+def test_seeded_sampled_trees_emit_plain_vllms_tokens(tiny_prompts):
+    """The default sampling verifier (NSS through vLLM's own sampler, ``sampler._walk_sampled``)
+    emits, for a seeded request in float32, exactly the tokens plain vLLM emits with the same
+    seed: each token is vLLM's own sample at its position, drawn once from the request's own
+    generator as plain decoding draws once per token. So the law is plain vLLM's by identity
+    (seed by seed), and the output does not depend on the tree, the batch mates or their order:
+    the same requests reversed, beside unseeded requests, give the same tokens.
+
+    Fails with: one-hot SpecInfer or any verifier drawing its own uniforms (another stream),
+    the bonus sampler also drawing from the walked requests' generators (two draws a step),
+    a walk without the temperature, top-k, bias or penalties of the request."""
+    from vllm_anisotropic.models import build_tiny_model
+
+    model = str(build_tiny_model(block_std=0.1, lm_head_alpha=0.25))
+    prompts = tiny_prompts[:12] * 2  # each prompt under two seeds
+    per = _seeded_requests(len(prompts))
+    engine = {**ENGINE, "dtype": "float32"}
+    job = OfflineJob(model=model, prompts=prompts, per_prompt=per, max_tokens=32, temperature=0.8, top_p=0.95,
+                     llm_kwargs=engine)
+    plain = run_offline_job(job)
+    spec = run_offline_job(job.model_copy(update={"speculative_config": FIXED_TREES}))
+    assert spec.spec.num_accepted_tokens > 50, spec.spec  # trees were verified and accepted
+    outs_plain = [r[0] for r in plain.token_ids]
+    outs_spec = [r[0] for r in spec.token_ids]
+    assert sum(a != b for a, b in zip(outs_plain[:12], outs_plain[12:])) >= 10  # the seeds matter: sampling
+    differ = [i for i, (a, b) in enumerate(zip(outs_plain, outs_spec)) if a != b]
+    print(f"spec counters {spec.spec}, tau {spec.spec.tau:.2f}, outputs differing from plain vLLM: {differ}")
+    assert not differ
+    # the same requests reversed, each beside an unseeded request with other parameters
+    mixed_prompts, mixed_per = [], []
+    for i in reversed(range(len(prompts))):
+        mixed_prompts += [prompts[i], tiny_prompts[(i + 5) % 12]]
+        mixed_per += [per[i], {"temperature": 1.0, "top_p": 1.0, "seed": None}]
+    mixed = run_offline_job(job.model_copy(update={"speculative_config": FIXED_TREES, "prompts": mixed_prompts,
+                                                   "per_prompt": mixed_per}))
+    assert [r[0] for r in mixed.token_ids[::2]][::-1] == outs_spec

@@ -200,11 +200,18 @@ class GreedyVerifier(TopDownVerifier):
         return [VerifyResult(a, y) for a, y in zip(accepted, bonus)]
 
 
-def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,
+              pick=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The greedy walk of every tree of a flat batch: tree t's ``num_nodes`` logits rows start
     at ``starts[t]`` (row j after node j's path). Returns ``accepted [T, max(max_depth, 1)]``
     local node indices (-1 padded), ``num_accepted [T]`` and ``bonus [T]``, all int64: the
-    path and bonus token ``GreedyVerifier.verify_batch`` gives (same argmax, same priority)."""
+    path and bonus token ``GreedyVerifier.verify_batch`` gives (same argmax, same priority).
+
+    ``pick(trees, rows) -> tokens``: the token of each of the still-walking ``trees`` (indices
+    into the batch, int64) from its logits ``rows``, one call per depth; default the argmax.
+    Any per-row draw of the target's token walks the same way (the engine samples with vLLM's
+    own sampler: ``integration/vllm/engine/sampler.py``): the walk descends while a child
+    holds the drawn token, and the first drawn token no child holds is the bonus."""
     num = trees.num_trees
     ranks = PRIORITY_BY_CODE[trees.sources].astype(np.int8)
     max_depth = int(trees.depths.max(initial=0))
@@ -216,12 +223,14 @@ def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray) -> tup
     y = np.zeros(num, np.int64)
     starts = np.asarray(starts, np.int64)
     descend = kernels.load("walk").descend_flat
-    argmax = host_rows_argmax if logits.device.type == "cpu" else (
-        lambda x, r: rows_argmax(x, torch.from_numpy(r).to(x.device)).cpu().numpy())
+    if pick is None:
+        argmax = host_rows_argmax if logits.device.type == "cpu" else (
+            lambda x, r: rows_argmax(x, torch.from_numpy(r).to(x.device)).cpu().numpy())
+        pick = lambda idx, rows: argmax(logits, rows)  # noqa: E731
     live = num
     while live:
         idx = np.flatnonzero(active)
-        y[idx] = argmax(logits, starts[idx] + cur[idx])
+        y[idx] = pick(idx, starts[idx] + cur[idx])
         live = descend(trees.tokens, trees.parents, ranks, trees.offsets, active, y, cur, accepted, num_accepted,
                             bonus)
     return accepted, num_accepted, bonus

@@ -57,6 +57,7 @@ import numpy as np
 
 from vllm_anisotropic.allocator import (CHAIN, PLAIN, TREE, CostModel, CostSample, GateConfig, SpeculationGate, allocate,
                                        request_caps)
+from vllm_anisotropic.integration.vllm.engine.faults import inject
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 
 logger = logging.getLogger(__name__)
@@ -203,6 +204,7 @@ class BatchBudget:
     @timed("cut")
     def cut(self, running) -> None:
         """Cut ``request.spec_token_ids`` of the running requests (see module docstring)."""
+        inject("allocator")
         self._t_cut = time.perf_counter()  # the step's time starts here: the cut is part of its cost
         self._kept, self._ctx = {}, {}
         # decode requests (past their prompt) and the accepted tree tokens each re-runs

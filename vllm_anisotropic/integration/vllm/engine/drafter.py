@@ -41,6 +41,7 @@ import torch
 from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, rank_flat
 from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
 from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import use_vllm_cpu_gemm
+from vllm_anisotropic.integration.vllm.engine.faults import inject, report
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.engine.metrics import MetricsSink, TreeMetrics
 from vllm_anisotropic.proposers import DraftTreeProposer, get_proposer
@@ -147,8 +148,8 @@ class TreeDrafter:
         # learning from verified rows waiting to run (observe_step -> run_deferred): (its host-clock
         # phase, the requests it concerns, the work)
         self._deferred: list[tuple[str, list[str], object]] = []
-        # requests whose deferred work raised: no more trees for them (plain decoding's output),
-        # so a fault in the learning never reaches a later, unrelated call
+        # requests whose trees are off after a contained fault of any stage (``contain``,
+        # faults.py): no more trees for them (plain decoding's output)
         self.disabled: set[str] = set()
         # tree counters -> stats file (VLLM_ANISOTROPIC_TREE_STATS), /metrics and the log (metrics.py)
         self.metrics = TreeMetrics()
@@ -222,6 +223,7 @@ class TreeDrafter:
         chain alone (``propose_chain``, at most ``allocator_chain_drafts`` tokens), not ranked,
         not labelled, and its verified rows not harvested (``observe_step``); the backoff
         neither applies nor counts."""
+        inject("propose")
         self._proposals += 1
         if self.unlabelled and self._proposals % LABEL_EVERY == 0:
             # after the reply with the other learning: the batch's token rows stay as they are
@@ -464,6 +466,7 @@ class TreeDrafter:
         """One top-k over a step's copied rows (those of the trees with ``harvest``), then the
         proposer's learning: batched when it has ``learn_batch`` (GOOSE), else each state's
         ``observe``; the other trees' states learn without rows."""
+        inject("harvest")
         t0 = time.perf_counter()
         top = TopKRows.of(picked, k) if picked is not None else None
         self.host_clock.add("topk", time.perf_counter() - t0)  # the vocabulary pass (device work on a GPU)
@@ -499,13 +502,22 @@ class TreeDrafter:
             try:
                 work()
             except Exception:  # noqa: BLE001 - contained: the requests decode on without trees
-                self.disabled.update(r for r in req_ids if r in self.states)
-                self.metrics.faults["harvest"] = self.metrics.faults.get("harvest", 0) + 1
-                self.metrics.disabled_requests += sum(1 for r in req_ids if r in self.states)
-                logger.exception("vllm-anisotropic: learning from the verified trees of requests %s failed; trees "
-                                 "are off for them from now on (their outputs are plain decoding's)", req_ids)
+                report(logger, "harvest", req_ids)
+                self.contain("harvest", req_ids, live=False)
             # the phase's own seconds (the top-k inside it has its own phase)
             clock.add(phase, time.perf_counter() - t0 - (clock.seconds.get("topk", 0.0) - topk0))
+
+    def contain(self, stage: str, req_ids: Sequence[str], live: bool = True) -> None:
+        """A contained fault of ``stage`` (faults.py) concerning ``req_ids``: counted, and those
+        requests are proposed no more trees. A tree already proposed stays pending: its drafts
+        may be with the scheduler already (a deferred harvest runs after the next proposal
+        was sent), and a step that schedules them needs it. ``live``: the ids are requests of
+        the current batch; else (deferred work) only those still holding proposer state, so
+        that a finished request leaves no entry behind (``drop`` removes the others')."""
+        ids = [r for r in req_ids if (live or r in self.states) and r not in self.disabled]
+        self.disabled.update(ids)
+        self.metrics.faults[stage] = self.metrics.faults.get(stage, 0) + 1
+        self.metrics.disabled_requests += len(ids)
 
     def drop(self, req_id: str, context_tokens=None) -> None:
         """The request finished or was aborted (``context_tokens``: its prompt and output)."""

@@ -43,6 +43,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm_anisotropic.allocator import CHAIN, PLAIN, TREE
 from vllm_anisotropic.integration.vllm.frontdoor.config import DRAFT_MODEL_METHODS, request_tree_options
 from vllm_anisotropic.integration.vllm.engine.drafter import StepTrees, TreeDrafter
+from vllm_anisotropic.integration.vllm.engine.faults import report
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.engine.kv_moves import KVMover
 from vllm_anisotropic.integration.vllm.engine.sampler import TreeRejectionSampler, harvest_plain
@@ -305,6 +306,9 @@ class TreeRunnerMixin:
             self.row_edits.pop(req_id, None)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.drafter.drop_tree(req_id)
+        for stage, ids in getattr(scheduler_output, "tree_faults", None) or ():
+            # contained in the scheduler (scheduler.TreeScheduler._budget): counted here, with the rest
+            self.drafter.contain(stage, [r for r in ids if r in self.requests])
         self.host_clock.add("states", time.perf_counter() - t0)
         out = super()._update_states(scheduler_output)
         if scheduler_output.finished_req_ids and not self.input_batch.num_reqs:
@@ -522,15 +526,21 @@ class TreeRunnerMixin:
         if self._draft_model and any(r not in self.drafter.states for r in req_ids):
             laws = [request_law(r, self.requests[r].sampling_params, self.model_config.seed)
                     if r not in self.drafter.states else None for r in req_ids]
-        drafts = self.drafter.propose_trees(
-            req_ids,
-            eligible,
-            sampled_token_ids,
-            self.input_batch.num_tokens_no_spec,
-            self.input_batch.token_ids_cpu,
-            laws,
-            chains=kind == CHAIN,
-        )
+        try:
+            drafts = self.drafter.propose_trees(
+                req_ids,
+                eligible,
+                sampled_token_ids,
+                self.input_batch.num_tokens_no_spec,
+                self.input_batch.token_ids_cpu,
+                laws,
+                chains=kind == CHAIN,
+            )
+        except Exception:  # noqa: BLE001 - contained (faults.py): no drafts, the batch's drafting requests lose trees
+            ids = [r for r, ok in zip(req_ids, eligible) if ok and r not in self.drafter.disabled]
+            report(logger, "propose", ids)
+            self.drafter.contain("propose", ids)
+            drafts = [[] for _ in req_ids]
         self._propose_s += time.perf_counter() - t0
         return drafts
 

@@ -36,6 +36,7 @@ unchanged. After the walk, the accepted nodes' K/V is moved to the slots the seq
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vllm_anisotropic.integration.vllm.engine.faults import inject, report
 from vllm_anisotropic.integration.vllm.engine.kv_moves import accepted_moves
 from vllm_anisotropic.verifiers import SamplingTensors, get_verifier
 from vllm_anisotropic.verifiers.greedy import walk_flat
@@ -52,6 +54,8 @@ from vllm_anisotropic.verifiers.uniforms import counter_uniforms, request_seed
 __all__ = ["TreeRejectionSampler"]
 
 PLACEHOLDER_TOKEN_ID = -1  # vLLM's rejection_sampler.PLACEHOLDER_TOKEN_ID
+
+logger = logging.getLogger(__name__)
 
 
 class TreeRejectionSampler(nn.Module):
@@ -64,6 +68,9 @@ class TreeRejectionSampler(nn.Module):
         self.runner = runner  # reads runner.tree_step (set in _prepare_inputs) and runner.drafter
         self.verifier = get_verifier(verifier)
         self.sampling_verifier = None if sampling_verifier == "none" else get_verifier(sampling_verifier)
+        # NSS on trees without draft probabilities: each visited row sampled by vLLM's own
+        # sampler with the request's own generator (``_walk_sampled``)
+        self.sampler_walk = sampling_verifier == "nss"
 
     def forward(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata):
         t0 = time.perf_counter()
@@ -87,10 +94,19 @@ class TreeRejectionSampler(nn.Module):
             raise RuntimeError(f"batch row {bad} has {num_draft[bad]} drafts but its draft tree {expected[bad]}")
         t_vllm = time.perf_counter()
         num_logprobs = sampling_metadata.max_num_logprobs
+        bonus_md = sampling_metadata if num_logprobs is None else replace(sampling_metadata, max_num_logprobs=None)
+        walked_rows = step.rows[sizes > 1]
+        # the walked requests' own generators as the step found them (a verify fault restores them)
+        snapshot = {i: g.get_state() for i, g in (sampling_metadata.generators or {}).items() if i in set(walked_rows.tolist())}
+        if self.sampler_walk and sampling_metadata.generators:
+            # the generators of the trees the sampler walk draws from are its alone: plain
+            # decoding draws once per emitted token, and so does the walk (``_walk_sampled``)
+            mine = set(walked_rows.tolist())
+            bonus_md = replace(bonus_md, generators={i: g for i, g in sampling_metadata.generators.items()
+                                                     if i not in mine})
         bonus_out = self.sampler(  # logprobs: below, for every emitted token at once
             logits=logits[metadata.bonus_logits_indices],
-            sampling_metadata=sampling_metadata if num_logprobs is None else replace(sampling_metadata,
-                                                                                   max_num_logprobs=None),
+            sampling_metadata=bonus_md,
             predict_bonus_token=True,
         )
         t_vllm = time.perf_counter() - t_vllm  # vLLM's sampler: not the plugin's host work
@@ -100,7 +116,15 @@ class TreeRejectionSampler(nn.Module):
 
         starts = cu_sampled[step.rows] - sizes  # [T] first logits row of each tree (its root)
         walked = np.flatnonzero(sizes > 1)
-        accepted, num_accepted, bonus = self._verify(step, walked, starts, logits, sampling_metadata)
+        try:
+            inject("verify")
+            accepted, num_accepted, bonus = self._verify(step, walked, starts, logits, sampling_metadata)
+        except Exception:  # noqa: BLE001 - contained (faults.py): root samples, the walked requests lose trees
+            ids = [step.req_ids[t] for t in walked.tolist()]
+            report(logger, "verify", ids)
+            self.runner.drafter.contain("verify", ids)
+            accepted, num_accepted, bonus = self._root_samples(step, walked, starts, metadata, logits,
+                                                               sampling_metadata, snapshot)
         # emitted tokens of every walked tree (path + bonus), written to the device in one copy
         host = np.full((walked.size, width), PLACEHOLDER_TOKEN_ID, np.int32)
         acc = accepted[walked]
@@ -195,6 +219,8 @@ class TreeRejectionSampler(nn.Module):
             if not sampled_mask[index[0]] and not edited[index[0]] and not logits.is_cuda:
                 # the walk reads the rows it visits where they are (no copy of every tree row)
                 a, n, y = walk_flat(sub, logits, starts[index])
+            elif sampled_mask[index[0]] and self.sampler_walk and sub.draft_probs is None:
+                a, n, y = self._walk_sampled(step, index, sub, starts, logits, sampling_metadata)
             else:
                 a, n, y = self._verify_packed(step, index, sub, starts, logits, sampling_metadata,
                                               sampled=bool(sampled_mask[index[0]]))
@@ -208,22 +234,7 @@ class TreeRejectionSampler(nn.Module):
         if sampled and self.sampling_verifier is None:
             raise RuntimeError(f"batch rows {step.rows[index].tolist()} sample with trees but no sampling verifier "
                                "is configured")
-        sizes = sub.sizes()
-        rows_index = np.repeat(starts[index], sizes) + (np.arange(sub.num_nodes) - np.repeat(sub.offsets[:-1], sizes))
-        tree_logits = logits.index_select(0, torch.from_numpy(rows_index).to(logits.device))
-        edits = self.runner.row_edits
-        mine = [(e, t, a, b) for t, a, b in zip(index.tolist(), sub.offsets[:-1].tolist(), sub.offsets[1:].tolist())
-                if (e := edits.get(step.req_ids[t])) is not None] if edits else []
-        if mine:
-            # the request's edits on every row of its tree, in float32 as vLLM's sampler applies
-            # them to its one row (runner.RowEdits)
-            tree_logits = tree_logits.float()
-            for e, t, a, b in mine:
-                row = int(step.rows[t])
-                past = None
-                if e.path:
-                    past = _row_pasts(sub.tokens[a:b], sub.parents[a:b], self.runner.input_batch.req_output_token_ids[row])
-                e.apply(tree_logits[a:b], past, sampling_metadata, row)
+        tree_logits = self._tree_rows(step, index, sub, starts, logits, sampling_metadata)
         batch = sub.to_batch(device=tree_logits.device)
         if not sampled:
             res = self.verifier.verify_batch(batch, tree_logits)
@@ -238,6 +249,80 @@ class TreeRejectionSampler(nn.Module):
             q = torch.cat(list(sub.draft_probs)).to(tree_logits.device) if verifier.requires_draft_probs else None
             res = verifier.verify_batch(batch, tree_logits, sampling, None, q, uniforms=u)
         return res.accepted.cpu().numpy(), res.num_accepted.cpu().numpy(), res.bonus_tokens.cpu().numpy()
+
+
+    def _root_samples(self, step, walked, starts, metadata, logits, sampling_metadata, snapshot):
+        """After a verify fault: nothing accepted, and each walked tree's token sampled from its
+        root row by vLLM's sampler exactly as plain decoding samples that row (the request's
+        output so far for its penalties, its generator first restored to ``snapshot``, the
+        state the step found it in: one draw, as plain decoding's). One sampler call for the
+        whole batch, rows aligned with ``sampling_metadata``; only the walked rows are kept."""
+        gens = sampling_metadata.generators or {}
+        for i, state in snapshot.items():
+            gens[i].set_state(state)
+        tree_rows = step.rows[walked]
+        rows = metadata.bonus_logits_indices.clone()
+        rows[torch.from_numpy(tree_rows).to(rows.device)] = torch.from_numpy(starts[walked]).to(rows)
+        mine = set(tree_rows.tolist())
+        out = self.sampler(logits=logits[rows], predict_bonus_token=False, sampling_metadata=replace(
+            sampling_metadata, max_num_logprobs=None, generators={i: g for i, g in gens.items() if i in mine}))
+        num = step.trees.num_trees
+        bonus = np.zeros(num, np.int64)
+        bonus[walked] = out.sampled_token_ids[:, 0].cpu().numpy()[tree_rows]
+        return np.full((num, 1), -1, np.int64), np.zeros(num, np.int64), bonus
+
+    def _tree_rows(self, step, index, sub, starts, logits, sampling_metadata) -> torch.Tensor:
+        """The logits rows of trees ``index`` packed tree after tree (``sub``'s node order), each
+        request's edits applied to every row of its tree in float32, as vLLM's sampler applies
+        them to its one row (``runner.RowEdits``)."""
+        sizes = sub.sizes()
+        rows_index = np.repeat(starts[index], sizes) + (np.arange(sub.num_nodes) - np.repeat(sub.offsets[:-1], sizes))
+        tree_logits = logits.index_select(0, torch.from_numpy(rows_index).to(logits.device))
+        edits = self.runner.row_edits
+        mine = [(e, t, a, b) for t, a, b in zip(index.tolist(), sub.offsets[:-1].tolist(), sub.offsets[1:].tolist())
+                if (e := edits.get(step.req_ids[t])) is not None] if edits else []
+        if mine:
+            tree_logits = tree_logits.float()
+            for e, t, a, b in mine:
+                row = int(step.rows[t])
+                past = None
+                if e.path:
+                    past = _row_pasts(sub.tokens[a:b], sub.parents[a:b], self.runner.input_batch.req_output_token_ids[row])
+                e.apply(tree_logits[a:b], past, sampling_metadata, row)
+        return tree_logits
+
+    def _walk_sampled(self, step, index, sub, starts, logits, md):
+        """NSS (arXiv 2602.16994 Alg. 1) on sampled trees ``index`` with vLLM's own sampler:
+        from the root, the row of the current node is sampled exactly as plain decoding samples
+        its one row (float32, the request's edits, temperature, top-k / top-p, then
+        ``TopKTopPSampler`` with the request's own generator), and the walk descends while a
+        child holds the sampled token (``walk_flat``'s priority); the first sampled token no
+        child holds is the bonus. Every emitted token is vLLM's sample at its position, and each
+        draws once from the request's generator, as plain decoding draws once per token: a
+        seeded request emits the tokens plain vLLM emits with the same seed (float32), whatever
+        its tree, batch mates or the allocator's cuts. Acceptance equals one-hot SpecInfer's
+        (a child is taken with the target probability of its token). One sampler call per
+        depth for all the trees still walking."""
+        rows = self._tree_rows(step, index, sub, starts, logits, md).float()
+        batch_rows = step.rows[index]
+        dev = rows.device
+        at = torch.from_numpy(batch_rows).to(md.temperature.device)
+        temperature = md.temperature.index_select(0, at).to(dev)
+        top_k = None if md.top_k is None else md.top_k.index_select(0, at.to(md.top_k.device))
+        top_p = None if md.top_p is None else md.top_p.index_select(0, at.to(md.top_p.device))
+        generators = md.generators or {}
+        owned = [generators.get(int(r)) for r in batch_rows.tolist()]
+        sample = self.sampler.topk_topp_sampler
+
+        def pick(trees: np.ndarray, packed: np.ndarray) -> np.ndarray:
+            t = torch.from_numpy(trees)
+            x = rows.index_select(0, torch.from_numpy(packed).to(dev)).div_(temperature[t.to(dev)].unsqueeze(1))
+            gens = {j: g for j, g in enumerate(owned[k] for k in trees.tolist()) if g is not None}
+            y, _ = sample(x, gens, None if top_k is None else top_k[t.to(top_k.device)],
+                          None if top_p is None else top_p[t.to(top_p.device)])
+            return y.cpu().numpy()
+
+        return walk_flat(sub, rows, sub.offsets[:-1].astype(np.int64), pick)
 
 
 def _row_pasts(tokens: np.ndarray, parents: np.ndarray, output: list[int]) -> list[list[int]]:

@@ -13,13 +13,17 @@ re-run and vLLM's bookkeeping is right as it stands.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_anisotropic.integration.vllm.engine.faults import report
 from vllm_anisotropic.integration.vllm.frontdoor.config import request_tree_options
 
 __all__ = ["TreeScheduler"]
+
+logger = logging.getLogger(__name__)
 
 
 class TreeScheduler(Scheduler):
@@ -35,7 +39,9 @@ class TreeScheduler(Scheduler):
 
         spec = vllm_config.speculative_config
         tree = TreeSpecConfig.from_additional_config(spec.method, vllm_config.additional_config)
-        self.node_caps: dict[str, int] = {}  # req_id -> its extra_args "tree_max_nodes" (> 0)
+        # req_id -> its extra_args "tree_max_nodes" (> 0), or 0 after a contained allocator fault
+        self.node_caps: dict[str, int] = {}
+        self._faults: list[tuple[str, list[str]]] = []  # contained faults the workers hear of next step
         self.budget = BatchBudget(vllm_config.scheduler_config, vllm_config.model_config,
                                   spec.num_speculative_tokens, tree.engine, stats_path=budget_stats_path(),
                                   chains=tree.chain_steps)
@@ -50,8 +56,8 @@ class TreeScheduler(Scheduler):
 
     def _cap_drafts(self) -> None:
         """Cut the draft lists of requests with a node cap to their first ``cap`` nodes (the
-        lists are in value order, so a prefix is the best subtree of that size); forget the
-        caps of requests that left."""
+        lists are in value order, so a prefix is the best subtree of that size; 0: none);
+        forget the caps of requests that left."""
         for req_id, cap in list(self.node_caps.items()):
             r = self.requests.get(req_id)
             if r is None:
@@ -62,9 +68,11 @@ class TreeScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         if self.node_caps:
             self._cap_drafts()
-        self.budget.cut(self.running)
+        self._budget("cut", self.running)
         out = super().schedule(*args, **kwargs)
-        self.budget.on_scheduled(out)
+        self._budget("on_scheduled", out)
+        if self._faults:  # pickled to every worker (runner._update_states counts them)
+            out.tree_faults, self._faults = self._faults, []
         # what the workers draft after this step: PLAIN (nothing) while the measured gate keeps
         # the next step plain, TREE or CHAIN (budget.BatchBudget.cut decides one step ahead);
         # pickled with the output
@@ -78,12 +86,27 @@ class TreeScheduler(Scheduler):
         self.budget.host_clock.add("scheduled", time.perf_counter() - t0)
         return out
 
+    def _budget(self, hook: str, *args) -> None:
+        """``self.budget.<hook>(*args)``, contained (faults.py, stage "allocator"): on an
+        exception the running requests' drafts are dropped (this step is plain for them) and
+        they get no more (a node cap of 0 here; the workers stop drafting for them when they
+        hear of it with the next step's output, ``tree_faults``)."""
+        try:
+            getattr(self.budget, hook)(*args)
+        except Exception:  # noqa: BLE001
+            ids = [r.request_id for r in self.running]
+            report(logger, "allocator", ids)
+            for r in self.running:
+                r.spec_token_ids = []
+                self.node_caps[r.request_id] = 0
+            self._faults.append(("allocator", ids))
+
     def update_draft_token_ids(self, draft_token_ids, *args, **kwargs):
-        self.budget.on_draft_ids(draft_token_ids)
+        self._budget("on_draft_ids", draft_token_ids)
         return super().update_draft_token_ids(draft_token_ids, *args, **kwargs)
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        self.budget.on_output(scheduler_output, model_runner_output)
+        self._budget("on_output", scheduler_output, model_runner_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         self._apply_drafts(model_runner_output, outputs)
         if not self.running:

@@ -88,12 +88,15 @@ class EngineTreeConfig(BaseModel):
     which emits exactly plain greedy decoding's tokens. (``draft_tree`` has its own
     ``verifier`` key: the multi-draft verifier of its sampled requests, ``DraftTreeConfig``.)"""
 
-    sampling_verifier: Literal["deterministic", "nss", "none"] = "deterministic"
+    sampling_verifier: Literal["nss", "deterministic", "none"] = "nss"
     """Tree verifier for sampled requests (temperature > 0, with top-k / top-p): the trees
     have chosen, not sampled, children, so the verifiers for point-mass drafts apply:
-    ``deterministic`` (one-hot SpecInfer, children tried in priority order) or ``nss`` (sample
-    y ~ p, descend if a child holds y); both emit tokens with exactly the target's law.
-    ``none``: sampled requests decode without trees. Penalties, logit bias, bad words, min_p,
+    ``nss`` (each row on the path sampled by vLLM's own sampler with the request's own
+    generator, descending while a child holds the sample: a seeded request emits exactly the
+    tokens plain vLLM emits with that seed, whatever its tree and batch mates) or
+    ``deterministic`` (one-hot SpecInfer, children tried in priority order, counter-based
+    uniforms: the target's law, not plain vLLM's tokens). Both accept a child with the target
+    probability of its token. ``none``: sampled requests decode without trees. Penalties, logit bias, bad words, min_p,
     min_tokens, allowed token ids and raw logprobs keep trees (each tree row edited as vLLM edits its
     one row, ``runner.RowEdits``); structured output decodes without trees (plain decoding
     through vLLM's sampler, lossless), counted by reason on /metrics."""

@@ -1,0 +1,63 @@
+"""Contained faults inside real vLLM (``integration/vllm/engine/faults.py``).
+
+One engine run (real vLLM CPU build, tiny Llama, float32) with a fault injected in each stage of
+the tree path (``VLLM_ANISOTROPIC_INJECT_FAULT``): the drafter's proposal, the allocator's hooks
+in the scheduler, the tree verification and the deferred harvest, each once, in different waves
+of requests (``max_num_seqs`` 3, 12 requests). Every request must finish with exactly plain
+vLLM's tokens -- the greedy ones and the seeded sampled ones alike (the verify fault's fallback
+samples the root row with the request's generator restored, so a seeded request's output is
+still plain vLLM's) --, each fault counted once by stage, requests that lost their trees
+counted, and the waves after the faults still accepting drafts. Fails if any stage's exception
+escapes (the engine dies and the job fails), if a fallback emits a different token (e.g. the
+bonus row's instead of the root's, or a second draw from a seeded request's generator), or if
+the faulting requests keep their trees.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.integration.vllm.engine.faults import INJECT_ENV, parse_injection
+from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
+
+pytestmark = pytest.mark.engine
+
+ENGINE = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 3, "max_num_batched_tokens": 8192,
+          "dtype": "float32"}
+# allocator on (its hooks are a stage), gate off (so that trees run whatever this machine's speed)
+CONFIG = {"method": "goose", "budget": 8, "allocator_gate": False}
+# the call of each stage that fails, spread over the four waves of three requests
+FAULTS = "propose@8,verify@30,harvest@55,allocator@110"
+
+
+def test_parse_injection_names_the_valid_stages():
+    assert parse_injection("verify@5, propose") == {"verify": 5, "propose": 1}
+    assert parse_injection(None) == {}
+    with pytest.raises(ValueError, match="valid stages: propose, allocator, verify, harvest"):
+        parse_injection("sampler@2")
+    with pytest.raises(ValueError, match="count >= 1"):
+        parse_injection("verify@0")
+
+
+def test_a_fault_in_each_stage_is_contained(tiny_prompts, tmp_path):
+    from vllm_anisotropic.models import build_tiny_model
+
+    model = str(build_tiny_model(block_std=0.1, lm_head_alpha=0.25))
+    # every other request seeded sampled (temperature 0.8, top-p 0.95), the others greedy
+    per = [{"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": 300 + i}
+           for i in range(12)]
+    job = OfflineJob(model=model, prompts=tiny_prompts[:12], per_prompt=per, max_tokens=40, llm_kwargs=ENGINE)
+    plain = run_offline_job(job)
+    stats = tmp_path / "tree.json"
+    spec = run_offline_job(job.model_copy(update={"speculative_config": CONFIG}),
+                           env={INJECT_ENV: FAULTS, STATS_ENV: str(stats)})
+    tree = json.loads(stats.read_text())
+    print(f"spec {spec.spec}; faults {tree['faults']}, requests without trees after a fault {tree['disabled_requests']}")
+    differ = [i for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)) if a != b]
+    assert not differ, differ
+    assert tree["faults"] == {"propose": 1, "verify": 1, "harvest": 1, "allocator": 1}
+    assert tree["disabled_requests"] >= 4  # at least one request per fault lost its trees
+    assert spec.spec.num_accepted_tokens > 40  # trees ran (before, between and after the faults)
