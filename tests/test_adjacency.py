@@ -184,3 +184,57 @@ def test_lookup_refuses_tokens_outside_the_vocabulary():
     for token in (-1, vocab, vocab + 5):
         assert tuple(tk.lookup(*t.arrays, -1, token, vocab, True)) == (tk.NONE, -1)
     assert tuple(tk.lookup(*t.arrays, -1, vocab - 1, vocab, True)) == (tk.UNIGRAM, vocab - 1)
+
+
+def test_draft_state_bytes_bounds_the_tenants_tables_and_stores():
+    """Issue 47 item 2: one byte budget for the learned draft state (``draft_state_bytes``). A
+    tenant's share is fixed (its table's allocated bytes plus its store's bound); as many salted
+    tenants as fit beside the unsalted one are kept, least recently used dropped first, tables
+    and stores of the same tenants; the held bytes never exceed the budget, whatever the number
+    of salts; the budget's default has room for 32 salted tenants."""
+    from vllm_anisotropic.proposers import get_proposer
+    from vllm_anisotropic.proposers.adjacency import DEFAULT_TENANTS, tenant_budget
+    from vllm_anisotropic.proposers.config import GooseConfig
+    from vllm_anisotropic.proposers.output_store import OutputStore
+
+    for cfg in [dict(), dict(bigram=False), dict(top_k=3, bigram_capacity=1000)]:
+        t = AdjacencyTable(500, **cfg)
+        assert t.memory_bytes()["total"] == AdjacencyTable.allocated_bytes(
+            500, t.top_k, t.use_bigram, cfg.get("bigram_capacity", 65536)), cfg
+    c = GooseConfig(bigram_capacity=64, store_capacity=256)
+    per = AdjacencyTable.allocated_bytes(1000, c.top_k, c.bigram, c.bigram_capacity) + \
+        OutputStore.max_bytes(c.store_capacity, c.ngram_sizes)
+    assert tenant_budget(c, 1000, OutputStore.max_bytes(256, c.ngram_sizes)) == (DEFAULT_TENANTS, per * 33)
+    prop = get_proposer("goose", vocab_size=1000, bigram_capacity=64, store_capacity=256,
+                        draft_state_bytes=4 * per + per // 2)  # the unsalted tenant and 3 salted ones
+    assert prop.tables.max_tenants == prop.stores.max_tenants == 3
+    rng = np.random.default_rng(0)
+    for salt in ["a", "b", "c", "a", "d", "e"]:  # b and c are the least recently used when d, e arrive
+        state = prop.new_request(salt)
+        state.table.harvest(np.full(8, -1), rng.integers(0, 1000, 8), torch.randn(8, 1000))
+        state.store.add(rng.integers(0, 1000, 300))
+    assert list(prop.tables._salted) == list(prop.stores._salted) == ["a", "d", "e"]
+    held = sum(t.memory_bytes()["total"] for t in prop.tables.all()) + sum(s.memory_bytes() for s in prop.stores.all())
+    assert held <= prop.state_budget == 4 * per + per // 2
+    assert get_proposer("goose", vocab_size=1000, draft_state_bytes=1).tables.max_tenants == 1  # at least one
+
+
+def test_the_output_stores_memory_bound_holds():
+    """``OutputStore.max_bytes`` bounds what a full store holds (tracemalloc), rebuilds included:
+    fails if the index stopped dropping evicted documents' entries, or the bound were too low."""
+    import tracemalloc
+
+    from vllm_anisotropic.proposers.output_store import OutputStore
+
+    rng = np.random.default_rng(1)
+    tracemalloc.start()
+    try:
+        store = OutputStore((3, 4, 5), capacity=2048)
+        most = 0
+        for _ in range(60):
+            store.add(rng.integers(0, 50_000, 200))
+            most = max(most, tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    assert store.num_tokens <= 2048
+    assert 0.5 * OutputStore.max_bytes(2048, (3, 4, 5)) < most <= OutputStore.max_bytes(2048, (3, 4, 5)), most

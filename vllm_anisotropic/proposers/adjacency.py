@@ -57,12 +57,28 @@ from vllm_anisotropic import kernels
 from vllm_anisotropic.proposers.base import RequestState
 from vllm_anisotropic.tree import DraftTree
 
-__all__ = ["AdjacencyTable", "MAX_TENANT_TABLES", "TenantTables", "TopKRows", "topk_scores"]
+__all__ = ["AdjacencyTable", "DEFAULT_TENANTS", "MAX_TENANT_TABLES", "TenantTables", "TopKRows", "tenant_budget",
+           "topk_scores"]
 
 _EMPTY = -1
 _CLOCK, _HELD, _EVICTED = 0, 1, 2  # AdjacencyTable.counters (kernels.table: CLOCK, HELD, EVICTED)
 _NO_ROW = (np.zeros(0, np.int32), np.zeros(0, np.float32))
-MAX_TENANT_TABLES = 64  # salted tables kept per proposer (least recently used evicted)
+MAX_TENANT_TABLES = 64  # salted tables kept per proposer when the vocabulary is not known
+DEFAULT_TENANTS = 32  # salted tenants the default draft_state_bytes has room for
+
+
+def tenant_budget(config, vocab_size: int | None, extra_bytes: int = 0) -> tuple[int, int | None]:
+    """``(salted tenants kept, budget bytes)`` of a harvesting proposer's ``draft_state_bytes``
+    (``proposers.config.AdjacencyConfig``): a tenant costs its table's bytes
+    (``AdjacencyTable.allocated_bytes``) plus ``extra_bytes`` (GOOSE: its store's bound), the
+    unsalted tenant is always kept, and at least one salted one. Without a vocabulary (tables
+    sized at their first harvest): ``(MAX_TENANT_TABLES, None)``.
+    49k vocabulary, top-k 10, 65,536 bigram rows: 10.2 MB a table."""
+    if vocab_size is None:
+        return MAX_TENANT_TABLES, config.draft_state_bytes
+    per = AdjacencyTable.allocated_bytes(vocab_size, config.top_k, config.bigram, config.bigram_capacity) + extra_bytes
+    budget = config.draft_state_bytes or per * (DEFAULT_TENANTS + 1)
+    return max(1, budget // per - 1), int(budget)
 
 
 def topk_scores(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -154,6 +170,12 @@ class AdjacencyTable:
         self.num_harvested = 0
         if vocab_size is not None:
             self._allocate(int(vocab_size))
+
+    @staticmethod
+    def allocated_bytes(vocab_size: int, top_k: int, bigram: bool, bigram_capacity: int) -> int:
+        """Bytes of a table's arrays once allocated (``memory_bytes()["total"]``), from its keys."""
+        cap = (1 << (int(bigram_capacity) - 1).bit_length()) if bigram else 1
+        return int(vocab_size) * int(top_k) * 8 + cap * (16 + int(top_k) * 8)
 
     def _allocate(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size

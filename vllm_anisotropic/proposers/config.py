@@ -68,6 +68,13 @@ class AdjacencyConfig(ProposerConfig):
     """One adjacency table per tenant, inherited across that tenant's requests (TR's hot start);
     a tenant is vLLM's ``cache_salt`` (requests without one share a table). False gives every
     request an empty table of its own (no learning across requests at all)."""
+    draft_state_bytes: int | None = Field(default=None, ge=1)
+    """Host bytes of learned draft state per worker (each tensor-parallel rank): the tenants'
+    adjacency tables and, for GOOSE, their cross-request stores. A tenant's share is fixed by the
+    vocabulary and the keys above (``adjacency.tenant_bytes``), so one tenant never takes more;
+    as many salted tenants are kept beside the unsalted one as fit (at least one), the least
+    recently used dropped first (it starts cold again). None: room for 32 salted tenants at the
+    model's vocabulary (GOOSE's defaults: 0.73 GB at a 49k vocabulary, 1.0 GB at 152k)."""
 
 
 class GooseConfig(AdjacencyConfig):

@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from vllm_anisotropic import kernels
-from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState, TenantTables, TopKRows
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState, TenantTables, TopKRows, tenant_budget
 from vllm_anisotropic.proposers.base import MODE_CODES, ProposalInfo, ProposalMode, Proposer, node_budget
 from vllm_anisotropic.proposers.config import GooseConfig
 from vllm_anisotropic.proposers.output_store import OutputStore
@@ -395,10 +395,14 @@ class GooseProposer(Proposer):
     def __init__(self, config: GooseConfig | None = None, vocab_size: int | None = None) -> None:
         self.config = config or GooseConfig()
         self.vocab_size = vocab_size
-        self.tables = TenantTables(self._new_table, self.config.shared_table)
         c = self.config
-        self.stores = (TenantTables(lambda: OutputStore(c.ngram_sizes, c.store_capacity), True)
-                       if c.shared_table and c.cross_request_spine and c.context_spine else None)
+        stores = c.shared_table and c.cross_request_spine and c.context_spine
+        # draft_state_bytes: a tenant is its table and its store; both kept or dropped together
+        # (the same requests touch them in the same order, so their LRU orders agree)
+        tenants, self.state_budget = tenant_budget(
+            c, vocab_size, OutputStore.max_bytes(c.store_capacity, c.ngram_sizes) if stores else 0)
+        self.tables = TenantTables(self._new_table, c.shared_table, tenants)
+        self.stores = TenantTables(lambda: OutputStore(c.ngram_sizes, c.store_capacity), True, tenants) if stores else None
 
     def _new_table(self) -> AdjacencyTable:
         c = self.config

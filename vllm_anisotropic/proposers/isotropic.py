@@ -16,7 +16,7 @@ from collections import deque
 
 import numpy as np
 
-from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState, TenantTables
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState, TenantTables, tenant_budget
 from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, node_budget
 from vllm_anisotropic.proposers.config import IsotropicConfig
 from vllm_anisotropic.proposers.context_match import ContextMatcher
@@ -108,7 +108,8 @@ class IsotropicProposer(Proposer):
     def __init__(self, config: IsotropicConfig | None = None, vocab_size: int | None = None) -> None:
         self.config = c = config or IsotropicConfig()
         self.vocab_size = vocab_size
-        self.tables = TenantTables(self._new_table, c.shared_table)
+        tenants, self.state_budget = tenant_budget(c, vocab_size)  # draft_state_bytes
+        self.tables = TenantTables(self._new_table, c.shared_table, tenants)
 
     def _new_table(self) -> AdjacencyTable:
         c = self.config

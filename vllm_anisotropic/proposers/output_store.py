@@ -35,6 +35,12 @@ _TOKEN_BITS = 21
 _POS_BITS = 32
 _MASKS = {n: (1 << (_TOKEN_BITS * n)) - 1 for n in range(1, 12)}
 _NONE = (np.zeros(0, np.int64), 0)
+# Python objects per stored token, bytes: the token in its document (a list slot and an int,
+# ~40) and, per n-gram size, up to two index entries before a rebuild (dict slot, key and value
+# ints, ~230). tracemalloc, 200 documents of 400 random tokens into a 16,384-token store with
+# sizes (3, 4, 5): at most 10.65 MiB held (681 bytes a token); the bound below gives 730.
+_BYTES_PER_TOKEN = 40
+_BYTES_PER_TOKEN_AND_SIZE = 230
 
 
 def _rolling_keys(toks: list[int], width: int) -> list[int]:
@@ -75,6 +81,15 @@ class OutputStore:
 
     def __len__(self) -> int:
         return len(self._docs)
+
+    @staticmethod
+    def max_bytes(capacity: int, ngram_sizes) -> int:
+        """An upper bound of a full store's Python objects (module constants: measured)."""
+        return int(capacity) * (_BYTES_PER_TOKEN + _BYTES_PER_TOKEN_AND_SIZE * len(set(ngram_sizes)))
+
+    def memory_bytes(self) -> int:
+        """The same bound for the tokens held now."""
+        return self.max_bytes(self.num_tokens, self.ngram_sizes)
 
     def _insert(self, doc_id: int, toks: list[int]) -> None:
         keys = _rolling_keys(toks, self.ngram_sizes[0])

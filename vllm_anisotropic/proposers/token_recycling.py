@@ -22,7 +22,7 @@ import heapq
 
 import numpy as np
 
-from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState, TenantTables
+from vllm_anisotropic.proposers.adjacency import AdjacencyTable, HarvestingState, TenantTables, tenant_budget
 from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, node_budget
 from vllm_anisotropic.proposers.config import TokenRecyclingConfig
 from vllm_anisotropic.proposers.treebuild import TreeBuilder
@@ -96,7 +96,8 @@ class TokenRecyclingProposer(Proposer):
         self.config = c = config or TokenRecyclingConfig()
         self.vocab_size = vocab_size
         self.template = static_template(c.budget, c.max_depth, c.top_k, c.rank_decay)
-        self.tables = TenantTables(self._new_table, c.shared_table)
+        tenants, self.state_budget = tenant_budget(c, vocab_size)  # draft_state_bytes
+        self.tables = TenantTables(self._new_table, c.shared_table, tenants)
 
     def _new_table(self) -> AdjacencyTable:
         c = self.config

@@ -543,9 +543,13 @@ class TreeDrafter:
 
     def _count_tables(self) -> None:
         """The table gauges (at admission and finish, not per step): salted tenant tables held,
-        and the bytes of every adjacency table in use (tenants' and requests' own, each once)."""
+        the bytes of every adjacency table in use (tenants' and requests' own, each once), of
+        the cross-request stores held, and the budget of both (``draft_state_bytes``)."""
         tables = getattr(self.proposer, "tables", None)
         self.metrics.tenant_tables = getattr(tables, "num_tenants", 0)
+        self.metrics.state_budget_bytes = int(getattr(self.proposer, "state_budget", None) or 0)
+        stores = getattr(self.proposer, "stores", None)
+        self.metrics.store_bytes = sum(s.memory_bytes() for s in stores.all()) if stores is not None else 0
         held = {id(t): t for t in (tables.all() if tables is not None else ())}
         for state in self.states.values():
             table = getattr(state, "table", None)

@@ -93,6 +93,8 @@ class TreeMetrics:
     live_requests: int = 0  # gauge: per-request proposer states alive (dropped on finish / abort)
     tenant_tables: int = 0  # gauge: adjacency tables of cache_salt tenants held (adjacency.TenantTables)
     table_bytes: int = 0  # gauge: bytes of every adjacency table in use (AdjacencyTable.memory_bytes)
+    store_bytes: int = 0  # gauge: bound of the bytes GOOSE's cross-request stores hold (OutputStore.memory_bytes)
+    state_budget_bytes: int = 0  # gauge: the proposer's draft_state_bytes (0: no vocabulary to size it)
     disabled_requests: int = 0  # requests whose trees were turned off after a fault (drafter.disabled)
     faults: dict[str, int] = field(default_factory=dict)  # stage -> contained exceptions
     without_trees: dict[str, int] = field(default_factory=dict)  # reason -> requests decoded without trees (runner.ineligible_reason)
@@ -268,6 +270,14 @@ class TreeMetricsCollector:
                                         "bytes of the adjacency tables held in the worker (fixed per table)")
         table_bytes.add_metric([], float(data.get("table_bytes", 0)))
         yield table_bytes
+        store_bytes = GaugeMetricFamily("vllm_anisotropic:tree_store_bytes",
+                                        "bound of the bytes held by the cross-request stores in the worker")
+        store_bytes.add_metric([], float(data.get("store_bytes", 0)))
+        yield store_bytes
+        budget = GaugeMetricFamily("vllm_anisotropic:tree_state_budget_bytes",
+                                   "draft_state_bytes: the bound of the tenants' tables and stores in the worker")
+        budget.add_metric([], float(data.get("state_budget_bytes", 0)))
+        yield budget
         for name, (key, doc) in _COUNTERS.items():
             fam = CounterMetricFamily(f"vllm_anisotropic:{name}", doc)
             fam.add_metric([], float(data.get(key, 0)))
