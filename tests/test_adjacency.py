@@ -112,12 +112,28 @@ def test_tenants_never_read_each_others_tables():
         assert private.new_request("a").propose(context).num_nodes == 1, name
 
     made = []
-    tables = TenantTables(lambda: made.append(object()) or made[-1], shared=True, max_tenants=2)
+
+    class Table:
+        frozen = False
+
+        def __init__(self):
+            self.n = len(made)
+            made.append(self.n)
+
+    tables = TenantTables(Table, shared=True, max_tenants=2)
     ta, tb = tables.for_request("a"), tables.for_request("b")
     assert tables.for_request("a") is ta  # a is now the most recently used
-    tc = tables.for_request("c")  # evicts b, the least recently used
+    tb_n = tb.n
+    del tb  # b's last request finished: only the proposer holds b's table
+    tc = tables.for_request("c")  # takes the place of b, the least recently used
     assert tables.num_tenants == 2 and tables.for_request("a") is ta and tables.for_request("c") is tc
-    assert tables.for_request("b") is not tb  # b starts cold
+    # a and c are in use (ta, tc held by requests): b finds no place, gets the frozen overflow
+    tb = tables.for_request("b")
+    assert tb.frozen and tb is tables.for_request("d") and tables.num_tenants == 2
+    del tc  # c's request finished
+    tb = tables.for_request("b")  # a (held, least recently used) stays; c goes; b starts cold
+    assert not tb.frozen and tables.num_tenants == 2 and tb.n not in (tb_n, ta.n)
+    assert list(tables._salted) == ["a", "b"] and tables.for_request("a") is ta
 
 
 def test_bigram_table_matches_a_set_associative_lru_model():
@@ -204,18 +220,29 @@ def test_draft_state_bytes_bounds_the_tenants_tables_and_stores():
     c = GooseConfig(bigram_capacity=64, store_capacity=256)
     per = AdjacencyTable.allocated_bytes(1000, c.top_k, c.bigram, c.bigram_capacity) + \
         OutputStore.max_bytes(c.store_capacity, c.ngram_sizes)
-    assert tenant_budget(c, 1000, OutputStore.max_bytes(256, c.ngram_sizes)) == (DEFAULT_TENANTS, per * 33)
+    assert tenant_budget(c, 1000, OutputStore.max_bytes(256, c.ngram_sizes)) == (DEFAULT_TENANTS, per * 34)
     prop = get_proposer("goose", vocab_size=1000, bigram_capacity=64, store_capacity=256,
-                        draft_state_bytes=4 * per + per // 2)  # the unsalted tenant and 3 salted ones
+                        draft_state_bytes=5 * per + per // 2)  # unsalted, overflow and 3 salted tenants
     assert prop.tables.max_tenants == prop.stores.max_tenants == 3
     rng = np.random.default_rng(0)
     for salt in ["a", "b", "c", "a", "d", "e"]:  # b and c are the least recently used when d, e arrive
         state = prop.new_request(salt)
         state.table.harvest(np.full(8, -1), rng.integers(0, 1000, 8), torch.randn(8, 1000))
         state.store.add(rng.integers(0, 1000, 300))
+        del state  # finished: nothing holds its tenant's table but the proposer
     assert list(prop.tables._salted) == list(prop.stores._salted) == ["a", "d", "e"]
     held = sum(t.memory_bytes()["total"] for t in prop.tables.all()) + sum(s.memory_bytes() for s in prop.stores.all())
-    assert held <= prop.state_budget == 4 * per + per // 2
+    assert held <= prop.state_budget == 5 * per + per // 2
+    # three tenants in flight hold every place: a fourth gets the frozen overflow, which learns
+    # nothing (no tenant reads what another's requests harvested) and stores nothing
+    busy = [prop.new_request(salt) for salt in "xyz"]
+    late = prop.new_request("w")
+    assert late.table.frozen and late.store.frozen and not any(b.table.frozen for b in busy)
+    late.table.harvest(np.full(8, -1), rng.integers(0, 1000, 8), torch.randn(8, 1000))
+    late.store.add(rng.integers(0, 1000, 300))
+    assert late.table.is_empty and late.store.num_tokens == 0 and prop.new_request("v").table is late.table
+    held = sum(t.memory_bytes()["total"] for t in prop.tables.all()) + sum(s.memory_bytes() for s in prop.stores.all())
+    assert held <= prop.state_budget and prop.tables.num_tenants == 3
     assert get_proposer("goose", vocab_size=1000, draft_state_bytes=1).tables.max_tenants == 1  # at least one
 
 

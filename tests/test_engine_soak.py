@@ -52,6 +52,7 @@ import os
 import random
 import subprocess
 import sysconfig
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,10 @@ REPORT_PATH = os.environ.get("SOAK_REPORT")
 # request's generator with ``gen.set_offset``: "RuntimeError: CPU Generator does not use
 # offset"), plain vLLM as much as GOOSE (docs/testing.md). SOAK_SEEDED=1 puts them back.
 SEEDED = os.environ.get("SOAK_SEEDED", "0") not in ("", "0")
+# tenants: the greedy and sampled requests carry a cache_salt drawn from this many (the
+# adjacency tables and stores per tenant, bounded by draft_state_bytes: SPEC_CONFIG)
+NUM_SALTS = int(os.environ.get("SOAK_SALTS", "32"))
+RSS_EVERY_S = 1.0  # the server tree's RSS is sampled this often during the storm (the report's rss_mib)
 
 MAX_MODEL_LEN = 256
 REF_MAX_TOKENS = 32  # greedy requests ask for <= this many; the reference has this many
@@ -95,7 +100,11 @@ RSS_GROWTH_BOUND = float(os.environ.get("SOAK_RSS_BOUND", "0.25"))
 # storm drives the tree path (drafting, tree attention, walk, KV re-runs) through every fault;
 # with the allocator on ('{"method": "goose"}') the tiny model's trees are mostly cut away under
 # this load (measured: 67 draft tokens in the whole storm, against 1,511 with the fixed tree)
-SPEC_CONFIG = json.loads(os.environ.get("SOAK_SPEC_CONFIG", '{"method": "goose", "allocator": "off", "budget": 16}'))
+# this many salts (NUM_SALTS): draft_state_bytes 150 MB holds 6 tenant shares at the tiny model's
+# 49k vocabulary (22.2 MB a tenant: table and store), the unsalted one, the overflow one and 4
+# salted ones (adjacency.tenant_budget), so tenants are dropped and overflow all the time
+SPEC_CONFIG = json.loads(os.environ.get(
+    "SOAK_SPEC_CONFIG", '{"method": "goose", "allocator": "off", "budget": 16, "draft_state_bytes": 150000000}'))
 SCRIPTS = Path(sysconfig.get_path("scripts"))
 SERVE_FLAGS = [
     "--enforce-eager",
@@ -152,6 +161,17 @@ def _metric_sums(base: str, names: tuple[str, ...]) -> dict[str, float]:
         key = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
         if key in out:
             out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _gauges(base: str, names: tuple[str, ...]) -> dict[str, float]:
+    """``vllm_anisotropic:<name>`` gauges on ``/metrics``."""
+    _, text = http_get(f"{base}/metrics")
+    out = {}
+    for line in text.splitlines():
+        key = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("vllm_anisotropic:")
+        if key in names:
+            out[key] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -225,6 +245,7 @@ def _draw(rng: random.Random, index: int, prompts: dict[str, list[int]]) -> Req:
     max_tokens = rng.choice([1, 8, 16, 24, REF_MAX_TOKENS])
     cut = rng.choice([0, 1, 2, 3]) if mode == "disconnect" else round(rng.uniform(0.05, 1.5), 3)
     ref = None
+    salt = f"tenant{rng.randrange(NUM_SALTS)}"  # drawn for every request: one mix whatever the kind
     if kind in ("greedy", "greedy_penalty"):
         prompt, params, ref = prompts[pid], GREEDY if kind == "greedy" else GREEDY_PENALTY, f"{kind}/{pid}"
     elif kind in ("sampled", "sampled_penalty"):
@@ -242,6 +263,8 @@ def _draw(rng: random.Random, index: int, prompts: dict[str, list[int]]) -> Req:
         prompt, max_tokens, params, ref = "", 8, GREEDY, "empty"
     else:  # ctx_exact, ctx_plus_one, prompt_over: greedy, as their reference
         prompt, max_tokens, params, ref = prompts[kind], CTX_MAX_TOKENS, GREEDY, kind
+    if kind in ("greedy", "greedy_penalty", "sampled", "sampled_penalty"):  # a salt never changes an output
+        params = {**params, "extra_body": {**params.get("extra_body", {}), "cache_salt": salt}}
     return Req(index, kind, mode, prompt, max_tokens, params, ref, cut)
 
 
@@ -429,7 +452,24 @@ def storm(launched, plain, prompts):
     warm = asyncio.run(_references(base, {k: v for k, v in _reference_requests(prompts).items() if k.startswith("greedy/")}))
     rss_before = _tree_rss(proc.pid)
 
-    outcomes, storm_s = asyncio.run(_storm(base, prompts))
+    samples: list[tuple[float, int]] = []  # (seconds into the storm, server tree RSS)
+    state_bytes: list[float] = []  # the tables' and stores' gauges, summed, at each sample
+    stop_sampling = threading.Event()
+
+    def sample_rss() -> None:
+        t0 = time.monotonic()
+        while not stop_sampling.wait(RSS_EVERY_S):
+            samples.append((time.monotonic() - t0, _tree_rss(proc.pid)))
+            g = _gauges(base, ("tree_table_bytes", "tree_store_bytes"))
+            state_bytes.append(sum(g.values()))
+
+    sampler = threading.Thread(target=sample_rss, daemon=True)
+    sampler.start()
+    try:
+        outcomes, storm_s = asyncio.run(_storm(base, prompts))
+    finally:
+        stop_sampling.set()
+        sampler.join()
 
     alive = proc.poll() is None
     health = http_get(f"{base}/health")[0] if alive else None
@@ -439,6 +479,8 @@ def storm(launched, plain, prompts):
         time.sleep(0.2)
         live = _live_gauge(base)
     rss_after = _tree_rss(proc.pid) if proc.poll() is None else None
+    gauges = _gauges(base, ("tree_tenant_tables", "tree_table_bytes", "tree_store_bytes", "tree_state_budget_bytes")) \
+        if proc.poll() is None else {}
     spec = _metric_sums(base, ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                                "vllm:spec_decode_num_accepted_tokens", "vllm_anisotropic:tree_steps",
                                "vllm_anisotropic:tree_draft_nodes")) if proc.poll() is None else {}  # fmt: skip
@@ -464,6 +506,10 @@ def storm(launched, plain, prompts):
         "spec_counters": spec,
         "rss_mib_before": round(rss_before / 2**20, 1),
         "rss_mib_after": round(rss_after / 2**20, 1) if rss_after else None,
+        "rss_mib": [[round(t, 1), round(b / 2**20, 1)] for t, b in samples],
+        "salts": NUM_SALTS,
+        "draft_state_gauges": gauges,
+        "draft_state_mib_max_during_storm": round(max(state_bytes, default=0.0) / 2**20, 1),
         "live_gauge_after": live,
         "server_alive": alive,
         "log_tracebacks": log_path.read_text(errors="replace").count("Traceback"),
@@ -532,3 +578,18 @@ def test_memory_bounded(storm):
     before, after = storm["rss"]
     assert after is not None
     assert after < before * (1 + RSS_GROWTH_BOUND), (before / 2**20, after / 2**20)
+
+
+def test_draft_state_stays_within_its_budget(storm):
+    """Issue 47 item 2: NUM_SALTS tenants against a draft_state_bytes with room for 4 salted
+    ones: the salted tables alive never exceed what fits, and the tables' and stores' bytes stay
+    within the budget, after the storm and at every sample during it."""
+    r = storm["report"]
+    g = r["draft_state_gauges"]
+    if "draft_state_bytes" not in SPEC_CONFIG:
+        pytest.skip("SOAK_SPEC_CONFIG sets no draft_state_bytes")
+    budget = SPEC_CONFIG["draft_state_bytes"]
+    assert g["tree_state_budget_bytes"] == budget, g
+    assert 1 <= g["tree_tenant_tables"] <= 4, g  # the unsalted tenant is not counted
+    assert 0 < g["tree_table_bytes"] + g["tree_store_bytes"] <= budget, g
+    assert 0 < r["draft_state_mib_max_during_storm"] <= budget / 2**20, r["draft_state_mib_max_during_storm"]

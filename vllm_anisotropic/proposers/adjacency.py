@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -70,15 +71,16 @@ DEFAULT_TENANTS = 32  # salted tenants the default draft_state_bytes has room fo
 def tenant_budget(config, vocab_size: int | None, extra_bytes: int = 0) -> tuple[int, int | None]:
     """``(salted tenants kept, budget bytes)`` of a harvesting proposer's ``draft_state_bytes``
     (``proposers.config.AdjacencyConfig``): a tenant costs its table's bytes
-    (``AdjacencyTable.allocated_bytes``) plus ``extra_bytes`` (GOOSE: its store's bound), the
-    unsalted tenant is always kept, and at least one salted one. Without a vocabulary (tables
-    sized at their first harvest): ``(MAX_TENANT_TABLES, None)``.
+    (``AdjacencyTable.allocated_bytes``) plus ``extra_bytes`` (GOOSE: its store's bound); the
+    unsalted tenant and ``TenantTables``' overflow table take one share each, the rest go to
+    salted tenants (at least one). Without a vocabulary (tables sized at their first harvest):
+    ``(MAX_TENANT_TABLES, None)``.
     49k vocabulary, top-k 10, 65,536 bigram rows: 10.2 MB a table."""
     if vocab_size is None:
         return MAX_TENANT_TABLES, config.draft_state_bytes
     per = AdjacencyTable.allocated_bytes(vocab_size, config.top_k, config.bigram, config.bigram_capacity) + extra_bytes
-    budget = config.draft_state_bytes or per * (DEFAULT_TENANTS + 1)
-    return max(1, budget // per - 1), int(budget)
+    budget = config.draft_state_bytes or per * (DEFAULT_TENANTS + 2)
+    return max(1, budget // per - 2), int(budget)
 
 
 def topk_scores(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -168,6 +170,7 @@ class AdjacencyTable:
         # [3] int64: the stamp clock, bigram entries held, evictions (mutated by the kernels)
         self.counters = np.zeros(3, np.int64)
         self.num_harvested = 0
+        self.frozen = False  # True: stays empty, harvests are dropped (TenantTables' overflow tenant)
         if vocab_size is not None:
             self._allocate(int(vocab_size))
 
@@ -254,7 +257,9 @@ class AdjacencyTable:
     ) -> None:
         """Overwrite the rows of ``tokens`` (and bigram keys) with the given successors, in
         order (duplicate keys in one call: the last row wins). Rows narrower than ``top_k``
-        leave the rest empty; wider ones are cut to ``top_k``."""
+        leave the rest empty; wider ones are cut to ``top_k``. A ``frozen`` table ignores it."""
+        if self.frozen:
+            return
         tokens = np.ascontiguousarray(tokens, np.int64).reshape(-1)
         prev_tokens = np.ascontiguousarray(prev_tokens, np.int64).reshape(-1)
         n = tokens.shape[0]
@@ -274,7 +279,7 @@ class AdjacencyTable:
         logits: torch.Tensor | TopKRows,  # [num_tokens, vocab_size], or their top-k
     ) -> None:
         """One batched top-k over ``softmax(logits)`` rows (unless given), then ``update``."""
-        if logits.shape[0] == 0:
+        if logits.shape[0] == 0 or self.frozen:
             return
         if self.unigram_ids is None:
             self._allocate(int(logits.shape[-1]))
@@ -339,41 +344,70 @@ class HarvestingState(RequestState):
 
 
 class TenantTables:
-    """The adjacency tables of one harvesting proposer: one per tenant (module docstring).
+    """The adjacency tables (or any per-tenant state: GOOSE's stores) of one harvesting
+    proposer: one per tenant (module docstring).
 
     ``for_request(tenant)``: with ``shared`` the tenant's table (created empty at its first
     request; tenant None = requests without a ``cache_salt``), else a new empty table. At most
-    ``max_tenants`` salted tables are kept; the least recently used one is dropped (its tenant
-    starts cold again; requests already holding it keep it until they finish), which bounds
-    memory at ``max_tenants`` x ``AdjacencyTable.memory_bytes``.
+    ``max_tenants`` salted tables are alive at once, which bounds memory at ``max_tenants + 2``
+    tables (the unsalted one and the overflow one below): a new tenant takes the place of the
+    least recently used tenant that no request in flight holds (dropped, it starts cold again
+    when it returns). When every place is held, a new tenant's requests get the *overflow*
+    table: one per proposer, ``frozen`` (always empty, never harvested, so no tenant learns
+    from another), until a place frees. "Held" is read from the table's references (a weak
+    reference outlives the proposer's own only if a request holds the table).
     ``tables.for_request("a") is tables.for_request("a") is not tables.for_request("b")``.
     """
 
     def __init__(self, make, shared: bool, max_tenants: int = MAX_TENANT_TABLES) -> None:
-        self.make = make  # () -> AdjacencyTable
+        self.make = make  # () -> a table (or store) with a ``frozen`` attribute
         self.shared = bool(shared)
-        self.max_tenants = int(max_tenants)
+        self.max_tenants = max(1, int(max_tenants))
         self.default: AdjacencyTable | None = make() if self.shared else None
-        self._salted: OrderedDict[str, AdjacencyTable] = OrderedDict()
+        self._salted: OrderedDict[str, AdjacencyTable] = OrderedDict()  # least recently used first
+        self._overflow = None  # the frozen table, made at the first overflow
 
-    def for_request(self, tenant: str | None = None) -> AdjacencyTable:
+    def for_request(self, tenant: str | None = None):
         if not self.shared:
             return self.make()
         if tenant is None:
             return self.default
         table = self._salted.pop(tenant, None)
         if table is None:
+            if len(self._salted) >= self.max_tenants and not self._drop_one():
+                return self.overflow()  # every place is held: not kept, not learned
             table = self.make()
-            while len(self._salted) >= self.max_tenants:
-                self._salted.popitem(last=False)
         self._salted[tenant] = table  # most recently used last
         return table
 
+    def _drop_one(self) -> bool:
+        """Drop the least recently used salted table no request holds; False: all are held."""
+        held = []
+        dropped = False
+        for tenant in list(self._salted):  # least recently used first
+            probe = weakref.ref(self._salted.pop(tenant))
+            if probe() is None:  # the proposer's reference was the last: freed
+                dropped = True
+                break
+            held.append((tenant, probe()))
+        rest, self._salted = self._salted, OrderedDict(held)  # the held ones keep their places
+        self._salted.update(rest)
+        return dropped
+
+    def overflow(self):
+        """The frozen table of tenants that found every place in use."""
+        if self._overflow is None:
+            self._overflow = self.make()
+            self._overflow.frozen = True
+        return self._overflow
+
     def all(self) -> list:
-        """Every table held: the unsalted default (if any) and the salted ones."""
-        return ([self.default] if self.default is not None else []) + list(self._salted.values())
+        """Every table held: the unsalted default (if any), the salted ones and the overflow one
+        (if made)."""
+        return ([self.default] if self.default is not None else []) + list(self._salted.values()) + \
+            ([self._overflow] if self._overflow is not None else [])
 
     @property
     def num_tenants(self) -> int:
-        """Salted tables held (the unsalted default not counted)."""
+        """Salted tables held (the unsalted default and the overflow table not counted)."""
         return len(self._salted)

@@ -76,6 +76,7 @@ class OutputStore:
         self._order: deque[int] = deque()
         self._next_id = 0
         self.num_tokens = 0
+        self.frozen = False  # True: stays empty, ``add`` does nothing (TenantTables' overflow tenant)
         # n -> {packed n-gram: packed (document id, follow position)}
         self._index: dict[int, dict[int, int]] = {n: {} for n in sizes}
 
@@ -99,6 +100,8 @@ class OutputStore:
 
     def add(self, tokens) -> None:
         """Store one finished request's document; evict the oldest beyond ``capacity``."""
+        if self.frozen:
+            return
         toks = [int(t) for t in tokens][-self.capacity :]
         if len(toks) <= self.ngram_sizes[-1] or max(toks) >= 1 << _TOKEN_BITS or min(toks) < 0:
             return
