@@ -116,6 +116,8 @@ BAD_CONFIGS = [
     row("verifier_unknown", {**GOOSE, "verifier": "specinfer"}, "verifier", "'specinfer'", "'greedy'"),
     row("sampling_verifier_unknown", {**GOOSE, "sampling_verifier": "typical"}, "sampling_verifier", "'typical'",
         "'nss', 'deterministic' or 'none'"),
+    row("deterministic_with_gate", {**GOOSE, "deterministic": True, "allocator_gate": True}, "deterministic",
+        "allocator_gate", "leave allocator_gate unset or false"),
     row("bypass_signal_unknown", {**GOOSE, "bypass_signal": "length"}, "bypass_signal", "'length'",
         "'draft_length' or 'match_length'"),
     row("cost_model_missing", {**GOOSE, "cost_model": MISSING_COST_MODEL}, "cost_model",

@@ -6,7 +6,10 @@ load and client faults, bounded in time (issue 14, item 8). The GOOSE server ver
 Found and fixed with it: a request within ``num_speculative_tokens`` of ``max_model_len`` made
 vLLM skip the tree drafter for the whole batch and schedule 59 zero drafts per request
 (throughput collapse, stuck requests, greedy outputs unlike plain; ``runner.py``
-``_input_fits_in_drafter``, ``test_engine_context_limit.py``).
+``_input_fits_in_drafter``, ``test_engine_context_limit.py``). And (issue 47): with requests
+over 32 ``cache_salt`` tenants, a tenant table dropped while requests still held it lived on,
+and the server grew by ~700 MiB in 192 requests; now a held tenant is never dropped and a new
+tenant finding every place held gets the frozen overflow table (``adjacency.TenantTables``).
 
 What it does:
 
@@ -25,13 +28,17 @@ What it does:
    penalties, ``max_tokens=1``, prompts with ``prompt + max_tokens == max_model_len``, one token
    more (vLLM 0.32 clamps ``max_tokens``, it does not refuse), a prompt longer than
    ``max_model_len`` (HTTP 400), the empty prompt. Clients disconnect (close the stream after
-   0-3 chunks) or abort (cancel the task after 0-1.5 s) at random.
+   0-3 chunks) or abort (cancel the task after 0-1.5 s) at random. The greedy and sampled
+   requests carry one of ``SOAK_SALTS`` (32) ``cache_salt`` tenants, against a
+   ``draft_state_bytes`` with room for 4 salted ones (``SPEC_CONFIG``).
 3. Afterwards: the server process alive, ``/health`` 200, a final greedy request identical to
    plain; every greedy request that completed (finish reason ``length`` / ``stop``) identical to
    plain by token ids (a request with a smaller ``max_tokens`` is compared with the prefix of the
    reference); the empty and over-limit prompts answered as plain answers them; the live
    proposer-state gauge ``vllm_anisotropic:tree_live_requests`` back to 0 (``/metrics`` polled
-   with a deadline); the server tree's RSS grown by less than ``RSS_GROWTH_BOUND``.
+   with a deadline); the server tree's RSS grown by less than ``RSS_GROWTH_BOUND``; the tenant
+   tables and stores within ``draft_state_bytes`` after the storm and at every sample during it
+   (``/metrics`` gauges polled each second, with the RSS).
 4. Reports requests served, outcomes and failures by kind, p50/p90/p99 time-to-first-token and
    end-to-end latency, RSS before/after (printed: ``pytest -s``; as JSON to ``$SOAK_REPORT``).
 

@@ -140,14 +140,16 @@ class BatchBudget:
                  stats_path: str | None = None, chains: bool = False) -> None:
         """``chains``: the proposer drafts chains alone and ``allocator_chains`` is on
         (``TreeSpecConfig.chain_steps``): the gate measures chain steps as a third arm."""
-        self.enabled = engine_config.allocator == "auto"
+        # deterministic: no decision from a measured time (config.EngineTreeConfig.deterministic)
+        clockless = bool(engine_config.deterministic)
+        self.enabled = engine_config.allocator == "auto" and (not clockless or bool(engine_config.cost_model))
         self.probe_every = int(engine_config.allocator_probe_every)
         self.gate = (SpeculationGate(GateConfig(explore_every=int(engine_config.allocator_gate_explore_every),
                                                 margin=float(engine_config.allocator_gate_margin),
                                                 chains=bool(chains)))
-                     if self.enabled and engine_config.allocator_gate else None)
+                     if self.enabled and engine_config.allocator_gate and not clockless else None)
         self.chain_drafts = int(engine_config.allocator_chain_drafts)
-        self.online = bool(engine_config.cost_model_online)
+        self.online = bool(engine_config.cost_model_online) and not clockless
         self.max_batched = int(scheduler_config.max_num_batched_tokens)
         self.max_model_len = int(model_config.max_model_len)
         self.max_per_request = int(num_speculative_tokens)

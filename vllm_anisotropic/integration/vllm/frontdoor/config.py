@@ -47,7 +47,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vllm_anisotropic.allocator.config import GateConfig
 from vllm_anisotropic.proposers import PROPOSERS, drafts_chains, proposer_config
@@ -158,6 +158,23 @@ class EngineTreeConfig(BaseModel):
     cost_model_online: bool = True
     """Refine the cost model from every measured step (false: keep the start-up fit or the
     ``cost_model`` file as it is)."""
+
+    deterministic: bool = False
+    """Tree decisions that depend on the tokens alone, never on measured times, so that the same
+    requests in the same order give the same trees, steps and outputs run after run (bf16 and
+    unseeded sampling included, which otherwise follow the batch shapes the gate and the cost
+    model choose): the gate and the online cost model off; the allocator cuts with the
+    ``cost_model`` file as it is, or, without one, keeps every tree whole (up to
+    ``num_speculative_tokens``). Seeded requests in float32 need no such option: their tokens are
+    plain vLLM's whatever the trees."""
+
+    @model_validator(mode="after")
+    def _deterministic_needs_no_clock(self) -> "EngineTreeConfig":
+        clocked = [k for k in ("allocator_gate", "cost_model_online") if k in self.model_fields_set and getattr(self, k)]
+        if self.deterministic and clocked:
+            raise ValueError(f"deterministic: true turns {' and '.join(clocked)} off (they follow measured step times); "
+                             f"valid: leave {' and '.join(clocked)} unset or false, or deterministic false")
+        return self
 
     @field_validator("cost_model")
     @classmethod
