@@ -10,8 +10,9 @@ One tiny-Llama workload (17 prompts, 96 greedy tokens, float32) on a tight engin
   land inside accepted tree paths, and vLLM must cut there exactly as in plain decoding.
 
 Three engine runs: plain without stops (to pick the stops), plain with stops, GOOSE with stops;
-the last two must match token for token, with the same finish reasons. (vLLM allows ``n > 1``
-only when sampling: that is covered in test_engine_sampling.py.)
+the last two must match token for token, with the same finish reasons, and leave every KV block
+back in the free pool (``vllm:kv_cache_usage_perc`` 0 at the end). (vLLM allows ``n > 1`` only
+when sampling: that is covered in test_engine_sampling.py.)
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def test_stops_preemption_and_chunked_prefill_are_lossless(setup):
         assert a == b, f"prompt {i}: plain {a} vs goose {b}"
     assert plain.finish_reasons == spec.finish_reasons
     assert plain.texts == spec.texts
+    # every KV block back in the free pool once the requests are done (none leaked by a tree
+    # step cut short by a stop, a preemption or a rollback)
+    assert spec.gauges["vllm:kv_cache_usage_perc"] == plain.gauges["vllm:kv_cache_usage_perc"] == 0.0, \
+        (spec.gauges, plain.gauges)
 
 
 def test_slim_trees_by_path_rounds_are_lossless(setup):

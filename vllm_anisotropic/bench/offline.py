@@ -136,6 +136,9 @@ class OfflineResult(BaseModel):
     spec: SpecStats
     counters: dict[str, float] = {}
     """Every ``vllm:*`` counter of the run (e.g. ``vllm:num_preemptions``)."""
+    gauges: dict[str, float] = {}
+    """Every ``vllm:*`` gauge at the end of the run (e.g. ``vllm:kv_cache_usage_perc``: 0 when
+    every KV block went back to the free pool)."""
     pid: int
     prompt_token_ids: list[list[int]] = []
     """The prompts as vLLM tokenized them."""
@@ -174,11 +177,11 @@ def _spec_stats(llm, num_output_tokens: int, before: SpecStats | None = None) ->
     )
 
 
-def _counters(llm) -> dict[str, float]:
-    """vLLM's counters of the run, summed over label sets."""
+def _counters(llm, kind: str = "Counter") -> dict[str, float]:
+    """vLLM's counters (or another ``kind`` of metric) of the run, summed over label sets."""
     out: dict[str, float] = {}
     for metric in llm.get_metrics():
-        if type(metric).__name__ == "Counter":
+        if type(metric).__name__ == kind:
             out[metric.name] = out.get(metric.name, 0.0) + float(metric.value)
     return out
 
@@ -329,6 +332,7 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
         generate_seconds=repeats[0].generate_seconds,
         spec=repeats[0].spec,
         counters=_counters(llm),
+        gauges=_counters(llm, "Gauge"),
         pid=os.getpid(),
         prompt_token_ids=[list(o.prompt_token_ids or []) for o in outputs],
         logprobs=None if all(o.outputs[0].logprobs is None for o in outputs) else [
