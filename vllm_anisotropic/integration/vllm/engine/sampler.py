@@ -95,15 +95,16 @@ class TreeRejectionSampler(nn.Module):
         t_vllm = time.perf_counter()
         num_logprobs = sampling_metadata.max_num_logprobs
         bonus_md = sampling_metadata if num_logprobs is None else replace(sampling_metadata, max_num_logprobs=None)
-        walked_rows = step.rows[sizes > 1]
-        # the walked requests' own generators as the step found them (a verify fault restores them)
-        snapshot = {i: g.get_state() for i, g in (sampling_metadata.generators or {}).items() if i in set(walked_rows.tolist())}
-        if self.sampler_walk and sampling_metadata.generators:
-            # the generators of the trees the sampler walk draws from are its alone: plain
-            # decoding draws once per emitted token, and so does the walk (``_walk_sampled``)
-            mine = set(walked_rows.tolist())
-            bonus_md = replace(bonus_md, generators={i: g for i, g in sampling_metadata.generators.items()
-                                                     if i not in mine})
+        snapshot = {}
+        if sampling_metadata.generators:
+            mine = set(step.rows[sizes > 1].tolist())
+            # the walked requests' own generators as the step found them (a verify fault restores them)
+            snapshot = {i: g.get_state() for i, g in sampling_metadata.generators.items() if i in mine}
+            if self.sampler_walk:
+                # the generators of the trees the sampler walk draws from are its alone: plain
+                # decoding draws once per emitted token, and so does the walk (``_walk_sampled``)
+                bonus_md = replace(bonus_md, generators={i: g for i, g in sampling_metadata.generators.items()
+                                                         if i not in mine})
         bonus_out = self.sampler(  # logprobs: below, for every emitted token at once
             logits=logits[metadata.bonus_logits_indices],
             sampling_metadata=bonus_md,
@@ -249,7 +250,6 @@ class TreeRejectionSampler(nn.Module):
             q = torch.cat(list(sub.draft_probs)).to(tree_logits.device) if verifier.requires_draft_probs else None
             res = verifier.verify_batch(batch, tree_logits, sampling, None, q, uniforms=u)
         return res.accepted.cpu().numpy(), res.num_accepted.cpu().numpy(), res.bonus_tokens.cpu().numpy()
-
 
     def _root_samples(self, step, walked, starts, metadata, logits, sampling_metadata, snapshot):
         """After a verify fault: nothing accepted, and each walked tree's token sampled from its
