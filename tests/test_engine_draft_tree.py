@@ -198,4 +198,4 @@ def test_bad_draft_tree_options_are_refused_by_name(pair):
         TreeSpecConfig.build("draft_tree", {"model": draft, "sampling_verifier": "nss"})
     assert TreeSpecConfig.build("draft_tree", {"model": draft, "sampling_verifier": "none"}).sampled_verifier == "none"
     assert TreeSpecConfig.build("draft_tree", {"model": draft}).sampled_verifier == "traversal"
-    assert TreeSpecConfig.build("goose", {}).sampled_verifier == "deterministic"
+    assert TreeSpecConfig.build("goose", {}).sampled_verifier == "nss"

@@ -19,7 +19,7 @@ import json
 
 import pytest
 
-from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
 from vllm_anisotropic.integration.vllm.engine.faults import INJECT_ENV, parse_injection
 from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
 
@@ -50,7 +50,7 @@ def test_a_fault_in_each_stage_is_contained(tiny_prompts, tmp_path):
     per = [{"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": 300 + i}
            for i in range(12)]
     job = OfflineJob(model=model, prompts=tiny_prompts[:12], per_prompt=per, max_tokens=40, llm_kwargs=ENGINE)
-    plain = run_offline_job(job)
+    plain = run_offline_job(job, env=IN_PROCESS)
     stats = tmp_path / "tree.json"
     spec = run_offline_job(job.model_copy(update={"speculative_config": CONFIG}),
                            env={INJECT_ENV: FAULTS, STATS_ENV: str(stats)})

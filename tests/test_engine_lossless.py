@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
@@ -43,15 +43,20 @@ def setup(tiny_prompts):
     assert len(tok.encode(long_prompt)) > ENGINE["max_num_batched_tokens"]
     prompts = tiny_prompts + [p.text for p in load_dataset("mbpp", limit=4)] + [long_prompt]
     base = OfflineJob(model=model, prompts=prompts, max_tokens=96, llm_kwargs=ENGINE)
-    free = run_offline_job(base)
+    free = run_offline_job(base, env=IN_PROCESS)
     # stops from plain outputs: request 1's text around token 20, request 3's token 30
     stop_text = tok.decode(free.token_ids[1][0][20:22])
     stop_id = free.token_ids[3][0][30]
     return base.model_copy(update={"stop": [stop_text], "stop_token_ids": [stop_id]})
 
 
-def test_stops_preemption_and_chunked_prefill_are_lossless(setup):
-    plain = run_offline_job(setup)
+@pytest.fixture(scope="module")
+def plain(setup):
+    """Plain vLLM with the stops: the reference of both tests."""
+    return run_offline_job(setup, env=IN_PROCESS)
+
+
+def test_stops_preemption_and_chunked_prefill_are_lossless(setup, plain):
     spec = run_offline_job(setup.model_copy(update={"speculative_config": WIDE_GOOSE}))
     assert spec.counters.get("vllm:num_preemptions", 0) > 0, spec.counters  # preemption happened
     assert spec.spec.num_accepted_tokens > 0
@@ -67,7 +72,7 @@ def test_stops_preemption_and_chunked_prefill_are_lossless(setup):
         (spec.gauges, plain.gauges)
 
 
-def test_slim_trees_by_path_rounds_are_lossless(setup):
+def test_slim_trees_by_path_rounds_are_lossless(setup, plain):
     """Trees of at most 5 draft nodes (budget 6) have at most 5 paths below their leading chain,
     so every step's tree rows take the path rounds through vLLM's kernel
     (attention.TreeCPUAttentionImpl._tree_rows_paths, PATHS_MAX_MEAN 6), under the same
@@ -76,7 +81,6 @@ def test_slim_trees_by_path_rounds_are_lossless(setup):
 
     budget = 6
     assert budget - 1 <= PATHS_MAX_MEAN
-    plain = run_offline_job(setup)
     spec = run_offline_job(setup.model_copy(update={"speculative_config": {**WIDE_GOOSE, "budget": budget}}))
     assert spec.counters.get("vllm:num_preemptions", 0) > 0, spec.counters
     assert spec.spec.num_accepted_tokens > 0

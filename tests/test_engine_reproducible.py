@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
 ENGINE = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 4, "max_num_batched_tokens": 8192,
           "dtype": "bfloat16", "seed": 0}
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def test_deterministic_runs_repeat_exactly(tiny_prompts):

@@ -26,7 +26,7 @@ from collections import Counter
 import pytest
 
 from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV, TRACE_ENV
-from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
@@ -70,7 +70,7 @@ def setup(tiny_prompts):
     model = str(build_tiny_model(block_std=0.1, lm_head_alpha=0.25))
     tok = AutoTokenizer.from_pretrained(model)
     prompts = (tiny_prompts + [p.text for p in load_dataset("mbpp", limit=6)])[: len(KINDS)]
-    free = run_offline_job(OfflineJob(model=model, prompts=prompts, max_tokens=MAX_TOKENS, llm_kwargs=ENGINE))
+    free = run_offline_job(OfflineJob(model=model, prompts=prompts, max_tokens=MAX_TOKENS, llm_kwargs=ENGINE), env=IN_PROCESS)
     per_prompt = []
     for i, (name, params, _) in enumerate(KINDS):
         out = free.token_ids[i][0]
@@ -103,7 +103,7 @@ def setup(tiny_prompts):
 
 def test_every_request_type_is_served_exactly_with_trees_where_the_law_allows(setup, tmp_path):
     job, free = setup
-    plain = run_offline_job(job)
+    plain = run_offline_job(job, env=IN_PROCESS)
     # the parameters really act: biased / restricted / banned outputs differ from the free run
     for i in (1, 2, 5, 6, 8):
         assert plain.token_ids[i] != free.token_ids[i], KINDS[i][0]

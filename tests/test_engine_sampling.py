@@ -29,7 +29,7 @@ from collections import Counter
 
 import pytest
 
-from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
@@ -85,7 +85,7 @@ def law_job(tiny_prompts):
     model = str(build_tiny_model(block_std=0.1, lm_head_alpha=0.25))
     job = OfflineJob(model=model, prompts=[tiny_prompts[0]] * N, max_tokens=MAX_TOKENS, temperature=0.7,
                      top_p=0.9, seed=1000, seed_per_prompt=True, llm_kwargs=ENGINE)
-    return job, run_offline_job(job)
+    return job, run_offline_job(job, env=IN_PROCESS)
 
 
 def test_sampled_tokens_follow_plain_vllm_law(law_job):
@@ -115,7 +115,7 @@ def test_sampled_trees_with_logit_bias_and_min_p_follow_plain_vllm_law(law_job):
     top = Counter(o[t] for o in outs if len(o) > t).most_common(2)
     bias = {"logit_bias": {str(top[0][0]): -1.5, str(top[1][0]): 1.5}, "min_p": 0.15}
     biased = job.model_copy(update={"per_prompt": [bias] * N})
-    plain = run_offline_job(biased)
+    plain = run_offline_job(biased, env=IN_PROCESS)
     spec = run_offline_job(biased.model_copy(update={"speculative_config": FIXED_TREES, "seed": 1_000_000}))
     assert spec.spec.num_accepted_tokens > 100, spec.spec
     outs_free, outs_plain, outs_spec = ([r[0] for r in res.token_ids] for res in (free, plain, spec))
@@ -136,16 +136,11 @@ def law_z(outs_a, outs_b) -> list[float]:
     return zs
 
 
-def test_the_law_test_detects_a_temperature_change(tiny_prompts):
+def test_the_law_test_detects_a_temperature_change(law_job):
     """Power of the family above at N = 400: plain decoding at temperature 0.8 against 0.7
     (independent seeds) must fail it, or the test could not tell a wrong law from the right one."""
-    from vllm_anisotropic.models import build_tiny_model
-
-    model = str(build_tiny_model(block_std=0.1, lm_head_alpha=0.25))
-    job = OfflineJob(model=model, prompts=[tiny_prompts[0]] * N, max_tokens=MAX_TOKENS, temperature=0.7,
-                     top_p=0.9, seed=1000, seed_per_prompt=True, llm_kwargs=ENGINE)
-    a = run_offline_job(job)
-    b = run_offline_job(job.model_copy(update={"temperature": 0.8, "seed": 1_000_000}))
+    job, a = law_job
+    b = run_offline_job(job.model_copy(update={"temperature": 0.8, "seed": 1_000_000}), env=IN_PROCESS)
     zs = law_z([r[0] for r in a.token_ids], [r[0] for r in b.token_ids])
     print(f"T 0.7 vs 0.8: z per position {zs[:-1]}, joint {zs[-1]}")
     assert max(zs) >= 4.0, zs
@@ -192,7 +187,7 @@ def test_seeded_sampled_trees_emit_plain_vllms_tokens(tiny_prompts):
     engine = {**ENGINE, "dtype": "float32"}
     job = OfflineJob(model=model, prompts=prompts, per_prompt=per, max_tokens=32, temperature=0.8, top_p=0.95,
                      llm_kwargs=engine)
-    plain = run_offline_job(job)
+    plain = run_offline_job(job, env=IN_PROCESS)
     mixed_prompts, mixed_per = [], []
     for i in reversed(range(len(prompts))):
         mixed_prompts += [prompts[i], tiny_prompts[(i + 5) % 12]]

@@ -18,9 +18,11 @@ row j is exactly the verifier's "logits after node j's path". Worked example: dr
 
 Which requests have trees is decided by the runner (``runner.ineligible_reason``): greedy
 requests (verified by the greedy walk) and, unless ``sampling_verifier="none"``, sampled
-requests whose law is softmax(logits / temperature) under top-k / top-p (verified by the
-sampling verifier -- one-hot SpecInfer by default -- on exactly that law, all in one call, with
-counter-based uniforms of each request's seed and position, ``verifiers.uniforms``). A tree
+requests whose law is softmax(logits / temperature) under top-k / top-p: by default NSS with
+vLLM's own sampler (``_walk_sampled``: each visited row sampled as plain decoding samples its
+row, with the request's own generator, so seeded requests emit plain vLLM's tokens), or one-hot
+SpecInfer on exactly that law, all in one call, with counter-based uniforms of each request's
+seed and position (``verifiers.uniforms``; ``sampling_verifier: deterministic``). A tree
 request with ``logit_bias``, ``allowed_token_ids``, bad words, ``min_tokens``, penalties or a
 sampled ``min_p`` has its tree rows edited as vLLM's sampler edits its one row
 (``runner.RowEdits``, float32), each row with the output before it (``_row_pasts``), before its
