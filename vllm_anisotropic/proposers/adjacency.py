@@ -68,6 +68,11 @@ MAX_TENANT_TABLES = 64  # salted tables kept per proposer when the vocabulary is
 DEFAULT_TENANTS = 32  # salted tenants the default draft_state_bytes has room for
 
 
+def _power_of_two(n: int) -> int:
+    """The bigram tier's slot count: ``n`` rounded up to a power of two (65536 -> 65536, 1000 -> 1024)."""
+    return 1 << (int(n) - 1).bit_length()
+
+
 def tenant_budget(config, vocab_size: int | None, extra_bytes: int = 0) -> tuple[int, int | None]:
     """``(salted tenants kept, budget bytes)`` of a harvesting proposer's ``draft_state_bytes``
     (``proposers.config.AdjacencyConfig``): a tenant costs its table's bytes
@@ -157,7 +162,7 @@ class AdjacencyTable:
             raise ValueError("bigram_capacity must be >= 1")
         self.top_k = int(top_k)
         self.use_bigram = bool(bigram)
-        self.bigram_capacity = 1 << (int(bigram_capacity) - 1).bit_length()  # a power of two
+        self.bigram_capacity = _power_of_two(bigram_capacity)
         self.vocab_size: int | None = None
         # [vocab_size, top_k] int32 successor ids (-1 = empty); [vocab_size, top_k] float32 scores
         self.unigram_ids: np.ndarray | None = None
@@ -177,7 +182,7 @@ class AdjacencyTable:
     @staticmethod
     def allocated_bytes(vocab_size: int, top_k: int, bigram: bool, bigram_capacity: int) -> int:
         """Bytes of a table's arrays once allocated (``memory_bytes()["total"]``), from its keys."""
-        cap = (1 << (int(bigram_capacity) - 1).bit_length()) if bigram else 1
+        cap = _power_of_two(bigram_capacity) if bigram else 1
         return int(vocab_size) * int(top_k) * 8 + cap * (16 + int(top_k) * 8)
 
     def _allocate(self, vocab_size: int) -> None:

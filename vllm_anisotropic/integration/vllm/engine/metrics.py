@@ -200,6 +200,15 @@ def ensure_stats_file() -> str:
     return path
 
 
+# Prometheus: gauge name -> (TreeMetrics field, help)
+_GAUGES = {
+    "tree_live_requests": ("live_requests", "requests holding proposer state in the worker"),
+    "tree_tenant_tables": ("tenant_tables", "adjacency tables of cache_salt tenants held in the worker"),
+    "tree_table_bytes": ("table_bytes", "bytes of the adjacency tables held in the worker (fixed per table)"),
+    "tree_store_bytes": ("store_bytes", "bound of the bytes held by the cross-request stores in the worker"),
+    "tree_state_budget_bytes": ("state_budget_bytes",
+                                "draft_state_bytes: the bound of the tenants' tables and stores in the worker"),
+}
 # Prometheus: counter name -> (TreeMetrics fields or source split, help)
 _COUNTERS = {
     "tree_steps": ("steps", "request-steps verified with a draft tree pending (root-only trees included)"),
@@ -259,25 +268,10 @@ class TreeMetricsCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         data = self.read()
-        live = GaugeMetricFamily("vllm_anisotropic:tree_live_requests", "requests holding proposer state in the worker")
-        live.add_metric([], float(data.get("live_requests", 0)))
-        yield live
-        tenants = GaugeMetricFamily("vllm_anisotropic:tree_tenant_tables",
-                                    "adjacency tables of cache_salt tenants held in the worker")
-        tenants.add_metric([], float(data.get("tenant_tables", 0)))
-        yield tenants
-        table_bytes = GaugeMetricFamily("vllm_anisotropic:tree_table_bytes",
-                                        "bytes of the adjacency tables held in the worker (fixed per table)")
-        table_bytes.add_metric([], float(data.get("table_bytes", 0)))
-        yield table_bytes
-        store_bytes = GaugeMetricFamily("vllm_anisotropic:tree_store_bytes",
-                                        "bound of the bytes held by the cross-request stores in the worker")
-        store_bytes.add_metric([], float(data.get("store_bytes", 0)))
-        yield store_bytes
-        budget = GaugeMetricFamily("vllm_anisotropic:tree_state_budget_bytes",
-                                   "draft_state_bytes: the bound of the tenants' tables and stores in the worker")
-        budget.add_metric([], float(data.get("state_budget_bytes", 0)))
-        yield budget
+        for name, (key, doc) in _GAUGES.items():
+            fam = GaugeMetricFamily(f"vllm_anisotropic:{name}", doc)
+            fam.add_metric([], float(data.get(key, 0)))
+            yield fam
         for name, (key, doc) in _COUNTERS.items():
             fam = CounterMetricFamily(f"vllm_anisotropic:{name}", doc)
             fam.add_metric([], float(data.get(key, 0)))
