@@ -300,11 +300,15 @@ class TreeRunnerMixin:
         self.drafter.run_deferred()
         t0 = time.perf_counter()
         self.drafter.tenants.update(getattr(scheduler_output, "tree_tenants", None) or {})
-        for req_id in scheduler_output.finished_req_ids:
+        # sorted: vLLM's id sets iterate in an order of the process's string hash seed, which
+        # differs between tensor-parallel ranks; the drops queue the finished requests' store
+        # inserts, whose order the next trees read (unsorted, TP = 2 ranks drafted different
+        # trees after a wave of 32 seeded requests finished in one step: test_engine_tp.py)
+        for req_id in sorted(scheduler_output.finished_req_ids):
             self.drafter.drop(req_id, self._context(req_id))
             self._eligible_cache.pop(req_id, None)
             self.row_edits.pop(req_id, None)
-        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+        for req_id in sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()):
             self.drafter.drop_tree(req_id)
         for stage, ids in getattr(scheduler_output, "tree_faults", None) or ():
             # contained in the scheduler (scheduler.TreeScheduler._budget): counted here, with the rest
