@@ -36,7 +36,8 @@ What it does:
    plain by token ids (a request with a smaller ``max_tokens`` is compared with the prefix of the
    reference); the empty and over-limit prompts answered as plain answers them; the live
    proposer-state gauge ``vllm_anisotropic:tree_live_requests`` back to 0 (``/metrics`` polled
-   with a deadline); the server tree's RSS grown by less than ``RSS_GROWTH_BOUND``; the tenant
+   with a deadline); vLLM's ``vllm:kv_cache_usage_perc`` 0 (no block leaked by an abort); the
+   server tree's RSS grown by less than ``RSS_GROWTH_BOUND``; the tenant
    tables and stores within ``draft_state_bytes`` after the storm and at every sample during it
    (``/metrics`` gauges polled each second, with the RSS).
 4. Reports requests served, outcomes and failures by kind, p50/p90/p99 time-to-first-token and
@@ -485,6 +486,9 @@ def storm(launched, plain, prompts):
     while alive and live != 0 and time.monotonic() < deadline:  # a drop rides on the next step
         time.sleep(0.2)
         live = _live_gauge(base)
+    # every KV block back in the free pool (aborts and disconnects mid-tree included): vLLM's
+    # gauge as of the last step, which ran the final request after every storm request ended
+    kv_usage = _metric_sums(base, ("vllm:kv_cache_usage_perc",))["vllm:kv_cache_usage_perc"] if alive else None
     rss_after = _tree_rss(proc.pid) if proc.poll() is None else None
     gauges = _gauges(base, ("tree_tenant_tables", "tree_table_bytes", "tree_store_bytes", "tree_state_budget_bytes")) \
         if proc.poll() is None else {}
@@ -518,6 +522,7 @@ def storm(launched, plain, prompts):
         "draft_state_gauges": gauges,
         "draft_state_mib_max_during_storm": round(max(state_bytes, default=0.0) / 2**20, 1),
         "live_gauge_after": live,
+        "kv_cache_usage_after": kv_usage,
         "server_alive": alive,
         "log_tracebacks": log_path.read_text(errors="replace").count("Traceback"),
         "health_after": health,
@@ -579,6 +584,12 @@ def test_edge_prompts_answered_as_plain_vllm(storm, plain):
 
 def test_every_proposer_state_dropped(storm):
     assert storm["report"]["live_gauge_after"] == 0, storm["report"]["live_gauge_after"]
+
+
+def test_every_kv_block_freed(storm):
+    """Issue 47 item 3: after the aborts and disconnects (mid-tree among them), no leaked block:
+    vLLM's KV cache usage back to 0 (cached prefix blocks count as free)."""
+    assert storm["report"]["kv_cache_usage_after"] == 0.0, storm["report"]["kv_cache_usage_after"]
 
 
 def test_memory_bounded(storm):
