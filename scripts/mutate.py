@@ -399,7 +399,8 @@ def _purge(package: str) -> None:
             del sys.modules[name]
 
 
-def _run_child(workdir: Path, module: str, pytest_args: list[str], log: Path, timeout: float) -> tuple[str, float]:
+def _run_child(workdir: Path, module: str, pytest_args: list[str], log: Path, timeout: float,
+               in_subprocesses: bool = False) -> tuple[str, float]:
     """Fork; the child runs pytest with ``workdir`` first on sys.path. (outcome, seconds)."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -416,12 +417,19 @@ def _run_child(workdir: Path, module: str, pytest_args: list[str], log: Path, ti
             os.dup2(fd, 2)
             os.chdir(workdir)
             sys.path.insert(0, str(workdir))
+            # processes the tests start (vLLM's engine core and workers, offline jobs, servers)
+            # import the mutant too; no bytecode cache, which could outlive a mutant written
+            # in the same second as the previous one
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))
+            os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
             importlib.invalidate_caches()
             import pytest
 
             code = int(pytest.main(list(pytest_args)))
             mod = sys.modules.get(module)
-            if mod is None:
+            if mod is None and in_subprocesses:
+                pass  # engine tests: the target runs in the processes they start (PYTHONPATH above)
+            elif mod is None:
                 code = 97 if code == 0 else code  # the tests never imported the target
             elif not str(Path(mod.__file__).resolve()).startswith(str(workdir.resolve())):
                 print(f"\nmutate.py: {module} was imported from {mod.__file__}, not from {workdir}")
@@ -509,7 +517,8 @@ def run_target(spec: dict, work: Path, args) -> TargetReport:
     try:
         # baseline: the unmutated module as ``ast.unparse`` writes it must pass
         copy_target.write_text(ast.unparse(ast.parse(source)) + "\n")
-        outcome, base = _run_child(work, module, pytest_args, log, timeout=args.baseline_timeout)
+        outcome, base = _run_child(work, module, pytest_args, log, timeout=args.baseline_timeout,
+                                   in_subprocesses=args.in_subprocesses)
         if outcome != "survived":
             sys.stdout.write(log.read_text()[-4000:])
             raise SystemExit(f"{name}: baseline tests did not pass ({outcome}); log above")
@@ -522,7 +531,8 @@ def run_target(spec: dict, work: Path, args) -> TargetReport:
                 rep.mutants.append(carried[m.id] | {"outcome": "carried-over:" + carried[m.id]["outcome"], "seconds": 0.0})
                 continue
             copy_target.write_text(mutant_source(source, m))
-            outcome, secs = _run_child(work, module, pytest_args, log, timeout=rep.timeout_seconds)
+            outcome, secs = _run_child(work, module, pytest_args, log, timeout=rep.timeout_seconds,
+                                       in_subprocesses=args.in_subprocesses)
             if outcome.startswith("setup-error"):
                 sys.stdout.write(log.read_text()[-4000:])
                 raise SystemExit(f"{name}: mutant #{m.id}: {outcome} (tests ran against the wrong module)")
@@ -575,6 +585,11 @@ def main(argv=None) -> int:
         "--no-jit", action="store_true",
         help="run numba kernels as Python (NUMBA_DISABLE_JIT=1): no compile per mutant (seconds each), the "
         "same array semantics; a mutant only numba's typing would reject is judged by its Python behaviour",
+    )
+    ap.add_argument(
+        "--in-subprocesses", action="store_true",
+        help="the tests import the target only in processes they start (engine tests: vLLM's engine core and "
+        "workers); skip the check that pytest's own process imported it from the copy",
     )
     ap.add_argument("--show", type=int, metavar="ID", help="print the mutated function of mutant ID (one target) and exit")
     argv = list(sys.argv[1:] if argv is None else argv)
