@@ -487,3 +487,91 @@ def test_a_failing_harvest_turns_trees_off_for_its_requests_only(caplog):
     d.pending, d.tenants, d.zero_streak, d.skip, d.kept_mark, d.unlabelled = {}, {}, {}, {}, {}, {}
     d.drop("a")
     assert d.disabled == set()
+
+
+def _gated(decision, cost_dir, **engine):
+    """A hook with the real gate whose decision for the coming step is ``decision``."""
+    b = _budget(cost_dir, CostModel.from_coefficients([0.0], base=0.01), allocator_gate=True,
+                cost_model_online=False, allocator_probe_every=0, **engine)
+    b._allowed = decision  # the gate decides one step ahead (BatchBudget.cut)
+    return b
+
+
+def test_a_plain_step_of_the_gate_drops_every_draft_and_counts_what_was_offered(tmp_path):
+    """Catches: drafts left in a step the gate made plain, the offered rows or the plain step not
+    counted (or counted as a step with drafts), a probe fired, a step counted when no request
+    decodes (prefill only)."""
+    from vllm_anisotropic.allocator import PLAIN
+
+    b = _gated(PLAIN, tmp_path)
+    reqs = [_req("a", 4), _req("b", 2), _req("c", 0)]
+    _offer(b, {"a": [0.9, 0.8, 0.7, 0.6], "b": [0.5, 0.4]})
+    b.cut(reqs)
+    assert [r.spec_token_ids for r in reqs] == [[], [], []]
+    m = b.metrics
+    assert (m.steps, m.steps_without_drafts, m.gate_plain_steps, m.tree_rows_offered, m.tree_rows) == (1, 1, 1, 6, 0)
+    assert (m.last_budget, m.last_predicted_speedup, m.probe_steps, m.chain_steps) == (0, 1.0, 0, 0)
+    # prefill only (no request past its prompt) and no drafts: not a step
+    b = _gated(PLAIN, tmp_path)
+    b.cut([_req("p", 0, num_tokens=50, computed=5)])
+    assert b.metrics.steps == 0 and b.metrics.gate_plain_steps == 0
+
+
+def test_a_chain_step_of_the_gate_keeps_each_chain_up_to_its_cap(tmp_path):
+    """Each request keeps min(its drafts, its chain, allocator_chain_drafts); a tree that came
+    instead keeps its leading chain. Catches: chains cut by the wrong bound (max for min), the
+    chain counters off, a chain step counted as plain or as a step without drafts."""
+    from vllm_anisotropic.allocator import CHAIN
+
+    b = _gated(CHAIN, tmp_path, allocator_chain_drafts=3)
+    reqs = [_req("a", 5), _req("b", 2), _req("c", 4)]
+    b.on_draft_ids(SimpleNamespace(req_ids=["a", "b", "c"], tree_probs=[None, None, [0.9] * 4], tree_chains=[5, 2, 1]))
+    b.cut(reqs)
+    assert [len(r.spec_token_ids) for r in reqs] == [3, 2, 1]
+    assert reqs[0].spec_token_ids == [1, 2, 3]  # a prefix
+    m = b.metrics
+    assert (m.steps, m.chain_steps, m.chain_drafts, m.last_budget) == (1, 1, 6, 6)
+    assert (m.steps_without_drafts, m.gate_plain_steps) == (0, 0)
+    # no chain anywhere: a chain step that kept nothing
+    b = _gated(CHAIN, tmp_path)
+    reqs = [_req("a", 3)]
+    b.on_draft_ids(SimpleNamespace(req_ids=["a"], tree_probs=[None], tree_chains=[0]))
+    b.cut(reqs)
+    assert reqs[0].spec_token_ids == [] and (b.metrics.chain_steps, b.metrics.steps_without_drafts) == (1, 1)
+
+
+def test_the_summary_line_reports_the_counters_per_step():
+    from vllm_anisotropic.integration.vllm.engine.budget import BudgetMetrics
+
+    m = BudgetMetrics(steps=4, tree_rows=10, tree_rows_offered=20, steps_without_drafts=1, gate_plain_steps=1,
+                      chain_steps=2, predicted_accepted=7.4, realized_accepted=6, cost_samples=2, cost_abs_rel_err=0.3)
+    assert m.summary_line() == (
+        "vllm-anisotropic budget: steps 4, mean tree rows 2.5 of 5.0 offered, steps without drafts 0.25 "
+        "(gate 0.25), chain steps 0.50, accepted predicted 7 realized 6, cost model error 0.150")
+    assert "cost model error nan" in BudgetMetrics().summary_line()
+
+
+def test_a_cut_counts_what_it_was_offered_kept_and_gave_up(tmp_path):
+    """The allocator's counters of one step, against what the cut did: rows offered, rows within
+    vLLM's caps (per-request cap 10, the step's token budget), the expected accepted drafts left
+    out inside those caps, rows kept. Then the headroom bound exactly: a request 9 tokens from
+    max_model_len keeps 8 drafts (its root takes the 9th place). Catches: counters summed with
+    the wrong sign or bound, the given-up sum over the wrong slice, the headroom off by one."""
+    cost = CostModel.from_coefficients([0.0], base=0.02, tree_row=0.002)  # as the test above: keeps p > ~0.1
+    b = _budget(tmp_path, cost, cost_model_online=False, allocator_probe_every=0)
+    pa, pb = [0.95, 0.9, 0.8, 0.3, 0.2, 0.05, 0.04, 0.03, 0.02, 0.02, 0.01, 0.01], [0.6, 0.04, 0.01]
+    reqs = [_req("a", 12), _req("b", 3)]
+    _offer(b, {"a": pa, "b": pb})
+    b.cut(reqs)
+    na, nb = (len(r.spec_token_ids) for r in reqs)
+    assert 0 < na < 10 and 0 < nb < 3  # a real cut inside the caps
+    m = b.metrics
+    assert (m.steps, m.tree_rows_offered, m.tree_rows_within_caps) == (1, 15, 13)  # 10 + 3 of the 64 - 2 budget
+    assert (m.tree_rows, m.last_budget) == (na + nb, na + nb)
+    assert m.given_up_accepted == pytest.approx(sum(pa[na:10]) + sum(pb[nb:3]))
+    flat = CostModel.from_coefficients([0.0], base=0.01)
+    b = _budget(tmp_path, flat, cost_model_online=False)
+    reqs = [_req("c", 12, num_tokens=991, computed=990)]
+    _offer(b, {"c": [0.9] * 12})
+    b.cut(reqs)
+    assert len(reqs[0].spec_token_ids) == 1000 - 991 - 1
