@@ -575,3 +575,53 @@ def test_a_cut_counts_what_it_was_offered_kept_and_gave_up(tmp_path):
     _offer(b, {"c": [0.9] * 12})
     b.cut(reqs)
     assert len(reqs[0].spec_token_ids) == 1000 - 991 - 1
+
+
+def test_a_steps_composition_and_what_the_gate_observes_of_it(tmp_path):
+    """What ``on_scheduled`` records of a step (requests, tokens, tree rows past each leading
+    chain, their context, requests speculating, the gate's arm) and what ``on_output`` reports:
+    the gate observes the step's emitted tokens and its seconds less the next step's proposing
+    time; acceptance predicted vs realized. Then the plain arm: a gate-plain decode step with
+    nothing owed is PLAIN, with an accepted token still to re-run it is no arm (None).
+    Catches: chain rows counted as tree rows, context not weighted by rows, an arm on a prefill
+    step, tokens of unscheduled requests counted, the propose time added instead of subtracted."""
+    from vllm_anisotropic.allocator import PLAIN
+
+    b = _gated(TREE, tmp_path)
+    reqs = [_req("a", 5, num_tokens=100, computed=99), _req("b", 3, num_tokens=80, computed=79)]
+    b.on_draft_ids(SimpleNamespace(req_ids=["a", "b"], tree_probs=[[0.9, 0.8, 0.7, 0.6, 0.5], [0.5, 0.4, 0.3]],
+                                   tree_chains=[2, 0]))
+    b.cut(reqs)
+    assert [len(r.spec_token_ids) for r in reqs] == [5, 3]  # flat cost: all kept
+    out = SimpleNamespace(num_scheduled_tokens={"a": 6, "b": 4}, total_num_scheduled_tokens=10,
+                          scheduled_spec_decode_tokens={"a": reqs[0].spec_token_ids, "b": reqs[1].spec_token_ids},
+                          scheduled_new_reqs=[])
+    b.on_scheduled(out)
+    n, tokens, rows, ctx, speculating, _, arm = b._step
+    assert (n, tokens, rows, ctx, speculating, arm) == (2, 10, 3 + 3, 3 * 99 + 3 * 79, 2, TREE)
+    seen = []
+    b.gate.observe = lambda *args: seen.append(args)
+    t_cut = b._step[5]
+    b.on_output(out, SimpleNamespace(sampled_token_ids=[[1, 2, 3], [4]], req_id_to_index={"a": 0, "b": 1, "z": 2},
+                                     tree_propose_s=0.25))
+    ((r, observed_arm, emitted, seconds),) = seen
+    assert (r, observed_arm, emitted) == (2, TREE, 4)
+    assert seconds < time_now() - t_cut - 0.2  # the proposing time is the next step's, not this one's
+    assert b.metrics.predicted_accepted == pytest.approx(0.9 + 0.8 + 0.7 + 0.6 + 0.5 + 0.5 + 0.4 + 0.3)
+    assert b.metrics.realized_accepted == 2
+    # the plain arm
+    for owed, expected in ((0, PLAIN), (1, None)):
+        b = _gated(PLAIN, tmp_path)
+        b.propose_next = PLAIN
+        reqs = [_req("a", 0, num_tokens=100 + owed, computed=99)]
+        b.cut(reqs)
+        b.propose_next = PLAIN
+        b.on_scheduled(SimpleNamespace(num_scheduled_tokens={"a": 1 + owed}, total_num_scheduled_tokens=1 + owed,
+                                       scheduled_spec_decode_tokens={}, scheduled_new_reqs=[]))
+        assert b._step[6] == expected, owed
+    # a step with a new request (prompt tokens): no arm
+    b = _gated(TREE, tmp_path)
+    b.cut([_req("a", 0)])
+    b.on_scheduled(SimpleNamespace(num_scheduled_tokens={"a": 1, "n": 30}, total_num_scheduled_tokens=31,
+                                   scheduled_spec_decode_tokens={}, scheduled_new_reqs=[object()]))
+    assert b._step[6] is None
