@@ -427,10 +427,10 @@ def _run_child(workdir: Path, module: str, pytest_args: list[str], log: Path, ti
 
             code = int(pytest.main(list(pytest_args)))
             mod = sys.modules.get(module)
-            if mod is None and in_subprocesses:
-                pass  # engine tests: the target runs in the processes they start (PYTHONPATH above)
-            elif mod is None:
-                code = 97 if code == 0 else code  # the tests never imported the target
+            if mod is None:
+                # the tests never imported the target, unless it runs only in the processes they
+                # start (engine tests: PYTHONPATH above)
+                code = 97 if code == 0 and not in_subprocesses else code
             elif not str(Path(mod.__file__).resolve()).startswith(str(workdir.resolve())):
                 print(f"\nmutate.py: {module} was imported from {mod.__file__}, not from {workdir}")
                 code = 98

@@ -151,3 +151,15 @@ def check_outputs(model_dir: str | Path, prompt_ids: list[list[int]], outputs: l
             hits.append((arg == emitted[:, None]).numpy())
     top, hit = np.concatenate(tops), np.concatenate(hits).astype(np.float64)
     return LawCheck(top=top[:, 0], hit=hit[:, 0]), LawCheck(top=top[:, 1], hit=hit[:, 1])
+
+
+def law_z(model_dir: str | Path, result, power: bool = True, **sampling) -> list[float]:
+    """|z| of the top and of the second token for an offline job's ``result`` (its first
+    completions) against the exact law of ``model_dir`` under ``sampling`` (``processed_probs``'
+    keywords); prints the summary; asserts the stated power (>= 0.9 against a 5 % bias) when
+    ``power``."""
+    top, second = check_outputs(model_dir, result.prompt_token_ids, [r[0] for r in result.token_ids], **sampling)
+    print(f"exact law: top {top.summary()}; second z {second.z:+.2f}")
+    if power:
+        assert top.power() >= 0.9, top.summary()  # the run is informative enough for the stated power
+    return [abs(top.z), abs(second.z)]
