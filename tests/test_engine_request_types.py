@@ -2,11 +2,11 @@
 
 vLLM refuses ``min_p`` and ``logit_bias`` with any speculative config (a 400 over HTTP); with
 ``{"method": "goose"}`` they are accepted (patches.py, patch 9). One tiny-Llama workload
-(16 prompts, 48 tokens, float32), each prompt with its own request type, run three times: plain
+(20 prompts, 48 tokens, float32), each prompt with its own request type, run three times: plain
 vLLM without the per-prompt parameters (to pick biases that change the output), plain vLLM with
 them, GOOSE with them. GOOSE must match plain token for token on every prompt, and the
-requests whose law trees keep (all but the structured output and the opted-out one) must have
-had trees and accepted drafts, the others none (counted by reason on /metrics).
+requests whose law trees keep (all but the opted-out one) must have had trees and accepted
+drafts, the others none (counted by reason on /metrics).
 
 Which bug each check catches: tree rows verified without the request's bias or allowed set
 (the walk accepts the unbiased argmax: the output equals the unbiased run, not plain's);
@@ -14,13 +14,18 @@ logprobs taken from the wrong row (the bonus row, or a rejected sibling: values 
 min_p / logit_bias dropped for requests without trees (vLLM builds only min_tokens' processor
 under speculation); a request type given trees whose law they do not keep (penalties, bad
 words: outputs differ, and the reason counts are off by one). The seeded sampled requests (min_p,
-a bias) keep trees and emit plain's very tokens (NSS through vLLM's sampler with the request's
-generator, ``sampler._walk_sampled``), and the token the bias bans never appears.
-"""
+a bias, a JSON schema) keep trees and emit plain's very tokens (NSS through vLLM's sampler with
+the request's generator, ``sampler._walk_sampled``), and the token the bias bans never appears.
+Structured outputs (regex, JSON schema, choice, EBNF grammar; ``tree_grammar.py``): a tree row
+masked by the grammar state after the previous *listed* node (vLLM's chain semantics) or not
+masked at all lets the walk accept a token plain's masked argmax would not take (outputs
+differ, or are invalid); trees not pruned fail in the scheduler (``node_rows``), and the
+pruned-node counter must move."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -30,9 +35,22 @@ from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_j
 
 pytestmark = pytest.mark.engine
 
-ENGINE = {"enforce_eager": True, "max_model_len": 1024, "dtype": "float32", "max_num_seqs": 16}
+# compact JSON (xgrammar's default allows any whitespace, which this model emits until max_tokens)
+ENGINE = {"enforce_eager": True, "max_model_len": 1024, "dtype": "float32", "max_num_seqs": 24,
+          "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
 WIDE_GOOSE = {"method": "goose", "bypass": False, "min_branch_score": 0.0, "allocator": "off"}
 MAX_TOKENS = 48
+
+# structured outputs: outputs this tiny model repeats (so trees get accepted) and finishes
+REGEX = "((cat|dog) (runs|sleeps)\\. ){2,8}"
+SCHEMA = {"type": "object", "required": ["name", "items"], "properties": {
+    "name": {"type": "string", "maxLength": 4},
+    "items": {"type": "array", "minItems": 3, "maxItems": 4, "items": {
+        "type": "object", "required": ["key", "on"],
+        "properties": {"key": {"enum": ["alpha", "beta"]}, "on": {"type": "boolean"}}}}}}
+CHOICES = ["the cat runs and the cat runs and the cat sleeps", "the cat runs and the dog runs and the dog sleeps", "no"]
+GRAMMAR = 'root ::= item (", " item){6,12}\nitem ::= "x" [0-9] | "yy"'
+GRAMMAR_RE = r"(x[0-9]|yy)(, (x[0-9]|yy)){6,12}"
 
 # prompt index -> (its SamplingParams over greedy, whether it gets trees); biases filled in below
 KINDS = [
@@ -51,10 +69,16 @@ KINDS = [
     ("logprobs greedy", {"logprobs": 3}, True),
     ("logprobs and logit_bias", None, True),
     ("prompt logprobs", {"prompt_logprobs": 2, "logprobs": 1}, True),
-    ("structured output (regex)", {"structured_outputs": {"regex": "(ab|cd)+[0-9]{3}x"}}, False),
+    ("structured output (regex)", {"structured_outputs": {"regex": REGEX}}, True),
+    ("structured output (json schema)", {"structured_outputs": {"json": SCHEMA}, "max_tokens": 96}, True),
+    ("structured output (choice)", {"structured_outputs": {"choice": CHOICES}}, True),
+    ("structured output (grammar)", {"structured_outputs": {"grammar": GRAMMAR}}, True),
+    ("structured output (json schema), sampled (seeded)",
+     {"structured_outputs": {"json": SCHEMA}, "temperature": 0.8, "seed": 3, "max_tokens": 96}, True),
 ]
 LOGPROBS = (12, 13, 14)
-REASONS = {"request_opt_out": 1, "structured_output": 1}
+REASONS = {"request_opt_out": 1}
+STRUCTURED = range(15, 20)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +93,8 @@ def setup(tiny_prompts):
     # path-dependent edits move the argmax (the default head's logit gaps absorb them)
     model = str(build_tiny_model(block_std=0.1, lm_head_alpha=0.25))
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = (tiny_prompts + [p.text for p in load_dataset("mbpp", limit=6)])[: len(KINDS)]
+    prompts = (tiny_prompts + [p.text for p in load_dataset("mbpp", limit=8)])[: len(KINDS)]
+    assert len(prompts) == len(KINDS)
     free = run_offline_job(OfflineJob(model=model, prompts=prompts, max_tokens=MAX_TOKENS, llm_kwargs=ENGINE), env=IN_PROCESS)
     per_prompt = []
     for i, (name, params, _) in enumerate(KINDS):
@@ -125,14 +150,23 @@ def test_every_request_type_is_served_exactly_with_trees_where_the_law_allows(se
     assert len(a) == len(b) == len(plain.prompt_token_ids[14]) - 1
     for step, (x, y) in enumerate(zip(a, b)):
         assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x), (step, x, y)
-    # the grammar held (its request decodes without trees, through vLLM's structured output)
-    text = goose.texts[len(KINDS) - 1][0]
-    assert text[:2] in ("ab", "cd") and set(text) <= set("abcd0123456789x"), text
+    # structured outputs with trees: every output whole and valid (and plain's, above)
+    texts = [goose.texts[i][0] for i in STRUCTURED]
+    assert re.fullmatch(REGEX, texts[0]), texts[0]
+    print("structured outputs:", texts)
+    for text in (texts[1], texts[4]):
+        value = json.loads(text)
+        assert set(value) == {"name", "items"} and len(value["name"]) <= 4 and 3 <= len(value["items"]) <= 4, text
+        assert all(x["key"] in ("alpha", "beta") and isinstance(x["on"], bool) for x in value["items"]), text
+    assert texts[2] in CHOICES and re.fullmatch(GRAMMAR_RE, texts[3]), texts[2:4]
     # sampled trees verified on the biased law: the banned token (-100) is never emitted
     banned = [int(t) for t, v in job.per_prompt[11]["logit_bias"].items() if v < 0]
     assert not set(banned) & set(goose.token_ids[11][0]), (banned, goose.token_ids[11])
     data = json.loads(stats.read_text())
     assert data["without_trees"] == REASONS, data["without_trees"]
+    # the grammars pruned draft nodes before verification (scheduler.TreeScheduler, tree_grammar.py)
+    pruned = json.loads((tmp_path / "tree_stats.json.budget").read_text())["grammar_pruned_nodes"]
+    assert pruned > 0, pruned
     # the requests that keep trees had them and accepted drafts (traces by request id "<i>-...")
     traced = {int(r.split("-")[0]): steps for r, steps in data["requests"].items()}
     expected = {i for i, (_, _, trees) in enumerate(KINDS) if trees}

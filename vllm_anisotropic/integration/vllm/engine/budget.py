@@ -91,6 +91,7 @@ class BudgetMetrics:
     cost_samples: int = 0
     cost_abs_rel_err: float = 0.0  # sum of |predicted - measured| / measured step seconds
     last_budget: int = 0  # tree rows kept in the latest step
+    grammar_pruned_nodes: int = 0  # offered draft nodes a structured-output grammar rejected (tree_grammar.py)
     last_predicted_speedup: float = 1.0
 
     def summary_line(self) -> str:

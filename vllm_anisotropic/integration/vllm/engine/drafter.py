@@ -122,6 +122,9 @@ class TreeDrafter:
         # req_id -> (the proposal holding its next tree, the tree's index there): kept until a
         # step schedules the request (one that is not scheduled meanwhile keeps its drafts)
         self.pending: dict[str, tuple[_Proposal, int]] = {}
+        # req_id -> kept draft nodes of its pending tree after its grammar pruned it (the
+        # scheduler's ``tree_kept``, tree_grammar.py): that tree's kept nodes go first in take_step
+        self.reorders: dict[str, list[int]] = {}
         self.chain_drafts = int(self.config.engine.allocator_chain_drafts)
         # budget allocator (budget.py): calibrated P(node on the accepted path) of each pending
         # tree's draft list, learned from every offered tree; None when the allocator is off
@@ -203,6 +206,18 @@ class TreeDrafter:
             out.append(0 if entry is None else int(entry[0].chain_lens()[entry[1]]))
         return out
 
+    def pending_parents(self, req_ids: Sequence[str]) -> dict[str, list[int]]:
+        """Per request, its pending tree's draft-node parents (local, 0: the root; empty: no tree)."""
+        out = {}
+        for r in req_ids:
+            entry = self.pending.get(r)
+            if entry is None:
+                out[r] = []
+            else:
+                p, k = entry
+                out[r] = p.trees.parents[p.trees.offsets[k] + 1:p.trees.offsets[k + 1]].tolist()
+        return out
+
     # ------------------------------------------------------------------ step protocol
     def propose_trees(
         self,
@@ -271,6 +286,8 @@ class TreeDrafter:
         drafting = []
         for i, r in enumerate(req_ids):
             self.pending.pop(r, None)  # the batch's old trees are gone: a new one or none
+            if self.reorders:
+                self.reorders.pop(r, None)
             if sampled_token_ids[i] and eligible[i] and r not in self.disabled:
                 if chains or self.skip.get(r, 0) <= 0:
                     drafting.append(i)
@@ -377,6 +394,8 @@ class TreeDrafter:
                 if drafts:
                     raise RuntimeError(f"request {r}: {len(drafts)} drafts scheduled but no tree pending")
                 continue
+            if self.reorders and (kept := self.reorders.pop(r, None)) is not None:
+                entry = _kept_first(*entry, kept)
             rows.append(i)
             entries.append(entry)
             lists.append(drafts)
@@ -567,6 +586,23 @@ class TreeDrafter:
 
     def _forget_pending(self, req_id: str) -> None:
         self.pending.pop(req_id, None)
+        self.reorders.pop(req_id, None)
+
+
+def _kept_first(proposal: _Proposal, k: int, kept: list[int]) -> tuple[_Proposal, int]:
+    """Tree ``k`` of ``proposal`` as a proposal of its own, its ``kept`` draft nodes (local
+    indices, ascending, ancestor-closed) first and the others after them, each group in its old
+    order (parents still precede children): the scheduled drafts of a grammar-pruned tree are a
+    prefix of it. Draft nodes ``[1, 2, 3]``, kept ``[2]`` -> node order ``[0, 2, 1, 3]``."""
+    tree = proposal.trees.select([k])
+    n = tree.num_nodes
+    mask = np.zeros(n, bool)
+    mask[0] = True
+    mask[np.asarray(kept, np.int64)] = True
+    order = np.concatenate([np.flatnonzero(mask), np.flatnonzero(~mask)])
+    probs = None if proposal.probs is None else proposal.probs[proposal.trees.offsets[k] + order]
+    one = np.array([k])
+    return _Proposal(tree.permuted(order), probs, proposal.prev_roots[one], proposal.modes[one], proposal.chains), 0
 
 
 def _first_mismatch(trees: FlatTrees, flat: list) -> int:

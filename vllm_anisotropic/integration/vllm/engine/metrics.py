@@ -248,6 +248,8 @@ _BUDGET_COUNTERS = {
                                  "expected accepted drafts of the nodes within vLLM's caps the allocator did not keep"),
     "budget_predicted_accepted": ("predicted_accepted", "accepted drafts the acceptance model predicted for the kept nodes"),
     "budget_realized_accepted": ("realized_accepted", "accepted drafts in the same steps"),
+    "grammar_pruned_nodes": ("grammar_pruned_nodes",
+                             "offered draft nodes dropped before verification because the request's grammar rejects them"),
 }
 
 

@@ -24,7 +24,8 @@ Scope: the per-step glue (shared/notes/vllm-0.32-spec-decode-map.md sections 2-3
 Tree eligibility (``ineligible_reason``): a request gets trees when its next token is the argmax
 of its edited logits (bias, allowed tokens, bad words, min_tokens, penalties: ``RowEdits``), or
 sampled from softmax(logits / temperature) under top-k / top-p of them (verified by the
-sampling verifier); a grammar (structured output) decodes without drafts, exactly as vLLM would.
+sampling verifier); a grammar (structured output) prunes the trees and masks every tree row in
+the scheduler (``tree_grammar.py``): the runner sends each such tree's parents with its drafts.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def ineligible_reason(sampling_params, sampling_trees: bool = False, logprobs_tr
     request's edits (``logit_bias``, ``allowed_token_ids``, bad words, ``min_tokens``,
     penalties, sampled ``min_p``: the tree sampler applies them to every tree row, each row with
     the output before it, ``RowEdits``; greedy ``min_p`` leaves the argmax alone, as vLLM applies
-    it to sampled rows only). A grammar (structured output) decodes without drafts, through
-    vLLM's own sampler. Logprobs keep trees when ``logprobs_trees`` (vLLM's ``logprobs_mode`` is
+    it to sampled rows only). A grammar (structured output) keeps trees: the scheduler prunes
+    them by the grammar and masks every tree row (``tree_grammar.py``). Logprobs keep trees when ``logprobs_trees`` (vLLM's ``logprobs_mode`` is
     raw: the tree sampler reports each emitted token's from the row that predicted it)."""
     sp = sampling_params
     if sp is None:
@@ -119,8 +120,6 @@ def ineligible_reason(sampling_params, sampling_trees: bool = False, logprobs_tr
         return "sampled"
     if sp.logprobs is not None and not logprobs_trees:
         return "logprobs"
-    if getattr(sp, "structured_outputs", None) is not None:
-        return "structured_output"
     return None
 
 
@@ -268,6 +267,7 @@ class TreeRunnerMixin:
         self._tree_plan: TreePlan | None = None
         self._kv_mover: KVMover | None = None  # K/V slot moves after acceptance (kv_moves.py)
         self._eligible_cache: dict[str, bool] = {}  # req_id -> gets trees (dropped on finish)
+        self._structured: set[str] = set()  # tree requests with a grammar (their trees' parents go to the scheduler)
         self.row_edits: dict[str, RowEdits] = {}  # tree requests with logit_bias / allowed_token_ids
         self._propose_s = 0.0  # seconds drafting since the last output (sent as tree_propose_s)
 
@@ -308,8 +308,12 @@ class TreeRunnerMixin:
             self.drafter.drop(req_id, self._context(req_id))
             self._eligible_cache.pop(req_id, None)
             self.row_edits.pop(req_id, None)
+            self._structured.discard(req_id)
         for req_id in sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()):
             self.drafter.drop_tree(req_id)
+        kept = getattr(scheduler_output, "tree_kept", None)
+        if kept:  # grammar-pruned trees (scheduler.TreeScheduler, tree_grammar.py)
+            self.drafter.reorders.update(kept)
         for stage, ids in getattr(scheduler_output, "tree_faults", None) or ():
             # contained in the scheduler (scheduler.TreeScheduler._budget): counted here, with the rest
             self.drafter.contain(stage, [r for r in ids if r in self.requests])
@@ -413,8 +417,11 @@ class TreeRunnerMixin:
             if reason is not None:
                 counts = self.drafter.metrics.without_trees
                 counts[reason] = counts.get(reason, 0) + 1
-            elif (edits := RowEdits.of(sp)) is not None:
-                self.row_edits[req_id] = edits
+            else:
+                if (edits := RowEdits.of(sp)) is not None:
+                    self.row_edits[req_id] = edits
+                if getattr(sp, "structured_outputs", None) is not None:
+                    self._structured.add(req_id)
         return ok
 
     def take_tree_step(self) -> StepTrees | None:
@@ -462,6 +469,10 @@ class TreeRunnerMixin:
             out.tree_probs = self.drafter.pending_probs(out.req_ids)
             # leading chain of each pending tree: cuts inside it need no masked tree attention
             out.tree_chains = self.drafter.pending_chains(out.req_ids)
+        if out is not None and self._structured:
+            # the scheduler prunes these trees by their grammars and masks each node's row
+            # (scheduler.TreeScheduler.update_draft_token_ids, tree_grammar.py)
+            out.tree_parents = self.drafter.pending_parents([r for r in out.req_ids if r in self._structured])
         self.host_clock.add("reply", time.perf_counter() - t0)
         return out
 

@@ -5,6 +5,9 @@ lists of the running requests are cut once per step, before vLLM schedules them;
 measured time and outcome refine the allocator's models; the next step's drafts arrive with
 the step's output (one RPC per step, ``patches.py`` patch 6).
 
+Structured outputs: the trees of requests with a grammar are pruned by it when they arrive, and
+each scheduled node's logits row gets the grammar mask of its own path (``tree_grammar.py``).
+
 KV after tree acceptance needs nothing here: vLLM's own rollback (``num_computed_tokens -=
 rejected``) leaves ``root + 1 .. root + a`` computed, and the worker has already moved the
 accepted nodes' K/V to exactly those slots before replying (``kv_moves.py``), so nothing is
@@ -16,9 +19,12 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import DraftTokenIds
 
 from vllm_anisotropic.integration.vllm.engine.faults import report
+from vllm_anisotropic.integration.vllm.engine.tree_grammar import TreeGrammars
 from vllm_anisotropic.integration.vllm.frontdoor.config import request_tree_options
 
 __all__ = ["TreeScheduler"]
@@ -42,6 +48,8 @@ class TreeScheduler(Scheduler):
         # req_id -> its extra_args "tree_max_nodes" (> 0), or 0 after a contained allocator fault
         self.node_caps: dict[str, int] = {}
         self._faults: list[tuple[str, list[str]]] = []  # contained faults the workers hear of next step
+        self.grammars = TreeGrammars()  # pruned trees of structured-output requests (tree_grammar.py)
+        self._node_bitmask = None  # [num_speculative_tokens, vocab_size / 32] int32, the node rows' buffer
         self.budget = BatchBudget(vllm_config.scheduler_config, vllm_config.model_config,
                                   spec.num_speculative_tokens, tree.engine, stats_path=budget_stats_path(),
                                   chains=tree.chain_steps)
@@ -73,6 +81,11 @@ class TreeScheduler(Scheduler):
         self._budget("on_scheduled", out)
         if self._faults:  # pickled to every worker (runner._update_states counts them)
             out.tree_faults, self._faults = self._faults, []
+        if self.grammars.trees:  # requests that left
+            for req_id in [r for r in self.grammars.trees if r not in self.requests]:
+                self.grammars.forget(req_id)
+        if self.grammars.reorders:  # pruned trees whose kept nodes the workers move to the front
+            out.tree_kept, self.grammars.reorders = self.grammars.reorders, {}
         # what the workers draft after this step: PLAIN (nothing) while the measured gate keeps
         # the next step plain, TREE or CHAIN (budget.BatchBudget.cut decides one step ahead);
         # pickled with the output
@@ -102,8 +115,58 @@ class TreeScheduler(Scheduler):
             self._faults.append(("allocator", ids))
 
     def update_draft_token_ids(self, draft_token_ids, *args, **kwargs):
+        # trees of structured-output requests: pruned by their grammar first (the allocator ranks
+        # what is left), then set as they are; vLLM's validate_tokens would read them as a chain
+        tree_parents = getattr(draft_token_ids, "tree_parents", None)
+        mine = []
+        if tree_parents:
+            for i, req_id in enumerate(draft_token_ids.req_ids):
+                r = self.requests.get(req_id)
+                if req_id in tree_parents and r is not None and not r.is_finished() and not r.is_prefill_chunk:
+                    dropped = self.grammars.prune(self.structured_output_manager, r, draft_token_ids, i)
+                    self.budget.metrics.grammar_pruned_nodes += dropped
+                    mine.append(i)
         self._budget("on_draft_ids", draft_token_ids)
-        return super().update_draft_token_ids(draft_token_ids, *args, **kwargs)
+        if not mine:
+            return super().update_draft_token_ids(draft_token_ids, *args, **kwargs)
+        for i in mine:
+            self.requests[draft_token_ids.req_ids[i]].spec_token_ids = draft_token_ids.draft_token_ids[i]
+        skip = set(mine)
+        keep = [i for i in range(len(draft_token_ids.req_ids)) if i not in skip]
+        rest = DraftTokenIds([draft_token_ids.req_ids[i] for i in keep], [draft_token_ids.draft_token_ids[i] for i in keep])
+        return super().update_draft_token_ids(rest, *args, **kwargs)
+
+    def get_grammar_bitmask(self, scheduler_output):
+        """vLLM's grammar bitmask, with the rows of tree requests' draft nodes filled from each
+        node's own path (``tree_grammar.TreeGrammars.node_rows``); vLLM fills the root row."""
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        trees = [r for r, drafts in spec.items() if drafts and r in self.grammars.trees]
+        if not trees:
+            return super().get_grammar_bitmask(scheduler_output)
+        hidden = set(trees)
+        scheduler_output.scheduled_spec_decode_tokens = {r: d for r, d in spec.items() if r not in hidden}
+        try:
+            out = super().get_grammar_bitmask(scheduler_output)  # the tree requests' root rows only
+        finally:
+            scheduler_output.scheduled_spec_decode_tokens = spec
+        if out is None:
+            return None
+        if self._node_bitmask is None:
+            self._node_bitmask = self.structured_output_manager.backend.allocate_token_bitmask(
+                max(1, self.vllm_config.speculative_config.num_speculative_tokens))
+        rows, at, parts = out.grammar_bitmask, 0, []
+        for req_id in out.structured_output_request_ids:
+            drafts = spec.get(req_id, ())
+            if req_id in hidden:
+                parts.append(rows[at:at + 1])
+                parts.append(self.grammars.node_rows(self.requests[req_id], drafts, self._node_bitmask))
+                at += 1
+            else:
+                parts.append(rows[at:at + 1 + len(drafts)])
+                at += 1 + len(drafts)
+        out.grammar_bitmask = np.concatenate(parts)
+        out.num_acceptable_drafts = [len(spec.get(r, ())) for r in out.structured_output_request_ids]
+        return out
 
     def update_from_output(self, scheduler_output, model_runner_output):
         self._budget("on_output", scheduler_output, model_runner_output)

@@ -74,6 +74,15 @@ METHODS: dict[str, tuple[str, ...]] = {
     "vllm.v1.core.sched.scheduler:Scheduler.add_request": ("self", "request"),
     "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": ("self", "scheduler_output", "model_runner_output"),
     "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids": ("self", "draft_token_ids"),
+    # tree_grammar.py: structured-output trees pruned and masked per node (the root row is vLLM's)
+    "vllm.v1.core.sched.scheduler:Scheduler.get_grammar_bitmask": ("self", "scheduler_output"),
+    "vllm.v1.structured_output:StructuredOutputManager._get_constraint_bounds": ("self", "request", "spec_tokens"),
+    "vllm.v1.structured_output.backend_types:StructuredOutputGrammar.accept_tokens": ("self", "request_id", "tokens"),
+    "vllm.v1.structured_output.backend_types:StructuredOutputGrammar.validate_tokens": ("self", "tokens"),
+    "vllm.v1.structured_output.backend_types:StructuredOutputGrammar.rollback": ("self", "num_tokens"),
+    "vllm.v1.structured_output.backend_types:StructuredOutputGrammar.fill_bitmask": ("self", "bitmask", "batch_index"),
+    "vllm.v1.structured_output.backend_types:StructuredOutputGrammar.is_terminated": ("self",),
+    "vllm.v1.structured_output.backend_types:StructuredOutputBackend.allocate_token_bitmask": ("self", "max_num_seqs"),
     # Not overridden, relied on: vLLM's update_from_output rolls back the rejected drafts, appends
     # the emitted tokens (_update_request_with_output) and, from 0.33 on, commits the request's
     # full blocks to the prefix cache at once (cache_blocks). Right for trees because the worker
@@ -107,6 +116,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
         "finished_req_ids", "preempted_req_ids"),
     "vllm.v1.outputs:ModelRunnerOutput": ("req_id_to_index", "sampled_token_ids"),
     "vllm.v1.outputs:DraftTokenIds": ("req_ids", "draft_token_ids"),
+    "vllm.v1.core.sched.output:GrammarOutput": ("structured_output_request_ids", "grammar_bitmask",
+                                                "num_acceptable_drafts"),
     "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("num_draft_tokens", "cu_num_sampled_tokens", "bonus_logits_indices"),
     "vllm.v1.sample.metadata:SamplingMetadata": ("temperature", "top_k", "top_p"),
     "vllm.sampling_params:SamplingParams": ("logit_bias", "allowed_token_ids", "min_p", "extra_args"),
@@ -122,7 +133,10 @@ CLASS_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "vllm.v1.executor.multiproc_executor:WorkerProc": ("worker",),
     # budget.BatchBudget.cut and scheduler.TreeScheduler read the scheduler's running requests
     "vllm.v1.request:Request": ("request_id", "spec_token_ids", "num_tokens", "num_computed_tokens",
-                                "num_prompt_tokens", "cache_salt", "sampling_params"),
+                                "num_prompt_tokens", "cache_salt", "sampling_params", "structured_output_request",
+                                "is_prefill_chunk", "is_finished"),
+    # scheduler.TreeScheduler.get_grammar_bitmask allocates the node rows' buffer from the backend
+    "vllm.v1.structured_output:StructuredOutputManager": ("backend",),
     # runner.TreeRunnerMixin.move_kv reads the step's slot mapping of KV cache group 0
     "vllm.v1.worker.block_table:BlockTable": ("slot_mapping",),
 }
