@@ -40,9 +40,11 @@ THRESHOLD = 4.0
 
 def processed_probs(logits, temperature: float, top_p: float | None = None, top_k: int | None = None,
                     min_p: float | None = None, logit_bias: dict[int, float] | None = None,
-                    candidates: int = 256):
+                    candidates: int = 256, allowed=None):
     """Probabilities vLLM 0.32's sampler draws a token from, given float32 ``logits``
-    ``[num_rows, vocab_size]``, in its order: logit bias (a logits processor), temperature, min_p
+    ``[num_rows, vocab_size]``, in its order: the structured-output grammar's mask (``allowed``
+    ``[num_rows, vocab_size]`` bool, applied by the runner before the sampler), logit bias (a
+    logits processor), temperature, min_p
     (argmax-invariant, on the tempered probabilities: tokens below ``min_p`` times the largest go),
     then top-k / top-p with ``apply_top_k_top_p``'s rule: top-k keeps the tokens at least as
     likely as the k-th; top-p sorts ascending and drops every token whose cumulative
@@ -56,6 +58,8 @@ def processed_probs(logits, temperature: float, top_p: float | None = None, top_
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
     logits = logits.float().clone()
+    if allowed is not None:
+        logits[~torch.as_tensor(allowed)] = -float("inf")
     for token, bias in (logit_bias or {}).items():
         logits[:, int(token)] += bias
     logits /= temperature
@@ -123,29 +127,32 @@ class LawCheck:
 
 
 def check_outputs(model_dir: str | Path, prompt_ids: list[list[int]], outputs: list[list[int]],
-                  rows_per_chunk: int = 32, **sampling) -> tuple[LawCheck, LawCheck]:
+                  rows_per_chunk: int = 32, masks=None, **sampling) -> tuple[LawCheck, LawCheck]:
     """``LawCheck`` of the most likely and of the second most likely token for sampled ``outputs``
     (one per prompt of ``prompt_ids``) against the law the target gives each of their prefixes;
-    ``sampling``: ``processed_probs``' keywords."""
+    ``masks``: per output, its grammar's ``[len(output), vocab_size]`` bool allowed tokens (a
+    structured output), or None; ``sampling``: ``processed_probs``' keywords."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tops, hits = [], []
-    pairs = [(p, o) for p, o in zip(prompt_ids, outputs) if o]
+    masks = [None] * len(outputs) if masks is None else masks
+    pairs = [(p, o, m) for p, o, m in zip(prompt_ids, outputs, masks) if o]
     with torch.inference_mode():
         for start in range(0, len(pairs), rows_per_chunk):
             chunk = pairs[start:start + rows_per_chunk]
-            width = max(len(p) + len(o) - 1 for p, o in chunk)
+            width = max(len(p) + len(o) - 1 for p, o, _ in chunk)
             # right padding: a causal model's logits at a position never read later positions
             ids = torch.zeros((len(chunk), width), dtype=torch.long)
-            for i, (p, o) in enumerate(chunk):
+            for i, (p, o, _) in enumerate(chunk):
                 seq = p + o[:-1]
                 ids[i, :len(seq)] = torch.tensor(seq)
             hidden = model.model(input_ids=ids).last_hidden_state  # [rows, width, hidden]
-            rows = [hidden[i, len(p) - 1:len(p) - 1 + len(o)] for i, (p, o) in enumerate(chunk)]
-            probs = processed_probs(model.lm_head(torch.cat(rows)), **sampling)  # [tokens, vocab_size]
-            emitted = torch.tensor([t for _, o in chunk for t in o])
+            rows = [hidden[i, len(p) - 1:len(p) - 1 + len(o)] for i, (p, o, _) in enumerate(chunk)]
+            allowed = None if chunk[0][2] is None else torch.from_numpy(np.concatenate([m for _, _, m in chunk]))
+            probs = processed_probs(model.lm_head(torch.cat(rows)), allowed=allowed, **sampling)  # [tokens, vocab_size]
+            emitted = torch.tensor([t for _, o, _ in chunk for t in o])
             top, arg = probs.topk(2, dim=-1)  # [tokens, 2]
             tops.append(top.double().numpy())
             hits.append((arg == emitted[:, None]).numpy())
@@ -153,13 +160,36 @@ def check_outputs(model_dir: str | Path, prompt_ids: list[list[int]], outputs: l
     return LawCheck(top=top[:, 0], hit=hit[:, 0]), LawCheck(top=top[:, 1], hit=hit[:, 1])
 
 
-def law_z(model_dir: str | Path, result, power: bool = True, **sampling) -> list[float]:
+def law_z(model_dir: str | Path, result, power: bool = True, masks=None, **sampling) -> list[float]:
     """|z| of the top and of the second token for an offline job's ``result`` (its first
     completions) against the exact law of ``model_dir`` under ``sampling`` (``processed_probs``'
-    keywords); prints the summary; asserts the stated power (>= 0.9 against a 5 % bias) when
-    ``power``."""
-    top, second = check_outputs(model_dir, result.prompt_token_ids, [r[0] for r in result.token_ids], **sampling)
+    keywords; ``masks``: ``check_outputs``'); prints the summary; asserts the stated power (>= 0.9
+    against a 5 % bias) when ``power``."""
+    top, second = check_outputs(model_dir, result.prompt_token_ids, [r[0] for r in result.token_ids], masks=masks,
+                                **sampling)
     print(f"exact law: top {top.summary()}; second z {second.z:+.2f}")
     if power:
         assert top.power() >= 0.9, top.summary()  # the run is informative enough for the stated power
     return [abs(top.z), abs(second.z)]
+
+
+def grammar_masks(model_dir: str | Path, regex: str, outputs: list[list[int]]) -> list[np.ndarray]:
+    """Per output, ``[len(output), vocab_size]`` bool: the tokens a ``regex`` structured output
+    allows before each of its tokens (xgrammar, vLLM's default backend, over the model's
+    tokenizer; the output's own tokens accepted one by one)."""
+    import xgrammar as xgr
+    from transformers import AutoConfig, AutoTokenizer
+
+    vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(model_dir)), vocab_size=vocab)
+    compiled = xgr.GrammarCompiler(info).compile_regex(regex)
+    out = []
+    for output in outputs:
+        matcher = xgr.GrammarMatcher(compiled)
+        bits = xgr.allocate_token_bitmask(max(len(output), 1), vocab)
+        for i, token in enumerate(output):
+            matcher.fill_next_token_bitmask(bits, i)
+            assert matcher.accept_token(token), (i, token)  # every emitted token obeys the grammar
+        # bit b of int32 word w is token 32 w + b (little-endian bytes, bits least significant first)
+        out.append(np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")[:len(output), :vocab].astype(bool))
+    return out

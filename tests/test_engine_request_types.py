@@ -165,8 +165,8 @@ def test_every_request_type_is_served_exactly_with_trees_where_the_law_allows(se
     data = json.loads(stats.read_text())
     assert data["without_trees"] == REASONS, data["without_trees"]
     # the grammars pruned draft nodes before verification (scheduler.TreeScheduler, tree_grammar.py)
-    pruned = json.loads((tmp_path / "tree_stats.json.budget").read_text())["grammar_pruned_nodes"]
-    assert pruned > 0, pruned
+    budget = json.loads((tmp_path / "tree_stats.json.budget").read_text())
+    assert budget["grammar_pruned_nodes"] > 0 and budget["grammar_reordered_trees"] > 0, budget
     # the requests that keep trees had them and accepted drafts (traces by request id "<i>-...")
     traced = {int(r.split("-")[0]): steps for r, steps in data["requests"].items()}
     expected = {i for i, (_, _, trees) in enumerate(KINDS) if trees}

@@ -176,6 +176,32 @@ def test_the_law_test_detects_a_temperature_change(law_job):
     assert exact_law_z(job, b, power=False)[0] >= 4.0  # the T 0.9 samples judged by the T 0.8 law
 
 
+STRUCTURED_REGEX = r"((cat|dog) (runs|sleeps)\. ){2,8}"
+
+
+def test_structured_sampled_trees_follow_the_masked_law(law_job):
+    """Sampled structured-output requests (a regex) with trees, verified by one-hot SpecInfer
+    (``sampling_verifier: deterministic``: plain vLLM's law, not its tokens; the default ``nss``
+    emits plain's very tokens, test_engine_request_types.py): every token follows the target's
+    law masked by the grammar state of its own prefix (``tree_grammar.py``), judged by the exact
+    law with the grammar's masks (stated power asserted); the same samples judged without the
+    masks must fail. The grammar allows many tokenizations of its words, so most rows hold a
+    choice (evidence), not one forced token."""
+    from exact_law import grammar_masks
+
+    job, _ = law_job
+    n = N // 2
+    trees = {**FIXED_TREES, "sampling_verifier": "deterministic"}
+    structured = job.model_copy(update={"prompts": job.prompts[:n], "per_prompt": [
+        {"structured_outputs": {"regex": STRUCTURED_REGEX}}] * n, "speculative_config": trees, "seed": 3_000_000})
+    spec = run_offline_job(structured)
+    assert spec.spec.num_accepted_tokens > 100, spec.spec
+    outs = [r[0] for r in spec.token_ids]
+    masks = grammar_masks(job.model, STRUCTURED_REGEX, outs)  # asserts every token obeys the grammar
+    assert max(exact_law_z(job, spec, masks=masks)) < 4.0
+    assert max(exact_law_z(job, spec, power=False)) >= 4.0  # judged without the grammar, the law is another
+
+
 def test_n2_sampled_children_with_trees(tiny_prompts):
     from vllm_anisotropic.models import build_tiny_model
 

@@ -37,7 +37,12 @@ NO_CHUNKED_PREFILL = {"max_num_seqs": 32, "max_num_batched_tokens": 8192}
 def job(tiny_prompts):
     from vllm_anisotropic.models import build_tiny_model
 
-    return OfflineJob(model=str(build_tiny_model(block_std=0.1)), prompts=tiny_prompts[:6], max_tokens=32, llm_kwargs=TP2)
+    # two structured-output requests: their grammar-pruned trees are reordered on both ranks alike
+    # (the scheduler's tree_kept reaches every worker)
+    structured = [{}] * 4 + [{"structured_outputs": {"regex": "((cat|dog) (runs|sleeps)\\. ){2,8}"}},
+                             {"structured_outputs": {"grammar": 'root ::= item (", " item){6,12}\nitem ::= "x" [0-9] | "yy"'}}]
+    return OfflineJob(model=str(build_tiny_model(block_std=0.1)), prompts=tiny_prompts[:6], max_tokens=32, llm_kwargs=TP2,
+                      per_prompt=structured)
 
 
 def test_tp2_greedy_trees_identical_to_tp2_plain(job, tmp_path):
@@ -48,6 +53,8 @@ def test_tp2_greedy_trees_identical_to_tp2_plain(job, tmp_path):
     assert m["branching_trees"] > 0 and m["accepted_branch_nodes"] > 0, m  # real trees, not chains
     assert spec.spec.num_accepted_tokens > 0
     assert plain.token_ids == spec.token_ids
+    budget = json.loads(stats.with_name(stats.name + ".budget").read_text())
+    assert budget["grammar_pruned_nodes"] > 0 and budget["grammar_reordered_trees"] > 0, budget
 
 
 def test_tp2_sampled_trees_keep_ranks_in_step_and_the_law(tiny_prompts):

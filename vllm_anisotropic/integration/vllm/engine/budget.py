@@ -92,6 +92,7 @@ class BudgetMetrics:
     cost_abs_rel_err: float = 0.0  # sum of |predicted - measured| / measured step seconds
     last_budget: int = 0  # tree rows kept in the latest step
     grammar_pruned_nodes: int = 0  # offered draft nodes a structured-output grammar rejected (tree_grammar.py)
+    grammar_reordered_trees: int = 0  # of the pruned trees, those whose kept nodes the workers moved to the front
     last_predicted_speedup: float = 1.0
 
     def summary_line(self) -> str:

@@ -50,6 +50,7 @@ class TreeScheduler(Scheduler):
         self._faults: list[tuple[str, list[str]]] = []  # contained faults the workers hear of next step
         self.grammars = TreeGrammars()  # pruned trees of structured-output requests (tree_grammar.py)
         self._node_bitmask = None  # [num_speculative_tokens, vocab_size / 32] int32, the node rows' buffer
+        self._max_drafts = int(spec.num_speculative_tokens)
         self.budget = BatchBudget(vllm_config.scheduler_config, vllm_config.model_config,
                                   spec.num_speculative_tokens, tree.engine, stats_path=budget_stats_path(),
                                   chains=tree.chain_steps)
@@ -86,6 +87,7 @@ class TreeScheduler(Scheduler):
                 self.grammars.forget(req_id)
         if self.grammars.reorders:  # pruned trees whose kept nodes the workers move to the front
             out.tree_kept, self.grammars.reorders = self.grammars.reorders, {}
+            self.budget.metrics.grammar_reordered_trees += len(out.tree_kept)
         # what the workers draft after this step: PLAIN (nothing) while the measured gate keeps
         # the next step plain, TREE or CHAIN (budget.BatchBudget.cut decides one step ahead);
         # pickled with the output
@@ -152,20 +154,29 @@ class TreeScheduler(Scheduler):
         if out is None:
             return None
         if self._node_bitmask is None:
-            self._node_bitmask = self.structured_output_manager.backend.allocate_token_bitmask(
-                max(1, self.vllm_config.speculative_config.num_speculative_tokens))
-        rows, at, parts = out.grammar_bitmask, 0, []
-        for req_id in out.structured_output_request_ids:
-            drafts = spec.get(req_id, ())
-            if req_id in hidden:
-                parts.append(rows[at:at + 1])
-                parts.append(self.grammars.node_rows(self.requests[req_id], drafts, self._node_bitmask))
-                at += 1
-            else:
-                parts.append(rows[at:at + 1 + len(drafts)])
-                at += 1 + len(drafts)
-        out.grammar_bitmask = np.concatenate(parts)
-        out.num_acceptable_drafts = [len(spec.get(r, ())) for r in out.structured_output_request_ids]
+            self._node_bitmask = self.structured_output_manager.backend.allocate_token_bitmask(max(1, self._max_drafts))
+        ids, rows = out.structured_output_request_ids, out.grammar_bitmask
+        nodes = {r: self.grammars.node_rows(self.requests[r], spec[r], self._node_bitmask) for r in ids if r in hidden}
+        stride = self._max_drafts + 1
+        if self._max_drafts and rows.shape[0] == len(ids) * stride and rows.shape[0] != sum(
+                1 + len(spec.get(r, ())) * (r not in hidden) for r in ids):
+            # vLLM 0.33: each request owns a block of 1 + num_speculative_tokens rows (root first)
+            rows = rows.copy()
+            for k, r in enumerate(ids):
+                if r in nodes:
+                    rows[k * stride + 1:k * stride + 1 + len(nodes[r])] = nodes[r]
+        else:
+            # vLLM 0.32: 1 + (scheduled drafts) rows per request, back to back (root first)
+            parts, at = [], 0
+            for r in ids:
+                width = 1 if r in nodes else 1 + len(spec.get(r, ()))
+                parts.append(rows[at:at + width])
+                if r in nodes:
+                    parts.append(nodes[r])
+                at += width
+            rows = np.concatenate(parts)
+        out.grammar_bitmask = rows
+        out.num_acceptable_drafts = [len(spec.get(r, ())) for r in ids]
         return out
 
     def update_from_output(self, scheduler_output, model_runner_output):
