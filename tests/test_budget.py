@@ -158,6 +158,7 @@ def _bare_drafter(max_backoff=16, **attrs):
 
     d = object.__new__(TreeDrafter)
     d.acceptance, d.pending, d.zero_streak, d.skip, d.kept_mark = object(), {}, {}, {}, {}
+    d.reorders = {}
     d.max_backoff = max_backoff
     for name, value in attrs.items():
         setattr(d, name, value)
@@ -285,7 +286,7 @@ def test_drafter_learns_from_trees_the_allocator_cut():
 
     d = object.__new__(TreeDrafter)
     d.acceptance = AcceptanceModel(AcceptanceConfig(refit_every=1))
-    d.unlabelled, d.label_depth = {}, 8
+    d.unlabelled, d.label_depth, d.reorders = {}, 8, {}
     spine = DraftTree(tokens=[0, 7, 8, 9], parents=[-1, 0, 1, 2], sources=[0, 1, 1, 1], values=[1, 0.1, 0.01, 0.001])
     flat = FlatTrees.from_trees([DraftTree.chain([5], root_token=3), spine])  # the spine is tree 1
     before = d.acceptance.predict([1, 1, 1], [1, 2, 3], spine.values[1:])
@@ -385,7 +386,7 @@ def test_harvest_runs_later_with_the_bigram_key_of_its_own_step():
 
     d = object.__new__(TreeDrafter)
     d.proposer = get_proposer("goose", vocab_size=vocab)
-    d.states, d._deferred, d.metrics, d.host_clock = {}, [], TreeMetrics(), HostClock()
+    d.states, d._deferred, d.metrics, d.host_clock, d.reorders = {}, [], TreeMetrics(), HostClock(), {}
     d.sink = SimpleNamespace(trace=False, tick=lambda force=False: None)
     state = d.states["r"] = d.proposer.new_request()
     assert state.propose(context).tokens.tolist() == tree.tokens.tolist()
@@ -465,7 +466,7 @@ def test_a_failing_harvest_turns_trees_off_for_its_requests_only(caplog):
     d = object.__new__(TreeDrafter)
     d.proposer = get_proposer("goose", vocab_size=16)
     d.states = {r: d.proposer.new_request() for r in "ab"}
-    d._deferred, d.metrics, d.host_clock, d.disabled = [], TreeMetrics(), HostClock(), set()
+    d._deferred, d.metrics, d.host_clock, d.disabled, d.reorders = [], TreeMetrics(), HostClock(), set(), {}
     d.sink = SimpleNamespace(trace=False, tick=lambda force=False: None)
     trees = FlatTrees.from_trees([DraftTree.chain([3], root_token=2), DraftTree.chain([5], root_token=4)])
 

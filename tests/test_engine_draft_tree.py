@@ -50,7 +50,11 @@ def pair():
 
 @pytest.fixture(scope="module")
 def greedy_plain(pair, tiny_prompts):
-    job = OfflineJob(model=pair[0], prompts=tiny_prompts, max_tokens=48, llm_kwargs=ENGINE)
+    # two structured outputs: draft-model trees pruned by the grammar, masked per node (tree_grammar.py)
+    structured = [{}] * (len(tiny_prompts) - 2) + [
+        {"structured_outputs": {"regex": r"((cat|dog) (runs|sleeps)\. ){2,8}"}},
+        {"structured_outputs": {"grammar": 'root ::= item (", " item){6,12}\nitem ::= "x" [0-9] | "yy"'}}]
+    job = OfflineJob(model=pair[0], prompts=tiny_prompts, max_tokens=48, llm_kwargs=ENGINE, per_prompt=structured)
     return job, run_offline_job(job)
 
 

@@ -69,6 +69,24 @@ def test_which_requests_get_trees(kw, sampling_trees, reason):
     assert ineligible_reason(_params(**kw), sampling_trees) == reason
 
 
+def test_structured_outputs_keep_trees_unless_sampled_from_a_draft_law():
+    """Grammar-pruned trees (tree_grammar.py): greedy and sampled structured requests keep trees;
+    sampled ones lose them where pruning would bias the draft law a verifier reads (draft-model
+    trees under SpecTr, Khisti, ...: ``sampled_grammar_trees`` off)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_anisotropic.integration.vllm.engine.runner import ineligible_reason
+
+    regex = StructuredOutputsParams(regex="(ab)+")
+    greedy = SamplingParams(temperature=0.0, structured_outputs=regex)
+    sampled = SamplingParams(temperature=0.8, structured_outputs=regex)
+    assert ineligible_reason(greedy, True) is None and ineligible_reason(sampled, True) is None
+    assert ineligible_reason(greedy, True, sampled_grammar_trees=False) is None
+    assert ineligible_reason(sampled, True, sampled_grammar_trees=False) == "structured_output"
+    assert ineligible_reason(_params(temperature=0.8), True, sampled_grammar_trees=False) is None
+
+
 def test_logprobs_keep_trees_only_in_raw_modes():
     from vllm_anisotropic.integration.vllm.engine.runner import ineligible_reason
 

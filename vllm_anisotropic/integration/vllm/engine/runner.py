@@ -100,7 +100,8 @@ def node_masks(trees: FlatTrees, index: np.ndarray) -> list[np.ndarray]:
     return out
 
 
-def ineligible_reason(sampling_params, sampling_trees: bool = False, logprobs_trees: bool = True) -> str | None:
+def ineligible_reason(sampling_params, sampling_trees: bool = False, logprobs_trees: bool = True,
+                      sampled_grammar_trees: bool = True) -> str | None:
     """Why a request decodes without trees (a label of ``tree_requests_without_trees``), or
     None when it gets them: its next token is ``argmax`` (greedy) or, with ``sampling_trees``,
     a sample of softmax(logits / temperature) under top-k / top-p, of the logits after the
@@ -108,7 +109,10 @@ def ineligible_reason(sampling_params, sampling_trees: bool = False, logprobs_tr
     penalties, sampled ``min_p``: the tree sampler applies them to every tree row, each row with
     the output before it, ``RowEdits``; greedy ``min_p`` leaves the argmax alone, as vLLM applies
     it to sampled rows only). A grammar (structured output) keeps trees: the scheduler prunes
-    them by the grammar and masks every tree row (``tree_grammar.py``). Logprobs keep trees when ``logprobs_trees`` (vLLM's ``logprobs_mode`` is
+    them by the grammar and masks every tree row (``tree_grammar.py``); not for sampled requests
+    when ``sampled_grammar_trees`` is off (draft-model trees verified with their draft law q:
+    pruning sampled branches by their tokens would leave branches that are no longer draws
+    from q). Logprobs keep trees when ``logprobs_trees`` (vLLM's ``logprobs_mode`` is
     raw: the tree sampler reports each emitted token's from the row that predicted it)."""
     sp = sampling_params
     if sp is None:
@@ -120,6 +124,8 @@ def ineligible_reason(sampling_params, sampling_trees: bool = False, logprobs_tr
         return "sampled"
     if sp.logprobs is not None and not logprobs_trees:
         return "logprobs"
+    if not greedy and not sampled_grammar_trees and getattr(sp, "structured_outputs", None) is not None:
+        return "structured_output"
     return None
 
 
@@ -263,6 +269,9 @@ class TreeRunnerMixin:
         self._logprobs_trees = getattr(self.model_config, "logprobs_mode", "raw_logprobs") in ("raw_logprobs",
                                                                                               "raw_logits")
         self._draft_model = config.method in DRAFT_MODEL_METHODS  # proposals sample under the request's law
+        # sampled draft-model trees whose verifier reads q cannot be grammar-pruned (ineligible_reason)
+        verifier = self.rejection_sampler.sampling_verifier
+        self._sampled_grammar_trees = not (self._draft_model and verifier is not None and verifier.requires_draft_probs)
         self._tree_step: StepTrees | None = None
         self._tree_plan: TreePlan | None = None
         self._kv_mover: KVMover | None = None  # K/V slot moves after acceptance (kv_moves.py)
@@ -412,7 +421,7 @@ class TreeRunnerMixin:
         ok = self._eligible_cache.get(req_id)
         if ok is None:
             sp = self.requests[req_id].sampling_params
-            reason = ineligible_reason(sp, self._sampling_trees, self._logprobs_trees)
+            reason = ineligible_reason(sp, self._sampling_trees, self._logprobs_trees, self._sampled_grammar_trees)
             ok = self._eligible_cache[req_id] = reason is None
             if reason is not None:
                 counts = self.drafter.metrics.without_trees
