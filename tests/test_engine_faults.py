@@ -30,13 +30,13 @@ ENGINE = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 3, "max_n
 # allocator on (its hooks are a stage), gate off (so that trees run whatever this machine's speed)
 CONFIG = {"method": "goose", "budget": 8, "allocator_gate": False}
 # the call of each stage that fails, spread over the four waves of three requests
-FAULTS = "propose@8,verify@30,harvest@55,allocator@110"
+FAULTS = "propose@8,verify@30,harvest@55,allocator@110,grammar@6"
 
 
 def test_parse_injection_names_the_valid_stages():
     assert parse_injection("verify@5, propose") == {"verify": 5, "propose": 1}
     assert parse_injection(None) == {}
-    with pytest.raises(ValueError, match="valid stages: propose, allocator, verify, harvest"):
+    with pytest.raises(ValueError, match="valid stages: propose, allocator, verify, harvest, grammar"):
         parse_injection("sampler@2")
     with pytest.raises(ValueError, match="count >= 1"):
         parse_injection("verify@0")
@@ -49,6 +49,9 @@ def test_a_fault_in_each_stage_is_contained(tiny_prompts, tmp_path):
     # every other request seeded sampled (temperature 0.8, top-p 0.95), the others greedy
     per = [{"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": 300 + i}
            for i in range(12)]
+    # two structured outputs (wave 2, sampled; wave 4, greedy): their grammar-pruning is a stage
+    for i in (3, 10):
+        per[i] = {**per[i], "structured_outputs": {"regex": r"((cat|dog) (runs|sleeps)\. ){2,8}"}}
     job = OfflineJob(model=model, prompts=tiny_prompts[:12], per_prompt=per, max_tokens=40, llm_kwargs=ENGINE)
     plain = run_offline_job(job, env=IN_PROCESS)
     stats = tmp_path / "tree.json"
@@ -58,6 +61,6 @@ def test_a_fault_in_each_stage_is_contained(tiny_prompts, tmp_path):
     print(f"spec {spec.spec}; faults {tree['faults']}, requests without trees after a fault {tree['disabled_requests']}")
     differ = [i for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)) if a != b]
     assert not differ, differ
-    assert tree["faults"] == {"propose": 1, "verify": 1, "harvest": 1, "allocator": 1}
-    assert tree["disabled_requests"] >= 4  # at least one request per fault lost its trees
+    assert tree["faults"] == {"propose": 1, "verify": 1, "harvest": 1, "allocator": 1, "grammar": 1}
+    assert tree["disabled_requests"] >= 5  # at least one request per fault lost its trees
     assert spec.spec.num_accepted_tokens > 40  # trees ran (before, between and after the faults)

@@ -19,6 +19,10 @@ verify     ``TreeRejectionSampler._verify`` (worker)   each tree's token is samp
                                                        the walked requests' generators restored
                                                        first; they lose trees
 harvest    the deferred learning (worker)              nothing more to do; its requests lose trees
+grammar    ``TreeGrammars.prune`` (scheduler): a       the request's drafts are dropped (a plain
+           structured-output tree pruned by its        step for it), its grammar as it was; it
+           grammar                                     loses trees (the workers are told with the
+                                                       step: ``tree_faults``)
 =========  ==========================================  =========================================
 
 ``VLLM_ANISOTROPIC_INJECT_FAULT="stage@n[,stage@n...]"`` raises ``InjectedFault`` at the n-th
@@ -34,7 +38,7 @@ import os
 
 __all__ = ["STAGES", "INJECT_ENV", "InjectedFault", "inject", "parse_injection", "report"]
 
-STAGES = ("propose", "allocator", "verify", "harvest")
+STAGES = ("propose", "allocator", "verify", "harvest", "grammar")
 INJECT_ENV = "VLLM_ANISOTROPIC_INJECT_FAULT"
 
 

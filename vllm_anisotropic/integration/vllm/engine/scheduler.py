@@ -23,7 +23,7 @@ import numpy as np
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 
-from vllm_anisotropic.integration.vllm.engine.faults import report
+from vllm_anisotropic.integration.vllm.engine.faults import inject, report
 from vllm_anisotropic.integration.vllm.engine.tree_grammar import TreeGrammars
 from vllm_anisotropic.integration.vllm.frontdoor.config import request_tree_options
 
@@ -125,8 +125,7 @@ class TreeScheduler(Scheduler):
             for i, req_id in enumerate(draft_token_ids.req_ids):
                 r = self.requests.get(req_id)
                 if req_id in tree_parents and r is not None and not r.is_finished() and not r.is_prefill_chunk:
-                    dropped = self.grammars.prune(self.structured_output_manager, r, draft_token_ids, i)
-                    self.budget.metrics.grammar_pruned_nodes += dropped
+                    self._prune(r, draft_token_ids, i)
                     mine.append(i)
         self._budget("on_draft_ids", draft_token_ids)
         if not mine:
@@ -137,6 +136,25 @@ class TreeScheduler(Scheduler):
         keep = [i for i in range(len(draft_token_ids.req_ids)) if i not in skip]
         rest = DraftTokenIds([draft_token_ids.req_ids[i] for i in keep], [draft_token_ids.draft_token_ids[i] for i in keep])
         return super().update_draft_token_ids(rest, *args, **kwargs)
+
+    def _prune(self, request, draft_token_ids, i: int) -> None:
+        """``self.grammars.prune`` of request ``i``'s tree, contained (faults.py, stage "grammar"):
+        on an exception its drafts are dropped (the walk restores its grammar) and it gets no
+        more (a node cap of 0; the workers hear of it with the next step's output)."""
+        try:
+            inject("grammar")
+            self.budget.metrics.grammar_pruned_nodes += self.grammars.prune(
+                self.structured_output_manager, request, draft_token_ids, i)
+        except Exception:  # noqa: BLE001
+            report(logger, "grammar", [request.request_id])
+            draft_token_ids.draft_token_ids[i] = []
+            for name in ("tree_probs", "tree_chains"):
+                values = getattr(draft_token_ids, name, None)
+                if values is not None:
+                    values[i] = None if name == "tree_probs" else 0
+            self.grammars.forget(request.request_id)
+            self.node_caps[request.request_id] = 0
+            self._faults.append(("grammar", [request.request_id]))
 
     def get_grammar_bitmask(self, scheduler_output):
         """vLLM's grammar bitmask, with the rows of tree requests' draft nodes filled from each
