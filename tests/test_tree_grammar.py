@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_anisotropic.integration.vllm.engine.tree_grammar import (TreeGrammars, chain_length, prune_tree,
-                                                                    tree_bitmask_rows, walk_tree_grammar)
+from vllm_anisotropic.integration.vllm.engine.tree_grammar import (TreeGrammars, prune_tree, tree_bitmask_rows,
+                                                                    walk_tree_grammar)
+from vllm_anisotropic.tree import DraftTree, FlatTrees, chain_length
 
 REGEX = "(ab|cd|a|b)+x[0-9]{1,3}"
 
@@ -158,15 +159,13 @@ def test_scheduler_prune_and_worker_reorder_agree(grammar_factory):
     from vllm.v1.outputs import DraftTokenIds
 
     from vllm_anisotropic.integration.vllm.engine.drafter import _kept_first, _Proposal
-    from vllm_anisotropic.tree import FlatTrees
 
     make, t, vocab = grammar_factory
     g = make()
     # root "ab"; drafts: 1 zz (rejected), 2 cd, 3 ab under zz, 4 x under cd, 5 1 under x
     tokens = [t["ab"], t["zz"], t["cd"], t["ab"], t["x"], t["1"]]
     parents = [-1, 0, 0, 1, 2, 4]
-    flat = FlatTrees.from_trees([__import__("vllm_anisotropic.tree", fromlist=["DraftTree"]).DraftTree(
-        np.array(tokens), np.array(parents))])
+    flat = FlatTrees.from_trees([DraftTree(np.array(tokens), np.array(parents))])
     probs = np.array([1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
     drafts = DraftTokenIds(["r"], [tokens[1:]])
     drafts.tree_parents = {"r": parents[1:]}

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["NodeSource", "DraftTree", "FlatTrees", "TreeBatch", "pack_trees", "SOURCE_PRIORITY"]
+__all__ = ["NodeSource", "DraftTree", "FlatTrees", "TreeBatch", "pack_trees", "SOURCE_PRIORITY", "chain_length"]
 
 
 class NodeSource(enum.IntEnum):
@@ -66,6 +66,14 @@ SOURCE_PRIORITY: dict[NodeSource, int] = {
 }
 # [len(NodeSource)] the rank of each source code in the child priority order (SOURCE_PRIORITY)
 PRIORITY_BY_CODE = np.array([SOURCE_PRIORITY[NodeSource(c)] for c in range(len(NodeSource))])
+
+
+def chain_length(draft_parents) -> int:
+    """Largest c with ``draft_parents[:c] == [0..c-1]``, given the parents of draft nodes 1..n
+    (local indices, 0: the root): nodes 1..c form a chain below the root. ``[0, 1, 0, 3] -> 2``."""
+    draft_parents = np.asarray(draft_parents)
+    off = np.nonzero(draft_parents != np.arange(len(draft_parents)))[0]
+    return int(off[0]) if len(off) else len(draft_parents)
 
 
 def _as_int64(x) -> np.ndarray:
@@ -241,9 +249,7 @@ class DraftTree:
 
         ``parents [-1, 0, 1, 0, 2] -> 2``; a pure chain of n nodes -> n (``FlatTrees.chain_prefix``
         computes it for a whole batch)."""
-        parents = self.parents[1:]
-        off = np.nonzero(parents != np.arange(len(parents)))[0]
-        return int(off[0]) if len(off) else len(parents)
+        return chain_length(self.parents[1:])
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's first descendant to ``node`` (root excluded)."""

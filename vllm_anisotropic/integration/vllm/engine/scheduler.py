@@ -148,10 +148,10 @@ class TreeScheduler(Scheduler):
         except Exception:  # noqa: BLE001
             report(logger, "grammar", [request.request_id])
             draft_token_ids.draft_token_ids[i] = []
-            for name in ("tree_probs", "tree_chains"):
-                values = getattr(draft_token_ids, name, None)
-                if values is not None:
-                    values[i] = None if name == "tree_probs" else 0
+            if getattr(draft_token_ids, "tree_probs", None) is not None:
+                draft_token_ids.tree_probs[i] = None
+            if getattr(draft_token_ids, "tree_chains", None) is not None:
+                draft_token_ids.tree_chains[i] = 0
             self.grammars.forget(request.request_id)
             self.node_caps[request.request_id] = 0
             self._faults.append(("grammar", [request.request_id]))
@@ -176,8 +176,8 @@ class TreeScheduler(Scheduler):
         ids, rows = out.structured_output_request_ids, out.grammar_bitmask
         nodes = {r: self.grammars.node_rows(self.requests[r], spec[r], self._node_bitmask) for r in ids if r in hidden}
         stride = self._max_drafts + 1
-        if self._max_drafts and rows.shape[0] == len(ids) * stride and rows.shape[0] != sum(
-                1 + len(spec.get(r, ())) * (r not in hidden) for r in ids):
+        # a tree request here has drafts, so 0.32's layout (1 row for it) is always shorter than 0.33's
+        if rows.shape[0] == len(ids) * stride:
             # vLLM 0.33: each request owns a block of 1 + num_speculative_tokens rows (root first)
             rows = rows.copy()
             for k, r in enumerate(ids):

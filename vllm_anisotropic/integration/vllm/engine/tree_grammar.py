@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["walk_tree_grammar", "prune_tree", "tree_bitmask_rows", "TreeGrammars", "chain_length"]
+from vllm_anisotropic.tree import chain_length
+
+__all__ = ["walk_tree_grammar", "prune_tree", "tree_bitmask_rows", "TreeGrammars"]
 
 
 def walk_tree_grammar(grammar, request_id: str, tokens, parents, fill=None) -> np.ndarray:
@@ -112,14 +114,6 @@ def tree_bitmask_rows(grammar, request_id: str, tokens, parents, bitmask, full_m
                            "not reachable under its grammar; its tree was not pruned")
 
 
-def chain_length(parents) -> int:
-    """Leading draft nodes 1..c that form a chain below the root (``parents[:c] == [0..c-1]``).
-    ``[0, 1, 0, 3]`` -> 2."""
-    parents = np.asarray(parents, np.int64)
-    off = np.flatnonzero(parents != np.arange(parents.shape[0]))
-    return int(off[0]) if off.size else int(parents.shape[0])
-
-
 @dataclass
 class TreeGrammars:
     """The scheduler's view of the trees of structured-output requests, between the drafts'
@@ -133,7 +127,7 @@ class TreeGrammars:
     trees: dict[str, tuple[list[int], np.ndarray]] = field(default_factory=dict)
     reorders: dict[str, list[int]] = field(default_factory=dict)
 
-    def prune(self, manager, request, draft_token_ids, i: int) -> list[int]:
+    def prune(self, manager, request, draft_token_ids, i: int) -> int:
         """Prune request ``i`` of ``draft_token_ids`` (vLLM's ``DraftTokenIds`` with the runner's
         ``tree_parents`` / ``tree_probs`` / ``tree_chains``) in place; returns how many of its
         draft nodes went."""
