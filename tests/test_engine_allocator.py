@@ -15,7 +15,7 @@ import pytest
 from vllm_anisotropic.allocator import CostModel
 from vllm_anisotropic.bench.sweep import resolve_config
 from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
-from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
@@ -37,7 +37,8 @@ def prompts(tiny_prompts):
 
 @pytest.fixture(scope="module")
 def plain(model_dir, prompts):
-    return run_offline_job(OfflineJob(model=model_dir, prompts=prompts, max_tokens=MAX_TOKENS, llm_kwargs=ENGINE_KWARGS))
+    return run_offline_job(OfflineJob(model=model_dir, prompts=prompts, max_tokens=MAX_TOKENS, llm_kwargs=ENGINE_KWARGS),
+                           env=IN_PROCESS)
 
 
 def _run(model_dir, prompts, spec, tmp_path, name):
@@ -45,7 +46,7 @@ def _run(model_dir, prompts, spec, tmp_path, name):
     res = run_offline_job(
         OfflineJob(model=model_dir, prompts=prompts, max_tokens=MAX_TOKENS, speculative_config=spec,
                    llm_kwargs=ENGINE_KWARGS),
-        env={STATS_ENV: str(stats)},
+        env={**IN_PROCESS, STATS_ENV: str(stats)},
     )
     tree = json.loads(stats.read_text())
     budget = json.loads((tmp_path / f"{name}.json.budget").read_text())

@@ -21,7 +21,7 @@ import json
 import pytest
 
 from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
-from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
@@ -60,9 +60,9 @@ def _job(model_dir, prompt_ids, spec=None):
 
 
 def test_greedy_next_to_requests_at_the_context_limit(model_dir, prompt_ids, tmp_path):
-    plain = run_offline_job(_job(model_dir, prompt_ids))
+    plain = run_offline_job(_job(model_dir, prompt_ids), env=IN_PROCESS)
     stats = tmp_path / "tree.json"
-    res = run_offline_job(_job(model_dir, prompt_ids, GOOSE), env={STATS_ENV: str(stats)})
+    res = run_offline_job(_job(model_dir, prompt_ids, GOOSE), env={**IN_PROCESS, STATS_ENV: str(stats)})
     tree = json.loads(stats.read_text())
     assert [len(t[0]) for t in plain.token_ids][3:5] == [MAX_TOKENS, MAX_TOKENS]  # they reach the limit
     assert res.token_ids == plain.token_ids

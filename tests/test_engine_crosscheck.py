@@ -17,7 +17,7 @@ import torch
 from vllm_anisotropic.bench.crosscheck import compare, run_engine, run_harness
 from vllm_anisotropic.bench.harness import load_model
 from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV, TRACE_ENV
-from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
@@ -53,7 +53,7 @@ def test_metrics_file_counts_sources_consistently(setup, tmp_path):
     stats_file = tmp_path / "stats.json"
     job = OfflineJob(model=str(model_dir), prompt_token_ids=prompts[:4], max_tokens=MAX_TOKENS,
                      speculative_config={"method": "goose", "allocator": "off"}, llm_kwargs={"enforce_eager": True, "max_model_len": 1024})
-    result = run_offline_job(job, env={STATS_ENV: str(stats_file), TRACE_ENV: "0"})
+    result = run_offline_job(job, env={**IN_PROCESS, STATS_ENV: str(stats_file), TRACE_ENV: "0"})
     m = json.loads(stats_file.read_text())
     assert m["requests"] == {}  # traces off
     assert m["accepted_nodes"] == result.spec.num_accepted_tokens > 0

@@ -55,13 +55,13 @@ def greedy_plain(pair, tiny_prompts):
         {"structured_outputs": {"regex": r"((cat|dog) (runs|sleeps)\. ){2,8}"}},
         {"structured_outputs": {"grammar": 'root ::= item (", " item){6,12}\nitem ::= "x" [0-9] | "yy"'}}]
     job = OfflineJob(model=pair[0], prompts=tiny_prompts, max_tokens=48, llm_kwargs=ENGINE, per_prompt=structured)
-    return job, run_offline_job(job)
+    return job, run_offline_job(job, env=IN_PROCESS)
 
 
 def test_greedy_output_is_plain_vllm_s(pair, greedy_plain):
     job, plain = greedy_plain
     spec = run_offline_job(job.model_copy(update={"speculative_config": {
-        "method": "draft_tree", "model": pair[1], **SHAPE, "allocator": "off"}}))
+        "method": "draft_tree", "model": pair[1], **SHAPE, "allocator": "off"}}), env=IN_PROCESS)
     print(f"greedy draft_tree: {spec.spec}, tau {spec.spec.tau:.2f}")
     assert spec.spec.num_accepted_tokens > 50, spec.spec  # the draft's trees were accepted
     for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)):
@@ -79,7 +79,7 @@ def test_greedy_with_a_selector_drafts_its_shape_and_stays_plain_vllm_s(pair, gr
     stats = tmp_path / "stats.json"
     spec = run_offline_job(job.model_copy(update={"speculative_config": {
         "method": "draft_tree", "model": pair[1], "selector": str(constant_selector(tmp_path, (1, 3, 0))),
-        "allocator": "off"}}), env={STATS_ENV: str(stats)})
+        "allocator": "off"}}), env={**IN_PROCESS, STATS_ENV: str(stats)})
     tree = json.loads(stats.read_text())
     assert tree["verified_trees"] > 20 and tree["max_nodes"] == 4, tree  # root + the chain of 3
     assert list(tree["selector_shapes"]) == ["1,3,0"] and tree["selector_shapes"]["1,3,0"] >= tree["verified_trees"]

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.engine
 
 ENGINE = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 3, "max_num_batched_tokens": 8192,
           "dtype": "float32"}
+WORKER_PROCESS = {**ENGINE, "distributed_executor_backend": "mp"}
 # allocator on (its hooks are a stage), gate off (so that trees run whatever this machine's speed)
 CONFIG = {"method": "goose", "budget": 8, "allocator_gate": False}
 # the call of each stage that fails, spread over the four waves of three requests
@@ -55,8 +56,10 @@ def test_a_fault_in_each_stage_is_contained(tiny_prompts, tmp_path):
     job = OfflineJob(model=model, prompts=tiny_prompts[:12], per_prompt=per, max_tokens=40, llm_kwargs=ENGINE)
     plain = run_offline_job(job, env=IN_PROCESS)
     stats = tmp_path / "tree.json"
-    spec = run_offline_job(job.model_copy(update={"speculative_config": CONFIG}),
-                           env={INJECT_ENV: FAULTS, STATS_ENV: str(stats)})
+    # the worker in a process of its own (the production executor): its deferred harvest runs
+    # after its reply there, where a harvest fault must be contained too
+    spec = run_offline_job(job.model_copy(update={"speculative_config": CONFIG, "llm_kwargs": WORKER_PROCESS}),
+                           env={**IN_PROCESS, INJECT_ENV: FAULTS, STATS_ENV: str(stats)})
     tree = json.loads(stats.read_text())
     print(f"spec {spec.spec}; faults {tree['faults']}, requests without trees after a fault {tree['disabled_requests']}")
     differ = [i for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)) if a != b]

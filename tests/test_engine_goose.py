@@ -25,7 +25,7 @@ import sys
 import pytest
 
 from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
-from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
@@ -57,7 +57,7 @@ def prompts(tiny_prompts):
 @pytest.fixture(scope="module")
 def plain(model_dir, prompts):
     job = OfflineJob(model=model_dir, prompts=prompts, max_tokens=MAX_TOKENS, llm_kwargs=ENGINE_KWARGS)
-    return run_offline_job(job)
+    return run_offline_job(job, env=IN_PROCESS)
 
 
 def test_goose_trees_are_greedy_identical_with_tau_above_one(model_dir, prompts, plain, tmp_path):
@@ -95,7 +95,7 @@ def test_goose_defaults_max_tokens_one(model_dir, prompts, plain):
         speculative_config={"method": "goose"},
         llm_kwargs=ENGINE_KWARGS,
     )
-    spec = run_offline_job(job)
+    spec = run_offline_job(job, env=IN_PROCESS)
     assert spec.token_ids == [[c[:1] for c in req] for req in plain.token_ids]
     assert spec.spec.num_accepted_tokens == 0
 

@@ -57,7 +57,7 @@ def plain(setup):
 
 
 def test_stops_preemption_and_chunked_prefill_are_lossless(setup, plain):
-    spec = run_offline_job(setup.model_copy(update={"speculative_config": WIDE_GOOSE}))
+    spec = run_offline_job(setup.model_copy(update={"speculative_config": WIDE_GOOSE}), env=IN_PROCESS)
     assert spec.counters.get("vllm:num_preemptions", 0) > 0, spec.counters  # preemption happened
     assert spec.spec.num_accepted_tokens > 0
     reasons = [r for req in plain.finish_reasons for r in req]
@@ -81,7 +81,7 @@ def test_slim_trees_by_path_rounds_are_lossless(setup, plain):
 
     budget = 6
     assert budget - 1 <= PATHS_MAX_MEAN
-    spec = run_offline_job(setup.model_copy(update={"speculative_config": {**WIDE_GOOSE, "budget": budget}}))
+    spec = run_offline_job(setup.model_copy(update={"speculative_config": {**WIDE_GOOSE, "budget": budget}}), env=IN_PROCESS)
     assert spec.counters.get("vllm:num_preemptions", 0) > 0, spec.counters
     assert spec.spec.num_accepted_tokens > 0
     for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)):

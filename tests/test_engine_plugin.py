@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
 from vllm_anisotropic.integration.vllm.frontdoor.plugin import TRACE_ENV
 from vllm_anisotropic.integration.vllm.frontdoor.proposer import PROMPT_LOOKUP_CLASS
 
@@ -80,7 +80,7 @@ def _pld_job(model_dir, prompts, speculative_config=PLD) -> OfflineJob:
 
 @pytest.fixture(scope="module")
 def plain_run(tiny_model_dir, tiny_prompts):
-    return run_offline_job(_pld_job(tiny_model_dir, tiny_prompts, speculative_config=None))
+    return run_offline_job(_pld_job(tiny_model_dir, tiny_prompts, speculative_config=None), env=IN_PROCESS)
 
 
 def test_proposer_runs_in_every_process_and_greedy_is_identical(

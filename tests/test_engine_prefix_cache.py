@@ -104,7 +104,7 @@ def test_blocks_cached_after_tree_acceptance_serve_a_later_request_exactly(setup
     plain = _two_rounds(model, prompts, None, tmp_path, "plain", sampled=True, env=IN_PROCESS)
     stats = tmp_path / "tree_stats.json"
     goose = _two_rounds(model, prompts, WIDE_GOOSE, tmp_path, "goose", sampled=True,
-                        env={STATS_ENV: str(stats), TRACE_ENV: "1"})
+                        env={**IN_PROCESS, STATS_ENV: str(stats), TRACE_ENV: "1"})
     assert goose["round1"] == plain["round1"]
     # the second round really read blocks the first round cached (prompt + output blocks)
     assert goose["round2_prefix_cache_hits"] > sum(len(p) for p in prompts) // 2, goose["round2_prefix_cache_hits"]
@@ -131,7 +131,7 @@ def test_prefix_cache_with_the_allocator_cutting_trees_in_bf16(setup, tmp_path):
     plain = _two_rounds(model, prompts, None, tmp_path, "plain", dtype="bfloat16", env=IN_PROCESS)
     stats = tmp_path / "tree_stats.json"
     goose = _two_rounds(model, prompts, spec, tmp_path, "goose", dtype="bfloat16",
-                        env={STATS_ENV: str(stats), TRACE_ENV: "1"})
+                        env={**IN_PROCESS, STATS_ENV: str(stats), TRACE_ENV: "1"})
     budget = json.loads((tmp_path / "tree_stats.json.budget").read_text())
     print(f"allocator: {budget['tree_rows']} of {budget['tree_rows_offered']} offered nodes kept; "
           f"round-2 prefix cache hits {goose['round2_prefix_cache_hits']}")

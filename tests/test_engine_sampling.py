@@ -111,7 +111,7 @@ def exact_law_z(job: OfflineJob, result, power: bool = True, **edits) -> list[fl
 
 def test_sampled_tokens_follow_plain_vllm_law(law_job):
     job, plain = law_job
-    spec = run_offline_job(job.model_copy(update={"speculative_config": FIXED_TREES, "seed": 1_000_000}))
+    spec = run_offline_job(job.model_copy(update={"speculative_config": FIXED_TREES, "seed": 1_000_000}), env=IN_PROCESS)
     assert spec.spec.num_accepted_tokens > 100, spec.spec  # trees were verified and accepted
     outs_plain = [r[0] for r in plain.token_ids]
     outs_spec = [r[0] for r in spec.token_ids]
@@ -139,7 +139,8 @@ def test_sampled_trees_with_logit_bias_and_min_p_follow_plain_vllm_law(law_job):
     bias = {"logit_bias": {str(top[0][0]): -1.5, str(top[1][0]): 1.5}, "min_p": 0.15}
     biased = job.model_copy(update={"per_prompt": [bias] * N})
     plain = run_offline_job(biased, env=IN_PROCESS)
-    spec = run_offline_job(biased.model_copy(update={"speculative_config": FIXED_TREES, "seed": 1_000_000}))
+    spec = run_offline_job(biased.model_copy(update={"speculative_config": FIXED_TREES, "seed": 1_000_000}),
+                           env=IN_PROCESS)
     assert spec.spec.num_accepted_tokens > 100, spec.spec
     outs_free, outs_plain, outs_spec = ([r[0] for r in res.token_ids] for res in (free, plain, spec))
     assert max(law_z(outs_free, outs_plain)) >= 4.0  # the bias really changes the law
@@ -194,7 +195,7 @@ def test_structured_sampled_trees_follow_the_masked_law(law_job):
     trees = {**FIXED_TREES, "sampling_verifier": "deterministic"}
     structured = job.model_copy(update={"prompts": job.prompts[:n], "per_prompt": [
         {"structured_outputs": {"regex": STRUCTURED_REGEX}}] * n, "speculative_config": trees, "seed": 3_000_000})
-    spec = run_offline_job(structured)
+    spec = run_offline_job(structured, env=IN_PROCESS)
     assert spec.spec.num_accepted_tokens > 100, spec.spec
     outs = [r[0] for r in spec.token_ids]
     masks = grammar_masks(job.model, STRUCTURED_REGEX, outs)  # asserts every token obeys the grammar
@@ -208,7 +209,7 @@ def test_n2_sampled_children_with_trees(tiny_prompts):
     model = str(build_tiny_model(block_std=0.1, lm_head_alpha=0.25))
     job = OfflineJob(model=model, prompts=tiny_prompts[:8], n=2, max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.9,
                      speculative_config=FIXED_TREES, llm_kwargs=ENGINE)
-    spec = run_offline_job(job)
+    spec = run_offline_job(job, env=IN_PROCESS)
     assert spec.spec.num_accepted_tokens > 0
     assert all(len(r) == 2 and all(len(c) == MAX_TOKENS for c in r) for r in spec.token_ids)
     assert sum(r[0] != r[1] for r in spec.token_ids) >= 6  # children sample independently
@@ -249,7 +250,7 @@ def test_seeded_sampled_trees_emit_plain_vllms_tokens(tiny_prompts):
         mixed_prompts += [prompts[i], tiny_prompts[(i + 5) % 12]]
         mixed_per += [per[i], {"temperature": 1.0, "top_p": 1.0, "seed": None}]
     spec = run_offline_job(job.model_copy(update={"speculative_config": FIXED_TREES, "prompts": mixed_prompts,
-                                                  "per_prompt": mixed_per}))
+                                                  "per_prompt": mixed_per}), env=IN_PROCESS)
     assert spec.spec.num_accepted_tokens > 50, spec.spec  # trees were verified and accepted
     outs_plain = [r[0] for r in plain.token_ids]
     outs_spec = [r[0] for r in spec.token_ids[::2]][::-1]

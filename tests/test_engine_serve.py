@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
 from vllm_server import http_get, serving, wait_healthy
 
 pytestmark = pytest.mark.engine
@@ -125,7 +125,7 @@ def plain(launched, model_dir, prompts):
     """Plain vLLM (no speculation), offline, same dtype and KV size: the greedy reference.
     Depends on ``launched`` only so that it runs while the server starts (both take ~30 s)."""
     return run_offline_job(
-        OfflineJob(model=model_dir, prompts=prompts, max_tokens=MAX_TOKENS, llm_kwargs=PLAIN_KWARGS)
+        OfflineJob(model=model_dir, prompts=prompts, max_tokens=MAX_TOKENS, llm_kwargs=PLAIN_KWARGS), env=IN_PROCESS
     )
 
 

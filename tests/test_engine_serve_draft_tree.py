@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from test_engine_serve import _metric_total
-from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
 from vllm_server import http_get, serving, wait_healthy
 
 pytestmark = pytest.mark.engine
@@ -59,7 +59,8 @@ def launched(pair, tmp_path_factory):
 def plain(launched, pair, prompts):
     """Plain offline vLLM, float32: the greedy reference (runs while the server starts)."""
     return run_offline_job(OfflineJob(model=pair[0], prompts=prompts, max_tokens=MAX_TOKENS,
-                                      llm_kwargs={"enforce_eager": True, "max_model_len": 512, "dtype": "float32"}))
+                                      llm_kwargs={"enforce_eager": True, "max_model_len": 512, "dtype": "float32"}),
+                           env=IN_PROCESS)
 
 
 @pytest.fixture(scope="module")

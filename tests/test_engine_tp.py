@@ -19,11 +19,12 @@ import json
 import pytest
 
 from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
-from vllm_anisotropic.bench.offline import OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
-TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+# one core per rank; the engine core in the job's process (the ranks are processes of their own)
+TP_ENV = {**IN_PROCESS, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 TP2 = {"enforce_eager": True, "max_model_len": 1024, "dtype": "float32", "tensor_parallel_size": 2,
        "distributed_executor_backend": "mp"}
 WIDE_GOOSE = {"method": "goose", "bypass": False, "min_branch_score": 0.0, "allocator": "off"}

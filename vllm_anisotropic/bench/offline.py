@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,10 +28,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 # ``run_offline_job(job, env=IN_PROCESS)``: vLLM's engine core in the job's own process instead
-# of a child process; the tests' plain reference runs take it (on 2 cores a 400-request job runs
-# in ~27 s instead of ~55-62 s: no inter-process traffic, one process competing for the cores).
-# The executor path the plugin runs in production (deferred harvest after the reply) is the
-# multiprocess one, so the runs under test keep it.
+# of a child process, and with one rank its worker too (vLLM's in-process executor; with
+# ``distributed_executor_backend="mp"`` or tensor parallelism the workers stay processes of their
+# own). Most engine tests run so: on 2 cores a job starts and ends in ~12 s instead of ~28 s (three
+# interpreters each import vLLM, ~9 s apiece), and a 400-request job runs in ~27 s instead of
+# ~55-62 s (no inter-process traffic). The production path (frontend, engine core and worker
+# processes; the worker's deferred harvest after its reply; the scheduler's output crossing vLLM's
+# message queue) is kept by the plugin, GOOSE, fault, request-type and server tests.
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 # vLLM's CPU defaults sized for a small machine: an explicit KV cache size (on CPU,
@@ -371,7 +375,8 @@ def run_offline_job(
     log_path: Path | None = None,
     progress: str | None = None,
 ) -> OfflineResult:
-    """Run ``job`` in a fresh Python process (vLLM's default multiprocess engine inside). Its
+    """Run ``job`` in a fresh Python process (vLLM's default multiprocess engine inside, unless
+    ``env`` holds ``IN_PROCESS``), ended with its engine processes once its result is written. Its
     log goes to ``log_path`` (else a temporary file, its tail raised on failure); with
     ``progress`` (a label), one bar per pass on this process's stderr."""
     with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-job-") as tmp:
@@ -383,25 +388,104 @@ def run_offline_job(
         bars_fd = os.dup(2) if progress is not None else None
         if bars_fd is not None:
             env.update({PROGRESS_FD_ENV: str(bars_fd), f"{PROGRESS_FD_ENV}_LABEL": progress})
+        shm_before = _shm_segments()
         try:
             with open(log_file, "wb") as log:
-                proc = subprocess.run([sys.executable, "-m", __name__, str(job_file), str(out_file)], stdout=log,
-                                      stderr=subprocess.STDOUT, env=env, timeout=timeout,
-                                      pass_fds=() if bars_fd is None else (bars_fd,))
+                returncode = _run_until_result(
+                    [sys.executable, "-m", __name__, str(job_file), str(out_file)], out_file, log, env, timeout,
+                    () if bars_fd is None else (bars_fd,))
         finally:
             if bars_fd is not None:
                 os.close(bars_fd)
-        if proc.returncode != 0 or not out_file.exists():
+            _remove_orphan_segments(_shm_segments() - shm_before)
+        if returncode != 0 or not out_file.exists():
             tail = log_file.read_text(errors="replace")[-6000:]
-            raise OfflineJobFailed(proc.returncode, tail)
+            raise OfflineJobFailed(returncode, tail)
         return OfflineResult.model_validate_json(out_file.read_text())
+
+
+def _run_until_result(cmd: list[str], out_file: Path, log, env: dict[str, str], timeout: float | None,
+                      pass_fds: tuple[int, ...]) -> int:
+    """Run the job in its own process group; once its result file is there (written whole, then
+    renamed), SIGKILL the group: vLLM's graceful shutdown of its engine and worker processes takes
+    ~5 s on 2 cores (a worker-exit wait, then a forced kill) and nothing after the result is read."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=pass_fds,
+                            start_new_session=True)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                if out_file.exists():
+                    return 0
+                if deadline is not None and time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout) from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        _wait_group_gone(proc.pid)
+
+
+def _wait_group_gone(pgid: int, timeout: float = 10.0) -> None:
+    """Wait until no live process of group ``pgid`` is left (the killed engine and worker
+    processes are not our children: they unmap their shared memory when they are gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = False
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive = True
+                break
+        if not alive:
+            return
+        time.sleep(0.05)
+
+
+_SHM = Path("/dev/shm")
+
+
+def _shm_segments() -> set[str]:
+    return set(os.listdir(_SHM)) if _SHM.is_dir() else set()
+
+
+def _remove_orphan_segments(names: set[str]) -> None:
+    """Remove the shared-memory segments the killed job created (vLLM's message queues) that no
+    live process still maps or holds open (a server another test runs may have made some too)."""
+    if not names:
+        return
+    held: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            held.update(line.rsplit("/", 1)[-1] for line in (proc / "maps").read_text().splitlines()
+                        if "/dev/shm/" in line)
+            held.update(os.readlink(fd).rsplit("/", 1)[-1] for fd in (proc / "fd").iterdir()
+                        if os.readlink(fd).startswith("/dev/shm/"))
+        except OSError:
+            continue
+    for name in names - held:
+        try:
+            (_SHM / name).unlink()
+        except OSError:
+            pass
 
 
 def main(argv: list[str]) -> int:
     job_file, out_file = argv
     job = OfflineJob.model_validate_json(Path(job_file).read_text())
     result = run_in_this_process(job)
-    Path(out_file).write_text(result.model_dump_json())
+    partial = Path(f"{out_file}.part")
+    partial.write_text(result.model_dump_json())
+    partial.rename(out_file)  # whole or absent: the parent ends this process group once it is there
     return 0
 
 
