@@ -626,3 +626,332 @@ def test_a_steps_composition_and_what_the_gate_observes_of_it(tmp_path):
     b.on_scheduled(SimpleNamespace(num_scheduled_tokens={"a": 1, "n": 30}, total_num_scheduled_tokens=31,
                                    scheduled_spec_decode_tokens={}, scheduled_new_reqs=[object()]))
     assert b._step[6] is None
+
+
+# ---------------------------------------------------------------- written for the mutants that survived
+# (scripts/mutate.py on budget.py against this file: docs/testing.md, "The engine glue")
+
+
+def test_chain_cost_is_the_model_without_its_tree_terms():
+    """``_ChainCost``: a chain's rows are plain query tokens, so the wrapped model's four tree
+    terms (tree switch, per request, per row, per context token) are zero and every other term is
+    the model's own, in ``predict`` and in the compiled allocator's ``kernel_params`` (cached
+    until the wrapped model's weights change). Catches: a tree term left in or a plain term
+    zeroed (the slice off by one), the speculating requests defaulted with max for min, the
+    cache never refreshed after a refit or refreshed on every call."""
+    from vllm_anisotropic.integration.vllm.engine.budget import _ChainCost
+
+    cost = CostModel.from_coefficients([0.0, 8.0], base=0.01, per_request=0.002, slopes=[1e-3, 2e-3],
+                                       tree_switch=0.03, tree_switch_per_request=0.004, tree_row=0.005,
+                                       tree_ctx=1e-4, spec_switch=0.006, spec_request=0.007, step_overhead=0.0009)
+    chain = _ChainCost(cost)
+    assert chain.spec_request_weight == cost.spec_request_weight == 0.007
+    for r, q, t in ((4, 12, 2), (2, 9, 6)):
+        want = cost.predict(r, q, 0, 0, min(r, t))
+        assert chain.predict(r, q, t) == want and chain.predict(r, q, t, 500) == want  # context: a tree term
+        assert chain.predict(r, q, t, spec_reqs=1) == cost.predict(r, q, 0, 0, 1)
+    assert chain.predict(4, 12, 2) != cost.predict(4, 12, 0, 0, 4)
+    knots, at_knots, tail = chain.kernel_params()
+    k0, a0, t0 = cost.kernel_params()
+    assert np.array_equal(knots, k0) and np.array_equal(at_knots, a0)
+    plain_terms = [0, 1, 2, 7, 8, 9]  # w0, w_request, last Q slope, b_spec, b_d, b_step
+    assert np.array_equal(tail[plain_terms], t0[plain_terms]) and t0[plain_terms].all()
+    assert not tail[3:7].any() and t0[3:7].all()  # b_on, b_on_r, b_t, b_c
+    assert chain.kernel_params()[2] is tail  # cached
+    cost.weights = cost.weights * 2  # a refit
+    assert np.array_equal(chain.kernel_params()[2][plain_terms], 2 * t0[plain_terms])
+
+
+def test_a_given_cost_model_is_kept_and_deterministic_learns_nothing(tmp_path):
+    """A ``cost_model`` file is not replaced by the worker's start-up sweep; with
+    ``deterministic`` measured steps do not refine it (cost_model_online defaults on)."""
+    given = CostModel.from_coefficients([0.0], base=0.01, tree_row=1e-3)
+    sweep = [(q, q, 0, 0, 0, 0.002 + 1e-4 * q) for q in (1, 2, 4, 8, 16, 32)]
+    for engine in ({}, {"deterministic": True}):
+        b = _budget(tmp_path, given, **engine)
+        b.on_output(SimpleNamespace(scheduled_spec_decode_tokens={}),
+                    SimpleNamespace(cost_calibration=sweep, sampled_token_ids=[], req_id_to_index={}))
+        assert b.cost.coefficients == given.coefficients and b.start_coefficients == {}
+        b.cut([_req("a", 0)])
+        out = SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1,
+                              scheduled_spec_decode_tokens={}, scheduled_new_reqs=[])
+        b.on_scheduled(out)
+        b.on_output(out, SimpleNamespace(sampled_token_ids=[[1]], req_id_to_index={"a": 0}))
+        assert len(b.cost._online) == (0 if engine else 1)
+    # without a file, an output without a sweep leaves the prior in place
+    b = _budget()
+    prior = b.cost
+    b.on_output(SimpleNamespace(scheduled_spec_decode_tokens={}),
+                SimpleNamespace(sampled_token_ids=[], req_id_to_index={}))
+    assert b.cost is prior and not b.calibrated
+
+
+def test_stats_are_written_each_second_and_the_summary_logged_every_ten(tmp_path, caplog):
+    """``_tick`` with the clock given: the first tick writes and logs at once, then a write only
+    once 1 s has passed since the last (``flush`` at any time), a log line once 10 s have; the
+    file carries the gate's rates (with a gate), the start-up fit (once there is one) and the
+    refitted model (allocator on). Catches: the first write or log held back, the intervals'
+    comparisons or their sign, the forced write not forced, a section written when its source
+    is absent (or a crash on a budget without a gate)."""
+    import json
+    import logging
+
+    stats = tmp_path / "budget.json"
+    b = BatchBudget(SimpleNamespace(max_num_batched_tokens=64), SimpleNamespace(max_model_len=1000), 10,
+                    EngineTreeConfig(allocator_gate=True), stats_path=str(stats))
+    b.metrics.steps = 3
+    lines = lambda: [r.getMessage() for r in caplog.records if "vllm-anisotropic budget:" in r.getMessage()]  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="vllm.anisotropic"):
+        b._tick(0.5)
+        written = json.loads(stats.read_text())
+        assert written["steps"] == 3 and len(lines()) == 1
+        assert "gate" in written and "cost_model_now" in written and "cost_model_start" not in written
+        b.metrics.steps = 4
+        b._tick(1.4)
+        assert json.loads(stats.read_text())["steps"] == 3  # 0.9 s after the last write
+        b._tick(1.5)
+        assert json.loads(stats.read_text())["steps"] == 4
+        b._tick(10.4)
+        assert len(lines()) == 1  # 9.9 s after the last line
+        b._tick(10.5)
+        assert len(lines()) == 2
+        b.metrics.steps = 5
+        b.start_coefficients = {"base": 0.01}
+        b._last_write = time_now()
+        b.flush()
+        written = json.loads(stats.read_text())
+        assert written["steps"] == 5 and written["cost_model_start"] == {"base": 0.01}
+    plain = BatchBudget(SimpleNamespace(max_num_batched_tokens=64), SimpleNamespace(max_model_len=1000), 10,
+                        EngineTreeConfig(allocator="off", allocator_gate=False), stats_path=str(stats))
+    plain.flush()
+    written = json.loads(stats.read_text())
+    assert "gate" not in written and "cost_model_now" not in written
+
+
+def test_the_cut_reads_each_request_s_drafts_caps_and_probabilities(tmp_path):
+    """Which requests a cut takes and under which caps. Catches: a request with drafts but no
+    offered probabilities cut (or a KeyError), probabilities longer than the drafts vLLM kept
+    (the scheduler trims lists) taken as a mismatch, probabilities above 1 not clipped, the
+    kept prefix's expected acceptance summed one node too far, the owed tokens off by one in
+    the token budget, a budget of one token when the owed tokens fill the step."""
+    steep = CostModel.from_coefficients([0.0], base=0.01, tree_row=1.0)
+    flat = CostModel.from_coefficients([0.0], base=0.01)
+    moderate = CostModel.from_coefficients([0.0], base=0.02, tree_row=0.002)
+    # no probabilities offered: left as drafted
+    b = _budget(tmp_path, steep, cost_model_online=False, allocator_probe_every=0)
+    reqs = [_req("a", 3)]
+    b.cut(reqs)
+    assert len(reqs[0].spec_token_ids) == 3
+    # six probabilities for four drafts: cut on the first four
+    reqs = [_req("a", 4)]
+    _offer(b, {"a": [0.9] * 6})
+    b.cut(reqs)
+    assert reqs[0].spec_token_ids == []
+    # probabilities clipped to [0, 1]; the kept prefix's expected acceptance
+    b = _budget(tmp_path, moderate, cost_model_online=False, allocator_probe_every=0)
+    reqs = [_req("a", 4)]
+    _offer(b, {"a": [1.7, 0.9, 0.05, 0.01]})
+    b.cut(reqs)
+    assert len(reqs[0].spec_token_ids) == 2 and b._kept["a"] == pytest.approx(1.9)
+    # the token budget: 64 less the tokens owed (a re-runs 49 tokens and its root: 50; b 1)
+    b = _budget(tmp_path, flat, cost_model_online=False)
+    reqs = [_req("a", 10, num_tokens=150, computed=100), _req("b", 10)]
+    _offer(b, {"a": [0.9] * 10, "b": [0.8] * 10})
+    b.cut(reqs)
+    assert sum(len(r.spec_token_ids) for r in reqs) == 64 - 51
+    # owed tokens fill the step: nothing kept
+    b = _budget(tmp_path, flat, cost_model_online=False, allocator_probe_every=0)
+    reqs = [_req("a", 4, num_tokens=170, computed=100), _req("b", 4)]
+    _offer(b, {"a": [0.9] * 4, "b": [0.9] * 4})
+    b.cut(reqs)
+    assert [r.spec_token_ids for r in reqs] == [[], []]
+
+
+def test_chains_are_weighed_when_any_request_has_one_with_the_model_in_use(tmp_path):
+    """A step where one request's list starts with a chain and another's does not still weighs
+    the chains-only cut; the chains' cost follows the model when it is replaced (the start-up
+    fit assigns a new one). Catches: chains weighed only when every request has one, the chain
+    model kept for the old cost."""
+    offer = SimpleNamespace(req_ids=["a", "b"], tree_probs=[[0.9, 0.8, 0.7, 0.6, 0.5], [0.9, 0.6, 0.5]],
+                            tree_chains=[2, 0])
+    b = _budget(tmp_path, CostModel.from_coefficients([0.0], base=0.01, tree_switch=0.05), cost_model_online=False,
+                allocator_probe_every=0)
+    reqs = [_req("a", 5), _req("b", 3)]
+    b.on_draft_ids(offer)
+    b.cut(reqs)
+    assert [len(r.spec_token_ids) for r in reqs] == [2, 0]
+    b.cost = CostModel.from_coefficients([0.0], base=0.01, slopes=[1.0], tree_switch=0.05)  # every token costs 1 s
+    reqs = [_req("a", 5), _req("b", 3)]
+    b.on_draft_ids(offer)
+    b.cut(reqs)
+    assert [len(r.spec_token_ids) for r in reqs] == [0, 0]
+
+
+def test_the_gate_decides_the_next_step_and_counts_steps_without_drafts(tmp_path):
+    """The cut takes the decision made for this step and asks the gate for the next one; a
+    gate-plain step where a request decodes without drafts is a step; a chain step keeps
+    nothing of a request whose chain it never heard of. Catches: the next decision taken as
+    this one's, decoding-only plain steps not counted, an unknown chain taken as one node."""
+    from vllm_anisotropic.allocator import CHAIN, PLAIN
+
+    b = _budget(tmp_path, CostModel.from_coefficients([0.0], base=0.01), allocator_gate=True,
+                cost_model_online=False, allocator_probe_every=0)
+    decisions = [TREE, PLAIN]
+    b.gate.decide = lambda n: decisions.pop(0)
+    reqs = [_req("a", 2)]
+    _offer(b, {"a": [0.9, 0.8]})
+    b.cut(reqs)
+    assert len(reqs[0].spec_token_ids) == 2 and b.propose_next == PLAIN and b._drafting == TREE
+    b = _gated(PLAIN, tmp_path)
+    b.cut([_req("a", 0)])  # decoding, no drafts
+    assert (b.metrics.steps, b.metrics.gate_plain_steps) == (1, 1)
+    b = _gated(CHAIN, tmp_path)
+    reqs = [_req("a", 3)]  # drafts without an offer (no chain length known)
+    b.cut(reqs)
+    assert reqs[0].spec_token_ids == []
+
+
+def test_the_arm_of_a_step_from_its_requests(tmp_path):
+    """``on_scheduled``'s arm: a request that has just finished its prompt decodes; one request
+    speculating is the tree arm without a gate's say; a step that also schedules a new request
+    or continues a chunked prefill is no arm; a gate-plain step where one of two requests
+    re-runs accepted tokens is no arm; drafts that are all chain are no tree rows.
+    Catches: the decoding test off by one, ``all`` for ``any`` and back, ``and`` for ``or``,
+    one speculating request not enough, a chain-only list counted as one tree row."""
+    from vllm_anisotropic.allocator import PLAIN
+
+    def scheduled(num, spec=None, new=()):
+        return SimpleNamespace(num_scheduled_tokens=num, total_num_scheduled_tokens=sum(num.values()),
+                               scheduled_spec_decode_tokens=spec or {}, scheduled_new_reqs=list(new))
+
+    b = _gated(TREE, tmp_path)
+    reqs = [_req("a", 2, num_tokens=11, computed=10)]  # its prompt is 10 tokens: decoding from now
+    _offer(b, {"a": [0.9, 0.8]})
+    b.cut(reqs)
+    b.on_scheduled(scheduled({"a": 3}, {"a": reqs[0].spec_token_ids}))
+    assert b._step[6] == TREE
+    b = _budget(tmp_path, CostModel.from_coefficients([0.0], base=0.01), cost_model_online=False)  # no gate
+    reqs = [_req("a", 2), _req("b", 0)]
+    _offer(b, {"a": [0.9, 0.8]})
+    b.cut(reqs)
+    b.on_scheduled(scheduled({"a": 3, "b": 1}, {"a": reqs[0].spec_token_ids}))
+    assert b._step[4] == 1 and b._step[6] == TREE
+    b = _gated(TREE, tmp_path)
+    b.cut([_req("a", 0)])
+    b.on_scheduled(scheduled({"a": 1}, new=[object()]))
+    assert b._step[6] is None
+    b = _gated(TREE, tmp_path)
+    prefill = _req("p", 0, num_tokens=50, computed=20)
+    prefill.num_prompt_tokens = 50  # a chunked prefill goes on
+    b.cut([_req("a", 0), prefill])
+    b.on_scheduled(scheduled({"a": 1, "p": 30}))
+    assert b._step[6] is None
+    b = _gated(PLAIN, tmp_path)
+    b.propose_next = PLAIN
+    b.cut([_req("a", 0), _req("b", 0, num_tokens=101, computed=99)])  # b re-runs an accepted token
+    b.propose_next = PLAIN
+    b.on_scheduled(scheduled({"a": 1, "b": 2}))
+    assert b._step[6] is None
+    b = _gated(TREE, tmp_path)
+    reqs = [_req("a", 3)]
+    b.on_draft_ids(SimpleNamespace(req_ids=["a"], tree_probs=[[0.9, 0.8, 0.7]], tree_chains=[3]))
+    b.cut(reqs)
+    b.on_scheduled(scheduled({"a": 4}, {"a": reqs[0].spec_token_ids}))
+    assert b._step[2] == 0
+
+
+def _decode_step(b, propose_s=0.0):
+    """One decode step of request "a" (two drafts offered) through cut, on_scheduled, on_output."""
+    reqs = [_req("a", 2)]
+    _offer(b, {"a": [0.9, 0.8]})
+    b.cut(reqs)
+    out = SimpleNamespace(num_scheduled_tokens={"a": 1 + len(reqs[0].spec_token_ids)},
+                          total_num_scheduled_tokens=1 + len(reqs[0].spec_token_ids),
+                          scheduled_spec_decode_tokens={"a": reqs[0].spec_token_ids},
+                          scheduled_new_reqs=[])
+    b.on_scheduled(out)
+    b.on_output(out, SimpleNamespace(sampled_token_ids=[[1, 2]], req_id_to_index={"a": 0}, tree_propose_s=propose_s))
+
+
+def test_proposing_time_is_charged_to_the_step_that_verifies_it(tmp_path):
+    """The workers' seconds proposing step t + 1's drafts (reported with step t's output) are
+    added to what the gate observes of step t + 1, also when step t scheduled nothing.
+    Catches: the carried time subtracted, or dropped when it arrives on an empty step."""
+    b = _gated(TREE, tmp_path)
+    seen = []
+    b.gate.observe = lambda *args: seen.append(args)
+    _decode_step(b, propose_s=0.3)
+    _decode_step(b)
+    assert seen[1][3] >= 0.3
+    b = _gated(TREE, tmp_path)
+    b.gate.observe = lambda *args: seen.append(args)
+    b.on_scheduled(SimpleNamespace(num_scheduled_tokens={}))  # an empty step
+    b.on_output(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}),
+                SimpleNamespace(sampled_token_ids=[], req_id_to_index={}, tree_propose_s=0.2))
+    _decode_step(b)
+    assert seen[-1][3] >= 0.2
+
+
+def test_measured_steps_are_scored_in_batches_of_64(tmp_path):
+    """Cost-model errors are computed 64 steps at a time (one vectorised predict), over the five
+    step columns. Catches: scoring every step, at 65, or never; the speculating-request column
+    left out of the prediction."""
+    from vllm_anisotropic.integration.vllm.engine.budget import SCORE_BATCH
+
+    b = _budget(tmp_path, CostModel.from_coefficients([0.0], base=0.01))
+
+    def plain_step():  # nothing allocated, so nothing refitted; no step counted, so no log line
+        b.cut([_req("a", 0)])
+        out = SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1,
+                              scheduled_spec_decode_tokens={}, scheduled_new_reqs=[])
+        b.on_scheduled(out)
+        b.on_output(out, SimpleNamespace(sampled_token_ids=[[1]], req_id_to_index={"a": 0}))
+
+    for _ in range(SCORE_BATCH - 1):
+        plain_step()
+    assert b.metrics.cost_samples == 0
+    plain_step()
+    assert b.metrics.cost_samples == SCORE_BATCH
+    cost = CostModel.from_coefficients([0.0], base=0.01, spec_request=0.01)
+    b = _budget(tmp_path, cost)
+    b._unscored = [(1, 4, 0, 0, 1, 0.05)]  # one request speculating with chain rows only: D = 1, min(R, T) = 0
+    b._score()
+    assert b.metrics.cost_abs_rel_err == pytest.approx(abs(cost.predict(1, 4, 0, 0, 1) - 0.05) / 0.05)
+    assert cost.predict(1, 4, 0, 0, 1) != cost.predict(1, 4, 0, 0)
+
+
+def test_outputs_without_a_row_for_a_scheduled_request_are_read_safely(tmp_path):
+    """A scheduled request missing from the output's index, or indexed past its sampled rows,
+    counts no tokens and no acceptance (no exception). Catches: ``and`` for ``or`` in those
+    guards, their bounds off by one."""
+    b = _gated(TREE, tmp_path)
+    seen = []
+    b.gate.observe = lambda *args: seen.append(args)
+    reqs = [_req("a", 2), _req("b", 2), _req("c", 2)]
+    _offer(b, {"a": [0.9, 0.8], "b": [0.9, 0.8], "c": [0.9, 0.8]})
+    b.cut(reqs)
+    spec = {r.request_id: r.spec_token_ids for r in reqs}
+    out = SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 3, "c": 3}, total_num_scheduled_tokens=9,
+                          scheduled_spec_decode_tokens=spec, scheduled_new_reqs=[])
+    b.on_scheduled(out)
+    b.on_output(out, SimpleNamespace(sampled_token_ids=[[1, 2]], req_id_to_index={"a": 0, "b": 1}))
+    assert seen[0][2] == 2  # a's two tokens; b indexed past the rows, c not indexed
+    assert b.metrics.realized_accepted == 1 and b.metrics.predicted_accepted == pytest.approx(1.7)
+
+
+def test_tokens_owed_enter_the_step_s_fixed_cost(tmp_path):
+    """The step's fixed query tokens are the tokens owed (here 31: a re-run of 29 accepted tokens
+    and two roots), not the number of requests: at 1 ms a query token the step already costs
+    ~41 ms, so nodes of probability 0.4-0.6 at 5 ms each raise its rate; priced as a 12 ms step
+    of two roots they would not. Catches: ``min`` for ``max`` of owed and requests."""
+    cost = CostModel.from_coefficients([0.0], base=0.01, slopes=[1e-3], tree_row=0.004)
+    b = _budget(tmp_path, cost, cost_model_online=False, allocator_probe_every=0)
+    reqs = [_req("a", 0, num_tokens=130, computed=100), _req("b", 3)]
+    _offer(b, {"b": [0.6, 0.5, 0.4]})
+    b.cut(reqs)
+    assert len(reqs[1].spec_token_ids) >= 2
+    b = _budget(tmp_path, cost, cost_model_online=False, allocator_probe_every=0)
+    reqs = [_req("a", 0), _req("b", 3)]  # two roots owed: the same nodes do not pay
+    _offer(b, {"b": [0.6, 0.5, 0.4]})
+    b.cut(reqs)
+    assert reqs[1].spec_token_ids == []

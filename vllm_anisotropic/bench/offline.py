@@ -35,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field
 # ~55-62 s (no inter-process traffic). The production path (frontend, engine core and worker
 # processes; the worker's deferred harvest after its reply; the scheduler's output crossing vLLM's
 # message queue) is kept by the plugin, GOOSE, fault, request-type and server tests.
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+IN_PROCESS = {IN_PROCESS_ENV: "0"}
 
 # vLLM's CPU defaults sized for a small machine: an explicit KV cache size (on CPU,
 # ``gpu_memory_utilization`` is a fraction of *RAM* per NUMA node and fails on busy hosts).
@@ -334,6 +335,7 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
                                  spec=_spec_stats(llm, sum(len(c.token_ids) for o in out for c in o.outputs), before)))
         if k == 0:
             outputs = out
+    _drain_in_process(llm)
     token_ids = [[list(c.token_ids) for c in o.outputs] for o in outputs]
     return OfflineResult(
         token_ids=token_ids,
@@ -359,6 +361,18 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
     )
 
 
+def _drain_in_process(llm) -> None:
+    """With the engine core in this process, run the step that tells the workers of the requests
+    that finished last: vLLM's engine loop runs it by itself, ``LLM.generate`` returns before it,
+    and only then do the workers drop those requests and write their stats file (the batch
+    drained). With vLLM's multiprocess engine core its own loop runs it."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # InprocClient's EngineCore
+    for _ in range(4):
+        if core is None or not core.scheduler.has_requests():
+            return
+        core.step_fn()
+
+
 class OfflineJobFailed(RuntimeError):
     """The job's process exited non-zero; ``returncode`` and the log tail say how."""
 
@@ -376,9 +390,9 @@ def run_offline_job(
     progress: str | None = None,
 ) -> OfflineResult:
     """Run ``job`` in a fresh Python process (vLLM's default multiprocess engine inside, unless
-    ``env`` holds ``IN_PROCESS``), ended with its engine processes once its result is written. Its
-    log goes to ``log_path`` (else a temporary file, its tail raised on failure); with
-    ``progress`` (a label), one bar per pass on this process's stderr."""
+    ``env`` holds ``IN_PROCESS``: then ended as soon as its result is written). Its log goes to
+    ``log_path`` (else a temporary file, its tail raised on failure); with ``progress`` (a
+    label), one bar per pass on this process's stderr."""
     with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-job-") as tmp:
         job_file, out_file = Path(tmp, "job.json"), Path(tmp, "result.json")
         job_file.write_text(job.model_dump_json())
@@ -393,7 +407,7 @@ def run_offline_job(
             with open(log_file, "wb") as log:
                 returncode = _run_until_result(
                     [sys.executable, "-m", __name__, str(job_file), str(out_file)], out_file, log, env, timeout,
-                    () if bars_fd is None else (bars_fd,))
+                    () if bars_fd is None else (bars_fd,), early=env.get(IN_PROCESS_ENV) == "0")
         finally:
             if bars_fd is not None:
                 os.close(bars_fd)
@@ -405,10 +419,13 @@ def run_offline_job(
 
 
 def _run_until_result(cmd: list[str], out_file: Path, log, env: dict[str, str], timeout: float | None,
-                      pass_fds: tuple[int, ...]) -> int:
-    """Run the job in its own process group; once its result file is there (written whole, then
-    renamed), SIGKILL the group: vLLM's graceful shutdown of its engine and worker processes takes
-    ~5 s on 2 cores (a worker-exit wait, then a forced kill) and nothing after the result is read."""
+                      pass_fds: tuple[int, ...], early: bool) -> int:
+    """Run the job in its own process group, then SIGKILL what is left of the group. ``early``
+    (the engine core in the job's process, drained: ``_drain_in_process``): as soon as its result
+    file is there (written whole, then renamed), sparing vLLM's graceful shutdown of its worker
+    processes (~5 s on 2 cores: a worker-exit wait, then a forced kill). Else once the job has
+    exited: a multiprocess engine core may still be running the step that has its workers write
+    their stats."""
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=pass_fds,
                             start_new_session=True)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -417,7 +434,7 @@ def _run_until_result(cmd: list[str], out_file: Path, log, env: dict[str, str], 
             try:
                 return proc.wait(timeout=0.2)
             except subprocess.TimeoutExpired:
-                if out_file.exists():
+                if early and out_file.exists():
                     return 0
                 if deadline is not None and time.monotonic() > deadline:
                     raise subprocess.TimeoutExpired(cmd, timeout) from None
@@ -453,12 +470,15 @@ _SHM = Path("/dev/shm")
 
 
 def _shm_segments() -> set[str]:
-    return set(os.listdir(_SHM)) if _SHM.is_dir() else set()
+    """Python's shared-memory segments (vLLM's message queues between its processes). Named
+    semaphores (``sem.*``) are left alone: a process that holds one maps it under another name
+    (glibc creates it under a temporary name), so nothing here could tell one in use."""
+    return {n for n in os.listdir(_SHM) if n.startswith("psm_")} if _SHM.is_dir() else set()
 
 
 def _remove_orphan_segments(names: set[str]) -> None:
-    """Remove the shared-memory segments the killed job created (vLLM's message queues) that no
-    live process still maps or holds open (a server another test runs may have made some too)."""
+    """Remove the shared-memory segments the killed job created that no live process still maps
+    or holds open (a server another test runs may have made some too)."""
     if not names:
         return
     held: set[str] = set()
