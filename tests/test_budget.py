@@ -550,6 +550,7 @@ def test_the_summary_line_reports_the_counters_per_step():
         "vllm-anisotropic budget: steps 4, mean tree rows 2.5 of 5.0 offered, steps without drafts 0.25 "
         "(gate 0.25), chain steps 0.50, accepted predicted 7 realized 6, cost model error 0.150")
     assert "cost model error nan" in BudgetMetrics().summary_line()
+    assert "mean tree rows 3.0 of 5.0 offered" in BudgetMetrics(steps=1, tree_rows=3, tree_rows_offered=5).summary_line()
 
 
 def test_a_cut_counts_what_it_was_offered_kept_and_gave_up(tmp_path):
