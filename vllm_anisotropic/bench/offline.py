@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # ``run_offline_job(job, env=IN_PROCESS)``: vLLM's engine core in the job's own process instead
 # of a child process, and with one rank its worker too (vLLM's in-process executor; with
 # ``distributed_executor_backend="mp"`` or tensor parallelism the workers stay processes of their
-# own). Most engine tests run so: on 2 cores a job starts and ends in ~12 s instead of ~28 s (three
+# own). Most engine tests run so: on 2 cores a job starts and ends in ~12 s instead of ~36-45 s (three
 # interpreters each import vLLM, ~9 s apiece), and a 400-request job runs in ~27 s instead of
 # ~55-62 s (no inter-process traffic). The production path (frontend, engine core and worker
 # processes; the worker's deferred harvest after its reply; the scheduler's output crossing vLLM's
