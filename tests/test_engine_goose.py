@@ -1,7 +1,8 @@
 """Tree speculative decoding (GOOSE) inside real vLLM (CPU build), through the front door
 ``speculative_config={"method": "goose", ...}``.
 
-Engine runs (each a fresh process, vLLM's default multiprocess engine, ~30-60 s to start):
+Engine runs (each a fresh process; (2), the run under test, on vLLM's default multiprocess engine,
+the others with the engine core in the job's process, ``IN_PROCESS``):
 
 1. plain greedy decoding of 12 real prompts (6 HumanEval + 6 GSM8K), 64 tokens each;
 2. GOOSE with branch pruning off and no linear bypass, so every step verifies a wide

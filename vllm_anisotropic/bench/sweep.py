@@ -521,8 +521,11 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                      marker="o", capsize=3, label=method, **style)
         sp = [r for r in rs if r["speedup"] is not None]
         if sp:
+            # clipped at 0: with one repeat the interval is the speedup itself, computed two ways
+            # (a ratio of medians, a ratio per repeat) that may differ by a rounding (-4e-16)
             ax2.errorbar([r["concurrency"] for r in sp], [r["speedup"] for r in sp],
-                         yerr=[[r["speedup"] - r["speedup_min"] for r in sp], [r["speedup_max"] - r["speedup"] for r in sp]],
+                         yerr=[[max(r["speedup"] - r["speedup_min"], 0.0) for r in sp],
+                               [max(r["speedup_max"] - r["speedup"], 0.0) for r in sp]],
                          marker="o", capsize=3, label=method, **style)
     for ax, ylabel in ((ax1, "output tokens/s (median, min..max)"), (ax2, "speedup over plain decoding")):
         ax.set_xscale("log", base=2)
