@@ -126,7 +126,7 @@ def test_walk_and_masks_equal_a_per_node_reference_on_random_trees(grammar_facto
 def test_masks_refuse_an_unpruned_tree(grammar_factory):
     make, t, vocab = grammar_factory
     g = make()
-    with pytest.raises(RuntimeError, match="not reachable"):
+    with pytest.raises(RuntimeError, match=rf"node 2 \(token {t['zz']}\) is not reachable"):
         tree_bitmask_rows(g, "r", [t["ab"], t["zz"]], [0, 1], _bitmask(vocab, 2))
 
 
@@ -185,7 +185,9 @@ def test_scheduler_prune_and_worker_reorder_agree(grammar_factory):
     np.testing.assert_array_equal(mine.probs[:4], [1.0, 0.8, 0.6, 0.5])
     # the masks of the scheduled prefix (the allocator kept two nodes)
     rows = grammars.node_rows(_Request(g), drafts.draft_token_ids[0][:2], _bitmask(vocab, 4))
-    assert rows.shape == (2, _bitmask(vocab, 1).shape[1])
+    want = _bitmask(vocab, 2)
+    tree_bitmask_rows(g, "r", drafts.draft_token_ids[0][:2], grammars.trees["r"][1][:2], want)
+    assert rows.shape == (2, want.shape[1]) and np.array_equal(rows, want.numpy())
     with pytest.raises(RuntimeError, match="not a prefix"):
         grammars.node_rows(_Request(g), [t["x"]], _bitmask(vocab, 4))
     # kept nodes that are the tree's first ones: the worker's list needs no reorder
@@ -194,3 +196,14 @@ def test_scheduler_prune_and_worker_reorder_agree(grammar_factory):
     grammars.reorders = {}
     assert grammars.prune(_Manager(), _Request(g), drafts, 0) == 1
     assert drafts.draft_token_ids[0] == [t["cd"], t["x"]] and grammars.reorders == {}
+    # a grammar not yet in force (a reasoning model still thinking): every draft dropped
+    class Thinking:
+        @staticmethod
+        def _get_constraint_bounds(request, spec_tokens):
+            return type("Bounds", (), {"constraint_start": 1})()
+
+    drafts = DraftTokenIds(["r"], [[t["cd"], t["x"]]])
+    drafts.tree_parents = {"r": [0, 1]}
+    drafts.tree_probs, drafts.tree_chains = [np.array([0.9, 0.8])], [2]
+    assert grammars.prune(Thinking(), _Request(g), drafts, 0) == 2
+    assert drafts.draft_token_ids[0] == [] and drafts.tree_probs[0].size == 0 and drafts.tree_chains[0] == 0
