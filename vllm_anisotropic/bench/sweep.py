@@ -459,7 +459,10 @@ def summarize(records: list[dict]) -> list[dict]:
             if all(r.get("repeat") in by_repeat for r in rs):
                 ratios = [r["tokens_per_s"] / by_repeat[r.get("repeat")] for r in rs]
                 row["speedup"], row["speedup_low"], row["speedup_high"] = ratio_interval(ratios)
-                row["speedup_min"], row["speedup_max"] = min(ratios), max(ratios)
+                # the geometric mean lies within the ratios' range but is rounded apart from it
+                # (one ratio r: exp(log(r)) may be r - 4e-16): min <= speedup <= max kept exactly
+                row["speedup_min"] = min(*ratios, row["speedup"])
+                row["speedup_max"] = max(*ratios, row["speedup"])
             else:
                 base = statistics.median(r["tokens_per_s"] for r in plain[conc])
                 row["speedup"], row["speedup_min"], row["speedup_max"] = row["median"] / base, row["min"] / base, row["max"] / base
@@ -521,11 +524,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                      marker="o", capsize=3, label=method, **style)
         sp = [r for r in rs if r["speedup"] is not None]
         if sp:
-            # clipped at 0: with one repeat the interval is the speedup itself, computed two ways
-            # (a ratio of medians, a ratio per repeat) that may differ by a rounding (-4e-16)
             ax2.errorbar([r["concurrency"] for r in sp], [r["speedup"] for r in sp],
-                         yerr=[[max(r["speedup"] - r["speedup_min"], 0.0) for r in sp],
-                               [max(r["speedup_max"] - r["speedup"], 0.0) for r in sp]],
+                         yerr=[[r["speedup"] - r["speedup_min"] for r in sp], [r["speedup_max"] - r["speedup"] for r in sp]],
                          marker="o", capsize=3, label=method, **style)
     for ax, ylabel in ((ax1, "output tokens/s (median, min..max)"), (ax2, "speedup over plain decoding")):
         ax.set_xscale("log", base=2)
