@@ -633,6 +633,20 @@ def test_a_steps_composition_and_what_the_gate_observes_of_it(tmp_path):
 # (scripts/mutate.py on budget.py against this file: docs/testing.md, "The engine glue")
 
 
+def _scheduled(num, spec=None, new=()):
+    """A ``SchedulerOutput`` stand-in: tokens per request, their drafts, new requests."""
+    return SimpleNamespace(num_scheduled_tokens=num, total_num_scheduled_tokens=sum(num.values()),
+                           scheduled_spec_decode_tokens=spec or {}, scheduled_new_reqs=list(new))
+
+
+def _plain_step(b):
+    """One decode step of request "a" without drafts (nothing allocated) through the hooks."""
+    b.cut([_req("a", 0)])
+    out = _scheduled({"a": 1})
+    b.on_scheduled(out)
+    b.on_output(out, SimpleNamespace(sampled_token_ids=[[1]], req_id_to_index={"a": 0}))
+
+
 def test_chain_cost_is_the_model_without_its_tree_terms():
     """``_ChainCost``: a chain's rows are plain query tokens, so the wrapped model's four tree
     terms (tree switch, per request, per row, per context token) are zero and every other term is
@@ -673,11 +687,7 @@ def test_a_given_cost_model_is_kept_and_deterministic_learns_nothing(tmp_path):
         b.on_output(SimpleNamespace(scheduled_spec_decode_tokens={}),
                     SimpleNamespace(cost_calibration=sweep, sampled_token_ids=[], req_id_to_index={}))
         assert b.cost.coefficients == given.coefficients and b.start_coefficients == {}
-        b.cut([_req("a", 0)])
-        out = SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1,
-                              scheduled_spec_decode_tokens={}, scheduled_new_reqs=[])
-        b.on_scheduled(out)
-        b.on_output(out, SimpleNamespace(sampled_token_ids=[[1]], req_id_to_index={"a": 0}))
+        _plain_step(b)
         assert len(b.cost._online) == (0 if engine else 1)
     # without a file, an output without a sweep leaves the prior in place
     b = _budget()
@@ -821,43 +831,39 @@ def test_the_arm_of_a_step_from_its_requests(tmp_path):
     one speculating request not enough, a chain-only list counted as one tree row."""
     from vllm_anisotropic.allocator import PLAIN
 
-    def scheduled(num, spec=None, new=()):
-        return SimpleNamespace(num_scheduled_tokens=num, total_num_scheduled_tokens=sum(num.values()),
-                               scheduled_spec_decode_tokens=spec or {}, scheduled_new_reqs=list(new))
-
     b = _gated(TREE, tmp_path)
     reqs = [_req("a", 2, num_tokens=11, computed=10)]  # its prompt is 10 tokens: decoding from now
     _offer(b, {"a": [0.9, 0.8]})
     b.cut(reqs)
-    b.on_scheduled(scheduled({"a": 3}, {"a": reqs[0].spec_token_ids}))
+    b.on_scheduled(_scheduled({"a": 3}, {"a": reqs[0].spec_token_ids}))
     assert b._step[6] == TREE
     b = _budget(tmp_path, CostModel.from_coefficients([0.0], base=0.01), cost_model_online=False)  # no gate
     reqs = [_req("a", 2), _req("b", 0)]
     _offer(b, {"a": [0.9, 0.8]})
     b.cut(reqs)
-    b.on_scheduled(scheduled({"a": 3, "b": 1}, {"a": reqs[0].spec_token_ids}))
+    b.on_scheduled(_scheduled({"a": 3, "b": 1}, {"a": reqs[0].spec_token_ids}))
     assert b._step[4] == 1 and b._step[6] == TREE
     b = _gated(TREE, tmp_path)
     b.cut([_req("a", 0)])
-    b.on_scheduled(scheduled({"a": 1}, new=[object()]))
+    b.on_scheduled(_scheduled({"a": 1}, new=[object()]))
     assert b._step[6] is None
     b = _gated(TREE, tmp_path)
     prefill = _req("p", 0, num_tokens=50, computed=20)
     prefill.num_prompt_tokens = 50  # a chunked prefill goes on
     b.cut([_req("a", 0), prefill])
-    b.on_scheduled(scheduled({"a": 1, "p": 30}))
+    b.on_scheduled(_scheduled({"a": 1, "p": 30}))
     assert b._step[6] is None
     b = _gated(PLAIN, tmp_path)
     b.propose_next = PLAIN
     b.cut([_req("a", 0), _req("b", 0, num_tokens=101, computed=99)])  # b re-runs an accepted token
     b.propose_next = PLAIN
-    b.on_scheduled(scheduled({"a": 1, "b": 2}))
+    b.on_scheduled(_scheduled({"a": 1, "b": 2}))
     assert b._step[6] is None
     b = _gated(TREE, tmp_path)
     reqs = [_req("a", 3)]
     b.on_draft_ids(SimpleNamespace(req_ids=["a"], tree_probs=[[0.9, 0.8, 0.7]], tree_chains=[3]))
     b.cut(reqs)
-    b.on_scheduled(scheduled({"a": 4}, {"a": reqs[0].spec_token_ids}))
+    b.on_scheduled(_scheduled({"a": 4}, {"a": reqs[0].spec_token_ids}))
     assert b._step[2] == 0
 
 
@@ -866,10 +872,7 @@ def _decode_step(b, propose_s=0.0):
     reqs = [_req("a", 2)]
     _offer(b, {"a": [0.9, 0.8]})
     b.cut(reqs)
-    out = SimpleNamespace(num_scheduled_tokens={"a": 1 + len(reqs[0].spec_token_ids)},
-                          total_num_scheduled_tokens=1 + len(reqs[0].spec_token_ids),
-                          scheduled_spec_decode_tokens={"a": reqs[0].spec_token_ids},
-                          scheduled_new_reqs=[])
+    out = _scheduled({"a": 1 + len(reqs[0].spec_token_ids)}, {"a": reqs[0].spec_token_ids})
     b.on_scheduled(out)
     b.on_output(out, SimpleNamespace(sampled_token_ids=[[1, 2]], req_id_to_index={"a": 0}, tree_propose_s=propose_s))
 
@@ -900,18 +903,11 @@ def test_measured_steps_are_scored_in_batches_of_64(tmp_path):
     from vllm_anisotropic.integration.vllm.engine.budget import SCORE_BATCH
 
     b = _budget(tmp_path, CostModel.from_coefficients([0.0], base=0.01))
-
-    def plain_step():  # nothing allocated, so nothing refitted; no step counted, so no log line
-        b.cut([_req("a", 0)])
-        out = SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1,
-                              scheduled_spec_decode_tokens={}, scheduled_new_reqs=[])
-        b.on_scheduled(out)
-        b.on_output(out, SimpleNamespace(sampled_token_ids=[[1]], req_id_to_index={"a": 0}))
-
+    # plain steps: nothing allocated, so nothing refitted; no step counted, so no log line
     for _ in range(SCORE_BATCH - 1):
-        plain_step()
+        _plain_step(b)
     assert b.metrics.cost_samples == 0
-    plain_step()
+    _plain_step(b)
     assert b.metrics.cost_samples == SCORE_BATCH
     cost = CostModel.from_coefficients([0.0], base=0.01, spec_request=0.01)
     b = _budget(tmp_path, cost)
@@ -932,8 +928,7 @@ def test_outputs_without_a_row_for_a_scheduled_request_are_read_safely(tmp_path)
     _offer(b, {"a": [0.9, 0.8], "b": [0.9, 0.8], "c": [0.9, 0.8]})
     b.cut(reqs)
     spec = {r.request_id: r.spec_token_ids for r in reqs}
-    out = SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 3, "c": 3}, total_num_scheduled_tokens=9,
-                          scheduled_spec_decode_tokens=spec, scheduled_new_reqs=[])
+    out = _scheduled({"a": 3, "b": 3, "c": 3}, spec)
     b.on_scheduled(out)
     b.on_output(out, SimpleNamespace(sampled_token_ids=[[1, 2]], req_id_to_index={"a": 0, "b": 1}))
     assert seen[0][2] == 2  # a's two tokens; b indexed past the rows, c not indexed

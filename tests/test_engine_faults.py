@@ -19,7 +19,7 @@ import json
 
 import pytest
 
-from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, WORKER_PROCESS, OfflineJob, run_offline_job
 from vllm_anisotropic.integration.vllm.engine.faults import INJECT_ENV, parse_injection
 from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
 
@@ -27,7 +27,6 @@ pytestmark = pytest.mark.engine
 
 ENGINE = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 3, "max_num_batched_tokens": 8192,
           "dtype": "float32"}
-WORKER_PROCESS = {**ENGINE, "distributed_executor_backend": "mp"}
 # allocator on (its hooks are a stage), gate off (so that trees run whatever this machine's speed)
 CONFIG = {"method": "goose", "budget": 8, "allocator_gate": False}
 # the call of each stage that fails, spread over the four waves of three requests
@@ -58,7 +57,8 @@ def test_a_fault_in_each_stage_is_contained(tiny_prompts, tmp_path):
     stats = tmp_path / "tree.json"
     # the worker in a process of its own (the production executor): its deferred harvest runs
     # after its reply there, where a harvest fault must be contained too
-    spec = run_offline_job(job.model_copy(update={"speculative_config": CONFIG, "llm_kwargs": WORKER_PROCESS}),
+    spec = run_offline_job(job.model_copy(update={"speculative_config": CONFIG,
+                                                  "llm_kwargs": {**ENGINE, **WORKER_PROCESS}}),
                            env={**IN_PROCESS, INJECT_ENV: FAULTS, STATS_ENV: str(stats)})
     tree = json.loads(stats.read_text())
     print(f"spec {spec.spec}; faults {tree['faults']}, requests without trees after a fault {tree['disabled_requests']}")

@@ -31,7 +31,7 @@ from collections import Counter
 import pytest
 
 from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV, TRACE_ENV
-from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import IN_PROCESS, WORKER_PROCESS, OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
@@ -136,7 +136,7 @@ def test_every_request_type_is_served_exactly_with_trees_where_the_law_allows(se
     # the worker in a process of its own (the production executor): the grammar-pruned trees'
     # reorders reach it with the scheduler's output over vLLM's message queue
     goose = run_offline_job(job.model_copy(update={"speculative_config": WIDE_GOOSE,
-                                                   "llm_kwargs": {**ENGINE, "distributed_executor_backend": "mp"}}),
+                                                   "llm_kwargs": {**ENGINE, **WORKER_PROCESS}}),
                             env={**IN_PROCESS, STATS_ENV: str(stats), TRACE_ENV: "1"})
     for i, (a, b) in enumerate(zip(plain.token_ids, goose.token_ids)):
         assert a == b, f"prompt {i} ({KINDS[i][0]}): plain {a} vs goose {b}"

@@ -37,6 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field
 # message queue) is kept by the plugin, GOOSE, fault, request-type and server tests.
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 IN_PROCESS = {IN_PROCESS_ENV: "0"}
+# ``llm_kwargs`` that keep a one-rank worker in a process of its own under ``IN_PROCESS``
+WORKER_PROCESS = {"distributed_executor_backend": "mp"}
 
 # vLLM's CPU defaults sized for a small machine: an explicit KV cache size (on CPU,
 # ``gpu_memory_utilization`` is a fraction of *RAM* per NUMA node and fails on busy hosts).
