@@ -115,16 +115,16 @@ CORE: list[dict] = [
     ),
     dict(target="vllm_anisotropic/kernels/table.py", functions=["_home", "find", "slot_of", "lookup", "update"],
          tests=_TABLE_TESTS),
-    dict(target="vllm_anisotropic/kernels/harvest.py",
-         functions=["_block_maxima", "_row_topk", "_sum_exp", "topk_probs"], tests=["tests/test_kernels_harvest.py"]),
+    dict(target="vllm_anisotropic/kernels/vocab.py",
+         functions=["as_float32", "pow2", "order_key", "_block_maxima", "_row_topk", "_sum_exp", "topk_probs", "argmax_rows"],
+         tests=["tests/test_kernels_harvest.py", "tests/test_verifier_reference.py::test_bf16_and_float32_rows_argmaxed_as_torch"]),
     dict(
         target="vllm_anisotropic/proposers/context_match.py",
         functions=["ContextMatcher.extend", "ContextMatcher.sync", "ContextMatcher.lookup", "ContextMatcher.match"],
         tests=_MATCH_TESTS,
     ),
     dict(target="vllm_anisotropic/kernels/match.py", functions=["match_tokens", "match_rows"], tests=_MATCH_TESTS),
-    dict(target="vllm_anisotropic/kernels/walk.py", functions=["descend_flat", "widen_bf16"],
-         tests=["tests/test_flat_trees.py", "tests/test_verifier_reference.py::test_bf16_rows_widened_bit_for_bit_and_argmaxed_as_torch"]),
+    dict(target="vllm_anisotropic/kernels/walk.py", functions=["descend_flat"], tests=["tests/test_flat_trees.py"]),
     dict(target="vllm_anisotropic/kernels/rank.py", functions=["_cap", "rank_trees"],
          tests=["tests/test_kernels_mutants.py", "tests/test_flat_trees.py", "tests/test_allocator.py"]),
     dict(target="vllm_anisotropic/kernels/allocate.py", functions=["concave_rows", "step_seconds", "scan_prefixes"],
@@ -531,6 +531,8 @@ def run_target(spec: dict, work: Path, args) -> TargetReport:
                 rep.mutants.append(carried[m.id] | {"outcome": "carried-over:" + carried[m.id]["outcome"], "seconds": 0.0})
                 continue
             copy_target.write_text(mutant_source(source, m))
+            if "kernels" in target.parts:
+                _drop_numba_caches(work)
             outcome, secs = _run_child(work, module, pytest_args, log, timeout=rep.timeout_seconds,
                                        in_subprocesses=args.in_subprocesses)
             if outcome.startswith("setup-error"):
@@ -545,6 +547,14 @@ def run_target(spec: dict, work: Path, args) -> TargetReport:
     finally:
         copy_target.write_text(source)
     return rep
+
+
+def _drop_numba_caches(work: Path) -> None:
+    """Delete numba's disk caches in the copy. numba checks a cached function against its own
+    source file only: other modules' cached kernels that call a mutated kernel module (``goose``
+    calls ``table``) would keep machine code compiled against the module before the mutant."""
+    for path in work.rglob("*.nb[ic]"):
+        path.unlink(missing_ok=True)
 
 
 def table(reports: list[TargetReport]) -> str:

@@ -1,4 +1,4 @@
-"""The compiled harvest math (``kernels.harvest``) against float64 references: the top-k ids
+"""The compiled harvest math (``kernels.vocab.topk_probs``) against float64 references: the top-k ids
 equal a stable descending sort (lower token id first among equal logits, which bf16 logits make
 common), the probabilities a float64 softmax to 2e-6 relative."""
 
@@ -52,3 +52,43 @@ def test_topk_sees_the_last_entry_of_a_one_entry_block(vocab):
     logits[1, -1] = logits[1].max() + 1e-3
     ids, probs = topk_scores(logits, 3)
     assert ids[0][0] == vocab - 1 and ids[1][0] == vocab - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_orders_negative_rows_and_signed_zeros_as_values(dtype):
+    """Order keys (``kernels.vocab.order_key``) rank as the values: in an all-negative row the
+    least negative come first (a key that ignores the sign takes the most negative), -0.0 and
+    +0.0 are equal (the lower id first: a key ranking -0 below +0 puts id 10 before id 5), and
+    -inf entries (a masked vocabulary) rank last and weigh nothing in the probabilities."""
+    g = torch.Generator().manual_seed(11)
+    logits = -(torch.rand(2, 700, generator=g) * 20 + 1)
+    logits[0, 5], logits[0, 10] = -0.0, 0.0
+    logits[1, 600] = -0.5
+    logits[1, :300] = -float("inf")
+    logits = logits.to(dtype)
+    ids, probs = topk_scores(logits, 4)
+    x = logits.double().numpy()
+    for r in range(2):
+        want = np.argsort(-x[r], kind="stable")[:4]
+        assert ids[r].tolist() == want.tolist()
+        p = np.exp(x[r] - x[r].max())
+        np.testing.assert_allclose(probs[r], (p / p.sum())[want], rtol=5e-6)
+    assert ids[0][:2].tolist() == [5, 10] and ids[1][0] == 600
+
+
+def test_block_edges_neither_overlap_nor_drop_an_entry():
+    """Blocks are exactly ``BLOCK`` entries: a maximum on the last entry of a full block (index
+    255) is its block's maximum (a block one entry short would skip that block and miss it), and
+    a maximum on the first entry of the next block (256) is counted once (blocks overlapping by
+    one would count it twice among the block maxima, raise the bound to it and skip the
+    runner-up)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.rand(2, 1024, generator=g)
+    logits[0, 255] = 9.0  # the maximum, last entry of block 0
+    logits[0, 700] = 5.0  # block 2's maximum: the bound for k = 1 when block 0 misses index 255
+    logits[1, 256] = 9.0  # the maximum, first entry of block 1
+    logits[1, 10] = 8.0  # the runner-up, in block 0
+    ids, _ = topk_scores(logits, 1)
+    assert ids[0].tolist() == [255]
+    ids, _ = topk_scores(logits, 2)
+    assert ids[1].tolist() == [256, 10]

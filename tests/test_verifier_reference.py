@@ -102,28 +102,48 @@ def test_greedy_half_precision_logits():
         v.reference_batch(batch, half.float(), TargetSampling(0.0))
 
 
-def test_bf16_rows_widened_bit_for_bit_and_argmaxed_as_torch():
-    """The CPU walk's and the harvest's bf16 path (``widen_rows``: gather + widen in one compiled
-    pass, ``host_rows_argmax``): every bf16 bit pattern -- both zeros, subnormals, infinities,
-    NaNs of both signs, the largest finite values -- becomes exactly torch's ``.float()`` of it,
-    rows in the requested order with repeats; the argmax equals torch's on rows built to catch a
-    wrong shift (values equal in the low byte), a signed widening (negative rows) and a reversed
-    row index."""
-    from vllm_anisotropic.verifiers.greedy import host_rows_argmax, widen_rows
+def test_bf16_and_float32_rows_argmaxed_as_torch():
+    """The CPU walk's argmax (``host_rows_argmax``: bf16 rows by ``kernels.vocab.argmax_rows`` on
+    their 16 bits through ``kernels.vocab.order_key``; the kernel on float32 rows too) equals
+    torch's ``.float().argmax()``: on every bf16 bit pattern (both zeros, subnormals, infinities,
+    NaNs of both signs, the largest finite values; in one block a row and shuffled across 16
+    blocks a row), and on rows built to catch a wrong shift (values equal in the low byte), an
+    unsigned or sign-flipped key (all-negative rows), zeros of opposite sign ranked apart, a
+    maximum in the short last block, in a one-entry last block or second in its block, the later
+    of two equal block maxima, a negative NaN ranked low, and a reversed row index."""
+    from vllm_anisotropic import kernels
+    from vllm_anisotropic.verifiers.greedy import host_rows_argmax
 
-    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
-    rows = np.array([255, 0, 128, 0, 7], np.int64)
-    got = widen_rows(every, rows)
-    want = every[torch.from_numpy(rows)].float().numpy()
-    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    def check(x: torch.Tensor, rows: np.ndarray) -> None:
+        want = x[torch.from_numpy(rows)].float().argmax(-1).tolist()
+        assert host_rows_argmax(x, rows).tolist() == want
+        out = np.empty(rows.shape[0], np.int64)
+        kernels.load("vocab").argmax_rows(np.ascontiguousarray(x.float().numpy()), rows, out)
+        assert out.tolist() == want
+
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     g = torch.Generator().manual_seed(3)
-    x = (torch.randn(8, 1000, generator=g) * 3).to(torch.bfloat16)
-    x[1] = -x[1].abs() - 1  # all negative: a signed widening would pick the smallest
+    check(every.view(torch.bfloat16).reshape(256, 256), np.arange(256)[::-1].copy())
+    shuffled = every[torch.randperm(every.numel(), generator=g)].view(torch.bfloat16).reshape(16, 4096)
+    check(shuffled, np.arange(16))
+    x = (torch.randn(9, 1000, generator=g) * 3).to(torch.bfloat16)  # blocks of 256, 256, 256, 232
+    x[1] = -x[1].abs() - 1  # all negative: a key that ignores the sign picks the smallest
     x[2, 900] = 64.0
     x[2, 100] = 64.5  # 64.5 and 64 differ only in the low byte of the float32 word
     x[3, 5] = float("nan")
-    rows = np.array([3, 2, 1, 0, 7, 2], np.int64)
-    assert host_rows_argmax(x, rows).tolist() == x[torch.from_numpy(rows)].float().argmax(-1).tolist()
+    x[4] = -x[4].abs() - 1
+    x[4, 5], x[4, 10] = -0.0, 0.0  # equal: the first wins (a key ranking -0 below +0 takes 10)
+    x[5, 999] = x[5].max() + 1  # alone in the short last block
+    x[6, 300] = x[6, 700] = x[6].max() + 1  # two blocks hold the maximum: the first block's index
+    x[7] = -float("inf")
+    x[7, 600] = -3.0e38
+    x[8, 2] = x[8, 500] = float("nan")
+    x[8].view(torch.int16)[2] = -64  # 0xFFC0: a NaN with the sign bit set, still the first maximum
+    check(x, np.array([3, 2, 1, 0, 8, 7, 6, 5, 4, 2], np.int64))
+    y = (torch.randn(2, 513, generator=g) * 3).to(torch.bfloat16)  # blocks of 256, 256 and 1
+    y[0, 512] = y[0].max() + 1  # alone in a one-entry last block (a block count rounded down drops it)
+    y[1, 257] = y[1].max() + 1  # second entry of its block (a block maximum from its third entry misses it)
+    check(y, np.array([0, 1], np.int64))
 
 
 def test_greedy_host_walk_equals_the_packed_walk():

@@ -2,10 +2,16 @@
 
 Scope: every numba function of the package lives here, one module per stage: ``match`` (the
 context matcher's backward scan), ``table`` (adjacency-table lookup and update), ``goose`` (GOOSE
-tree building), ``walk`` (the greedy walk's descent), ``harvest`` (top-k and softmax
-probabilities of logits rows), ``rank`` (the allocator's probabilities and order of a step's trees), ``allocate`` (the
-allocator's envelopes and prefix scans). Callers fetch a module with ``load(name)``
-at call time, never at import time.
+tree building), ``walk`` (the greedy walk's descent), ``vocab`` (passes over vocabulary rows of
+logits: the harvest's top-k and softmax probabilities, the walk's argmax; bf16 rows read as their
+16 bits), ``rank`` (the allocator's probabilities and order of a step's trees), ``allocate`` (the
+allocator's envelopes and prefix scans). Callers fetch a module with ``load(name)`` at call time,
+never at import time.
+
+numba's disk cache (``cache=True``) checks a function's own source file only: a kernel that calls
+one of another module (``goose`` calls ``table``'s) keeps its cached machine code when only that
+other module changes. After editing ``table.py``, delete ``vllm_anisotropic/kernels/__pycache__``
+(``scripts/mutate.py`` drops every cache of its copy after each mutant).
 
 Why lazily: vLLM's CPU worker, when it starts, scans every imported module's attributes for
 Triton kernels to override (``vllm/triton_utils/dispatcher.py``, ``_rebind_kernels``) and calls
@@ -23,11 +29,17 @@ from types import ModuleType
 
 __all__ = ["load"]
 
-_NAMES = ("allocate", "goose", "harvest", "match", "rank", "table", "walk")
+_NAMES = ("allocate", "goose", "match", "rank", "table", "vocab", "walk")
+
+
+_LOADED: dict[str, ModuleType] = {}  # what import_module returned (a lookup there costs ~2 us a call)
 
 
 def load(name: str) -> ModuleType:
-    """The kernel module ``name`` (one of allocate, goose, harvest, match, rank, table, walk), imported on first use."""
-    if name not in _NAMES:
-        raise ValueError(f"unknown kernel module {name!r}; valid: {', '.join(_NAMES)}")
-    return importlib.import_module(f"{__name__}.{name}")
+    """The kernel module ``name`` (one of allocate, goose, match, rank, table, vocab, walk), imported on first use."""
+    module = _LOADED.get(name)
+    if module is None:
+        if name not in _NAMES:
+            raise ValueError(f"unknown kernel module {name!r}; valid: {', '.join(_NAMES)}")
+        module = _LOADED[name] = importlib.import_module(f"{__name__}.{name}")
+    return module

@@ -1,25 +1,11 @@
-"""Compiled greedy-walk descent (``kernels.load("walk")``) for ``verifiers.greedy.walk_flat``, and
-the widening of a bf16 logits row to float32 for its argmax (``host_rows_argmax``)."""
+"""Compiled greedy-walk descent (``kernels.load("walk")``) for ``verifiers.greedy.walk_flat``: every
+tree of a step one depth down (the argmax of the rows it visits: ``kernels.vocab.argmax_rows``)."""
 
 from __future__ import annotations
 
 import numba
-import numpy as np
 
-__all__ = ["descend_flat", "widen_bf16"]
-
-
-@numba.njit(cache=True, nogil=True)
-def widen_bf16(bits, rows, out):
-    """``out[i, j]``: the float32 bit pattern of bf16 ``bits[rows[i], j]`` (``bits`` the int16
-    view of a logits matrix), i.e. the 16 bits moved to the top of a 32-bit word (exact: bf16 is
-    float32's upper half). Example: bf16 1.0 = 0x3F80 -> 0x3F800000. A gather and the widening in
-    one single-threaded pass (torch's ``index_select`` then ``.float()`` make two, each a parallel
-    region: ~30 us a 49k row on a loaded 2-core CPU against ~2-4 us here)."""
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        for j in range(bits.shape[1]):
-            out[i, j] = np.uint32(np.uint16(bits[r, j])) << np.uint32(16)
+__all__ = ["descend_flat"]
 
 
 @numba.njit(cache=True, nogil=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# table: python docs/measurements/cpu/host_ab_table_2026_11_28.py b
+# table: python docs/measurements/cpu/host_ab_table_2026_11_28.py 2026_11_28b
 # profile-host --no-profile, before (e651375, a git worktree at /tmp/before) and after (this
 # tree), interleaved, goose-nogate (trees offered every step) at 1 / 8 / 64 requests, 2 repeats
 # at 1 and 8; plain once per concurrency for scale. Records: docs/measurements/cpu/host_ab_{before,after}_2026_11_28b.jsonl.

@@ -48,7 +48,6 @@ from vllm_anisotropic.proposers import DraftTreeProposer, get_proposer
 from vllm_anisotropic.proposers.adjacency import TopKRows
 from vllm_anisotropic.proposers.base import MODE_CODES, ProposalMode, RequestState
 from vllm_anisotropic.tree import FlatTrees
-from vllm_anisotropic.verifiers.greedy import widen_rows
 
 logger = logging.getLogger(__name__)
 
@@ -473,8 +472,8 @@ class TreeDrafter:
         if k:  # a copy of every harvested tree's rows (root rows included), tree by tree
             sizes = np.where(harvest, trees.sizes(), 0)
             index = np.repeat(row_starts, sizes) + (np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes))
-            if logits.device.type == "cpu" and logits.dtype == torch.bfloat16:
-                picked = torch.from_numpy(widen_rows(logits, index))  # gathered and widened in one pass
+            if logits.device.type == "cpu" and logits.dtype == torch.bfloat16:  # numpy's gather: one thread, no
+                picked = torch.from_numpy(logits.view(torch.int16).numpy()[index]).view(torch.bfloat16)  # parallel region
             else:
                 picked = logits.index_select(0, torch.from_numpy(index).to(logits.device))
         self._deferred.append(("harvest", step.req_ids, functools.partial(
