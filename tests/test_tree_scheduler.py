@@ -78,7 +78,8 @@ def _step(sched, drafts: dict[str, list[int]] | None = None, **tree_attrs):
         for key, value in tree_attrs.items():
             setattr(sent, key, value)
         runner.tree_drafts = sent
-    sched.update_from_output(out, runner)
+    outputs = sched.update_from_output(out, runner)
+    assert set(outputs) == ({0} if ids else set())  # vLLM's engine-core outputs, by client
     return out
 
 

@@ -52,10 +52,10 @@ _I32 = ir.IntType(32)
 
 @intrinsic
 def as_float32(typingctx, v):
-    """The float32 value of ``v``: a float32 as is, 16-bit integers read as bf16 bits (exact)."""
+    """The float32 value of ``v``: a float32 as is, an int16 read as bf16 bits (exact)."""
     if v == types.float32:
         return types.float32(v), lambda context, builder, sig, args: args[0]
-    if isinstance(v, types.Integer) and v.bitwidth == 16:
+    if v == types.int16:
         return types.float32(v), lambda context, builder, sig, args: builder.bitcast(
             builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16)), ir.FloatType())
     return None
@@ -63,18 +63,13 @@ def as_float32(typingctx, v):
 
 @intrinsic
 def pow2(typingctx, e):
-    """float32 ``2^e`` for an integer ``e`` in [-126, 127] (``e + 127`` put in the exponent bits;
+    """float32 ``2^e`` for an int32 ``e`` in [-126, 127] (``e + 127`` put in the exponent bits;
     outside that range the result is wrong, callers clamp)."""
-    if not isinstance(e, types.Integer):
+    if e != types.int32:
         return None
 
     def codegen(context, builder, sig, args):
-        v = args[0]
-        if e.bitwidth > 32:
-            v = builder.trunc(v, _I32)
-        elif e.bitwidth < 32:
-            v = builder.sext(v, _I32) if e.signed else builder.zext(v, _I32)
-        v = builder.shl(builder.add(v, ir.Constant(_I32, 127)), ir.Constant(_I32, 23))
+        v = builder.shl(builder.add(args[0], ir.Constant(_I32, 127)), ir.Constant(_I32, 23))
         return builder.bitcast(v, ir.FloatType())
 
     return types.float32(e), codegen
@@ -87,7 +82,7 @@ def order_key(typingctx, v):
     complement: key = +/- (bits & 0x7FFFFFFF). Examples: 1.0 -> 0x3F800000, -1.0 -> -0x3F800000,
     -0.0 -> 0, NaN -> 0x7FFFFFFF. Written in LLVM's 32-bit integer ops: numba's own integer
     arithmetic widens int32 to int64, which halves the SIMD lanes and has no AVX2 max."""
-    if v != types.float32 and not (isinstance(v, types.Integer) and v.bitwidth == 16):
+    if v not in (types.float32, types.int16):
         return None
 
     def codegen(context, builder, sig, args):

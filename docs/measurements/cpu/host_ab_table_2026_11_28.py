@@ -15,8 +15,8 @@ for (m,tag,c),rs in sorted(rows.items(), key=lambda kv:(kv[0][2],kv[0][0],kv[0][
     ks="; ".join(f"{k.get('trees',0)} / {k.get('chains',0)} / {k.get('plain',0)}" for k in kinds if k) or "-"
     print(f"| {m} | {tag} | {c} | {len(rs)} | {st.median(x['tokens']/x['seconds'] for x in rs):.1f} | {med('wall_ms'):.2f} | {med('forward_ms'):.2f} | {med('outside_forward_ms'):.2f} | {med('plugin_host_ms'):.2f} | {st.median(x.get('plugin_host_no_topk_ms', x['plugin_host_ms']) for x in rs):.2f} | {ks} |")
 print()
-print("phases (ms/step, median over runs), goose-nogate:")
+print("phases (ms/step, median over runs), goose-nogate or goose-b8:")
 for (m,tag,c),rs in sorted(rows.items(), key=lambda kv:(kv[0][2],kv[0][1])):
-    if m!="goose-nogate": continue
+    if m not in ("goose-nogate", "goose-b8"): continue
     keys=sorted({k for x in rs for k in x["phases_ms"]}, key=lambda k: -st.median(x["phases_ms"].get(k,0) for x in rs))
     print(f"  {tag:6s} c={c:<3d} " + " ".join(f"{k} {st.median(x['phases_ms'].get(k,0) for x in rs):.2f}" for k in keys if st.median(x['phases_ms'].get(k,0) for x in rs)>=0.01))
