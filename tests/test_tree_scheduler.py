@@ -196,7 +196,7 @@ class _Grammar:
     def __call__(self, scheduler, scheduler_output):
         spec = dict(scheduler_output.scheduled_spec_decode_tokens)
         self.seen.append(spec)
-        ids = ["t1", "plain", "t2"]
+        ids = ["t1", "plain", "t2", "last"]
         rows = []
         for k, r in enumerate(ids):
             width = 1 + MAX_DRAFTS if self.layout == "0.33" else 1 + len(spec.get(r, ()))
@@ -214,24 +214,26 @@ def test_grammar_rows_of_tree_nodes_spliced_into_vllms_layout(sched, monkeypatch
     allocated = []
     sched.structured_output_manager = SimpleNamespace(backend=SimpleNamespace(
         allocate_token_bitmask=lambda n: allocated.append(n) or np.zeros((n, 4), np.int32)))
-    for r in ("t1", "plain", "t2"):
+    for r in ("t1", "plain", "t2", "last"):
         sched.add_request(_request(r))
     sched.grammars.trees.update({"t1": object(), "t2": object()})
     node_value = {"t1": 7, "t2": 9}
     monkeypatch.setattr(sched.grammars, "node_rows", lambda request, drafts, buf: np.full(
         (len(drafts), 4), node_value[request.request_id], np.int32))
-    spec = {"t1": [1, 2, 3], "plain": [4, 5], "t2": [6]}
+    spec = {"t1": [1, 2, 3], "plain": [4, 5], "t2": [6], "last": [8]}  # a plain request last: a
+    # too wide slice of plain's rows cannot hide in the tree rows that follow it
     out = SimpleNamespace(scheduled_spec_decode_tokens=spec)
     got = sched.get_grammar_bitmask(out)
-    assert grammar.seen == [{"plain": [4, 5]}]  # vLLM fills the tree requests' root rows only
+    assert grammar.seen == [{"plain": [4, 5], "last": [8]}]  # vLLM fills the tree requests' root rows only
     assert out.scheduled_spec_decode_tokens is spec
     assert allocated == [MAX_DRAFTS]
     col = got.grammar_bitmask[:, 0].tolist()
     if layout == "0.32":  # root, its nodes; plain's root and drafts; root, its node
-        assert col == [0, 7, 7, 7, 100, 101, 102, 200, 9]
+        assert col == [0, 7, 7, 7, 100, 101, 102, 200, 9, 300, 301]
     else:  # blocks of 1 + MAX_DRAFTS rows: each tree's nodes right after its root, the rest vLLM's
-        assert col == [0, 7, 7, 7, 4, 5, 6, 100, 101, 102, 103, 104, 105, 106, 200, 9, 202, 203, 204, 205, 206]
-    assert got.num_acceptable_drafts == [3, 2, 1]
+        assert col == [0, 7, 7, 7, 4, 5, 6, 100, 101, 102, 103, 104, 105, 106, 200, 9, 202, 203, 204, 205, 206,
+                       300, 301, 302, 303, 304, 305, 306]
+    assert got.num_acceptable_drafts == [3, 2, 1, 1]
     sched.get_grammar_bitmask(out)
     assert allocated == [MAX_DRAFTS]  # the node rows' buffer is allocated once
 
