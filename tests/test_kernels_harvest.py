@@ -92,3 +92,19 @@ def test_block_edges_neither_overlap_nor_drop_an_entry():
     assert ids[0].tolist() == [255]
     ids, _ = topk_scores(logits, 2)
     assert ids[1].tolist() == [256, 10]
+
+
+def test_float32_keys_keep_the_last_bit():
+    """float32 rows are ranked on all 32 bits: 1.0 (0x3F800000) and the next float up
+    (0x3F800001) differ only in the lowest bit, and the larger wins even from a higher id (a key
+    that masked that bit would tie them and take the lower id)."""
+    x = torch.full((1, 300), -1.0)
+    x[0, 3] = 1.0
+    x[0, 7] = float(np.nextafter(np.float32(1.0), np.float32(2.0)))
+    ids, _ = topk_scores(x, 2)
+    assert ids[0].tolist() == [7, 3]
+    from vllm_anisotropic import kernels
+
+    out = np.empty(1, np.int64)
+    kernels.load("vocab").argmax_rows(x.numpy(), np.zeros(1, np.int64), out)
+    assert out.tolist() == [7]
