@@ -11,7 +11,7 @@ never at import time.
 numba's disk cache (``cache=True``) checks a function's own source file only: a kernel that calls
 one of another module (``goose`` calls ``table``'s) keeps its cached machine code when only that
 other module changes. After editing ``table.py``, delete ``vllm_anisotropic/kernels/__pycache__``
-(``scripts/mutate.py`` drops every cache of its copy after each mutant).
+(``scripts/mutate.py`` drops every cache of its copy before each kernel mutant).
 
 Why lazily: vLLM's CPU worker, when it starts, scans every imported module's attributes for
 Triton kernels to override (``vllm/triton_utils/dispatcher.py``, ``_rebind_kernels``) and calls
