@@ -116,7 +116,7 @@ CORE: list[dict] = [
     dict(target="vllm_anisotropic/kernels/table.py", functions=["_home", "find", "slot_of", "lookup", "update"],
          tests=_TABLE_TESTS),
     dict(target="vllm_anisotropic/kernels/vocab.py",
-         functions=["as_float32", "pow2", "order_key", "_block_maxima", "_row_topk", "_sum_exp", "topk_probs", "argmax_rows"],
+         functions=["_bits32", "as_float32", "pow2", "order_key", "_block_maxima", "_row_topk", "_sum_exp", "topk_probs", "argmax_rows"],
          tests=["tests/test_kernels_harvest.py", "tests/test_verifier_reference.py::test_bf16_and_float32_rows_argmaxed_as_torch"]),
     dict(
         target="vllm_anisotropic/proposers/context_match.py",

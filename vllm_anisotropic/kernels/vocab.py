@@ -50,15 +50,21 @@ BLOCK = 256  # entries per block of the top-k's first pass and of the argmax's
 _I32 = ir.IntType(32)
 
 
+def _bits32(builder, value, ty):
+    """LLVM int32 bit pattern of a float32 ``value``, or of the float32 an int16 (bf16 bits)
+    widens to: the 16 bits moved to the top of the word."""
+    if ty == types.float32:
+        return builder.bitcast(value, _I32)
+    return builder.shl(builder.zext(value, _I32), ir.Constant(_I32, 16))
+
+
 @intrinsic
 def as_float32(typingctx, v):
     """The float32 value of ``v``: a float32 as is, an int16 read as bf16 bits (exact)."""
-    if v == types.float32:
-        return types.float32(v), lambda context, builder, sig, args: args[0]
-    if v == types.int16:
-        return types.float32(v), lambda context, builder, sig, args: builder.bitcast(
-            builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16)), ir.FloatType())
-    return None
+    if v not in (types.float32, types.int16):
+        return None
+    return types.float32(v), lambda context, builder, sig, args: builder.bitcast(_bits32(builder, args[0], v),
+                                                                                  ir.FloatType())
 
 
 @intrinsic
@@ -86,10 +92,7 @@ def order_key(typingctx, v):
         return None
 
     def codegen(context, builder, sig, args):
-        if v == types.float32:
-            b = builder.bitcast(args[0], _I32)
-        else:
-            b = builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16))
+        b = _bits32(builder, args[0], v)
         mag = builder.and_(b, ir.Constant(_I32, 0x7FFFFFFF))
         key = builder.select(builder.icmp_signed("<", b, ir.Constant(_I32, 0)), builder.neg(mag), mag)
         nan = builder.icmp_signed(">", mag, ir.Constant(_I32, 0x7F800000))
@@ -188,24 +191,16 @@ def topk_probs(x, k, ids, probs):
 @_jit
 def argmax_rows(x, rows, out):
     """``out[i]`` = the index of the largest entry of ``x[rows[i]]`` (float32, or int16 bf16
-    bits): the first among equals, NaN above every number (torch's and numpy's argmax). One
-    vectorised pass of block maxima (``order_key``, ``BLOCK`` entries a block, as the top-k's), the first block
-    holding the largest, then the first index in it holding that key. Example, BLOCK 2: row
-    [1, 3 | 3, -0] -> block maxima [3, 3] -> block 0 -> index 1."""
+    bits): the first among equals, NaN above every number (torch's and numpy's argmax). The
+    top-k's block maxima (``_block_maxima``), the first block holding the largest, then the first
+    index in it holding that key. Example, BLOCK 2: row [1, 3 | 3, -0] -> block maxima [3, 3] ->
+    block 0 -> index 1."""
+    maxima = np.empty((x.shape[1] + BLOCK - 1) // BLOCK, np.int32)
     for i in range(rows.shape[0]):
         row = x[rows[i]]
-        best = np.int32(-0x7FFFFFFF - 1)
-        best_block = 0
-        for b in range((row.shape[0] + BLOCK - 1) // BLOCK):
-            block = row[b * BLOCK : (b + 1) * BLOCK]
-            m = order_key(block[0])
-            for j in range(1, block.shape[0]):
-                v = order_key(block[j])
-                m = v if v > m else m
-            if m > best:
-                best = m
-                best_block = b
-        j = best_block * BLOCK
-        while order_key(row[j]) != best:
+        _block_maxima(row, maxima)
+        b = np.argmax(maxima)  # the first block holding the largest key
+        j = b * BLOCK
+        while order_key(row[j]) != maxima[b]:
             j += 1
         out[i] = j

@@ -472,8 +472,9 @@ class TreeDrafter:
         if k:  # a copy of every harvested tree's rows (root rows included), tree by tree
             sizes = np.where(harvest, trees.sizes(), 0)
             index = np.repeat(row_starts, sizes) + (np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes))
-            if logits.device.type == "cpu" and logits.dtype == torch.bfloat16:  # numpy's gather: one thread, no
-                picked = torch.from_numpy(logits.view(torch.int16).numpy()[index]).view(torch.bfloat16)  # parallel region
+            if logits.device.type == "cpu" and logits.dtype == torch.bfloat16:
+                # numpy's gather of the raw 16-bit rows (torch's opens a parallel region)
+                picked = torch.from_numpy(logits.view(torch.int16).numpy()[index]).view(torch.bfloat16)
             else:
                 picked = logits.index_select(0, torch.from_numpy(index).to(logits.device))
         self._deferred.append(("harvest", step.req_ids, functools.partial(
