@@ -21,7 +21,7 @@ import torch
 
 from vllm_anisotropic.integration.vllm.kernels.attention import TreeCPUAttentionImpl
 from vllm_anisotropic.integration.vllm.engine.runner import TreePlan
-from vllm_anisotropic.tree import DraftTree
+from vllm_anisotropic.tree import DraftTree, FlatTrees
 
 H, KVH, HS, BS, DTYPE, ISA, LAYERS = 9, 3, 64, 128, torch.bfloat16, "vec", 30
 TREES = {
@@ -82,14 +82,13 @@ def main() -> None:
                                  query_start_loc=torch.arange(0, tokens + 1, n + 1, dtype=torch.int32),
                                  block_table=torch.arange(reqs * per, dtype=torch.int32).view(reqs, per))
             kernel = kernel_call(impl, layer, q, kv, md)
-            probe = TreePlan([*range(reqs)], [n] * reqs, [tree.ancestor_mask[1:, 1:]] * reqs, [tree.chain_prefix()] * reqs)
+            probe = TreePlan([*range(reqs)], FlatTrees.from_trees([tree] * reqs))
             slim = impl._path_plan(probe, md, BS, DTYPE, ISA) is not None  # else the engine takes the recompute
             res = {"paths": float("nan")}
             for method in ("recompute", "paths", "kernel") if slim else ("recompute", "kernel"):
                 times = []
                 for _ in range(6):
-                    plan = TreePlan([*range(reqs)], [n] * reqs, [tree.ancestor_mask[1:, 1:]] * reqs,
-                                    [tree.chain_prefix()] * reqs)
+                    plan = TreePlan([*range(reqs)], FlatTrees.from_trees([tree] * reqs))
                     t0 = time.perf_counter()
                     for _ in range(LAYERS):
                         if method == "kernel":

@@ -125,6 +125,8 @@ CORE: list[dict] = [
     ),
     dict(target="vllm_anisotropic/kernels/match.py", functions=["match_tokens", "match_rows"], tests=_MATCH_TESTS),
     dict(target="vllm_anisotropic/kernels/walk.py", functions=["descend_flat"], tests=["tests/test_flat_trees.py"]),
+    dict(target="vllm_anisotropic/kernels/paths.py", functions=["path_rounds"],
+         tests=["tests/test_kernels_paths.py", "tests/test_cpu_attention.py::test_path_rounds_for_slim_trees_and_the_recompute_for_bushy_ones"]),
     dict(target="vllm_anisotropic/kernels/rank.py", functions=["_cap", "rank_trees"],
          tests=["tests/test_kernels_mutants.py", "tests/test_flat_trees.py", "tests/test_allocator.py"]),
     dict(target="vllm_anisotropic/kernels/allocate.py", functions=["concave_rows", "step_seconds", "scan_prefixes"],

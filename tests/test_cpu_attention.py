@@ -120,16 +120,12 @@ def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads,
     from vllm_anisotropic.integration.vllm.engine.runner import TreePlan
     from vllm_anisotropic.tree import DraftTree
 
-    plan = TreePlan(req_index=[], num_nodes=[], masks=[])
-    trees = {}
-    for i, par in parents.items():
-        tree = DraftTree(tokens=np.zeros(len(par), dtype=np.int64), parents=np.array(par), values=np.zeros(len(par)))
-        trees[i] = tree
-        plan.req_index.append(i)
-        plan.num_nodes.append(len(par) - 1)
-        plan.masks.append(tree.ancestor_mask[1:, 1:])
-        plan.chain_prefix.append(tree.chain_prefix())
-    assert plan.chain_prefix == [1, 2]
+    from vllm_anisotropic.tree import FlatTrees
+
+    trees = {i: DraftTree(tokens=np.zeros(len(par), dtype=np.int64), parents=np.array(par), values=np.zeros(len(par)))
+             for i, par in parents.items()}
+    plan = TreePlan(list(trees), FlatTrees.from_trees(list(trees.values())))
+    assert plan.chain_prefix.tolist() == [1, 2]
     meta = SimpleNamespace(seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                            query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int64), q_end]),
                            block_table=block_table)
@@ -181,7 +177,7 @@ def test_path_rounds_for_slim_trees_and_the_recompute_for_bushy_ones():
     than ``PATHS_MAX_MEAN`` (as many context re-reads per layer) goes to the recompute instead."""
     from vllm_anisotropic.integration.vllm.kernels.attention import PATHS_MAX_MEAN
     from vllm_anisotropic.integration.vllm.engine.runner import TreePlan
-    from vllm_anisotropic.tree import DraftTree
+    from vllm_anisotropic.tree import DraftTree, FlatTrees
 
     def plan_for(parents_list, ctx=50, block_size=16):
         trees = [DraftTree(tokens=np.zeros(len(p), dtype=np.int64), parents=np.array(p), values=np.zeros(len(p)))
@@ -193,8 +189,7 @@ def test_path_rounds_for_slim_trees_and_the_recompute_for_bushy_ones():
         meta = SimpleNamespace(seq_lens=torch.tensor(seq, dtype=torch.int32),
                                query_start_loc=torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32),
                                block_table=torch.arange(len(trees) * per, dtype=torch.int32).view(len(trees), per))
-        plan = TreePlan(list(range(len(trees))), n, [t.ancestor_mask[1:, 1:] for t in trees],
-                        [t.chain_prefix() for t in trees])
+        plan = TreePlan(list(range(len(trees))), FlatTrees.from_trees(trees))
         return _impl(6, 2, 64)._path_plan(plan, meta, block_size, torch.float32, "vec"), meta
 
     # chain 1-2-3 with side branches 4 (under the root) and 5 (under node 1): 2 paths

@@ -17,7 +17,7 @@ import torch
 
 from vllm_anisotropic.attention.random_batch import random_tree
 from vllm_anisotropic.proposers.adjacency import AdjacencyTable, TopKRows
-from vllm_anisotropic.tree import DraftTree, NodeSource, pack_trees
+from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource, pack_trees
 from vllm_anisotropic.verifiers import get_verifier
 
 
@@ -75,8 +75,7 @@ def test_device_plan_from_the_runner_plan():
     from vllm_anisotropic.integration.vllm.engine.runner import TreePlan
 
     tree = DraftTree(tokens=[0] * 4, parents=[-1, 0, 0, 1])
-    plan = TreePlan(req_index=[2], num_nodes=[3], masks=[tree.ancestor_mask[1:, 1:]], chain_prefix=[1],
-                    query_end=[17], seq_lens=[40])
+    plan = TreePlan(req_index=[2], trees=FlatTrees.from_trees([tree]), query_end=[17], seq_lens=[40])
     dp = device_plan(plan, "cpu")
     assert dp.req_index.tolist() == [2] and dp.packed_rows.tolist() == [14, 15, 16]
     assert dp.context_lens.tolist() == [37] and dp.ancestor_bits.tolist() == [[1, 2, 5]]
@@ -147,3 +146,28 @@ def test_gpu_refusals_name_the_setting(kwargs, needle):
 
     problems = force_gpu_settings(*_configs(**kwargs))
     assert len(problems) == 1 and needle in problems[0], problems
+
+
+def test_device_plan_from_bits_equals_the_plan_from_masks():
+    """``TreeAttentionPlan.from_bits`` (the runner's, no loop over requests) against ``build`` of
+    the same trees' masks: random trees of 2-40 nodes, one request's tree above 64 nodes taking
+    ``build`` in ``device_plan``."""
+    from vllm_anisotropic.attention.tree_attention import TreeAttentionPlan
+    from vllm_anisotropic.integration.vllm.engine.gpu_runner import device_plan
+    from vllm_anisotropic.integration.vllm.engine.runner import TreePlan
+
+    rng = np.random.default_rng(11)
+    for sizes in ([2], [40, 3, 17], [9] * 8, [64, 2], [70, 5]):
+        trees = [random_tree(rng, n) for n in sizes]
+        num = [t.num_nodes - 1 for t in trees]
+        ends = np.cumsum([n + 1 + int(rng.integers(0, 3)) for n in num]).tolist()
+        seq = [n + int(rng.integers(1, 300)) for n in num]
+        plan = TreePlan(list(range(1, 2 * len(trees), 2)), FlatTrees.from_trees(trees), query_end=ends, seq_lens=seq)
+        want = TreeAttentionPlan.build(plan.req_index, [t.ancestor_mask[1:, 1:] for t in trees], ends, seq)
+        got = device_plan(plan, "cpu")
+        for name in ("req_index", "node_rows", "node_valid", "allowed", "ancestor_bits", "context_lens", "cu_nodes"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (sizes, name)
+        assert got.max_context == want.max_context
+        if max(sizes) <= 64:
+            direct = TreeAttentionPlan.from_bits(plan.req_index, plan.num_nodes, plan.draft_bits(), ends, seq)
+            assert torch.equal(direct.allowed, want.allowed) and torch.equal(direct.node_rows, want.node_rows)

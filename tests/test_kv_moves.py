@@ -93,3 +93,25 @@ def test_moves_in_the_flash_attention_layout():
         assert all(torch.equal(a, b) for a, b in zip(kv(cache, dst), kv(before, src)))
     untouched = [s for s in range(num_blocks * block_size) if s not in (16, 17, 18)]
     assert all(torch.equal(a, b) for s in untouched for a, b in zip(kv(cache, s), kv(before, s)))
+
+
+def test_layers_of_different_shapes_each_move_their_own_elements():
+    """Layers of one layout share its offsets but not their element indices when their shapes
+    differ (3 and 2 kv heads, two block sizes): each cache moves exactly its own slots."""
+    shapes = [(3, 3, 16, 16), (3, 2, 16, 16), (2, 3, 32, 16), (3, 3, 16, 16)]
+    layers = []
+    for shape in shapes:
+        layer = type("Layer", (), {})()
+        layer.kv_cache = torch.randn(*shape)
+        layers.append(layer)
+    before = [layer.kv_cache.clone() for layer in layers]
+    mover = KVMover.from_layers(layers)
+    assert len(mover.caches) == 4 and mover.caches[0][1] is mover.caches[1][1]  # one layout, one offset tensor
+    mover.move(torch.tensor([20, 5]), torch.tensor([19, 20]))
+    for layer, old in zip(layers, before):
+        cache, head_size = layer.kv_cache, layer.kv_cache.shape[-1] // 2
+        block_size = cache.shape[2]
+        want = old.clone()
+        for dst, src in ((19, 20), (20, 5)):
+            want[dst // block_size, :, dst % block_size] = old[src // block_size, :, src % block_size]
+        assert torch.equal(cache, want)

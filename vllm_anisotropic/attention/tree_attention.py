@@ -117,22 +117,57 @@ class TreeAttentionPlan:
         rows = np.zeros((r, n), np.int64)
         valid = np.zeros((r, n), bool)
         allowed = np.zeros((r, n, n), bool)
-        ctx = np.zeros(r, np.int32)
-        for k, (m, end, seq_len) in enumerate(zip(masks, query_end, seq_lens)):
+        for k, (m, end) in enumerate(zip(masks, query_end)):
             nk = m.shape[0]
             rows[k, :nk] = np.arange(end - nk, end)
             valid[k, :nk] = True
             allowed[k, :nk, :nk] = m
-            ctx[k] = seq_len - nk
-        if (ctx < 0).any():
-            raise ValueError(f"seq_lens {seq_lens} shorter than the node counts {num}")
-        cu = np.zeros(r + 1, np.int32)
-        np.cumsum(num, out=cu[1:])
         # bit j of bits[r, i] = allowed[r, i, j]: [0b1, 0b11, 0b101] for parents [root, 0, 0]
         bits = np.zeros((r, n), np.uint64)
         if n <= 64:
             weights = np.left_shift(np.uint64(1), np.arange(n, dtype=np.uint64))
             bits = (allowed.astype(np.uint64) * weights).sum(axis=-1, dtype=np.uint64)
+        return TreeAttentionPlan._packed(req_index, rows, valid, allowed, bits, np.asarray(seq_lens) - num, device)
+
+    @staticmethod
+    def from_bits(
+        req_index: list[int],
+        num_nodes: np.ndarray,
+        bits: np.ndarray,
+        query_end: list[int],
+        seq_lens: list[int],
+        device: torch.device | str = "cpu",
+    ) -> "TreeAttentionPlan":
+        """``build`` from the trees' bit-packed ancestor masks, without a loop over requests:
+        ``num_nodes [R]`` draft nodes per tree (<= 64), ``bits [sum num_nodes]`` uint64, tree
+        after tree (bit j of node i: node j may be attended by node i, ``TreePlan.draft_bits``).
+        The same plan as ``build`` of the masks those bits pack."""
+        num = np.asarray(num_nodes, np.int64)
+        if not num.size or int(num.min()) < 1:
+            raise ValueError(f"every tree request needs >= 1 draft node, got {num.tolist()}")
+        r, n = len(num), int(num.max())
+        if n > 64:
+            raise ValueError(f"from_bits packs <= 64 draft nodes per tree, got {n}: use build")
+        tree = np.repeat(np.arange(r), num)
+        k = np.arange(int(num.sum())) - np.repeat(np.cumsum(num) - num, num)  # node index within its tree
+        rows = np.zeros((r, n), np.int64)
+        rows[tree, k] = np.repeat(np.asarray(query_end, np.int64) - num, num) + k
+        valid = np.zeros((r, n), bool)
+        valid[tree, k] = True
+        packed = np.zeros((r, n), np.uint64)
+        packed[tree, k] = bits
+        allowed = ((packed[:, :, None] >> np.arange(n, dtype=np.uint64)) & np.uint64(1)).astype(bool)
+        return TreeAttentionPlan._packed(req_index, rows, valid, allowed, packed, np.asarray(seq_lens) - num, device)
+
+    @staticmethod
+    def _packed(req_index, rows, valid, allowed, bits, ctx, device) -> "TreeAttentionPlan":
+        """The plan on ``device`` from its host arrays, in one host-to-device copy."""
+        ctx = np.asarray(ctx, np.int32)
+        if (ctx < 0).any():
+            raise ValueError(f"seq_lens shorter than the node counts (context lengths {ctx.tolist()})")
+        r, n = rows.shape
+        cu = np.zeros(r + 1, np.int32)
+        np.cumsum(valid.sum(axis=1), out=cu[1:])
         # one host->device copy of the whole plan: pack everything into one int64 buffer
         flat = np.concatenate(
             [np.asarray(req_index, np.int64), rows.ravel(), valid.ravel(), allowed.ravel(),

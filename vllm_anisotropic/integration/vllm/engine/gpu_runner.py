@@ -22,7 +22,11 @@ def device_plan(plan: TreePlan, device) -> TreeAttentionPlan:
     """The step's ``TreePlan`` (host lists) as a ``TreeAttentionPlan`` on ``device``.
 
     Every node row of every tree request is recomputed (the chain-prefix rows too: their cost is
-    one more FA row each, and it keeps one code path)."""
+    one more FA row each, and it keeps one code path). From the trees' packed ancestor bits
+    (no loop over requests) unless a tree has more than 64 nodes."""
+    if int(plan.trees.sizes().max()) <= 64:
+        return TreeAttentionPlan.from_bits(plan.req_index, plan.num_nodes, plan.draft_bits(), plan.query_end,
+                                           plan.seq_lens, device=device)
     return TreeAttentionPlan.build(plan.req_index, plan.masks, plan.query_end, plan.seq_lens, device=device)
 
 

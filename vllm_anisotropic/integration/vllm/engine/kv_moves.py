@@ -70,8 +70,9 @@ class KVMover:
     @classmethod
     def from_layers(cls, layers) -> "KVMover":
         """The mover of a model's attention layers (modules with a 4-dim ``kv_cache``; CPU
-        layers carry vLLM's ``isa``, whose layout ``attention.kv_layout`` probes)."""
-        caches, seen = [], set()
+        layers carry vLLM's ``isa``, whose layout ``attention.kv_layout`` probes). Layers of one
+        layout share its offset tensors (``move`` computes their element indices once)."""
+        caches, seen, layouts = [], set(), {}
         for layer in layers:
             cache = getattr(layer, "kv_cache", None)
             if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.numel() == 0:
@@ -82,34 +83,46 @@ class KVMover:
             seen.add(key)
             _, _, block_size, two_hs = cache.shape
             isa = getattr(layer, "isa", None)
-            if isa is not None:  # CPU: the ISA's layout, probed through vLLM's writer
-                from vllm_anisotropic.integration.vllm.kernels.attention import kv_layout
+            layout = (isa, cache.dtype, block_size, two_hs // 2, cache.device)
+            if layout not in layouts:
+                if isa is not None:  # CPU: the ISA's layout, probed through vLLM's writer
+                    from vllm_anisotropic.integration.vllm.kernels.attention import kv_layout
 
-                k_off, v_off, _, _ = kv_layout(isa, cache.dtype, block_size, two_hs // 2)
-            else:
-                k_off, v_off = cls.plain_offsets(block_size, two_hs // 2)
-            caches.append((cache, k_off.to(cache.device), v_off.to(cache.device)))
+                    k_off, v_off, _, _ = kv_layout(isa, cache.dtype, block_size, two_hs // 2)
+                else:
+                    k_off, v_off = cls.plain_offsets(block_size, two_hs // 2)
+                layouts[layout] = (k_off.to(cache.device), v_off.to(cache.device))
+            caches.append((cache, *layouts[layout]))
         return cls(caches)
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """``slot[dst[m]] <- slot[src[m]]`` (K and V, every head) in every cache; sources read
-        first. ``src_slots``, ``dst_slots``: ``[M]`` int64 on the caches' device."""
-        if src_slots.numel() == 0:
+        first. ``src_slots``, ``dst_slots``: ``[M]`` int64 on the caches' device. The element
+        indices are computed once per layout and cache shape (a model's layers share one): a
+        layer costs one gather and one scatter."""
+        m = src_slots.numel()
+        if m == 0:
             return
+        slots = torch.cat([src_slots, dst_slots])
+        indices = {}
         for cache, k_off, v_off in self.caches:
             num_blocks, num_heads, block_size, two_hs = cache.shape
+            key = (id(k_off), num_heads, block_size, two_hs)
+            if key not in indices:
+                both = _elements(slots, k_off, v_off, num_heads, block_size, two_hs)
+                indices[key] = both[: both.numel() // 2], both[both.numel() // 2 :]
+            src, dst = indices[key]
             flat = cache.view(-1)
-            src = _elements(src_slots, k_off, v_off, num_heads, block_size, two_hs)
-            dst = _elements(dst_slots, k_off, v_off, num_heads, block_size, two_hs)
-            flat[dst] = flat[src]
+            flat.index_copy_(0, dst, flat.index_select(0, src))  # ~2x faster than flat[dst] = flat[src]
 
 
 def _elements(slots: torch.Tensor, k_off: torch.Tensor, v_off: torch.Tensor, num_heads: int, block_size: int,
               two_hs: int) -> torch.Tensor:
-    """Flat element indices ``[M * num_heads * 2 * head_size]`` of the K and V of ``slots``."""
+    """Flat element indices ``[M * num_heads * 2 * head_size]`` of the K and V of ``slots``,
+    slot after slot (a slot's heads, each head's K then V)."""
     region = block_size * two_hs
-    block, t = slots // block_size, slots % block_size
-    heads = torch.arange(num_heads, device=slots.device)
-    base = (block.view(-1, 1) * num_heads + heads.view(1, -1)) * region  # [M, H]
+    heads = torch.arange(num_heads, device=slots.device) * region
+    base = (slots // block_size * (num_heads * region)).view(-1, 1, 1, 1) + heads.view(1, -1, 1, 1)  # [M, H, 1, 1]
+    t = slots % block_size
     kv = torch.stack([k_off[t], v_off[t]], dim=1)  # [M, 2, head_size]
-    return (base.view(-1, num_heads, 1, 1) + kv.view(-1, 1, 2, kv.shape[-1])).reshape(-1)
+    return (base + kv.unsqueeze(1)).reshape(-1)

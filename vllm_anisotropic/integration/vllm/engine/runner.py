@@ -48,7 +48,7 @@ from vllm_anisotropic.integration.vllm.engine.faults import report
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.engine.kv_moves import KVMover
 from vllm_anisotropic.integration.vllm.engine.sampler import TreeRejectionSampler, harvest_plain
-from vllm_anisotropic.tree import FlatTrees
+from vllm_anisotropic.tree import DraftTree, FlatTrees
 from vllm_anisotropic.verifiers.sampling import TargetSampling
 
 logger = logging.getLogger(__name__)
@@ -64,24 +64,50 @@ _SAMPLING_EPS = 1e-5  # vLLM's greedy threshold (sampling_params._SAMPLING_EPS)
 class TreePlan:
     """Tree rows of one step, for the attention override (shared by every layer).
 
-    ``req_index[r]``: batch row of tree request r; ``num_nodes[r]``: its draft nodes n_r (root
-    excluded); ``masks[r]``: ``[n_r, n_r]`` bool ancestor mask among the draft nodes (node i
-    may attend node j); the node rows are the last n_r query rows of request ``req_index[r]``.
-    ``chain_prefix[r]``: c_r, the leading nodes 1..c_r that form a chain below the root; their
-    rows are causal already (ancestors = every earlier node), so only rows c_r+1..n_r are
-    recomputed (missing entries: 0). ``query_end[r]``: end of request r's query rows;
-    ``seq_lens[r]``: its KV length after the step (the GPU plan needs both). ``cache`` holds
-    gather indices built by the first layer and reused by the others.
+    ``req_index[r]``: batch row of tree request r; ``trees``: their trees (roots included), tree r
+    of request ``req_index[r]``, whose ``n_r`` draft nodes (``num_nodes``) are the last n_r query
+    rows of that request. ``chain_prefix[r]``: c_r, the leading nodes 1..c_r that form a chain
+    below the root (``FlatTrees.chain_prefix`` unless given); their rows are causal already
+    (ancestors = every earlier node), so only rows c_r+1..n_r are recomputed. ``query_end[r]``:
+    end of request r's query rows; ``seq_lens[r]``: its KV length after the step (the GPU plan
+    needs both). ``cache`` holds what the first layer builds for the others (and the derived
+    arrays below).
     """
 
     req_index: list[int]
-    num_nodes: list[int]
-    masks: list[np.ndarray]
-    chain_prefix: list[int] = field(default_factory=list)
+    trees: FlatTrees
+    chain_prefix: np.ndarray | None = None
     query_end: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     cache: dict = field(default_factory=dict)
     clock: HostClock | None = None  # where the attention override adds the seconds of its plan
+
+    def __post_init__(self) -> None:
+        self.chain_prefix = self.trees.chain_prefix() if self.chain_prefix is None else np.asarray(self.chain_prefix,
+                                                                                                  np.int64)
+
+    @property
+    def num_nodes(self) -> np.ndarray:
+        """``[R]`` int64 draft nodes of each tree (root excluded)."""
+        return self.trees.sizes() - 1
+
+    def draft_parents(self) -> np.ndarray:
+        """``[sum n_r]`` int64 parents of every tree's draft nodes, tree after tree (local: 0 is
+        the root, j draft node j). Parents ``[-1, 0, 0, 1 | -1, 0]`` -> ``[0, 0, 1, 0]``."""
+        return self.trees.parents[self.trees.parents >= 0]
+
+    def draft_bits(self) -> np.ndarray:
+        """``[sum n_r]`` uint64 ancestor masks among the draft nodes, bit-packed: bit j of node
+        i is set iff node j + 1 is i + 1 or its ancestor (trees of <= 64 nodes). Parents
+        ``[-1, 0, 0, 1]`` -> ``[0b1, 0b10, 0b101]``."""
+        return self.trees.ancestor_bits()[self.trees.parents >= 0] >> np.uint64(1)
+
+    @property
+    def masks(self) -> list[np.ndarray]:
+        """``[n_r, n_r]`` bool ancestor masks among the draft nodes (``node_masks``), built once."""
+        if "masks" not in self.cache:
+            self.cache["masks"] = node_masks(self.trees, np.arange(self.trees.num_trees))
+        return self.cache["masks"]
 
 
 def node_masks(trees: FlatTrees, index: np.ndarray) -> list[np.ndarray]:
@@ -369,7 +395,7 @@ class TreeRunnerMixin:
         self._tree_step, self._tree_plan = None, None
         num_reqs = self.input_batch.num_reqs
         step = self.drafter.take_step(self.input_batch.req_ids[:num_reqs], scheduler_output.scheduled_spec_decode_tokens)
-        plan = TreePlan([], [], [])
+        plan = None
         if step is not None:
             self._tree_step = step
             trees = step.trees
@@ -390,10 +416,9 @@ class TreeRunnerMixin:
                 if planned.size:
                     batch_rows = step.rows[planned]
                     num_computed = self.input_batch.num_computed_tokens_cpu[batch_rows]
-                    plan = TreePlan(batch_rows.tolist(), n[planned].tolist(), node_masks(trees, planned),
-                                    chain[planned].tolist(), ends[planned].tolist(),
+                    plan = TreePlan(batch_rows.tolist(), trees.select(planned), chain[planned], ends[planned].tolist(),
                                     (num_computed + np.asarray(num_scheduled_tokens)[batch_rows]).astype(np.int64).tolist())
-        if plan.req_index:
+        if plan is not None:
             plan.clock = self.host_clock
             self._tree_plan = plan
         self.host_clock.add("prepare", time.perf_counter() - t0)
@@ -615,10 +640,11 @@ class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
                 query_start_loc=torch.arange(0, num_tokens + 1, n + 1, dtype=torch.int32),
                 block_table=torch.arange(rt * per_req, dtype=torch.int32).view(rt, per_req),
             )
-            star = np.eye(n, dtype=bool)  # every node a child of the root: each row sees itself
+            # every node a child of the root (each row sees itself), every row recomputed (chain 0)
+            star = FlatTrees.from_trees([DraftTree(tokens=np.zeros(n + 1, np.int64), parents=[-1] + [0] * n)] * rt)
             times = []
             for _ in range(repeats + 1):
-                plan = TreePlan(list(range(rt)), [n] * rt, [star] * rt, [0] * rt)
+                plan = TreePlan(list(range(rt)), star, chain_prefix=np.zeros(rt, np.int64))
                 t0 = time.perf_counter()
                 for layer in layers:
                     layer.impl.tree_rows(layer, query, kv_rows, kv_rows, layer.kv_cache, md, plan, output)

@@ -43,7 +43,10 @@ class TreeCPUWorker(CPUWorker):
             cpu_worker.CPUModelRunner = original
 
     def compile_or_warm_up_model(self, *args, **kwargs):
+        from vllm_anisotropic.integration.vllm.kernels.attention import warm_up_paths
+
         out = super().compile_or_warm_up_model(*args, **kwargs)
+        warm_up_paths()  # the CPU tree attention's kernel (after vLLM's start-up scan: kernels/__init__.py)
         _calibrate(self.model_runner)
         return out
 

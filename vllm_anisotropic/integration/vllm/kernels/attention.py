@@ -39,9 +39,13 @@ import time
 import numpy as np
 import torch
 
+from vllm import _custom_ops as ops
+from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-__all__ = ["TreeCPUBackend", "TreeCPUAttentionImpl", "kv_layout", "TREE_BACKEND_CLS"]
+from vllm_anisotropic.kernels import load
+
+__all__ = ["TreeCPUBackend", "TreeCPUAttentionImpl", "kv_layout", "warm_up_paths", "TREE_BACKEND_CLS"]
 
 TREE_BACKEND_CLS = f"{__name__}.TreeCPUBackend"
 # path rounds vs the masked recompute, measured on 2 Xeon cores (SmolLM2 heads 9:3 x 64, bf16, 30
@@ -62,6 +66,21 @@ def _tree_rows_mode() -> str:
     return mode
 
 
+def warm_up_paths() -> None:
+    """Compile the path-rounds kernel (or load it from numba's disk cache) for the argument types
+    a step passes (int64 arrays, vLLM's int32 block table), at the CPU worker's start
+    (``worker.TreeCPUWorker.compile_or_warm_up_model``) rather than in the first tree step."""
+    one = np.zeros(1, np.int64)
+    load("paths").path_rounds(one, np.array([0, 1], np.int64), one, one + 1, one + 1, one,
+                              np.zeros((1, 1), np.int32), 16)
+
+
+@functools.cache
+def _split_kv() -> bool:
+    """vLLM's ``VLLM_CPU_ATTN_SPLIT_KV`` (its ``envs`` reads the environment at every access, ~10 us)."""
+    return bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
+
+
 _DIGIT = 16  # probe values stay in 1..16: exact in every cache dtype
 
 
@@ -75,8 +94,6 @@ def kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> 
 
     Probes: four writes of the whole block with K (and V) set to one base-16 digit of t or d.
     """
-    from vllm import _custom_ops as ops
-
     t = torch.arange(block_size).view(block_size, 1).expand(block_size, head_size)
     d = torch.arange(head_size).view(1, head_size).expand(block_size, head_size)
     digits = [t // _DIGIT, t % _DIGIT, d // _DIGIT, d % _DIGIT]
@@ -162,91 +179,52 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         Paths of one request overwrite the same positions, so round k holds the k-th path of
         every tree request (one kernel call per round and layer). Per round: the rows whose KV
         to write, their slots, the query rows, ``query_start_loc``, ``seq_lens``, the block
-        table rows and the kernel's scheduler metadata. Last: every node row and its own slot,
-        to put the tree back (the accepted chain's KV is kept in place, ``kv_in_place``).
+        table rows and the kernel's scheduler metadata, slices of arrays built in one compiled
+        call (``kernels/paths.py``). Last: every node row and its own slot, to put the tree back
+        (the accepted chain's KV is kept in place, ``kv_in_place``).
         None: this step takes the recompute (bushy trees, or ``VLLM_ANISOTROPIC_TREE_ROWS``)."""
-        from vllm import _custom_ops as ops
-        from vllm import envs
-
         key = ("paths", block_size, dtype, isa)
         if key in plan.cache:
             return plan.cache[key]
         if _tree_rows_mode() == "recompute":
             plan.cache[key] = None
             return None
-        seq_lens = attn_metadata.seq_lens.tolist()
-        q_ends = attn_metadata.query_start_loc[1:].tolist()
-        block_table = attn_metadata.block_table
-        prefixes = plan.chain_prefix or [0] * len(plan.req_index)
-        per_req = []  # (batch row, ctx, first node row, [(path nodes, queried suffix length)])
-        restore_rows, restore_pos = [], []
-        for i, n, m, c in zip(plan.req_index, plan.num_nodes, plan.masks, prefixes):
-            ctx = seq_lens[i] - n
-            first = q_ends[i] - n
-            anc = np.asarray(m, dtype=bool)
-            is_leaf = anc.sum(axis=0) == 1  # attended by itself only: no descendants
-            covered = np.zeros(n, dtype=bool)
-            covered[:c] = True
-            paths = []
-            for leaf in np.nonzero(is_leaf)[0]:
-                path = np.nonzero(anc[leaf])[0]  # ancestors in node order = root-to-leaf order
-                need = int(np.count_nonzero(~covered[path]))
-                if need:
-                    paths.append((path, need))
-                    covered[path] = True
-            assert covered.all(), "every tree node lies on a root-to-leaf path"
-            per_req.append((i, ctx, first, paths))
-            restore_rows.extend(range(first, first + n))
-            restore_pos.extend((i, ctx + j) for j in range(n))
+        req = np.asarray(plan.req_index, np.int64)  # [T] batch row of each tree request
+        n = plan.num_nodes
+        ctx = attn_metadata.seq_lens.numpy()[req].astype(np.int64) - n
+        first = attn_metadata.query_start_loc.numpy()[req + 1].astype(np.int64) - n  # node 1's query row
+        offsets = np.zeros(len(req) + 1, np.int64)
+        np.cumsum(n, out=offsets[1:])
+        table = attn_metadata.block_table.numpy()
+        (round_paths, round_nodes, round_queries, src, dst, queried, query_start, seq_lens, path_tree, restore_rows,
+         restore_slots) = load("paths").path_rounds(plan.draft_parents(), offsets, plan.chain_prefix, first, ctx, req, table,
+                                                     block_size)
         # each path re-reads its request's context: past PATHS_MAX_MEAN paths per request
         # (context-weighted) the recompute's one float32 pass over it is cheaper
-        path_ctx = sum(ctx * len(paths) for _, ctx, _, paths in per_req)
-        if path_ctx > PATHS_MAX_MEAN * sum(ctx for _, ctx, _, _ in per_req):
+        if int(ctx[path_tree].sum()) > PATHS_MAX_MEAN * int(ctx.sum()):
             plan.cache[key] = None
             return None
-
-        def slots(pairs):
-            rows = torch.tensor([r for r, _ in pairs], dtype=torch.long)
-            pos = torch.tensor([p for _, p in pairs], dtype=torch.long)
-            return block_table[rows, pos // block_size].long() * block_size + pos % block_size
-
-        rounds, all_src, all_q = [], [], []
-        for k in range(max((len(p) for *_, p in per_req), default=0)):
-            src, dst, qrows, qlens, lens, reqs = [], [], [], [], [], []
-            for i, ctx, first, paths in per_req:
-                if k >= len(paths):
-                    continue
-                path, need = paths[k]
-                src.extend(first + int(j) for j in path)
-                dst.extend((i, ctx + d) for d in range(len(path)))
-                qrows.extend(first + int(j) for j in path[len(path) - need:])
-                qlens.append(need)
-                lens.append(ctx + len(path))
-                reqs.append(i)
-            qsl = torch.zeros(len(qlens) + 1, dtype=torch.int32)
-            qsl[1:] = torch.tensor(qlens, dtype=torch.int32).cumsum(0)
-            sl = torch.tensor(lens, dtype=torch.int32)
+        dst, query_start, seq_lens = torch.from_numpy(dst), torch.from_numpy(query_start), torch.from_numpy(seq_lens)
+        tables = torch.from_numpy(table[req[path_tree]])
+        split_kv = _split_kv()
+        rounds = []
+        p0 = n0 = q0 = 0
+        for k, (p1, n1, q1) in enumerate(zip(round_paths.tolist(), round_nodes.tolist(), round_queries.tolist())):
+            qsl, sl = query_start[p0 + k : p1 + k + 1], seq_lens[p0:p1]
             meta = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=len(reqs), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                num_reqs=p1 - p0, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_size, seq_lens=sl, dtype=dtype, query_start_loc=qsl, causal=True,
-                sliding_window_size=-1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-                kv_cache_dtype=self.kv_cache_dtype,
+                sliding_window_size=-1, isa=isa, enable_kv_split=split_kv, kv_cache_dtype=self.kv_cache_dtype,
             )
-            # slices of the step's one gather of K/V source rows and of query rows
-            rounds.append((slice(len(all_src), len(all_src) + len(src)), slots(dst),
-                           slice(len(all_q), len(all_q) + len(qrows)), qsl, sl,
-                           block_table[torch.tensor(reqs, dtype=torch.long)].contiguous(), meta))
-            all_src.extend(src)
-            all_q.extend(qrows)
-        out = (rounds, torch.tensor(all_src, dtype=torch.long), torch.tensor(all_q, dtype=torch.long),
-               torch.tensor(restore_rows, dtype=torch.long), slots(restore_pos))
+            rounds.append((slice(n0, n1), dst[n0:n1], slice(q0, q1), qsl, sl, tables[p0:p1], meta))
+            p0, n0, q0 = p1, n1, q1
+        out = (rounds, torch.from_numpy(src), torch.from_numpy(queried), torch.from_numpy(restore_rows),
+               torch.from_numpy(restore_slots))
         plan.cache[key] = out
         return out
 
     def _tree_rows_paths(self, layer, query, key, value, kv_cache, attn_metadata, plan, output) -> None:
         """The tree rows by vLLM's own kernel, path round by path round (``_path_plan``)."""
-        from vllm import _custom_ops as ops
-
         num_blocks, num_kv_heads, block_size, two_hs = kv_cache.shape
         head_size = two_hs // 2
         rounds, src, qrows, restore_rows, restore_slots = self._path_plan(
@@ -284,14 +262,14 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         block_table = attn_metadata.block_table
         lens = [seq_lens[i] for i in plan.req_index]
         num_reqs = len(plan.req_index)
-        max_nodes = max(n - c for n, c in zip(plan.num_nodes, plan.chain_prefix or [0] * num_reqs))
+        max_nodes = int((plan.num_nodes - plan.chain_prefix).max())
         num_blocks = -(-max(lens) // block_size)
         blocks = torch.zeros(num_reqs, num_blocks, dtype=torch.int64)
         rows = torch.zeros(num_reqs, max_nodes, dtype=torch.int64)
         valid = torch.zeros(num_reqs, max_nodes, dtype=torch.bool)
         allowed = torch.zeros(num_reqs, max_nodes, num_blocks * block_size, dtype=torch.bool)
-        prefixes = plan.chain_prefix or [0] * num_reqs
-        for r, (i, n, m, c) in enumerate(zip(plan.req_index, plan.num_nodes, plan.masks, prefixes)):
+        for r, (i, n, m, c) in enumerate(zip(plan.req_index, plan.num_nodes.tolist(), plan.masks,
+                                             plan.chain_prefix.tolist())):
             seq_len = lens[r]
             ctx = seq_len - n
             used = -(-seq_len // block_size)

@@ -1,0 +1,154 @@
+"""The CPU tree attention's path rounds (``kernels/paths.py``, ``path_rounds``) against a plain
+per-leaf reference on random forests: which paths are kept and what they query, the rounds they
+fall in, every slot through a shuffled block table, and the rows put back after the rounds; and
+the arrays ``TreePlan`` derives from its trees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_anisotropic.integration.vllm.engine.runner import TreePlan
+from vllm_anisotropic.kernels import load
+from vllm_anisotropic.tree import DraftTree, FlatTrees
+
+
+def _random_tree(rng, n) -> DraftTree:
+    chainy = rng.random()
+    parents = [-1] + [i - 1 if rng.random() < chainy else int(rng.integers(0, i)) for i in range(1, n)]
+    return DraftTree(tokens=np.zeros(n, np.int64), parents=parents)
+
+
+def _reference(trees, chains, first, ctx, rows, table, block_size):
+    """Per tree: the kept paths as (nodes root-to-leaf, need), leaf by leaf; then rounds."""
+    def slot(t, pos):
+        return int(table[rows[t], pos // block_size]) * block_size + pos % block_size
+
+    per_tree = []
+    for tree, c in zip(trees, chains):
+        anc = tree.ancestor_mask[1:, 1:]
+        n = anc.shape[0]
+        covered = np.zeros(n, bool)
+        covered[:c] = True
+        paths = []
+        for leaf in range(n):
+            if anc[:, leaf].sum() != 1:  # attended by a descendant: not a leaf
+                continue
+            path = np.nonzero(anc[leaf])[0]
+            need = int((~covered[path]).sum())
+            if need:
+                paths.append((path + 1, need))
+                covered[path] = True
+        per_tree.append(paths)
+    out = dict(src=[], dst=[], queried=[], query_start=[], seq_lens=[], path_tree=[], round_paths=[],
+               round_nodes=[], round_queries=[])
+    for k in range(max((len(p) for p in per_tree), default=0)):
+        out["query_start"].append(0)
+        q = 0
+        for t, paths in enumerate(per_tree):
+            if k >= len(paths):
+                continue
+            nodes, need = paths[k]
+            out["src"] += [first[t] + j - 1 for j in nodes]
+            out["dst"] += [slot(t, ctx[t] + d) for d in range(len(nodes))]
+            out["queried"] += [first[t] + j - 1 for j in nodes[len(nodes) - need:]]
+            q += need
+            out["query_start"].append(q)
+            out["seq_lens"].append(ctx[t] + len(nodes))
+            out["path_tree"].append(t)
+        out["round_paths"].append(len(out["path_tree"]))
+        out["round_nodes"].append(len(out["src"]))
+        out["round_queries"].append(len(out["queried"]))
+    out["restore_rows"] = [first[t] + j for t, tree in enumerate(trees) for j in range(tree.num_nodes - 1)]
+    out["restore_slots"] = [slot(t, ctx[t] + j) for t, tree in enumerate(trees) for j in range(tree.num_nodes - 1)]
+    return out
+
+
+_NAMES = ("round_paths", "round_nodes", "round_queries", "src", "dst", "queried", "query_start", "seq_lens",
+          "path_tree", "restore_rows", "restore_slots")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_path_rounds_match_the_per_leaf_reference(seed):
+    """Random forests (1-9 trees of 1-30 nodes, chain-like to bushy, a chain prefix anywhere up to
+    the tree's own), contexts crossing block edges, a shuffled block table: every output equal."""
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        num = int(rng.integers(1, 10))
+        trees = [_random_tree(rng, int(rng.integers(1, 31))) for _ in range(num)]
+        chains = np.array([int(rng.integers(0, t.chain_prefix() + 1)) for t in trees], np.int64)
+        n = np.array([t.num_nodes - 1 for t in trees], np.int64)
+        block_size = int(rng.choice([4, 16]))
+        ctx = rng.integers(1, 80, num).astype(np.int64)
+        first = np.cumsum(n + 1 + rng.integers(0, 3, num)) - n  # roots and re-run rows between the trees
+        rows = rng.permutation(num + 2)[:num].astype(np.int64)
+        blocks = -(-int((ctx + n).max()) // block_size)
+        table = rng.permutation((num + 2) * blocks).astype(np.int32).reshape(num + 2, blocks)
+        offsets = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+        parents = np.concatenate([t.parents[1:] for t in trees]).astype(np.int64)
+        got = load("paths").path_rounds(parents, offsets, chains, first, ctx, rows, table, block_size)
+        want = _reference(trees, chains, first, ctx, rows, table, block_size)
+        for name, value in zip(_NAMES, got):
+            assert value.tolist() == want[name], name
+        assert got[6].dtype == np.int32 and got[7].dtype == np.int32  # what vLLM's kernel takes
+
+
+def test_path_rounds_worked_example_and_a_broken_tree():
+    """The docstring's example (two chains of two, the first the chain prefix: one round, one path
+    querying both of its nodes), and parents that form no tree (a cycle: no leaf) refused."""
+    paths = load("paths")
+    table = np.arange(4, dtype=np.int32).reshape(1, 4)
+    out = dict(zip(_NAMES, paths.path_rounds(np.array([0, 1, 0, 3]), np.array([0, 4]), np.array([2]), np.array([1]),
+                                             np.array([5]), np.array([0]), table, 4)))
+    assert out["round_paths"].tolist() == [1] and out["src"].tolist() == [3, 4] and out["queried"].tolist() == [3, 4]
+    assert out["dst"].tolist() == [5, 6] and out["seq_lens"].tolist() == [7] and out["query_start"].tolist() == [0, 2]
+    with pytest.raises(ValueError, match="no root-to-leaf path"):
+        paths.path_rounds(np.array([2, 1]), np.array([0, 2]), np.array([0]), np.array([1]), np.array([5]),
+                          np.array([0]), table, 4)
+
+
+def test_plan_parents_bits_and_masks_of_its_trees():
+    """``TreePlan``'s derived arrays against each tree's own: draft-node parents, bit-packed
+    ancestor rows (the root's bit dropped) and masks; the chain prefix computed unless given."""
+    rng = np.random.default_rng(7)
+    trees = [_random_tree(rng, int(rng.integers(2, 20))) for _ in range(12)]
+    plan = TreePlan(list(range(12)), FlatTrees.from_trees(trees))
+    assert plan.num_nodes.tolist() == [t.num_nodes - 1 for t in trees]
+    assert plan.chain_prefix.tolist() == [t.chain_prefix() for t in trees]
+    assert plan.draft_parents().tolist() == np.concatenate([t.parents[1:] for t in trees]).tolist()
+    bits = plan.draft_bits()
+    for t, (tree, mask) in enumerate(zip(trees, plan.masks)):
+        assert np.array_equal(mask, tree.ancestor_mask[1:, 1:])
+        a = int(plan.trees.offsets[t]) - t  # draft nodes before tree t
+        for i in range(tree.num_nodes - 1):
+            assert [(int(bits[a + i]) >> j) & 1 for j in range(tree.num_nodes - 1)] == mask[i].astype(int).tolist()
+    assert TreePlan([0], FlatTrees.from_trees(trees[:1]), chain_prefix=[0]).chain_prefix.tolist() == [0]
+
+
+def test_the_workers_warm_up_compiles_what_a_step_calls():
+    """After ``warm_up_paths`` (the CPU worker's start) a step's path plan, with vLLM's int32 block
+    table, compiles nothing more: one signature (a fresh process: numba's signatures are its own)."""
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np, torch
+from types import SimpleNamespace
+from vllm_anisotropic.integration.vllm.kernels import attention
+from vllm_anisotropic.integration.vllm.engine.runner import TreePlan
+from vllm_anisotropic.kernels import load
+from vllm_anisotropic.tree import DraftTree, FlatTrees
+attention.warm_up_paths()
+tree = DraftTree(tokens=np.zeros(5, np.int64), parents=[-1, 0, 1, 0, 3])
+impl = attention.TreeCPUAttentionImpl.__new__(attention.TreeCPUAttentionImpl)
+impl.num_heads, impl.num_kv_heads, impl.head_size, impl.kv_cache_dtype = 2, 1, 64, "auto"
+table = torch.arange(12, dtype=torch.int32).view(3, 4)[1:]  # rows of vLLM's larger table
+meta = SimpleNamespace(seq_lens=torch.tensor([20, 30], dtype=torch.int32),
+                       query_start_loc=torch.tensor([0, 5, 10], dtype=torch.int32), block_table=table)
+plan = TreePlan([0, 1], FlatTrees.from_trees([tree, tree]))
+assert impl._path_plan(plan, meta, 16, torch.float32, "vec") is not None
+print(len(load("paths").path_rounds.signatures))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "1"

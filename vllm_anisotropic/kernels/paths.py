@@ -1,0 +1,133 @@
+"""Compiled path rounds of a step's trees (``kernels.load("paths")``) for the CPU tree attention
+(``integration/vllm/kernels/attention.py``, ``_path_plan``): which root-to-leaf paths cover the
+tree nodes, and every index the rounds of vLLM's causal kernel read, in one call."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+__all__ = ["path_rounds"]
+
+
+@numba.njit(cache=True, nogil=True)
+def path_rounds(parents, offsets, chain, first, ctx, rows, table, block_size):
+    """The root-to-leaf paths that cover every draft node of every tree, in rounds.
+
+    Paths are taken leaf by leaf in node order; a path is kept only when it holds a node no
+    earlier path of its tree (nor the tree's leading chain) covered; those uncovered nodes are a
+    suffix of the path (the covered set is closed under ancestors): its ``need`` last nodes, the
+    rows it queries. Round k holds the k-th kept path of every tree that has one (paths of one
+    tree use the same KV positions, right after its context). Inputs, per tree ``t``:
+    ``parents``: the draft nodes' parents (node ``j``, local and 1-based, at ``offsets[t] + j - 1``;
+    0 is the root, not listed; ``0 <= parent < j``), ``offsets [T + 1]``, ``chain [T]`` (nodes
+    ``1..chain[t]`` form a chain below the root: their rows are right already), ``first [T]`` the
+    query row of node 1, ``ctx [T]`` the KV length before node 1, ``rows [T]`` the tree's block
+    table row in ``table [*, blocks]`` (block ids), ``block_size``.
+
+    Returns, paths in round order (trees in order within a round):
+    ``round_paths, round_nodes, round_queries [R]`` (ends of each round's paths, path nodes and
+    queried nodes); per path node, ``src`` (its query row) and ``dst`` (the slot of position
+    ``ctx + depth - 1`` of its tree); ``queried`` (the query rows, the paths' suffixes);
+    ``query_start [P + R]`` int32 (each round's ``query_start_loc``, a leading 0 each), ``seq_lens
+    [P]`` int32 (``ctx`` + path length), ``path_tree [P]``; ``restore_rows, restore_slots [N]``
+    (every draft node's query row and its own slot, position ``ctx + j - 1``). Example: one tree,
+    parents ``[0, 1, 0, 3]`` (two chains of two), chain 2: one round, path nodes 3, 4, query both."""
+    num_trees = offsets.shape[0] - 1
+    total = offsets[num_trees]
+    has_child = np.zeros(total, np.bool_)
+    depth = np.zeros(total, np.int64)
+    for t in range(num_trees):
+        a = offsets[t]
+        for j in range(offsets[t + 1] - a):
+            p = parents[a + j]
+            if p > 0:
+                has_child[a + p - 1] = True
+                depth[a + j] = depth[a + p - 1] + 1
+            else:
+                depth[a + j] = 1
+    # the cover, tree by tree: kept leaves (local, 0-based) and their need
+    covered = np.zeros(total, np.bool_)
+    kept_leaf = np.empty(total, np.int64)
+    kept_need = np.empty(total, np.int64)
+    tree_paths = np.zeros(num_trees, np.int64)
+    num_paths = 0
+    for t in range(num_trees):
+        a = offsets[t]
+        n = offsets[t + 1] - a
+        for j in range(min(chain[t], n)):
+            covered[a + j] = True
+        for leaf in range(n):
+            if has_child[a + leaf]:
+                continue
+            x = leaf
+            need = 0
+            while x >= 0 and not covered[a + x]:
+                covered[a + x] = True
+                need += 1
+                x = parents[a + x] - 1
+            if need:
+                kept_leaf[a + tree_paths[t]] = leaf
+                kept_need[a + tree_paths[t]] = need
+                tree_paths[t] += 1
+                num_paths += 1
+        for j in range(n):
+            if not covered[a + j]:
+                raise ValueError("a draft node lies on no root-to-leaf path (parents not in node order)")
+    num_rounds = 0
+    num_nodes = 0
+    num_queries = 0
+    for t in range(num_trees):
+        num_rounds = max(num_rounds, tree_paths[t])
+        for k in range(tree_paths[t]):
+            num_nodes += depth[offsets[t] + kept_leaf[offsets[t] + k]]
+            num_queries += kept_need[offsets[t] + k]
+    round_paths = np.empty(num_rounds, np.int64)
+    round_nodes = np.empty(num_rounds, np.int64)
+    round_queries = np.empty(num_rounds, np.int64)
+    src = np.empty(num_nodes, np.int64)
+    dst = np.empty(num_nodes, np.int64)
+    queried = np.empty(num_queries, np.int64)
+    query_start = np.zeros(num_paths + num_rounds, np.int32)
+    seq_lens = np.empty(num_paths, np.int32)
+    path_tree = np.empty(num_paths, np.int64)
+    p = 0
+    e = 0
+    q = 0
+    for k in range(num_rounds):
+        q_round = 0
+        for t in range(num_trees):
+            if k >= tree_paths[t]:
+                continue
+            a = offsets[t]
+            leaf = kept_leaf[a + k]
+            length = depth[a + leaf]
+            need = kept_need[a + k]
+            x = leaf
+            for d in range(length - 1, -1, -1):  # leaf up to the root's child
+                src[e + d] = first[t] + x
+                pos = ctx[t] + d
+                dst[e + d] = table[rows[t], pos // block_size] * block_size + pos % block_size
+                x = parents[a + x] - 1
+            for d in range(length - need, length):
+                queried[q] = src[e + d]
+                q += 1
+            e += length
+            q_round += need
+            query_start[p + k + 1] = q_round
+            seq_lens[p] = ctx[t] + length
+            path_tree[p] = t
+            p += 1
+        round_paths[k] = p
+        round_nodes[k] = e
+        round_queries[k] = q
+    restore_rows = np.empty(total, np.int64)
+    restore_slots = np.empty(total, np.int64)
+    for t in range(num_trees):
+        a = offsets[t]
+        for j in range(offsets[t + 1] - a):
+            restore_rows[a + j] = first[t] + j
+            pos = ctx[t] + j
+            restore_slots[a + j] = table[rows[t], pos // block_size] * block_size + pos % block_size
+    return (round_paths, round_nodes, round_queries, src, dst, queried, query_start, seq_lens, path_tree,
+            restore_rows, restore_slots)
