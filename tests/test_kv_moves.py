@@ -17,6 +17,8 @@ def test_accepted_moves_worked_example_and_edges():
     src, dst = accepted_moves(np.array([[1, 2, 5], [-1, -1, -1]]), np.array([3, 0]), np.array([4, 9]))
     assert src.tolist() == [8] and dst.tolist() == [6]  # nodes 1, 2 in place; node 5 -> depth 3
     assert accepted_moves(np.zeros((0, 1), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))[0].size == 0
+    src, dst = accepted_moves(np.array([[2]]), np.array([1]), np.array([10]))  # one tree, one entry
+    assert src.tolist() == [11] and dst.tolist() == [10]
 
 
 def _cpu_layouts():
@@ -115,3 +117,20 @@ def test_layers_of_different_shapes_each_move_their_own_elements():
         for dst, src in ((19, 20), (20, 5)):
             want[dst // block_size, :, dst % block_size] = old[src // block_size, :, src % block_size]
         assert torch.equal(cache, want)
+
+
+def test_layers_without_a_cache_are_skipped_and_one_token_moves():
+    """Modules without a cache, with a cache of another rank or an empty one hold no slots; a
+    single accepted token's move (the common one) is carried out, not skipped as empty."""
+    layers = []
+    for cache in (None, torch.zeros(4, 8), torch.zeros(0, 2, 16, 8), torch.randn(3, 2, 16, 8)):
+        layer = type("Layer", (), {})()
+        layer.kv_cache = cache
+        layers.append(layer)
+    mover = KVMover.from_layers(layers)
+    assert len(mover.caches) == 1 and mover.caches[0][0] is layers[-1].kv_cache
+    before = layers[-1].kv_cache.clone()
+    mover.move(torch.tensor([20]), torch.tensor([17]))
+    want = before.clone()
+    want[1, :, 1] = before[1, :, 4]
+    assert torch.equal(layers[-1].kv_cache, want)

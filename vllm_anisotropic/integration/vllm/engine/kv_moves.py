@@ -100,8 +100,7 @@ class KVMover:
         first. ``src_slots``, ``dst_slots``: ``[M]`` int64 on the caches' device. The element
         indices are computed once per layout and cache shape (a model's layers share one): a
         layer costs one gather and one scatter."""
-        m = src_slots.numel()
-        if m == 0:
+        if src_slots.numel() == 0:
             return
         slots = torch.cat([src_slots, dst_slots])
         indices = {}
