@@ -130,52 +130,29 @@ class TreeAttentionPlan:
         return TreeAttentionPlan._packed(req_index, rows, valid, allowed, bits, np.asarray(seq_lens) - num, device)
 
     @staticmethod
-    def from_bits(
-        req_index: list[int],
-        num_nodes: np.ndarray,
-        bits: np.ndarray,
-        query_end: list[int],
-        seq_lens: list[int],
-        device: torch.device | str = "cpu",
-    ) -> "TreeAttentionPlan":
-        """``build`` from the trees' bit-packed ancestor masks, without a loop over requests:
-        ``num_nodes [R]`` draft nodes per tree (<= 64), ``bits [sum num_nodes]`` uint64, tree
-        after tree (bit j of node i: node j may be attended by node i, ``TreePlan.draft_bits``).
-        The same plan as ``build`` of the masks those bits pack."""
-        num = np.asarray(num_nodes, np.int64)
-        if not num.size or int(num.min()) < 1:
-            raise ValueError(f"every tree request needs >= 1 draft node, got {num.tolist()}")
-        r, n = len(num), int(num.max())
-        if n > 64:
-            raise ValueError(f"from_bits packs <= 64 draft nodes per tree, got {n}: use build")
-        tree = np.repeat(np.arange(r), num)
-        k = np.arange(int(num.sum())) - np.repeat(np.cumsum(num) - num, num)  # node index within its tree
-        rows = np.zeros((r, n), np.int64)
-        rows[tree, k] = np.repeat(np.asarray(query_end, np.int64) - num, num) + k
-        valid = np.zeros((r, n), bool)
-        valid[tree, k] = True
-        packed = np.zeros((r, n), np.uint64)
-        packed[tree, k] = bits
-        allowed = ((packed[:, :, None] >> np.arange(n, dtype=np.uint64)) & np.uint64(1)).astype(bool)
-        return TreeAttentionPlan._packed(req_index, rows, valid, allowed, packed, np.asarray(seq_lens) - num, device)
-
-    @staticmethod
     def _packed(req_index, rows, valid, allowed, bits, ctx, device) -> "TreeAttentionPlan":
-        """The plan on ``device`` from its host arrays, in one host-to-device copy."""
+        """The plan on ``device`` from its host arrays (``build``)."""
         ctx = np.asarray(ctx, np.int32)
         if (ctx < 0).any():
             raise ValueError(f"seq_lens shorter than the node counts (context lengths {ctx.tolist()})")
         r, n = rows.shape
         cu = np.zeros(r + 1, np.int32)
         np.cumsum(valid.sum(axis=1), out=cu[1:])
-        # one host->device copy of the whole plan: pack everything into one int64 buffer
         flat = np.concatenate(
             [np.asarray(req_index, np.int64), rows.ravel(), valid.ravel(), allowed.ravel(),
              bits.view(np.int64).ravel(), ctx, cu]
         ).astype(np.int64)
+        return TreeAttentionPlan.from_buffer(flat, r, n, int(ctx.max()), device)
+
+    @staticmethod
+    def from_buffer(flat: np.ndarray, r: int, n: int, max_context: int,
+                    device: torch.device | str = "cpu") -> "TreeAttentionPlan":
+        """The plan of ``r`` tree requests of at most ``n`` draft nodes from its host arrays packed
+        in one int64 buffer (``req_index [r]``, ``node_rows [r, n]``, ``node_valid [r, n]``,
+        ``allowed [r, n, n]``, ``ancestor_bits [r, n]``, ``context_lens [r]``, ``cu_nodes [r + 1]``;
+        ``kernels/plan.py``'s ``split_plan`` writes it): one host-to-device copy."""
         dev = torch.from_numpy(flat).to(device, non_blocking=True)
-        sizes = [r, r * n, r * n, r * n * n, r * n, r, r + 1]
-        parts = torch.split(dev, sizes)
+        parts = torch.split(dev, [r, r * n, r * n, r * n * n, r * n, r, r + 1])
         return TreeAttentionPlan(
             req_index=parts[0],
             node_rows=parts[1].view(r, n),
@@ -184,7 +161,7 @@ class TreeAttentionPlan:
             ancestor_bits=parts[4].view(r, n),
             context_lens=parts[5].to(torch.int32),
             cu_nodes=parts[6].to(torch.int32),
-            max_context=int(ctx.max()),
+            max_context=max_context,
         )
 
 

@@ -96,12 +96,6 @@ class TreePlan:
         the root, j draft node j). Parents ``[-1, 0, 0, 1 | -1, 0]`` -> ``[0, 0, 1, 0]``."""
         return self.trees.parents[self.trees.parents >= 0]
 
-    def draft_bits(self) -> np.ndarray:
-        """``[sum n_r]`` uint64 ancestor masks among the draft nodes, bit-packed: bit j of node
-        i is set iff node j + 1 is i + 1 or its ancestor (trees of <= 64 nodes). Parents
-        ``[-1, 0, 0, 1]`` -> ``[0b1, 0b10, 0b101]``."""
-        return self.trees.ancestor_bits()[self.trees.parents >= 0] >> np.uint64(1)
-
     @property
     def masks(self) -> list[np.ndarray]:
         """``[n_r, n_r]`` bool ancestor masks among the draft nodes (``node_masks``), built once."""

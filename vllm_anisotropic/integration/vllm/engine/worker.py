@@ -81,7 +81,10 @@ class TreeGPUWorker(_gpu_worker_base()):
         return out
 
     def compile_or_warm_up_model(self, *args, **kwargs):
+        from vllm_anisotropic.integration.vllm.engine.gpu_runner import warm_up_device_plan
+
         out = super().compile_or_warm_up_model(*args, **kwargs)
+        warm_up_device_plan()  # the CUDA split's plan kernel (after vLLM's start-up scan: kernels/__init__.py)
         _calibrate(self.model_runner)
         return out
 

@@ -71,7 +71,7 @@ def warm_up_paths() -> None:
     a step passes (int64 arrays, vLLM's int32 block table), at the CPU worker's start
     (``worker.TreeCPUWorker.compile_or_warm_up_model``) rather than in the first tree step."""
     one = np.zeros(1, np.int64)
-    load("paths").path_rounds(one, np.array([0, 1], np.int64), one, one + 1, one + 1, one,
+    load("plan").path_rounds(one, np.array([0, 1], np.int64), one, one + 1, one + 1, one,
                               np.zeros((1, 1), np.int32), 16)
 
 
@@ -180,7 +180,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         every tree request (one kernel call per round and layer). Per round: the rows whose KV
         to write, their slots, the query rows, ``query_start_loc``, ``seq_lens``, the block
         table rows and the kernel's scheduler metadata, slices of arrays built in one compiled
-        call (``kernels/paths.py``). Last: every node row and its own slot, to put the tree back
+        call (``kernels/plan.py``). Last: every node row and its own slot, to put the tree back
         (the accepted chain's KV is kept in place, ``kv_in_place``).
         None: this step takes the recompute (bushy trees, or ``VLLM_ANISOTROPIC_TREE_ROWS``)."""
         key = ("paths", block_size, dtype, isa)
@@ -197,7 +197,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         np.cumsum(n, out=offsets[1:])
         table = attn_metadata.block_table.numpy()
         (round_paths, round_nodes, round_queries, src, dst, queried, query_start, seq_lens, path_tree, restore_rows,
-         restore_slots) = load("paths").path_rounds(plan.draft_parents(), offsets, plan.chain_prefix, first, ctx, req, table,
+         restore_slots) = load("plan").path_rounds(plan.draft_parents(), offsets, plan.chain_prefix, first, ctx, req, table,
                                                      block_size)
         # each path re-reads its request's context: past PATHS_MAX_MEAN paths per request
         # (context-weighted) the recompute's one float32 pass over it is cheaper

@@ -1,7 +1,9 @@
-"""The CPU tree attention's path rounds (``kernels/paths.py``, ``path_rounds``) against a plain
-per-leaf reference on random forests: which paths are kept and what they query, the rounds they
-fall in, every slot through a shuffled block table, and the rows put back after the rounds; and
-the arrays ``TreePlan`` derives from its trees."""
+"""The tree attention's plan kernels (``kernels/plan.py``): the CPU path rounds (``path_rounds``)
+against a plain per-leaf reference on random forests (which paths are kept and what they query,
+the rounds they fall in, every slot through a shuffled block table, the rows put back after the
+rounds), the CUDA split's ``split_plan`` by example (against ``TreeAttentionPlan.build`` on random
+trees: ``tests/test_gpu_paths.py``), the arrays ``TreePlan`` derives from its trees, and the
+workers' warm-ups."""
 
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ def test_path_rounds_match_the_per_leaf_reference(seed):
         table = rng.permutation((num + 2) * blocks).astype(np.int32).reshape(num + 2, blocks)
         offsets = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
         parents = np.concatenate([t.parents[1:] for t in trees]).astype(np.int64)
-        got = load("paths").path_rounds(parents, offsets, chains, first, ctx, rows, table, block_size)
+        got = load("plan").path_rounds(parents, offsets, chains, first, ctx, rows, table, block_size)
         want = _reference(trees, chains, first, ctx, rows, table, block_size)
         for name, value in zip(_NAMES, got):
             assert value.tolist() == want[name], name
@@ -96,7 +98,7 @@ def test_path_rounds_match_the_per_leaf_reference(seed):
 def test_path_rounds_worked_example_and_a_broken_tree():
     """The docstring's example (two chains of two, the first the chain prefix: one round, one path
     querying both of its nodes), and parents that form no tree (a cycle: no leaf) refused."""
-    paths = load("paths")
+    paths = load("plan")
     table = np.arange(4, dtype=np.int32).reshape(1, 4)
     out = dict(zip(_NAMES, paths.path_rounds(np.array([0, 1, 0, 3]), np.array([0, 4]), np.array([2]), np.array([1]),
                                              np.array([5]), np.array([0]), table, 4)))
@@ -107,27 +109,37 @@ def test_path_rounds_worked_example_and_a_broken_tree():
                           np.array([0]), table, 4)
 
 
-def test_plan_parents_bits_and_masks_of_its_trees():
-    """``TreePlan``'s derived arrays against each tree's own: draft-node parents, bit-packed
-    ancestor rows (the root's bit dropped) and masks; the chain prefix computed unless given."""
+def test_plan_parents_and_masks_of_its_trees():
+    """``TreePlan``'s derived arrays against each tree's own: draft-node parents and masks; the
+    chain prefix computed unless given."""
     rng = np.random.default_rng(7)
     trees = [_random_tree(rng, int(rng.integers(2, 20))) for _ in range(12)]
     plan = TreePlan(list(range(12)), FlatTrees.from_trees(trees))
     assert plan.num_nodes.tolist() == [t.num_nodes - 1 for t in trees]
     assert plan.chain_prefix.tolist() == [t.chain_prefix() for t in trees]
     assert plan.draft_parents().tolist() == np.concatenate([t.parents[1:] for t in trees]).tolist()
-    bits = plan.draft_bits()
-    for t, (tree, mask) in enumerate(zip(trees, plan.masks)):
+    for tree, mask in zip(trees, plan.masks):
         assert np.array_equal(mask, tree.ancestor_mask[1:, 1:])
-        a = int(plan.trees.offsets[t]) - t  # draft nodes before tree t
-        for i in range(tree.num_nodes - 1):
-            assert [(int(bits[a + i]) >> j) & 1 for j in range(tree.num_nodes - 1)] == mask[i].astype(int).tolist()
     assert TreePlan([0], FlatTrees.from_trees(trees[:1]), chain_prefix=[0]).chain_prefix.tolist() == [0]
+
+
+def test_split_plan_worked_example_and_refusals():
+    """The docstring's example in ``from_buffer``'s layout; a KV length below the node count and
+    a tree of 65 draft nodes refused."""
+    split = load("plan").split_plan
+    flat = split(np.array([-1, 0, 0, 1]), np.array([0, 4]), np.array([3]), np.array([7]), np.array([40]))
+    # req_index [1] | rows [1, 3] | valid | allowed [1, 3, 3] | bits | ctx [1] | cu [2]
+    assert flat.tolist() == [3, 4, 5, 6, 1, 1, 1, 1, 0, 0, 0, 1, 0, 1, 0, 1, 1, 2, 5, 37, 0, 3]
+    with pytest.raises(ValueError, match="shorter than its draft nodes"):
+        split(np.array([-1, 0, 0, 1]), np.array([0, 4]), np.array([3]), np.array([7]), np.array([2]))
+    with pytest.raises(ValueError, match="at most 64"):
+        split(np.array([-1] + [0] * 65), np.array([0, 66]), np.array([0]), np.array([70]), np.array([99]))
 
 
 def test_the_workers_warm_up_compiles_what_a_step_calls():
     """After ``warm_up_paths`` (the CPU worker's start) a step's path plan, with vLLM's int32 block
-    table, compiles nothing more: one signature (a fresh process: numba's signatures are its own)."""
+    table, compiles nothing more, nor ``device_plan`` after ``warm_up_device_plan`` (the GPU
+    worker's): one signature each (a fresh process: numba's signatures are its own)."""
     import subprocess
     import sys
 
@@ -147,8 +159,12 @@ meta = SimpleNamespace(seq_lens=torch.tensor([20, 30], dtype=torch.int32),
                        query_start_loc=torch.tensor([0, 5, 10], dtype=torch.int32), block_table=table)
 plan = TreePlan([0, 1], FlatTrees.from_trees([tree, tree]))
 assert impl._path_plan(plan, meta, 16, torch.float32, "vec") is not None
-print(len(load("paths").path_rounds.signatures))
+from vllm_anisotropic.integration.vllm.engine.gpu_runner import device_plan, warm_up_device_plan
+warm_up_device_plan()
+plan = TreePlan([0, 1], FlatTrees.from_trees([tree, tree]), query_end=[5, 10], seq_lens=[20, 30])
+device_plan(plan, "cpu")
+print(len(load("plan").path_rounds.signatures), len(load("plan").split_plan.signatures))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "1"
+    assert out.stdout.strip().splitlines()[-1] == "1 1"

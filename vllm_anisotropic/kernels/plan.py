@@ -1,13 +1,15 @@
-"""Compiled path rounds of a step's trees (``kernels.load("paths")``) for the CPU tree attention
-(``integration/vllm/kernels/attention.py``, ``_path_plan``): which root-to-leaf paths cover the
-tree nodes, and every index the rounds of vLLM's causal kernel read, in one call."""
+"""Compiled per-step plans of the tree attention (``kernels.load("plan")``), each one call for the
+whole step: ``path_rounds``, the CPU path rounds (``integration/vllm/kernels/attention.py``,
+``_path_plan``: which root-to-leaf paths cover the tree nodes, and every index the rounds of
+vLLM's causal kernel read); ``split_plan``, the CUDA split's node rows, ancestor masks and
+context lengths (``attention/tree_attention.py``, ``TreeAttentionPlan``)."""
 
 from __future__ import annotations
 
 import numba
 import numpy as np
 
-__all__ = ["path_rounds"]
+__all__ = ["path_rounds", "split_plan"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -131,3 +133,56 @@ def path_rounds(parents, offsets, chain, first, ctx, rows, table, block_size):
             restore_slots[a + j] = table[rows[t], pos // block_size] * block_size + pos % block_size
     return (round_paths, round_nodes, round_queries, src, dst, queried, query_start, seq_lens, path_tree,
             restore_rows, restore_slots)
+
+
+@numba.njit(cache=True, nogil=True)
+def split_plan(parents, offsets, req_index, query_end, seq_lens):
+    """``TreeAttentionPlan``'s host arrays for trees of at most 64 draft nodes, packed in one int64
+    buffer in ``TreeAttentionPlan.from_buffer``'s order: ``req_index [R]``, ``node_rows [R, N]``,
+    ``node_valid [R, N]``, ``allowed [R, N, N]``, ``ancestor_bits [R, N]`` (the uint64 bits as
+    int64), ``context_lens [R]``, ``cu_nodes [R + 1]``; N = most draft nodes of a tree.
+
+    ``parents``, ``offsets``: the trees as ``FlatTrees`` holds them (roots included, local
+    parents, the root's -1); tree r's draft nodes are the last n_r query rows before
+    ``query_end[r]`` and its KV length after the step is ``seq_lens[r]``. Draft node i (local
+    node i + 1) has bit j of its row set iff node j + 1 is itself or an ancestor. Example: one
+    tree, parents ``[-1, 0, 0, 1]``, query_end 7, seq_len 40 -> rows ``[4, 5, 6]``, bits
+    ``[0b1, 0b10, 0b101]``, context 37."""
+    r = offsets.shape[0] - 1
+    n = 0
+    for t in range(r):
+        n = max(n, offsets[t + 1] - offsets[t] - 1)
+    if n > 64:
+        raise ValueError("split_plan packs at most 64 draft nodes a tree")
+    o_rows = r
+    o_valid = o_rows + r * n
+    o_allowed = o_valid + r * n
+    o_bits = o_allowed + r * n * n
+    o_ctx = o_bits + r * n
+    o_cu = o_ctx + r
+    out = np.zeros(o_cu + r + 1, np.int64)
+    as_bits = out.view(np.uint64)
+    bits = np.zeros(max(n, 1), np.uint64)
+    for t in range(r):
+        a = offsets[t]
+        k = offsets[t + 1] - a - 1  # draft nodes
+        out[t] = req_index[t]
+        ctx = seq_lens[t] - k
+        if ctx < 0:
+            raise ValueError("a tree request's KV length is shorter than its draft nodes")
+        out[o_ctx + t] = ctx
+        out[o_cu + t + 1] = out[o_cu + t] + k
+        for i in range(k):
+            p = parents[a + i + 1]  # local: 0 is the root
+            b = np.uint64(1) << np.uint64(i)
+            if p > 0:
+                b |= bits[p - 1]
+            bits[i] = b
+            row = t * n + i
+            out[o_rows + row] = query_end[t] - k + i
+            out[o_valid + row] = 1
+            as_bits[o_bits + row] = b
+            for j in range(i + 1):
+                if (b >> np.uint64(j)) & np.uint64(1):
+                    out[o_allowed + row * n + j] = 1
+    return out
