@@ -75,7 +75,7 @@ def test_path_rounds_match_the_per_leaf_reference(seed):
     """Random forests (1-9 trees of 1-30 nodes, chain-like to bushy, a chain prefix anywhere up to
     the tree's own), contexts crossing block edges, a shuffled block table: every output equal."""
     rng = np.random.default_rng(seed)
-    for _ in range(40):
+    for _ in range(12):
         num = int(rng.integers(1, 10))
         trees = [_random_tree(rng, int(rng.integers(1, 31))) for _ in range(num)]
         chains = np.array([int(rng.integers(0, t.chain_prefix() + 1)) for t in trees], np.int64)
@@ -124,12 +124,15 @@ def test_plan_parents_and_masks_of_its_trees():
 
 
 def test_split_plan_worked_example_and_refusals():
-    """The docstring's example in ``from_buffer``'s layout; a KV length below the node count and
-    a tree of 65 draft nodes refused."""
+    """The docstring's example in ``from_buffer``'s layout; a KV length equal to the node count
+    taken (context 0, as ``TreeAttentionPlan.build`` takes it), one below it and a tree of 65
+    draft nodes refused."""
     split = load("plan").split_plan
     flat = split(np.array([-1, 0, 0, 1]), np.array([0, 4]), np.array([3]), np.array([7]), np.array([40]))
     # req_index [1] | rows [1, 3] | valid | allowed [1, 3, 3] | bits | ctx [1] | cu [2]
     assert flat.tolist() == [3, 4, 5, 6, 1, 1, 1, 1, 0, 0, 0, 1, 0, 1, 0, 1, 1, 2, 5, 37, 0, 3]
+    # a context of 0 (``build`` allows it) is not refused
+    assert split(np.array([-1, 0]), np.array([0, 2]), np.array([0]), np.array([1]), np.array([1]))[-3] == 0
     with pytest.raises(ValueError, match="shorter than its draft nodes"):
         split(np.array([-1, 0, 0, 1]), np.array([0, 4]), np.array([3]), np.array([7]), np.array([2]))
     with pytest.raises(ValueError, match="at most 64"):

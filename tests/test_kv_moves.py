@@ -134,3 +134,15 @@ def test_layers_without_a_cache_are_skipped_and_one_token_moves():
     want = before.clone()
     want[1, :, 1] = before[1, :, 4]
     assert torch.equal(layers[-1].kv_cache, want)
+
+
+def test_a_cpu_layer_gets_its_probed_layout():
+    """A CPU layer (vLLM's ``isa`` on it) of a shape no test probed before: the mover holds the
+    layout ``kv_layout`` probes for that ISA, dtype, block and head size."""
+    from vllm_anisotropic.integration.vllm.kernels.attention import kv_layout
+
+    layer = type("Layer", (), {})()
+    layer.kv_cache, layer.isa = torch.zeros(2, 1, 16, 2 * 48, dtype=torch.bfloat16), "vec"
+    (_, k_off, v_off), = KVMover.from_layers([layer]).caches
+    want_k, want_v, _, _ = kv_layout("vec", torch.bfloat16, 16, 48)
+    assert torch.equal(k_off, want_k) and torch.equal(v_off, want_v)
