@@ -97,13 +97,18 @@ def test_path_rounds_match_the_per_leaf_reference(seed):
 
 def test_path_rounds_worked_example_and_a_broken_tree():
     """The docstring's example (two chains of two, the first the chain prefix: one round, one path
-    querying both of its nodes), and parents that form no tree (a cycle: no leaf) refused."""
+    querying both of its nodes), a forest of chains (no round), and parents that form no tree (a
+    cycle: no leaf) refused."""
     paths = load("plan")
     table = np.arange(4, dtype=np.int32).reshape(1, 4)
     out = dict(zip(_NAMES, paths.path_rounds(np.array([0, 1, 0, 3]), np.array([0, 4]), np.array([2]), np.array([1]),
                                              np.array([5]), np.array([0]), table, 4)))
     assert out["round_paths"].tolist() == [1] and out["src"].tolist() == [3, 4] and out["queried"].tolist() == [3, 4]
     assert out["dst"].tolist() == [5, 6] and out["seq_lens"].tolist() == [7] and out["query_start"].tolist() == [0, 2]
+    # a forest of chains (every node in its tree's chain prefix): no path, no round
+    chains = paths.path_rounds(np.array([0, 1, 0]), np.array([0, 2, 3]), np.array([2, 1]), np.array([1, 4]),
+                               np.array([5, 5]), np.array([0, 0]), table, 4)
+    assert chains[0].size == 0 and chains[3].size == 0 and chains[6].size == 0 and chains[9].tolist() == [1, 2, 4]
     with pytest.raises(ValueError, match="no root-to-leaf path"):
         paths.path_rounds(np.array([2, 1]), np.array([0, 2]), np.array([0]), np.array([1]), np.array([5]),
                           np.array([0]), table, 4)
