@@ -197,8 +197,8 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         np.cumsum(n, out=offsets[1:])
         table = attn_metadata.block_table.numpy()
         (round_paths, round_nodes, round_queries, src, dst, queried, query_start, seq_lens, path_tree, restore_rows,
-         restore_slots) = load("plan").path_rounds(plan.draft_parents(), offsets, plan.chain_prefix, first, ctx, req, table,
-                                                     block_size)
+         restore_slots) = load("plan").path_rounds(plan.draft_parents(), offsets, plan.chain_prefix, first, ctx, req,
+                                                     table, block_size)
         # each path re-reads its request's context: past PATHS_MAX_MEAN paths per request
         # (context-weighted) the recompute's one float32 pass over it is cheaper
         if int(ctx[path_tree].sum()) > PATHS_MAX_MEAN * int(ctx.sum()):
