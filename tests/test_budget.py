@@ -137,7 +137,9 @@ def test_a_step_refines_the_cost_model_and_counts_acceptance(tmp_path):
     assert c == kept["a"] * 50 + kept["b"] * 70
     runner_out = SimpleNamespace(sampled_token_ids=[[5, 6, 7], [8]], req_id_to_index={"a": 0, "b": 1})
     b.on_output(out, runner_out)
-    assert b.metrics.cost_samples == 1 and len(b.cost._online) == 1
+    assert b.metrics.cost_samples == 0 and len(b.cost._online) == 1  # scored when the stats are written
+    b.tick()  # the scheduler's tick after on_output (TreeScheduler.update_from_output): the first writes
+    assert b.metrics.cost_samples == 1
     assert b.metrics.realized_accepted == (2 if kept["a"] else 0)
     want = sum(sum([0.9, 0.8, 0.1, 0.1][:kept["a"]]) for _ in [0]) + sum([0.7, 0.1][:kept["b"]])
     assert b.metrics.predicted_accepted == pytest.approx(want)
@@ -358,7 +360,9 @@ def test_harvest_runs_later_with_the_bigram_key_of_its_own_step():
 
     Catches: a harvest that runs at once again (the reply would wait for it), one that reads
     ``_prev_root`` when it runs (the next root's key: wrong bigram rows), metrics that wait for
-    the harvest (counters short by a step), rows read from logits vLLM may overwrite."""
+    the harvest (counters short by a step), rows taken at the wrong offsets. CPU logits are read
+    in place when the harvest runs: vLLM's ``compute_logits`` returns a new tensor every step
+    and nothing writes a step's logits after its sampler."""
     import torch
 
     from vllm_anisotropic.integration.vllm.engine.drafter import StepTrees, TreeDrafter
@@ -397,7 +401,6 @@ def test_harvest_runs_later_with_the_bigram_key_of_its_own_step():
     d.observe_step(step, np.full((1, 1), -1), np.zeros(1, np.int64), np.array([0]), buffer)
     assert d.metrics.verified_trees + d.metrics.plain_steps == 1  # counted now
     assert np.array_equal(tables(state)[0], before[0]) and tables(state)[1] == before[1]  # not harvested yet
-    buffer.fill_(0.0)  # vLLM reuses its logits buffer
     nxt = state.propose(np.append(context, [7, 9]))  # moves _prev_root to 7
     assert state._prev_root == 7
     d.run_deferred()

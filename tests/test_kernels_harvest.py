@@ -108,3 +108,20 @@ def test_float32_keys_keep_the_last_bit():
     out = np.empty(1, np.int64)
     kernels.load("vocab").argmax_rows(x.numpy(), np.zeros(1, np.int64), out)
     assert out.tolist() == [7]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_are_read_in_place_in_the_order_given(dtype):
+    """``topk_scores(logits, k, rows)`` (the harvest's rows, read where they lie, no gathered copy)
+    equals ``topk_scores(logits[rows], k)`` row for row: rows out of order, repeated, not all
+    taken (a kernel reading row i instead of ``rows[i]`` returns rows 0, 1, 2, ...)."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 700, generator=g) * torch.arange(1, 7).view(-1, 1)).to(dtype)
+    rows = np.array([4, 0, 4, 2, 5], np.int64)
+    ids, probs = topk_scores(logits, 5, rows)
+    want_ids, want_probs = topk_scores(logits[torch.from_numpy(rows)], 5)
+    assert ids.shape == (5, 5) and ids.tolist() == want_ids.tolist()
+    np.testing.assert_array_equal(probs, want_probs)
+    assert ids[0].tolist() != ids[1].tolist()  # rows 4 and 0 differ: the test can tell them apart
+    empty = topk_scores(logits, 5, np.zeros(0, np.int64))
+    assert empty[0].shape == (0, 5) and empty[1].shape == (0, 5)

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
 
 # the plugin's host phases (host_clock.py), worker then scheduler, in per-step order
 HOST_PHASES = ("states", "propose", "reply", "cut", "scheduled", "prepare", "plan", "walk", "kv", "harvest",
-               "topk", "label", "finish", "on_output", "update")
+               "topk", "label", "finish", "on_output", "update", "stats")
 
 
 class StepProbe:

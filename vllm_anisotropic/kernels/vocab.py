@@ -171,15 +171,15 @@ def _sum_exp(x, m):
 
 
 @_jit
-def topk_probs(x, k, ids, probs):
-    """Rows of ``x [R, V]`` (float32, or int16 bf16 bits): ``ids [R, k]`` int32 the top-k token
-    ids, ``probs [R, k]`` float32 their softmax probabilities (module docstring). k <= V."""
-    num_rows, vocab = x.shape
-    maxima = np.empty((vocab + BLOCK - 1) // BLOCK, np.int32)
+def topk_probs(x, rows, k, ids, probs):
+    """Rows ``rows`` of ``x [N, V]`` (float32, or int16 bf16 bits), read in place: ``ids [R, k]``
+    int32 the top-k token ids of row ``rows[i]`` in row i, ``probs [R, k]`` float32 their softmax
+    probabilities (module docstring). k <= V."""
+    maxima = np.empty((x.shape[1] + BLOCK - 1) // BLOCK, np.int32)
     keys = np.empty(k, np.int32)
     top = np.empty(k, np.int64)
-    for r in range(num_rows):
-        row = x[r]
+    for r in range(rows.shape[0]):
+        row = x[rows[r]]
         _row_topk(row, k, top, keys, maxima)
         m = as_float32(row[top[0]])
         s = _sum_exp(row, m)

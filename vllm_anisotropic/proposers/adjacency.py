@@ -88,33 +88,41 @@ def tenant_budget(config, vocab_size: int | None, extra_bytes: int = 0) -> tuple
     return max(1, budget // per - 2), int(budget)
 
 
-def topk_scores(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+def topk_scores(logits: torch.Tensor, k: int, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Batched top-k of ``softmax(logits)``, from the top-k of the logits and one log-sum-exp
     per row: ``p_j = exp(l_j - lse(l))`` for the k largest ``l_j`` (same ids as the top-k of the
     softmax; among equal logits the lower token id first). No normalised copy of the vocabulary
-    is written: on the CPU one compiled pass per row, bf16 rows read as they are
+    is written: on the CPU one compiled pass per row, bf16 rows read as they are, in place
     (``kernels.vocab``: ~3x faster than torch's topk + exp + sum), on a GPU torch's topk and
     an in-place exp-sum.
 
     Args:
-        logits: ``[num_tokens, vocab_size]`` raw target logits (any float dtype, any device).
+        logits: ``[num_rows, vocab_size]`` raw target logits (any float dtype, any device).
         k: number of successors kept per row.
+        rows: the rows to take (int, any order, repeats allowed); None: every row. On the CPU
+            the kernel reads them where they are (no gathered copy).
 
     Returns:
-        ``([num_tokens, k] int32 ids, [num_tokens, k] float32 probabilities)``, best first, on CPU.
+        ``([len(rows), k] int32 ids, [len(rows), k] float32 probabilities)``, best first, on CPU.
     """
     assert logits.ndim == 2, logits.shape
     k = min(int(k), int(logits.shape[-1]))
     if logits.device.type == "cpu":
+        logits = logits.detach()
+        if logits.dtype not in (torch.bfloat16, torch.float32) and rows is not None:
+            logits, rows = logits[torch.from_numpy(np.asarray(rows, np.int64))], None  # widened below: the rows only
         # bf16 rows as their 16 bits (the kernel reads them in registers), others as float32
-        x = logits.detach().view(torch.int16) if logits.dtype == torch.bfloat16 else logits.detach().to(torch.float32)
+        x = logits.view(torch.int16) if logits.dtype == torch.bfloat16 else logits.to(torch.float32)
         x = np.ascontiguousarray(x.numpy())
-        ids = np.empty((x.shape[0], k), np.int32)
-        probs = np.empty((x.shape[0], k), np.float32)
-        if x.shape[0] and k:
-            kernels.load("vocab").topk_probs(x, k, ids, probs)
+        rows = np.arange(x.shape[0], dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+        ids = np.empty((rows.shape[0], k), np.int32)
+        probs = np.empty((rows.shape[0], k), np.float32)
+        if rows.shape[0] and k:
+            kernels.load("vocab").topk_probs(x, rows, k, ids, probs)
         return ids, probs
-    x = logits.to(torch.float32, copy=True)  # [num_tokens, vocab_size], ours to overwrite
+    if rows is not None:
+        logits = logits.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(logits.device))
+    x = logits.to(torch.float32, copy=True)  # [num_rows, vocab_size], ours to overwrite
     top, ids = torch.topk(x, k, dim=-1)
     m = top[:, :1]  # p_j = exp(l_j - m) / sum_i exp(l_i - m), m the row's largest logit
     total = x.sub_(m).exp_().sum(dim=-1, keepdim=True)
@@ -140,8 +148,9 @@ class TopKRows:
         return TopKRows(self.ids[rows], self.scores[rows], self.vocab_size)
 
     @staticmethod
-    def of(logits: torch.Tensor, k: int) -> "TopKRows":
-        ids, scores = topk_scores(logits, k)
+    def of(logits: torch.Tensor, k: int, rows: np.ndarray | None = None) -> "TopKRows":
+        """``topk_scores(logits, k, rows)``: rows ``rows`` of ``logits`` (None: all), in that order."""
+        ids, scores = topk_scores(logits, k, rows)
         return TopKRows(ids, scores, int(logits.shape[-1]))
 
 

@@ -412,7 +412,12 @@ class BatchBudget:
                 continue
             m.predicted_accepted += self._kept[rid]
             m.realized_accepted += max(len(sampled[i]) - 1, 0)
-        self._tick(now)
+
+    @timed("stats")
+    def tick(self) -> None:
+        """The stats file at most once a second and the summary line every 10 s, after
+        ``on_output`` (a phase of its own: a cost per second, not per step)."""
+        self._tick(time.perf_counter())
 
     def flush(self) -> None:
         """Write the stats file now (the batch drained)."""

@@ -203,6 +203,8 @@ class TreeScheduler(Scheduler):
         self._apply_drafts(model_runner_output, outputs)
         if not self.running:
             self.budget.flush()
+        else:
+            self._budget("tick")
         return outputs
 
     def _apply_drafts(self, model_runner_output, outputs):
