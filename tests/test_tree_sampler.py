@@ -1,0 +1,478 @@
+"""``TreeRejectionSampler`` (integration/vllm/engine/sampler.py) on vLLM's real ``Sampler``,
+``RejectionSampler``, ``SpecDecodeMetadata`` and ``SamplingMetadata``, without an engine: the
+runner it reads (``take_tree_step``, ``drafter``, ``move_kv``, ...) is a small recording stand-in.
+
+One batch throughout: row 0 request "a" with the tree ``5 -> 7 -> 8`` plus the branch ``5 -> 9``
+(3 drafts, logits rows 0-3), row 1 request "b" without drafts (its bonus row 4), row 2 request
+"c" with the chain ``3 -> 4 -> 6`` (2 drafts, rows 5-7). The target's argmax: row 0 (a's root)
+9 = the branch, row 3 (after 9) 2 = no child; row 4 (b) 11; rows 5, 6 take c's chain, row 7 13.
+So greedy emits ``[9, 2]`` for a (its node 3 accepted off the leading chain: one K/V move),
+``[11]`` for b and ``[4, 6, 13]`` for c. Rows 1 and 2 (a's spine, not visited) prefer 14 and 15:
+a walk reading the wrong rows emits them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_anisotropic.integration.vllm.engine import sampler as sampler_module
+from vllm_anisotropic.integration.vllm.engine.drafter import StepTrees
+from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock
+from vllm_anisotropic.integration.vllm.engine.sampler import (
+    PLACEHOLDER_TOKEN_ID, TreeRejectionSampler, _row_pasts, _sampling_tensors, harvest_plain)
+from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource
+
+V = 16
+S, B = NodeSource.SPINE, NodeSource.BRANCH
+TREE_A = DraftTree([5, 7, 8, 9], [-1, 0, 1, 0], [NodeSource.ROOT, S, S, B])
+TREE_C = DraftTree([3, 4, 6], [-1, 0, 1], [NodeSource.ROOT, S, S])
+DRAFTS = [[7, 8, 9], [], [4, 6]]
+ARGMAX = {0: 9, 1: 14, 2: 15, 3: 2, 4: 11, 5: 4, 6: 6, 7: 13}  # logits row -> the target's argmax
+GREEDY_OUT = [[9, 2, -1, -1], [11, -1, -1, -1], [4, 6, 13, -1]]
+
+
+def _logits(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, V, generator=g)
+    for row, token in ARGMAX.items():
+        x[row, token] = x[row].max() + 2.0 + row * 0.1
+    return x
+
+
+def _metadata(drafts=DRAFTS):
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    md = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+    cu = md.cu_num_sampled_tokens.long()
+    md.bonus_logits_indices = (cu - 1).to(torch.int32)  # each request's last row (make_dummy leaves zeros)
+    return md
+
+
+def _sampling(temperature=None, top_k=None, top_p=None, generators=None, logprobs=None, batch=3):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    temps = None if temperature is None else torch.tensor(temperature, dtype=torch.float32)
+    return SamplingMetadata(
+        temperature=temps, all_greedy=temps is None, all_random=temps is not None and bool((temps > 0).all()),
+        top_p=top_p, top_k=top_k, generators=generators or {}, max_num_logprobs=logprobs, no_penalties=True,
+        prompt_token_ids=None, frequency_penalties=torch.zeros(batch), presence_penalties=torch.zeros(batch),
+        repetition_penalties=torch.ones(batch), output_token_ids=[[] for _ in range(batch)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+
+
+def _step(trees=(TREE_A, TREE_C), rows=(0, 2), ids=("a", "c")) -> StepTrees:
+    n = len(trees)
+    step = StepTrees(list(ids), np.asarray(rows, np.int64), FlatTrees.from_trees(list(trees)),
+                     np.full(n, -1, np.int64), np.ones(n, np.int8), np.zeros(n, bool))
+    step.node_rows = np.array([1, 6], np.int64)[:n]  # the query row of each tree's node 1
+    step.root_positions = np.array([10, 20], np.int64)[:n]
+    return step
+
+
+class _Drafter:
+    def __init__(self) -> None:
+        self.observed, self.contained = [], []
+
+    def observe_step(self, step, accepted, num_accepted, starts, logits) -> None:
+        self.observed.append((step, accepted.copy(), num_accepted.copy(), np.asarray(starts).copy(), logits))
+
+    def contain(self, stage, req_ids, live=True) -> None:
+        self.contained.append((stage, list(req_ids)))
+
+
+class _Runner:
+    """What the sampler reads of the tree runner."""
+
+    def __init__(self, step, seeds=None, outputs=None) -> None:
+        self._step = step
+        self.drafter = _Drafter()
+        self.host_clock = HostClock()
+        self.row_edits = {}
+        self.moves = []
+        self.model_config = SimpleNamespace(seed=0)
+        self.requests = {r: SimpleNamespace(sampling_params=SimpleNamespace(seed=s))
+                         for r, s in (seeds or {"a": 1, "b": 2, "c": 3}).items()}
+        self.input_batch = SimpleNamespace(req_output_token_ids=outputs or [[1, 5], [11], [2, 3]])
+
+    def take_tree_step(self):
+        step, self._step = self._step, None
+        return step
+
+    def move_kv(self, src, dst) -> None:
+        self.moves.append((src.tolist(), dst.tolist()))
+
+
+def _sampler(runner, sampling_verifier="nss") -> TreeRejectionSampler:
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    return TreeRejectionSampler(RejectionSampler(Sampler()), runner, sampling_verifier=sampling_verifier)
+
+
+def test_greedy_trees_emit_the_walked_paths_and_move_the_off_chain_node():
+    runner = _Runner(_step())
+    logits = _logits()
+    out = _sampler(runner)(_metadata(), None, logits, _sampling())
+    assert out.sampled_token_ids.dtype == torch.int32
+    assert out.sampled_token_ids.tolist() == GREEDY_OUT
+    assert out.logprobs_tensors is None
+    # a's node 3 (depth 1) sits in node 3's query row (node_rows 1 + 3 - 1) and goes to depth 1's (1)
+    assert runner.moves == [([3], [1])]
+    ((step, accepted, num_accepted, starts, seen),) = runner.drafter.observed
+    assert accepted.tolist() == [[3, -1], [1, 2]] and num_accepted.tolist() == [1, 2]
+    assert starts.tolist() == [0, 5] and seen is logits
+    assert runner.drafter.contained == []
+    assert {"walk", "kv"} <= set(runner.host_clock.seconds)
+
+
+def test_logprobs_come_from_the_row_that_predicted_each_token():
+    runner = _Runner(_step())
+    logits = _logits(1)
+    out = _sampler(runner)(_metadata(), None, logits, _sampling(logprobs=1))
+    lp = out.logprobs_tensors
+    want_rows = {(0, 0): 0, (0, 1): 3, (1, 0): 4, (2, 0): 5, (2, 1): 6, (2, 2): 7}
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    width = 4
+    for (b, col), row in want_rows.items():
+        k = b * width + col
+        token = GREEDY_OUT[b][col]
+        assert lp.logprob_token_ids[k, 0].item() == token
+        assert lp.logprobs[k, 0].item() == pytest.approx(ref[row, token].item(), abs=1e-5), (b, col)
+        assert lp.selected_token_ranks[k].item() == 1  # every token was its row's argmax
+    # no token emitted: zeros (vLLM drops them with its valid-token mask)
+    assert lp.logprobs[3].abs().sum().item() == 0 and lp.logprob_token_ids[1 * width + 1].abs().sum().item() == 0
+    assert lp.logprobs.shape[0] == 3 * width
+
+
+def test_drafts_that_do_not_match_the_tree_are_refused_with_the_batch_row():
+    runner = _Runner(_step())
+    with pytest.raises(RuntimeError, match="batch row 2 has 1 drafts but its draft tree 2"):
+        _sampler(runner)(_metadata([[7, 8, 9], [], [4]]), None, _logits()[:7], _sampling())
+
+
+def test_no_tree_step_is_vllms_rejection_sampler_and_root_only_trees_are_harvested():
+    """No step, or root-only trees (vLLM's warm-up call with dummy drafts): vLLM's own rejection
+    sampler with the same arguments (its Triton kernels do not run on this CPU: a recording
+    stand-in takes its place), the root-only trees' rows harvested."""
+    logits = _logits(2)[:5]
+    md, smd = _metadata([[7], [], [4]]), _sampling()
+    calls = []
+
+    class Original(torch.nn.Module):
+        def forward(self, *args):
+            calls.append(args)
+            return "vllm's output"
+
+    original = Original()
+    runner = _Runner(None)
+    ts = _sampler(runner)
+    ts.original = original
+    assert ts(md, None, logits, smd) == "vllm's output"
+    assert len(calls) == 1 and calls[0][0] is md and calls[0][2] is logits and calls[0][3] is smd
+    assert runner.drafter.observed == []
+    roots = _step((DraftTree([5], [-1]), DraftTree([3], [-1])))
+    runner = _Runner(roots)
+    ts = _sampler(runner)
+    ts.original = original
+    assert ts(md, None, logits, smd) == "vllm's output" and len(calls) == 2
+    ((_, accepted, num_accepted, starts, _),) = runner.drafter.observed
+    assert starts.tolist() == [1, 4]  # each tree row's last logits row (cu_num_sampled - 1)
+    assert accepted.tolist() == [[-1], [-1]] and num_accepted.tolist() == [0, 0]
+
+
+def test_a_verify_fault_gives_each_tree_its_root_rows_token(monkeypatch):
+    def failing(stage):
+        if stage == "verify":
+            raise ValueError("broken walk")
+
+    monkeypatch.setattr(sampler_module, "inject", failing)
+    runner = _Runner(_step())
+    out = _sampler(runner)(_metadata(), None, _logits(), _sampling())
+    assert out.sampled_token_ids.tolist() == [[9, -1, -1, -1], [11, -1, -1, -1], [4, -1, -1, -1]]
+    assert runner.drafter.contained == [("verify", ["a", "c"])]
+    assert runner.moves == []
+    ((_, accepted, num_accepted, starts, _),) = runner.drafter.observed
+    assert accepted.tolist() == [[-1], [-1]] and num_accepted.tolist() == [0, 0] and starts.tolist() == [0, 5]
+
+
+@pytest.mark.parametrize("verifier", ["nss", "deterministic"])
+def test_sampled_rows_with_top_k_1_walk_the_greedy_paths(verifier):
+    """Top-k 1 makes every draw the row's argmax whatever the temperature: the sampled paths
+    (vLLM's sampler per visited row, or the one-hot verifier on the processed law) equal the
+    greedy ones; request b (greedy, temperature 0) keeps its bonus row's argmax."""
+    gens = {0: torch.Generator().manual_seed(4), 2: torch.Generator().manual_seed(5)}
+    md = _sampling([0.7, 0.0, 1.3], top_k=torch.tensor([1, V, 1]), top_p=torch.tensor([0.9, 1.0, 0.8]), generators=gens)
+    runner = _Runner(_step())
+    out = _sampler(runner, verifier)(_metadata(), None, _logits(), md)
+    assert out.sampled_token_ids.tolist() == GREEDY_OUT
+    assert runner.moves == [([3], [1])]
+
+
+def test_a_seeded_nss_walk_emits_its_generators_draws_row_by_row():
+    """NSS with vLLM's sampler: each emitted token is the request's generator's next draw from
+    the row of the node before it (temperature applied), so a seeded request emits what plain
+    decoding would draw at those positions. Reference: the same draws made one row at a time
+    with a fresh generator of the seed, descending while a child holds the draw."""
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    temps = [1.0, 0.0, 0.8]
+    logits = torch.randn(8, V, generator=torch.Generator().manual_seed(9)) * 0.5  # flat: the draws vary
+    for seed in range(6):
+        gens = {0: torch.Generator().manual_seed(seed), 2: torch.Generator().manual_seed(100 + seed)}
+        runner = _Runner(_step())
+        out = _sampler(runner)(_metadata(), None, logits, _sampling(temps, generators=gens)).sampled_token_ids
+        draw = TopKTopPSampler("raw_logprobs")
+        for b, tree, start, s in ((0, TREE_A, 0, seed), (2, TREE_C, 5, 100 + seed)):
+            g = torch.Generator().manual_seed(s)
+            node, want = 0, []
+            while True:
+                x = (logits[start + node].float() / temps[b]).unsqueeze(0)
+                y = int(draw(x, {0: g}, None, None)[0][0])
+                want.append(y)
+                child = [j for j in range(1, tree.num_nodes) if tree.parents[j] == node and tree.tokens[j] == y]
+                if not child:
+                    break
+                node = child[0]
+            got = [t for t in out[b].tolist() if t != PLACEHOLDER_TOKEN_ID]
+            assert got == want, (seed, b)
+
+
+def test_edited_rows_are_walked_with_each_rows_own_past():
+    """A request with row edits (``runner.RowEdits``): its tree rows are copied in float32 and
+    edited, each with the output before it (``_row_pasts``), before the walk reads them. The
+    edit here bans token 9, so a's root row falls to its runner-up 7 and a walks its spine."""
+    logits = _logits(3)
+    logits[0, 7] = logits[0, 9] - 0.5  # the root row's runner-up
+    logits[1, 8] = logits[1].max() + 1.0  # after 7: 8; after 8 (row 2): 15, no child -> bonus
+    calls = []
+
+    class Ban:
+        path = True
+
+        def apply(self, rows, past, md, row):
+            calls.append((rows.dtype, rows.shape[0], past, row))
+            rows[:, 9] = -float("inf")
+
+    class KeepC:  # c's edit, a no-op on the scores: its rows and pasts are what is checked
+        path = True
+
+        def apply(self, rows, past, md, row):
+            calls.append((rows.dtype, rows.shape[0], past, row))
+
+    runner = _Runner(_step())
+    runner.row_edits = {"a": Ban(), "c": KeepC()}
+    out = _sampler(runner)(_metadata(), None, logits, _sampling())
+    assert out.sampled_token_ids.tolist() == [[7, 8, 15, -1], GREEDY_OUT[1], GREEDY_OUT[2]]
+    # each tree's own rows (4 and 3, not one row of the next tree), each row with its own past
+    assert calls == [(torch.float32, 4, [[1, 5], [1, 5, 7], [1, 5, 7, 8], [1, 5, 9]], 0),
+                     (torch.float32, 3, [[2, 3], [2, 3, 4], [2, 3, 4, 6]], 2)]
+    assert runner.moves == []  # the leading chain: in place
+    assert logits[0, 9] > logits[0, 7]  # vLLM's logits untouched
+    # an edit of the second tree alone changes its walk: c's root row loses 4, its runner-up wins
+    calls.clear()
+
+    class BanC(KeepC):
+        def apply(self, rows, past, md, row):
+            super().apply(rows, past, md, row)
+            rows[:, 4] = -float("inf")
+
+    runner = _Runner(_step())
+    runner.row_edits = {"c": BanC()}
+    out = _sampler(runner)(_metadata(), None, logits, _sampling())
+    c_root = logits[5].clone()
+    c_root[4] = -float("inf")
+    assert out.sampled_token_ids.tolist() == [[9, 2, -1, -1], GREEDY_OUT[1], [int(c_root.argmax()), -1, -1, -1]]
+    assert [c[1] for c in calls] == [3]
+
+
+def test_row_pasts_and_sampling_tensors():
+    assert _row_pasts(np.array([5, 7, 8, 9]), np.array([-1, 0, 1, 0]), [1, 5]) == [
+        [1, 5], [1, 5, 7], [1, 5, 7, 8], [1, 5, 9]]
+    md = _sampling([0.5, 0.0, 2.0])
+    t = _sampling_tensors(md, [2, 0])
+    assert t.temperature.tolist() == [2.0, 0.5] and t.top_k.tolist() == [-1, -1] and t.top_p.tolist() == [1.0, 1.0]
+    md = replace(md, top_k=torch.tensor([3, 4, 5]), top_p=torch.tensor([0.5, 0.6, 0.7]))
+    t = _sampling_tensors(md, [2, 0])
+    assert t.top_k.tolist() == [5, 3] and t.top_p.tolist() == pytest.approx([0.7, 0.5])
+    assert t.top_k.dtype == torch.long and t.top_p.dtype == torch.float32
+
+
+def test_harvest_plain_hands_the_root_rows_to_the_drafter():
+    runner = _Runner(None)
+    harvest_plain(runner, torch.zeros(3, V))
+    assert runner.drafter.observed == []
+    roots = _step((DraftTree([5], [-1]), DraftTree([3], [-1])))
+    runner = _Runner(roots)
+    logits = torch.zeros(3, V)
+    harvest_plain(runner, logits)
+    ((step, accepted, num_accepted, starts, seen),) = runner.drafter.observed
+    assert step is roots and starts.tolist() == [0, 2] and seen is logits
+    assert accepted.tolist() == [[-1], [-1]] and num_accepted.tolist() == [0, 0]
+
+
+def _draws(logits, tree, start, temperature, generator):
+    """The reference NSS walk of one tree: the generator's draws one row at a time (vLLM's
+    ``TopKTopPSampler`` on the row at ``temperature``), descending while a child holds the draw."""
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    draw = TopKTopPSampler("raw_logprobs")
+    node, out = 0, []
+    while True:
+        x = (logits[start + node].float() / temperature).unsqueeze(0)
+        y = int(draw(x, {0: generator}, None, None)[0][0])
+        out.append(y)
+        child = [j for j in range(1, tree.num_nodes) if tree.parents[j] == node and tree.tokens[j] == y]
+        if not child:
+            return out
+        node = child[0]
+
+
+class _NoVllmSampler(torch.nn.Module):
+    def forward(self, *args):
+        raise AssertionError("a step with a multi-node tree went to vLLM's rejection sampler")
+
+
+PAIR = DraftTree([5, 9], [-1, 0], [NodeSource.ROOT, B])  # one draft
+ROOT_ONLY = DraftTree([3], [-1])
+
+
+def test_a_two_node_tree_beside_a_root_only_tree_and_a_plain_row():
+    """Drafts [1, 0, 0]: a's tree of two nodes is walked (rows 0-1), b's bonus row 2 and c's
+    root-only tree (row 3) keep vLLM's bonus sample. The walk's ``accepted`` is ``[T,
+    max_depth]``, -1 padded, the root-only tree's row all -1. The host clocks are seconds of
+    this call (none negative, none longer than the call)."""
+    import time
+
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(7))
+    for row, token in {0: 9, 1: 12, 2: 10, 3: 1}.items():
+        logits[row, token] = logits[row].max() + 3.0
+    runner = _Runner(_step((PAIR, ROOT_ONLY)))
+    ts = _sampler(runner)
+    ts.original = _NoVllmSampler()
+    t0 = time.perf_counter()
+    out = ts(_metadata([[9], [], []]), None, logits, _sampling())
+    elapsed = time.perf_counter() - t0
+    assert out.sampled_token_ids.tolist() == [[9, 12], [10, -1], [1, -1]]
+    ((_, accepted, num_accepted, starts, _),) = runner.drafter.observed
+    assert accepted.tolist() == [[1], [-1]] and num_accepted.tolist() == [1, 0] and starts.tolist() == [0, 3]
+    assert runner.moves == []
+    for phase in ("walk", "kv"):
+        assert 0.0 <= runner.host_clock.seconds[phase] <= elapsed, phase
+
+
+def test_seeded_sampled_rows_draw_as_fresh_generators_whatever_their_tree():
+    """Seeded sampled requests with a two-node tree (a), no tree (b) and a root-only tree (c),
+    NSS: a's tokens are its generator's draws along its walk, b's and c's the first draw from
+    their one row, each generator used by one sampler only (a generator drawn for a's bonus row
+    before the walk, or c's row walked as a tree, would shift the draws)."""
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(8)) * 0.5
+    logits[0, 9] += 1.0  # the walk descends into a's node sometimes
+    temps = [0.9, 1.1, 0.7]
+    descended = 0
+    for seed in range(8):
+        seeds = [seed, 50 + seed, 90 + seed]
+        gens = {i: torch.Generator().manual_seed(s) for i, s in enumerate(seeds)}
+        runner = _Runner(_step((PAIR, ROOT_ONLY)))
+        ts = _sampler(runner)
+        ts.original = _NoVllmSampler()
+        out = ts(_metadata([[9], [], []]), None, logits, _sampling(temps, generators=gens)).sampled_token_ids
+        got = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
+        want = [_draws(logits, PAIR, 0, temps[0], torch.Generator().manual_seed(seeds[0])),
+                _draws(logits, ROOT_ONLY, 2, temps[1], torch.Generator().manual_seed(seeds[1])),
+                _draws(logits, ROOT_ONLY, 3, temps[2], torch.Generator().manual_seed(seeds[2]))]
+        assert got == want, seed
+        descended += len(got[0]) == 2
+    assert 0 < descended < 8  # both outcomes of a's walk were exercised
+
+
+def test_a_fault_inside_a_sampled_walk_restores_the_generators_first():
+    """The NSS walk fails after its first depth drew: the fallback restores each walked
+    request's generator to the step's start and draws once from its root row, so the token is
+    the one a fresh generator of its seed draws there (not the generator's second draw)."""
+    temps = [1.0, 0.0, 1.0]
+    logits = torch.randn(8, V, generator=torch.Generator().manual_seed(10)) * 0.3
+    for seed in range(4):
+        gens = {0: torch.Generator().manual_seed(seed), 2: torch.Generator().manual_seed(20 + seed)}
+        runner = _Runner(_step())
+        ts = _sampler(runner)
+        inner, calls = ts.sampler.topk_topp_sampler, []
+        real = inner.forward  # vLLM sets its implementation on the instance
+
+        def flaky(*args, **kwargs):
+            calls.append(1)
+            out = real(*args, **kwargs)  # the generators draw
+            if len(calls) == 2:  # 1: vLLM's bonus rows, 2: the walk's first depth
+                raise ValueError("the walk fails after drawing")
+            return out
+
+        inner.forward = flaky
+        out = ts(_metadata(), None, logits, _sampling(temps, generators=gens)).sampled_token_ids.tolist()
+        assert runner.drafter.contained == [("verify", ["a", "c"])]
+        for b, start, s in ((0, 0, seed), (2, 5, 20 + seed)):
+            want = _draws(logits, ROOT_ONLY, start, temps[b], torch.Generator().manual_seed(s))
+            assert out[b] == want + [-1, -1, -1], (seed, b)
+        assert out[1] == [int(logits[4].argmax()), -1, -1, -1]
+
+
+def test_the_walks_clock_leaves_out_vllms_sampler_the_harvest_and_the_moves():
+    """``walk`` is the sampler's own host work: vLLM's sampler for the bonus rows, the drafter's
+    ``observe_step`` (its own ``harvest`` phase) and the K/V moves (``kv``) are timed apart.
+    Each of those three is made to take 0.1 s here; the walk itself takes milliseconds."""
+    import time
+
+    runner = _Runner(_step())
+    slow = 0.1
+    observe, move = runner.drafter.observe_step, runner.move_kv
+    runner.drafter.observe_step = lambda *a: (time.sleep(slow), observe(*a))[1]
+    runner.move_kv = lambda *a: (time.sleep(slow), move(*a))[1]
+    ts = _sampler(runner)
+    bonus = ts.sampler.forward
+    ts.sampler.forward = lambda *a, **k: (time.sleep(slow), bonus(*a, **k))[1]
+    out = ts(_metadata(), None, _logits(), _sampling())
+    assert out.sampled_token_ids.tolist() == GREEDY_OUT
+    clock = runner.host_clock.seconds
+    assert 0.0 <= clock["walk"] < slow, clock
+    assert slow <= clock["kv"] < 2 * slow, clock
+
+
+def test_after_a_verify_fault_penalties_see_the_output_not_the_drafts(monkeypatch):
+    """The fallback samples each tree's root row as plain decoding does: penalties count the
+    request's output only, not its tree's drafts (vLLM's ``predict_bonus_token`` would add the
+    scheduled drafts to the output). a's root row prefers its draft 9 by 2.0 over 13; a presence
+    penalty of 5 on 9 would flip it."""
+    monkeypatch.setattr(sampler_module, "inject", lambda stage: (_ for _ in ()).throw(ValueError("x"))
+                        if stage == "verify" else None)
+    logits = torch.zeros(8, V)
+    logits[0, 9], logits[0, 13] = 4.0, 2.0
+    logits[5, 4] = 3.0
+    md = replace(_sampling(), no_penalties=False, presence_penalties=torch.tensor([5.0, 0.0, 0.0]),
+                 prompt_token_ids=torch.full((3, 1), V, dtype=torch.int64), output_token_ids=[[1], [2], [3]],
+                 spec_token_ids=[list(d) for d in DRAFTS])
+    runner = _Runner(_step())
+    out = _sampler(runner)(_metadata(), None, logits, md).sampled_token_ids.tolist()
+    assert [row[0] for row in out] == [9, int(logits[4].argmax()), 4]
+
+
+def test_a_temperature_of_exactly_the_sampling_epsilon_samples_as_vllm_does():
+    """vLLM samples a row whose temperature is >= its epsilon (1e-5) and takes the argmax below:
+    at exactly 1e-5 a's root row, with 7 and 9 tied for the maximum, is a draw of its generator
+    (either child, as the seed falls), not the greedy argmax (always 7, the lower id)."""
+    from vllm_anisotropic.verifiers.sampling import SAMPLING_EPS
+
+    logits = _logits(4)
+    logits[0, 7] = logits[0, 9]
+    temps = [SAMPLING_EPS, 0.0, 0.0]
+    firsts = set()
+    for seed in range(8):
+        runner = _Runner(_step())
+        md = _sampling(temps, generators={0: torch.Generator().manual_seed(seed)})
+        out = _sampler(runner)(_metadata(), None, logits, md).sampled_token_ids.tolist()
+        want = _draws(logits, TREE_A, 0, SAMPLING_EPS, torch.Generator().manual_seed(seed))
+        assert [t for t in out[0] if t != PLACEHOLDER_TOKEN_ID] == want, seed
+        firsts.add(want[0])
+    assert firsts == {7, 9}
