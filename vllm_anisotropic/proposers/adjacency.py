@@ -122,7 +122,7 @@ def topk_scores(logits: torch.Tensor, k: int, rows: np.ndarray | None = None) ->
         return ids, probs
     if rows is not None:
         logits = logits.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(logits.device))
-    x = logits.to(torch.float32, copy=True)  # [num_rows, vocab_size], ours to overwrite
+    x = logits.to(torch.float32, copy=rows is None)  # [num_rows, vocab_size], ours to overwrite (a gather is)
     top, ids = torch.topk(x, k, dim=-1)
     m = top[:, :1]  # p_j = exp(l_j - m) / sum_i exp(l_i - m), m the row's largest logit
     total = x.sub_(m).exp_().sum(dim=-1, keepdim=True)
