@@ -9,6 +9,7 @@ its adjacency table branches once it has learned)."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -303,3 +304,360 @@ def _ancestors(tree, j):
         j = int(tree.parents[j])
         out.append(j)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A recording proposer without ``propose_batch`` (the per-request path of PLD, Token Recycling
+# and draft_tree): its trees are given, so caps, labels, offers and the harvested rows can be
+# checked exactly.
+
+
+class _State:
+    def __init__(self, owner, tenant):
+        self.owner, self.tenant, self.law = owner, tenant, None
+        self.harvest_top_k = owner.top_k
+        self.offers, self.observed = [], []
+
+    def set_sampling(self, law, seed):
+        self.law = (law, seed)
+
+    def propose(self, context, offer):
+        self.offers.append(offer)
+        return self.owner.make(len(context))
+
+    def propose_chain(self, context, max_drafts):
+        return _chain(len(context) % V, max_drafts)
+
+    def observe(self, tree, accepted, rows, prev_root=None):
+        self.observed.append((tree.tokens.tolist(), accepted, rows, prev_root))
+
+    def finish(self, context):
+        pass
+
+
+class _Proposer:
+    def __init__(self, make, top_k=None):
+        self.make, self.top_k = make, top_k
+
+    def new_request(self, tenant=None):
+        return _State(self, tenant)
+
+    def begin_step(self, n):
+        pass
+
+
+def _chain(root, n, values=None, draft_probs=None):
+    return DraftTree(np.arange(root, root + n + 1) % V, np.arange(-1, n), values=values, draft_probs=draft_probs)
+
+
+def _stubbed(make, top_k=None, **options):
+    d = _drafter("pld", **options)
+    d.proposer = _Proposer(make, top_k)
+    return d
+
+
+def test_sampled_draft_trees_are_ranked_by_shape_not_by_their_values():
+    """draft_tree's sampled trees: the allocator's probabilities come from the tree's shape and
+    the acceptance model alone (a cut that looked at the samples would break the i.i.d.
+    branches, docs/verifiers.md); context trees (GOOSE's) are ranked by their values."""
+    rng = np.random.default_rng(0)
+    q = torch.full((4, V), 1.0 / V)
+
+    def sampled(n):
+        return DraftTree([1, 2, 3, 4], [-1, 0, 0, 1], values=rng.uniform(0.05, 0.95, 4), draft_probs=q)
+
+    def context(n):
+        return DraftTree([1, 2, 3, 4], [-1, 0, 0, 1], values=rng.uniform(0.05, 0.95, 4))
+
+    tokens, lengths = _tokens([30, 30])
+    d = _stubbed(sampled)
+    d.propose_trees(["a", "b"], [True] * 2, [[1]] * 2, lengths, tokens)
+    pa, pb = d.pending_probs(["a", "b"])
+    assert np.allclose(pa, pb) and d.pending["a"][0].trees.draft_probs is not None
+    c = _stubbed(context)
+    c.propose_trees(["a", "b"], [True] * 2, [[1]] * 2, lengths, tokens)
+    pa, pb = c.pending_probs(["a", "b"])
+    assert not np.allclose(pa, pb)
+    off = _stubbed(sampled, allocator="off")  # no allocator: nothing ranked, the values kept
+    off.propose_trees(["a"], [True], [[1]], lengths[:1], tokens[:1])
+    assert off.pending_probs(["a"]) == [None]
+
+
+def test_a_request_state_takes_its_sampling_law_and_its_offer():
+    d = _stubbed(lambda n: _chain(1, 12), allocator_offer_factor=2.0, num_speculative_tokens=20)
+    tokens, lengths = _tokens([30, 30, 30])
+    d.kept_mark = {"a": 6.0, "c": 0.0}
+    d.propose_trees(["a", "b", "c"], [True] * 3, [[1]] * 3, lengths, tokens,
+                    laws=[("law-a", 7), None, ("law-c", 9)])
+    assert [d.states[r].law for r in "abc"] == [("law-a", 7), None, ("law-c", 9)]
+    # ceil(2.0 x 6) drafts + the root; no mark: the proposer's own (None); a mark of 0 (cut to
+    # nothing before): the smallest offer
+    assert [d.states[r].offers for r in "abc"] == [[13], [None], [OFFER_MIN_DRAFTS + 1]]
+    d.propose_trees(["a"], [True], [[1]], lengths, tokens, laws=[("other", 1)])
+    assert d.states["a"].law == ("law-a", 7)  # set once, when the state is created
+    d.propose_trees(["b"], [True], [[1]], lengths, tokens, chains=True)
+    assert d.states["b"].offers == [None]  # a chain step offers nothing
+
+
+def test_goose_gets_offers_on_tree_steps_and_limits_on_chain_steps(monkeypatch):
+    d = _drafter(allocator_chain_drafts=3, allocator_offer_factor=2.0, num_speculative_tokens=16)
+    calls = []
+    real = d.proposer.propose_batch
+    monkeypatch.setattr(d.proposer, "propose_batch", lambda *a: calls.append(a[4:]) or real(*a))
+    tokens, lengths = _tokens([30, 30])
+    d.kept_mark = {"a": 5.0}
+    d.propose_trees(["a", "b"], [True] * 2, [[1]] * 2, lengths, tokens)
+    d.propose_trees(["a", "b"], [True] * 2, [[1]] * 2, lengths, tokens, chains=True)
+    (offers, limits), (offers2, limits2) = calls
+    assert offers.tolist() == [11, 0] and limits is None
+    assert offers2 is None and limits2.tolist() == [3, 3]
+
+
+def test_trees_with_one_draft_are_labelled_and_counted_root_only_ones_are_not():
+    d = _drafter(num_speculative_tokens=5)
+    tokens, lengths = _tokens([40, MAX_LEN - 2, MAX_LEN - 1])
+    drafts = d.propose_trees(["a", "b", "c"], [True] * 3, [[1]] * 3, lengths, tokens)
+    assert [len(x) for x in drafts] == [5, 1, 0]
+    assert set(d.unlabelled) == {"a", "b"}
+    d.take_step(["a", "b", "c"], {})  # all cut to nothing
+    # a one-draft tree cut to nothing counts toward the backoff; a root-only tree offered nothing
+    assert d.zero_streak == {"a": 1, "b": 1} and set(d.kept_mark) == {"a", "b"}
+
+
+def test_labels_wait_for_each_trees_own_depth_and_label_up_to_the_models_depth():
+    """Two trees of one proposal: a chain of 10 (deeper than the acceptance model's 8 depth
+    buckets) and, after it, a chain of 2. The short one is labelled as soon as 2 tokens follow
+    its root; the long one once 8 do, its 8 shallowest drafts only."""
+    shapes = iter([10, 2])
+    d = _stubbed(lambda n: _chain(3, next(shapes)), num_speculative_tokens=10)
+    tokens, lengths = _tokens([40, 40])
+    d.propose_trees(["a", "b"], [True] * 2, [[1]] * 2, lengths, tokens)
+    assert d.label_depth == 8
+    d._label(["a", "b"], lengths + 2, tokens)
+    assert len(d.unlabelled["a"]) == 1 and d.unlabelled["b"] == [] and d.acceptance.count.sum() == 2
+    d._label(["a", "b"], lengths + 7, tokens)
+    assert len(d.unlabelled["a"]) == 1 and d.acceptance.count.sum() == 2
+    d._label(["a", "b"], lengths + 8, tokens)
+    assert d.unlabelled["a"] == [] and d.acceptance.count.sum() == 2 + 8
+
+
+def test_a_grammar_reorder_that_is_not_a_prefix_of_the_draft_order():
+    """Kept node 3 (a branch of the root) of ``[r, A, B, C]``, parents ``[-1, 0, 1, 0]``:
+    vLLM schedules ``[C]``, which only the reordered tree ``[r, C, A, B]`` starts with."""
+    d = _stubbed(lambda n: DraftTree([1, 11, 12, 13], [-1, 0, 1, 0]), allocator="off")
+    tokens, lengths = _tokens([30, 30])
+    d.propose_trees(["a", "b"], [True] * 2, [[1]] * 2, lengths, tokens)
+    d.reorders = {"b": [3]}
+    step = d.take_step(["a", "b"], {"a": [11], "b": [13]})
+    assert step.trees.tree(0).tokens.tolist() == [1, 11]
+    assert step.trees.tree(1).tokens.tolist() == [1, 13] and d.reorders == {}
+
+
+def test_a_step_mixing_a_chain_and_trees_harvests_each_trees_own_rows():
+    """The per-request path (``observe``): trees a, d (dropped before the reply) and c harvest
+    their rows, b's chain (proposed in a chain step) does not; rows start with gaps between trees
+    (``row_starts``), each state gets the top-k of its own tree's rows, at the widest k any
+    harvesting state asks for."""
+    sizes = {30: 3, 31: 4, 33: 2}  # context length -> tree size (root included)
+    d = _stubbed(lambda n: _chain(n % V, sizes[n] - 1), top_k=3, allocator="off")
+    tokens, lengths = _tokens([30, 31, 32, 33], shift=(0, 0, 0, 0))
+    d.propose_trees(["a", "d", "b", "c"], [True, True, False, True], [[1]] * 4, lengths, tokens)
+    d.propose_trees(["b"], [True], [[1]], lengths[2:3], tokens[2:3], chains=True)
+    d.states["c"].harvest_top_k = 5
+    d.states["d"].harvest_top_k = None
+    ids = ["a", "d", "b", "c"]
+    step = d.take_step(ids, {"a": [31, 32], "d": [32, 33, 34], "b": [33, 34], "c": [34]})
+    assert step.chains.tolist() == [False, False, True, False] and step.trees.sizes().tolist() == [3, 4, 3, 2]
+    states = {r: d.states[r] for r in ids}
+    d.drop("d")
+    d._deferred.clear()
+    row_starts = np.array([1, 6, 12, 17])
+    logits = torch.randn(20, V, generator=torch.Generator().manual_seed(3))
+    accepted = np.array([[1, 2, -1], [1, -1, -1], [1, 2, -1], [-1, -1, -1]])
+    num_accepted = np.array([2, 1, 2, 0])
+    d.observe_step(step, accepted, num_accepted, row_starts, logits)
+    d.run_deferred()
+    assert d.disabled == set() and d.metrics.faults == {}
+    assert 0 < d.host_clock.seconds["topk"] < 5.0  # the top-k's own seconds
+
+    def top(start, n):
+        return torch.topk(logits[start:start + n].float(), 5).indices.numpy()
+
+    (tree_a, acc_a, rows_a, prev_a), = states["a"].observed
+    assert tree_a == [30, 31, 32] and acc_a == [1, 2] and prev_a == tokens[0, 28]  # the token before its root
+    assert np.array_equal(np.sort(rows_a.ids, 1), np.sort(top(1, 3), 1))
+    (tree_b, acc_b, rows_b, _), = states["b"].observed
+    assert tree_b == [32, 33, 34] and acc_b == [1, 2] and rows_b is None
+    (tree_c, acc_c, rows_c, _), = states["c"].observed
+    assert tree_c == [33, 34] and acc_c == [] and np.array_equal(np.sort(rows_c.ids, 1), np.sort(top(17, 2), 1))
+    assert states["d"].observed == []  # dropped: nothing learns for it
+
+
+def test_states_that_harvest_nothing_get_no_rows():
+    """A proposer whose states read no logits (``harvest_top_k`` None, PLD's): no top-k pass,
+    each state learns from its tree alone."""
+    d = _stubbed(lambda n: _chain(n % V, 2), top_k=None, allocator="off")
+    tokens, lengths = _tokens([30, 31], shift=(0, 0))
+    d.propose_trees(["a", "b"], [True, True], [[1]] * 2, lengths, tokens)
+    step = d.take_step(["a", "b"], {"a": [31], "b": [32, 33]})
+    d.observe_step(step, np.array([[1, -1], [-1, -1]]), np.array([1, 0]), step.trees.offsets[:-1], torch.randn(5, V))
+    d.run_deferred()
+    assert [o[2] for r in "ab" for o in d.states[r].observed] == [None, None]
+
+
+def test_goose_learns_a_mixed_step_in_two_batched_calls(monkeypatch):
+    """GOOSE's ``learn_batch``: the trees harvesting rows in one call with their top-k rows,
+    the chain step's chains in another without rows; a step of chains alone, one call, no rows."""
+    d = _drafter(allocator="off")
+    tokens, lengths = _tokens([30, 30, 30])
+    drafts = d.propose_trees(["a", "b", "c"], [True, False, True], [[1]] * 3, lengths, tokens)
+    chain = d.propose_trees(["b"], [True], [[1]], lengths[1:2], tokens[1:2], chains=True)[0]
+    step = d.take_step(["a", "b", "c"], {"a": drafts[0][:2], "b": chain[:1], "c": drafts[2][:1]})
+    calls = []
+    real = d.proposer.learn_batch
+    names = {id(s): r for r, s in d.states.items()}
+    monkeypatch.setattr(d.proposer, "learn_batch", lambda states, trees, on_path, prev_roots, top: calls.append(
+        ([names[id(s)] for s in states], trees.sizes().tolist(), on_path.tolist(), prev_roots.tolist(),
+         None if top is None else top.ids.copy())) or real(states, trees, on_path, prev_roots, top))
+    logits = torch.randn(step.trees.num_nodes, V, generator=torch.Generator().manual_seed(1))
+    d.observe_step(step, np.array([[1, -1], [1, -1], [-1, -1]]), np.array([1, 1, 0]), step.trees.offsets[:-1], logits)
+    d.run_deferred()
+    k = d.states["a"].harvest_top_k
+    want = torch.topk(logits[[0, 1, 2, 5, 6]].float(), k).indices.numpy()
+    (ids1, sizes1, path1, prev1, top1), (ids2, sizes2, path2, prev2, top2) = calls
+    assert ids1 == ["a", "c"] and sizes1 == [3, 2] and path1 == [False, True, False, False, False]
+    assert np.array_equal(np.sort(top1, 1), np.sort(want, 1)) and prev1 == step.prev_roots[[0, 2]].tolist()
+    assert ids2 == ["b"] and sizes2 == [2] and path2 == [False, True] and top2 is None
+    calls.clear()
+    chain = d.propose_trees(["a", "b"], [True, True], [[1]] * 2, lengths[:2], tokens[:2], chains=True)
+    step = d.take_step(["a", "b"], {"a": chain[0][:1], "b": chain[1][:1]})
+    d.observe_step(step, np.array([[-1], [-1]]), np.array([0, 0]), step.trees.offsets[:-1],
+                   torch.zeros(step.trees.num_nodes, V))
+    d.run_deferred()
+    assert [(c[0], c[4]) for c in calls] == [(["a", "b"], None)]
+
+
+def test_the_harvest_holds_cpu_logits_in_place_and_gathers_device_rows(monkeypatch):
+    """On the CPU the deferred top-k reads the step's logits tensor itself (no copy); off the
+    CPU the harvested rows are gathered on the device now (their memory back to vLLM's
+    allocator), in tree order."""
+    d = _drafter(allocator="off")
+    tokens, lengths = _tokens([30, 30])
+    drafts = d.propose_trees(["a", "b"], [True, True], [[1]] * 2, lengths, tokens)
+    seen = []
+    monkeypatch.setattr("vllm_anisotropic.integration.vllm.engine.drafter.TopKRows.of",
+                        lambda x, k, rows=None: seen.append((x, None if rows is None else rows.tolist())))
+    step = d.take_step(["a", "b"], {"a": drafts[0][:1], "b": drafts[1][:2]})
+    logits = torch.randn(12, V)
+    d.observe_step(step, np.full((2, 1), -1), np.zeros(2, np.int64), np.array([2, 7]), logits)
+    work = d._deferred[-1][2]
+    d._deferred.clear()
+    work()
+    (x, rows), = seen
+    assert x is logits and rows == [2, 3, 7, 8, 9]
+    meta = torch.empty(12, V, device="meta")
+    d.observe_step(step, np.full((2, 1), -1), np.zeros(2, np.int64), np.array([2, 7]), meta)
+    _, _, _, _, _, _, _, picked, index, k = d._deferred[-1][2].args
+    assert picked.device.type == "meta" and tuple(picked.shape) == (5, V) and index is None and k > 0
+
+
+def test_deferred_phases_count_their_own_time_without_the_top_k_inside():
+    d = _drafter(allocator="off")
+    clock = d.host_clock
+
+    def work(seconds, topk):
+        def run():
+            time.sleep(seconds)
+            if topk:
+                clock.add("topk", topk)
+        return run
+
+    # 0.3 s of work, 0.25 of it the top-k's: 0.05 s of the phase's own (the first phase runs
+    # before any top-k was counted)
+    d._deferred = [("stats", [], work(0.02, 0.0)), ("label", [], work(0.3, 0.25)), ("harvest", [], work(0.3, 0.25))]
+    d.run_deferred()
+    assert 0.018 <= clock.seconds["stats"] < 0.2
+    assert 0.045 <= clock.seconds["label"] < 0.25 and 0.045 <= clock.seconds["harvest"] < 0.25
+    assert clock.seconds["topk"] == pytest.approx(0.5)
+
+
+def test_a_failing_deferred_work_disables_only_requests_that_still_hold_state(monkeypatch, caplog):
+    # the first fault of a stage logs its traceback once per process: this one, not a later test's
+    monkeypatch.setattr("vllm_anisotropic.integration.vllm.engine.faults._logged", set())
+    d = _drafter(allocator="off")
+    tokens, lengths = _tokens([30])
+    d.propose_trees(["a"], [True], [[1]], lengths, tokens)
+
+    def fail():
+        raise ValueError("boom")
+
+    d._deferred = [("harvest", ["a", "gone"], fail)]
+    with caplog.at_level("ERROR"):
+        d.run_deferred()
+    assert "['a', 'gone']" in caplog.text and "boom" in caplog.text
+    assert d.disabled == {"a"} and d.metrics.faults == {"harvest": 1} and d.metrics.disabled_requests == 1
+    assert d._deferred == [] and "harvest" in d.host_clock.seconds
+
+
+def test_the_drafter_reads_its_method_from_the_stored_config():
+    """While vLLM builds the drafter its speculative config reads method "custom_class"; the
+    real method is stored in additional_config. Without a stored entry the config's own method
+    and the tunables' defaults apply."""
+    spec = TreeSpecConfig.build("goose", {"budget": 12})
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(method="custom_class", num_speculative_tokens=8),
+        additional_config={"vllm_anisotropic": spec.to_additional_config()},
+        model_config=SimpleNamespace(get_vocab_size=lambda: V, max_model_len=MAX_LEN))
+    d = TreeDrafter(cfg)
+    assert d.config.proposer_name == "goose" and d.config == spec
+    for additional in (None, {}, {"vllm_anisotropic": None}):
+        cfg.speculative_config.method, cfg.additional_config = "pld", additional
+        assert TreeDrafter(cfg).config == TreeSpecConfig.build("pld", {})
+
+
+def test_warm_up_runs_one_throwaway_proposal_and_keeps_nothing(monkeypatch):
+    d = _drafter(allocator="off")
+    cls = type(d.proposer)
+    seen = []
+    real = cls.propose_batch
+    monkeypatch.setattr(cls, "propose_batch", lambda self, states, tokens, *a: seen.append(
+        (self, tokens.dtype, real(self, states, tokens, *a).trees.num_nodes)))
+    d.warm_up(np.int64)
+    (proposer, dtype, nodes), = seen
+    assert proposer is not d.proposer and dtype == np.int64 and nodes > 1  # the match path ran
+    assert d.states == {} and d.pending == {}
+    _drafter("pld", allocator="off").warm_up()  # no batched proposer: nothing to load
+
+
+def test_table_gauges_count_zero_without_tables_and_follow_own_tables(monkeypatch):
+    d = _drafter("pld", allocator="off")
+    tokens, lengths = _tokens([30, 30])
+    d.metrics.tenant_tables = d.metrics.state_budget_bytes = d.metrics.store_bytes = -1
+    d.propose_trees(["a"], [True], [[1]], lengths[:1], tokens[:1])
+    m = d.metrics
+    assert (m.tenant_tables, m.state_budget_bytes, m.store_bytes, m.table_bytes) == (0, 0, 0, 0)
+    own = _drafter(allocator="off", shared_table=False)
+    own.propose_trees(["a", "b"], [True, True], [[1]] * 2, lengths, tokens)
+    both = own.metrics.table_bytes
+    assert both > 0
+    own.drop("a")
+    assert 0 < own.metrics.table_bytes < both  # its own table is gone
+    shared = _drafter(allocator="off")
+    shared.propose_trees(["a", "b"], [True, True], [[1]] * 2, lengths, tokens)
+    counted = []
+    monkeypatch.setattr(shared, "_count_tables", lambda: counted.append(1))
+    shared.drop("a")
+    monkeypatch.setattr(d, "_count_tables", lambda: counted.append(1))
+    d.drop("a")  # PLD: no tables at all
+    assert counted == []  # a shared table stays, and no table: nothing to recount
+
+
+def test_tp_rank_is_vllms_and_zero_outside_a_process_group(monkeypatch):
+    import vllm.distributed
+
+    from vllm_anisotropic.integration.vllm.engine.drafter import _tp_rank
+
+    rank = _tp_rank()
+    assert rank == 0 and type(rank) is int
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 3)
+    assert _tp_rank() == 3
