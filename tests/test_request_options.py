@@ -144,10 +144,10 @@ def test_penalties_count_each_rows_own_path():
     vocab = 10
     edits = RowEdits.of(_params(frequency_penalty=1.0))
     assert edits.path and edits.penalties
-    metadata = SimpleNamespace(  # the SamplingMetadata fields RowEdits.apply reads, batch row 1
-        bad_words_token_ids={}, prompt_token_ids=torch.tensor([[vocab, vocab], [7, vocab]]),
-        presence_penalties=torch.tensor([0.0, 0.0]), frequency_penalties=torch.tensor([0.0, 1.0]),
-        repetition_penalties=torch.tensor([1.0, 1.0]))
+    metadata = SimpleNamespace(  # the SamplingMetadata fields RowEdits.apply reads, batch row 1 of 3
+        bad_words_token_ids={}, prompt_token_ids=torch.tensor([[vocab, vocab], [7, vocab], [1, 3]]),
+        presence_penalties=torch.tensor([0.0, 0.0, 2.0]), frequency_penalties=torch.tensor([0.0, 1.0, 3.0]),
+        repetition_penalties=torch.tensor([1.0, 1.0, 1.5]))
     past = _row_pasts(np.array([9, 1, 1, 3]), np.array([-1, 0, 1, 0]), [5, 9])
     rows = torch.zeros(4, vocab)
     edits.apply(rows, past, metadata, index=1)
@@ -174,3 +174,42 @@ def test_min_p_masks_as_vllms_processor_at_the_requests_temperature():
     assert torch.equal(ours / torch.tensor(0.5), reference)
     assert 0 < int(torch.isinf(ours).sum()) < ours.numel() - 3
     assert RowEdits.of(_params(min_p=0.3)) is None  # greedy: min_p never moves the argmax
+
+
+def test_eligibility_at_the_edges():
+    """No sampling parameters (a pooling request): no trees. ``min_tokens`` 1 is path-dependent
+    (the root row of an empty output masks the stop tokens, the rows after it do not)."""
+    from vllm_anisotropic.integration.vllm.engine.runner import RowEdits, ineligible_reason
+
+    assert ineligible_reason(None) == "no_sampling_params"
+    assert RowEdits.of(_params(min_tokens=1, stop_token_ids=[4])).path  # one token short: path-dependent
+
+
+def test_bad_words_mask_each_rows_own_path_for_the_requests_batch_row():
+    """Bad word ``[3, 7]`` of batch row 1: token 7 is masked on the rows whose past ends with 3
+    (vLLM's apply_bad_words on each row's own past); batch row 0 has no bad words. A request
+    with bad words known only as strings (before the tokenizer's ids) is edited too."""
+    from types import SimpleNamespace
+
+    from vllm_anisotropic.integration.vllm.engine.runner import RowEdits
+
+    edits = RowEdits.of(_params(bad_words=["x"]))
+    assert edits.bad_words and edits.path
+    metadata = SimpleNamespace(bad_words_token_ids={1: [[3, 7]]})
+    past = [[5, 3], [5, 3, 1], [5, 3, 1, 3]]
+    rows = torch.zeros(3, 10)
+    edits.apply(rows, past, metadata, index=1)
+    assert torch.isinf(rows[:, 7]).tolist() == [True, False, True] and int(torch.isinf(rows).sum()) == 2
+    rows = torch.zeros(3, 10)
+    edits.apply(rows, past, metadata, index=0)
+    assert not torch.isinf(rows).any()
+
+
+def test_min_p_of_one_keeps_exactly_the_most_likely_tokens():
+    """vLLM masks tokens *below* min_p x the largest probability: at min_p 1 the tied maxima stay."""
+    from vllm_anisotropic.integration.vllm.engine.runner import RowEdits
+
+    rows = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
+    RowEdits.of(_params(temperature=0.7, min_p=1.0)).apply(rows)
+    inf = float("-inf")
+    assert rows.tolist() == [[inf, 3.0, 3.0, inf]]
