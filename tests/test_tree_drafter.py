@@ -576,8 +576,10 @@ def test_deferred_phases_count_their_own_time_without_the_top_k_inside():
     # before any top-k was counted)
     d._deferred = [("stats", [], work(0.02, 0.0)), ("label", [], work(0.3, 0.25)), ("harvest", [], work(0.3, 0.25))]
     d.run_deferred()
-    assert 0.018 <= clock.seconds["stats"] < 0.2
-    assert 0.045 <= clock.seconds["label"] < 0.25 and 0.045 <= clock.seconds["harvest"] < 0.25
+    # upper bounds with room for a loaded machine's late wake-ups; a clock that added the top-k
+    # instead (0.55 s) or counted the earlier phases' top-k again (-0.45 s) is still caught
+    assert 0.018 <= clock.seconds["stats"] < 0.8
+    assert 0.045 <= clock.seconds["label"] < 0.45 and 0.045 <= clock.seconds["harvest"] < 0.45
     assert clock.seconds["topk"] == pytest.approx(0.5)
 
 
