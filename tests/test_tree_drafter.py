@@ -346,8 +346,9 @@ class _Proposer:
         pass
 
 
-def _chain(root, n, values=None, draft_probs=None):
-    return DraftTree(np.arange(root, root + n + 1) % V, np.arange(-1, n), values=values, draft_probs=draft_probs)
+def _chain(root, n):
+    """Root ``root`` and the n tokens after it (mod V), one chain."""
+    return DraftTree.chain((root + np.arange(1, n + 1)) % V, root_token=root)
 
 
 def _stubbed(make, top_k=None, **options):
