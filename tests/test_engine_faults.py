@@ -40,6 +40,52 @@ def test_parse_injection_names_the_valid_stages():
         parse_injection("sampler@2")
     with pytest.raises(ValueError, match="count >= 1"):
         parse_injection("verify@0")
+    # a rank qualifier: that tensor-parallel rank's worker only
+    spec = "propose@3:rank1, verify@2, harvest:rank0"
+    assert parse_injection(spec, rank=0) == {"verify": 2, "harvest": 1}
+    assert parse_injection(spec, rank=1) == {"propose": 3, "verify": 2}
+    assert parse_injection(spec, rank=2) == {"verify": 2}
+    with pytest.raises(ValueError, match="runs in the scheduler.*worker stages: propose, verify, harvest"):
+        parse_injection("allocator@2:rank1")
+    for bad in ("verify@2:1", "verify:rankx", "verify@2:rank"):
+        with pytest.raises(ValueError, match="a tensor-parallel rank, e.g. verify"):
+            parse_injection(bad)
+
+
+def _agree_on_rank(rank: int, path: str, flags: list, out) -> None:
+    import os
+
+    import numpy as np
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed.parallel_state import get_tp_group, init_distributed_environment, initialize_model_parallel
+
+    from vllm_anisotropic.integration.vllm.engine.faults import agree, tp_group
+
+    os.environ.setdefault("VLLM_DIST_IDENT", f"agree-{os.getppid()}")
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=2, rank=rank, distributed_init_method=f"file://{path}",
+                                     local_rank=rank, backend="gloo")
+        initialize_model_parallel(tensor_model_parallel_size=2)
+    assert tp_group() is get_tp_group()
+    out.put((rank, agree(np.asarray(flags, bool), tp_group()).tolist()))
+
+
+def test_agree_is_an_or_of_every_ranks_flags(tmp_path):
+    """``faults.agree`` on vLLM's real tensor-parallel group of two processes (its CPU
+    communicator, as in a TP = 2 engine): each rank gets the element-wise OR of both ranks'
+    flags."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    flags = {0: [True, False, False, False], 1: [False, False, True, False]}
+    procs = [ctx.Process(target=_agree_on_rank, args=(r, str(tmp_path / "rendezvous"), flags[r], out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {0: [True, False, True, False], 1: [True, False, True, False]}
 
 
 def test_a_fault_in_each_stage_is_contained(tiny_prompts, tmp_path):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_anisotropic.integration.vllm.engine.drafter import (
-    OFFER_MEMORY, OFFER_MIN_DRAFTS, TreeDrafter, _first_mismatch)
+    OFFER_MEMORY, OFFER_MIN_DRAFTS, TreeDrafter, _not_prefixes)
 from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
 from vllm_anisotropic.tree import DraftTree, FlatTrees
 
@@ -119,6 +119,35 @@ def test_take_step_refuses_what_is_not_a_pending_prefix():
     bad[0] = 63
     with pytest.raises(RuntimeError, match=r"request b: scheduled drafts \[63"):
         d.take_step(["a", "b"], {"a": drafts[0], "b": bad})
+
+
+def test_under_tensor_parallelism_drafts_without_a_matching_tree_get_a_void_chain():
+    """TP > 1: drafts scheduled from rank 0's tree that this rank lacks (a fault here), or
+    whose tree here differs or runs short, become void chains of the drafts themselves (no rank
+    verifies them: the sampler's ``faults.agree``); the matching trees are taken as usual, and
+    only they move the allocator's kept marks."""
+    d = _drafter()
+    d.tp_size = 2
+    tokens, lengths = _tokens([30, 30, 31])
+    drafts = d.propose_trees(["a", "b", "c"], [True, True, True], [[1]] * 3, lengths, tokens)
+    del d.pending["b"]  # b's proposal failed on this rank
+    bad = [63] + drafts[2][1:3]
+    step = d.take_step(["a", "b", "c", "x"], {"a": drafts[0][:3], "b": [4, 5], "c": bad, "x": [1]})
+    assert step.req_ids == ["a", "b", "c", "x"] and step.rows.tolist() == [0, 1, 2, 3]
+    assert step.void.tolist() == [False, True, True, True]
+    assert step.trees.tree(0).tokens[1:].tolist() == drafts[0][:3]
+    for t, want in ((1, [4, 5]), (2, bad), (3, [1])):
+        tree = step.trees.tree(t)
+        assert tree.tokens.tolist() == [0] + want and tree.parents.tolist() == list(range(-1, len(want)))
+    assert step.chains.tolist() == [False, True, True, True] and step.prev_roots[1:].tolist() == [-1] * 3
+    assert set(d.kept_mark) == {"a"} and d.kept_mark["a"] == 3.0
+    drafts = d.propose_trees(["a"], [True], [[1]], lengths[:1], tokens[:1])
+    step = d.take_step(["a"], {"a": drafts[0] + [7]})  # one draft more than its tree
+    assert step.void.tolist() == [True] and step.trees.tree(0).tokens.tolist() == [0] + drafts[0] + [7]
+    drafts = d.propose_trees(["a"], [True], [[1]], lengths[:1], tokens[:1])
+    assert d.take_step(["a"], {"a": drafts[0][:2]}).void.tolist() == [False]
+    sub = step.select(np.array([0]))
+    assert sub.void.tolist() == [True] and sub.req_ids == ["a"]
 
 
 def test_zero_cuts_back_off_and_kept_drafts_set_the_next_offer():
@@ -256,12 +285,20 @@ def test_labels_teach_the_acceptance_model_every_fourth_proposal():
     assert "label" in d.host_clock.seconds
 
 
-def test_first_mismatch_names_the_tree_whose_drafts_differ():
+def test_not_prefixes_names_each_tree_whose_drafts_differ_or_run_short():
     trees = FlatTrees.from_trees([DraftTree([1, 2, 3], [-1, 0, 1]), DraftTree([4, 5], [-1, 0]),
                                   DraftTree([6, 7, 8], [-1, 0, 0])])
-    assert _first_mismatch(trees, [2, 3, 5, 7, 9]) == 2
-    assert _first_mismatch(trees, [2, 3, 0, 7, 8]) == 1
-    assert _first_mismatch(trees, [9, 3, 5, 7, 8]) == 0
+    three = np.array([2, 1, 2])
+    assert _not_prefixes(trees, three, [[2, 3], [5], [7, 8]]) is None
+    assert _not_prefixes(trees, np.array([1, 0, 1]), [[2], [], [7]]) is None  # prefixes
+    assert _not_prefixes(trees, np.zeros(3, np.int64), [[], [], []]) is None
+    assert _not_prefixes(trees, three, [[2, 3], [5], [7, 9]]).tolist() == [False, False, True]
+    assert _not_prefixes(trees, three, [[2, 3], [0], [7, 8]]).tolist() == [False, True, False]
+    assert _not_prefixes(trees, three, [[9, 3], [5], [8, 7]]).tolist() == [True, False, True]
+    # more drafts than nodes (its first ones match)
+    assert _not_prefixes(trees, np.array([2, 2, 2]), [[2, 3], [5, 1], [7, 8]]).tolist() == [False, True, False]
+    root_only = FlatTrees.from_trees([DraftTree([1], [-1]), DraftTree([4, 5], [-1, 0])])
+    assert _not_prefixes(root_only, np.array([1, 0]), [[2], []]).tolist() == [True, False]
 
 
 def test_the_drafter_refuses_vllms_chain_propose():

@@ -476,3 +476,100 @@ def test_a_temperature_of_exactly_the_sampling_epsilon_samples_as_vllm_does():
         assert [t for t in out[0] if t != PLACEHOLDER_TOKEN_ID] == want, seed
         firsts.add(want[0])
     assert firsts == {7, 9}
+
+
+def _other_rank(monkeypatch, other):
+    """Tensor parallelism: ``faults.agree`` with one more rank whose flags are ``other`` (a flag
+    per batch row, then its verify fault); records the flags this rank sends."""
+    sent = []
+
+    def agree(flags, group):
+        assert group == "tp-group"
+        sent.append(flags.tolist())
+        return flags | np.asarray(other, bool)
+
+    monkeypatch.setattr(sampler_module, "agree", agree)
+    return sent
+
+
+def _tp_runner(step):
+    runner = _Runner(step)
+    runner.tree_ranks = "tp-group"
+    return runner
+
+
+def test_a_tree_another_rank_lacks_is_verified_by_no_rank(monkeypatch):
+    """Rank 1 had no tree for c (a fault there): here c's token is its root row's, c loses
+    trees ("ranks"), a is walked as usual, and only a is observed."""
+    sent = _other_rank(monkeypatch, [0, 0, 1, 0])
+    runner = _tp_runner(_step())
+    out = _sampler(runner)(_metadata(), None, _logits(), _sampling())
+    assert sent == [[False, False, False, False]]
+    assert out.sampled_token_ids.tolist() == [[9, 2, -1, -1], [11, -1, -1, -1], [4, -1, -1, -1]]
+    assert runner.drafter.contained == [("ranks", ["c"])]
+    assert runner.moves == [([3], [1])]
+    ((step, accepted, num_accepted, starts, _),) = runner.drafter.observed
+    assert step.req_ids == ["a"] and step.rows.tolist() == [0] and step.node_rows.tolist() == [1]
+    assert accepted.tolist() == [[3, -1]] and num_accepted.tolist() == [1] and starts.tolist() == [0]
+
+
+def test_this_ranks_void_tree_is_sent_and_verified_by_no_rank(monkeypatch):
+    """Here c's drafts came without a tree of this rank's (``take_step``'s void chain, whose
+    root token is a placeholder): c's row is flagged to the other ranks and c's token is its
+    root row's, never a walk of the chain."""
+    sent = _other_rank(monkeypatch, [0, 0, 0, 0])
+    step = _step((TREE_A, DraftTree([0, 4, 6], [-1, 0, 1])))
+    step.void = np.array([False, True])
+    runner = _tp_runner(step)
+    out = _sampler(runner)(_metadata(), None, _logits(), _sampling())
+    assert sent == [[False, False, True, False]]
+    assert out.sampled_token_ids.tolist() == [[9, 2, -1, -1], [11, -1, -1, -1], [4, -1, -1, -1]]
+    assert runner.drafter.contained == [("ranks", ["c"])]
+    ((step, *_),) = runner.drafter.observed
+    assert step.req_ids == ["a"]
+
+
+def test_another_ranks_verify_fault_gives_every_tree_its_root_rows_token(monkeypatch):
+    sent = _other_rank(monkeypatch, [0, 0, 0, 1])
+    runner = _tp_runner(_step())
+    out = _sampler(runner)(_metadata(), None, _logits(), _sampling())
+    assert sent == [[False, False, False, False]]
+    assert out.sampled_token_ids.tolist() == [[9, -1, -1, -1], [11, -1, -1, -1], [4, -1, -1, -1]]
+    assert runner.drafter.contained == [("ranks", ["a", "c"])]
+    assert runner.moves == []
+    ((step, accepted, num_accepted, _, _),) = runner.drafter.observed
+    assert step.req_ids == ["a", "c"] and num_accepted.tolist() == [0, 0]
+
+
+def test_this_ranks_verify_fault_is_sent_to_the_other_ranks(monkeypatch):
+    def failing(stage):
+        if stage == "verify":
+            raise ValueError("broken walk")
+
+    monkeypatch.setattr(sampler_module, "inject", failing)
+    sent = _other_rank(monkeypatch, [0, 0, 1, 0])
+    runner = _tp_runner(_step())
+    out = _sampler(runner)(_metadata(), None, _logits(), _sampling())
+    assert sent == [[False, False, False, True]]
+    assert out.sampled_token_ids.tolist() == [[9, -1, -1, -1], [11, -1, -1, -1], [4, -1, -1, -1]]
+    assert runner.drafter.contained == [("verify", ["a", "c"])]
+    ((step, *_),) = runner.drafter.observed
+    assert step.req_ids == ["a"]  # c: void on the other rank, not observed
+
+
+def test_a_tree_another_rank_lacks_draws_once_from_its_restored_generator(monkeypatch):
+    """Seeded sampled rows (NSS): a is walked with its generator; c, which the other rank lacks,
+    gets the first draw of a fresh generator of its seed from its root row (its generator
+    restored after this rank's walk drew from it), as plain decoding draws it."""
+    temps = [1.0, 0.0, 1.0]
+    logits = torch.randn(8, V, generator=torch.Generator().manual_seed(11)) * 0.3
+    _other_rank(monkeypatch, [0, 0, 1, 0])
+    for seed in range(4):
+        gens = {0: torch.Generator().manual_seed(seed), 2: torch.Generator().manual_seed(30 + seed)}
+        runner = _tp_runner(_step())
+        out = _sampler(runner)(_metadata(), None, logits, _sampling(temps, generators=gens)).sampled_token_ids.tolist()
+        want_a = _draws(logits, TREE_A, 0, 1.0, torch.Generator().manual_seed(seed))
+        want_c = _draws(logits, ROOT_ONLY, 5, 1.0, torch.Generator().manual_seed(30 + seed))
+        assert out[0] == want_a + [-1] * (4 - len(want_a)), seed
+        assert out[2] == want_c + [-1, -1, -1], seed
+        assert runner.drafter.contained == [("ranks", ["c"])]

@@ -41,13 +41,14 @@ import torch
 from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, rank_flat
 from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
 from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import use_vllm_cpu_gemm
-from vllm_anisotropic.integration.vllm.engine.faults import inject, report
+from vllm_anisotropic.integration.vllm.engine.faults import inject, report, tp_size
+from vllm_anisotropic.integration.vllm.engine.faults import tp_rank as _tp_rank
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.engine.metrics import MetricsSink, TreeMetrics
 from vllm_anisotropic.proposers import DraftTreeProposer, get_proposer
 from vllm_anisotropic.proposers.adjacency import TopKRows
 from vllm_anisotropic.proposers.base import MODE_CODES, ProposalMode, RequestState
-from vllm_anisotropic.tree import FlatTrees
+from vllm_anisotropic.tree import DraftTree, FlatTrees
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class _Proposal:
     prev_roots: np.ndarray  # [R] int64 token before each root (the root's bigram key), -1: none
     modes: np.ndarray  # [R] int8 proposal modes (base.MODE_CODES)
     chains: bool  # a chain step's chains: verified without harvesting their rows
+    void: bool = False  # another rank's drafts this rank has no tree for (``_void``)
     _chain_lens: np.ndarray | None = None
 
     def chain_lens(self) -> np.ndarray:
@@ -96,10 +98,22 @@ class StepTrees:
     chains: np.ndarray  # [T] bool: a chain step's chain (verified, its rows not harvested)
     node_rows: np.ndarray | None = None  # [T] query row of each tree's node 1 (set by the runner)
     root_positions: np.ndarray | None = None  # [T] position of each root (set by the runner)
+    # [T] bool: scheduled drafts this rank had no tree for (tensor parallelism, ``_void``):
+    # verified by no rank, never observed; None: none
+    void: np.ndarray | None = None
+
+    def select(self, index: np.ndarray) -> "StepTrees":
+        """Trees ``index`` (ascending) of the step, with their rows and node rows."""
+        pick = lambda a: None if a is None else a[index]  # noqa: E731
+        return StepTrees([self.req_ids[t] for t in index.tolist()], self.rows[index], self.trees.select(index),
+                         self.prev_roots[index], self.modes[index], self.chains[index], pick(self.node_rows),
+                         pick(self.root_positions), pick(self.void))
 
 
 class TreeDrafter:
     """Built by the tree runner through vLLM's ``custom_class`` path: ``cls(vllm_config)``."""
+
+    tp_size = 1  # the tensor-parallel world size (set in __init__)
 
     def __init__(self, vllm_config) -> None:
         spec = vllm_config.speculative_config
@@ -114,6 +128,7 @@ class TreeDrafter:
             use_vllm_cpu_gemm(self.proposer.lm.model)  # q's linears take vLLM's CPU kernels (cpu_gemm.py)
         self.max_draft_tokens: int = int(spec.num_speculative_tokens)
         self.max_model_len: int = int(vllm_config.model_config.max_model_len)
+        self.tp_size = tp_size()  # > 1: take_step leaves another rank's drafts void rather than raise
         self.states: dict[str, RequestState] = {}
         # req_id -> vLLM cache_salt of requests that have one (scheduler.TreeScheduler.schedule):
         # the tenant whose adjacency table the request reads and feeds
@@ -382,54 +397,51 @@ class TreeDrafter:
         """The pending trees of the batch's requests (``req_ids`` in batch-row order), each cut
         to its ``scheduled`` draft prefix (vLLM's ``scheduled_spec_decode_tokens``), or None.
 
-        Raises when vLLM scheduled tokens that are not a prefix of a tree's draft list (a
-        bookkeeping bug; verifying it as a tree would be wrong), or drafts for a request without
-        a pending tree."""
+        Scheduled tokens that are not a prefix of a tree's draft list, or drafts for a request
+        without a pending tree: with one rank a bookkeeping bug, and it raises (verifying it as
+        a tree would be wrong); under tensor parallelism also what a fault on this rank alone
+        leaves behind (the drafts are rank 0's), so the request gets a *void* tree (its drafts
+        as a chain, ``StepTrees.void``) that no rank verifies (``faults.agree``, in the sampler)."""
         rows, entries, lists = [], [], []
         for i, r in enumerate(req_ids):
             entry = self.pending.pop(r, None)
             drafts = scheduled.get(r, ())
             if entry is None:
-                if drafts:
+                if not drafts:
+                    continue
+                if self.tp_size == 1:
                     raise RuntimeError(f"request {r}: {len(drafts)} drafts scheduled but no tree pending")
-                continue
-            if self.reorders and (kept := self.reorders.pop(r, None)) is not None:
+                entry = _void(drafts)
+            elif self.reorders and (kept := self.reorders.pop(r, None)) is not None:
                 entry = _kept_first(*entry, kept)
             rows.append(i)
             entries.append(entry)
             lists.append(drafts)
         if not entries:
             return None
-        # the trees (almost always of one proposal: the previous step's) in batch-row order
-        proposal = entries[0][0]
-        if all(p is proposal for p, _ in entries):
-            index = np.fromiter((k for _, k in entries), np.int64, len(entries))
-            trees = proposal.trees.select(index)
-            prev_roots, modes, offered = proposal.prev_roots[index], proposal.modes[index], proposal.trees.sizes()[index]
-            chains = np.full(len(entries), proposal.chains)
-        else:
-            trees = FlatTrees.concat([p.trees.select([k]) for p, k in entries])
-            prev_roots = np.array([p.prev_roots[k] for p, k in entries], np.int64)
-            modes = np.array([p.modes[k] for p, k in entries], np.int8)
-            offered = trees.sizes()
-            chains = np.array([p.chains for p, _ in entries], bool)
         counts = np.fromiter((len(d) for d in lists), np.int64, len(lists))
-        sizes = trees.sizes()
-        if np.any(counts > sizes - 1):
-            t = int(np.flatnonzero(counts > sizes - 1)[0])
-            raise RuntimeError(f"request {req_ids[rows[t]]}: {counts[t]} drafts scheduled, its tree has {sizes[t] - 1}")
-        full = trees
-        trees = trees.prefix(counts + 1)
-        flat = [x for drafts in lists for x in drafts]
-        if flat:
-            if not np.array_equal(trees.tokens[trees.parents >= 0], np.asarray(flat, np.int64)):
-                t = _first_mismatch(trees, flat)
+        trees, prev_roots, modes, offered, chains = _gather(entries)
+        bad = _not_prefixes(trees, counts, lists)
+        if bad is not None:
+            t = int(np.flatnonzero(bad)[0])
+            if self.tp_size == 1:
+                sizes = trees.sizes()
+                if counts[t] > sizes[t] - 1:
+                    raise RuntimeError(f"request {req_ids[rows[t]]}: {counts[t]} drafts scheduled, its tree has "
+                                       f"{sizes[t] - 1}")
                 raise RuntimeError(
                     f"request {req_ids[rows[t]]}: scheduled drafts {list(lists[t])[:8]}... are not a prefix of the "
-                    f"pending tree's draft list {full.tree(t).tokens[1:9].tolist()}...")
+                    f"pending tree's draft list {trees.tree(t).tokens[1:9].tolist()}...")
+            for t in np.flatnonzero(bad).tolist():
+                entries[t] = _void(lists[t])
+            trees, prev_roots, modes, offered, chains = _gather(entries)
+        void = np.fromiter((p.void for p, _ in entries), bool, len(entries))
+        trees = trees.prefix(counts + 1)
         if self.acceptance is not None:
-            self._kept(req_ids, rows, offered, counts.tolist())
-        return StepTrees([req_ids[i] for i in rows], np.asarray(rows, np.int64), trees, prev_roots, modes, chains)
+            live = np.flatnonzero(~void)
+            self._kept(req_ids, [rows[t] for t in live.tolist()], offered[live], counts[live].tolist())
+        return StepTrees([req_ids[i] for i in rows], np.asarray(rows, np.int64), trees, prev_roots, modes, chains,
+                         void=void)
 
     def _kept(self, req_ids, rows, offered, counts) -> None:
         """The allocator's cut of each offered tree: the kept marks (the next offer) and the
@@ -612,20 +624,41 @@ def _kept_first(proposal: _Proposal, k: int, kept: list[int]) -> tuple[_Proposal
     return _Proposal(tree.permuted(order), probs, proposal.prev_roots[one], proposal.modes[one], proposal.chains), 0
 
 
-def _first_mismatch(trees: FlatTrees, flat: list) -> int:
-    """The first tree whose draft tokens differ from the scheduled ``flat`` list."""
-    drafts = trees.tokens[trees.parents >= 0]
-    got = np.asarray(flat, np.int64)
-    bad = int(np.flatnonzero(drafts != got)[0])
-    owner = np.repeat(np.arange(trees.num_trees), trees.sizes() - 1)
-    return int(owner[bad])
+def _gather(entries: list) -> tuple:
+    """The trees of ``entries`` (``(proposal, index)``, almost always of one proposal: the
+    previous step's) in their order: ``(trees, prev_roots, modes, offered sizes, chains)``."""
+    proposal = entries[0][0]
+    if all(p is proposal for p, _ in entries):
+        index = np.fromiter((k for _, k in entries), np.int64, len(entries))
+        return (proposal.trees.select(index), proposal.prev_roots[index], proposal.modes[index],
+                proposal.trees.sizes()[index], np.full(len(entries), proposal.chains))
+    trees = FlatTrees.concat([p.trees.select([k]) for p, k in entries])
+    return (trees, np.array([p.prev_roots[k] for p, k in entries], np.int64),
+            np.array([p.modes[k] for p, k in entries], np.int8), trees.sizes(),
+            np.array([p.chains for p, _ in entries], bool))
 
 
-def _tp_rank() -> int:
-    """This worker's tensor-parallel rank (0 outside a distributed setup)."""
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
+def _not_prefixes(trees: FlatTrees, counts: np.ndarray, lists: list) -> np.ndarray | None:
+    """``[T]`` bool: tree t has fewer draft nodes than ``counts[t]``, or its first ``counts[t]``
+    draft tokens are not ``lists[t]``; None when every tree is fine (the common case)."""
+    room = trees.sizes() - 1
+    over = counts > room
+    flat = [x for drafts, n in zip(lists, np.minimum(counts, room).tolist()) for x in list(drafts)[:n]]
+    if not flat:
+        return over if over.any() else None
+    cut = trees.prefix(np.minimum(counts, room) + 1)
+    differ = cut.tokens[cut.parents >= 0] != np.asarray(flat, np.int64)
+    if not differ.any() and not over.any():
+        return None
+    owner = np.repeat(np.arange(trees.num_trees), cut.sizes() - 1)
+    bad = over.copy()
+    bad[owner[differ]] = True
+    return bad
 
-        return int(get_tensor_model_parallel_rank())
-    except Exception:  # noqa: BLE001 - no process group yet / not distributed
-        return 0
+
+def _void(drafts) -> tuple[_Proposal, int]:
+    """A request's scheduled ``drafts`` as a chain below a placeholder root, marked void: the
+    tree a rank takes where it has none of its own for them (tensor parallelism, ``take_step``)."""
+    tree = DraftTree.chain(list(drafts))
+    return _Proposal(FlatTrees.from_trees([tree]), None, np.array([-1], np.int64), np.array([_PLAIN], np.int8),
+                     True, void=True), 0

@@ -44,7 +44,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm_anisotropic.allocator import CHAIN, PLAIN, TREE
 from vllm_anisotropic.integration.vllm.frontdoor.config import DRAFT_MODEL_METHODS, request_tree_options
 from vllm_anisotropic.integration.vllm.engine.drafter import StepTrees, TreeDrafter
-from vllm_anisotropic.integration.vllm.engine.faults import report
+from vllm_anisotropic.integration.vllm.engine.faults import report, tp_group
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.engine.kv_moves import KVMover
 from vllm_anisotropic.integration.vllm.engine.sampler import TreeRejectionSampler, harvest_plain
@@ -299,6 +299,9 @@ class TreeRunnerMixin:
         self._structured: set[str] = set()  # tree requests with a grammar (their trees' parents go to the scheduler)
         self.row_edits: dict[str, RowEdits] = {}  # tree requests with logit_bias / allowed_token_ids
         self._propose_s = 0.0  # seconds drafting since the last output (sent as tree_propose_s)
+        # tensor parallelism: the CPU group on which the ranks agree on each step's verifiable
+        # trees after a fault on one rank (faults.agree, in the sampler); None with one rank
+        self.tree_ranks = tp_group()
 
     def _builtin_logits_processors(self, vllm_config) -> None:
         """The logits processors plain decoding has (min_tokens, logit_bias, min_p): with any

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vllm_anisotropic.integration.vllm.engine.faults import inject, report
+from vllm_anisotropic.integration.vllm.engine.faults import agree, inject, report
 from vllm_anisotropic.integration.vllm.engine.kv_moves import accepted_moves
 from vllm_anisotropic.verifiers import SamplingTensors, get_verifier
 from vllm_anisotropic.verifiers.greedy import walk_flat
@@ -119,15 +119,41 @@ class TreeRejectionSampler(nn.Module):
 
         starts = cu_sampled[step.rows] - sizes  # [T] first logits row of each tree (its root)
         walked = np.flatnonzero(sizes > 1)
+        void = step.void if step.void is not None else np.zeros(sizes.shape[0], bool)
+        failed = False
         try:
             inject("verify")
-            accepted, num_accepted, bonus = self._verify(step, walked, starts, logits, sampling_metadata)
+            accepted, num_accepted, bonus = self._verify(step, walked[~void[walked]], starts, logits,
+                                                         sampling_metadata)
         except Exception:  # noqa: BLE001 - contained (faults.py): root samples, the walked requests lose trees
-            ids = [step.req_ids[t] for t in walked.tolist()]
-            report(logger, "verify", ids)
-            self.runner.drafter.contain("verify", ids)
+            report(logger, "verify", [step.req_ids[t] for t in walked.tolist()])
+            failed = True
+        stage = "verify"
+        group = getattr(self.runner, "tree_ranks", None)
+        if group is not None:
+            # tensor parallelism: the ranks agree on what none may verify (faults.py, "ranks"):
+            # the trees any rank lacks, and every tree when any rank's verification raised
+            flags = np.zeros(batch_size + 1, bool)
+            flags[step.rows[void]] = True
+            flags[-1] = failed
+            agreed = agree(flags, group)
+            if agreed[-1] and not failed:
+                stage, failed = "ranks", True
+                report(logger, stage, [step.req_ids[t] for t in walked.tolist()])
+            void = agreed[step.rows]
+        if failed:
+            self.runner.drafter.contain(stage, [step.req_ids[t] for t in walked.tolist()])
             accepted, num_accepted, bonus = self._root_samples(step, walked, starts, metadata, logits,
                                                                sampling_metadata, snapshot)
+        elif void.any():
+            voided = np.flatnonzero(void)
+            ids = [step.req_ids[t] for t in voided.tolist()]
+            report(logger, "ranks", ids)
+            self.runner.drafter.contain("ranks", ids)
+            mine = set(step.rows[voided].tolist())
+            _, _, root = self._root_samples(step, voided, starts, metadata, logits, sampling_metadata,
+                                            {i: g for i, g in snapshot.items() if i in mine})
+            accepted[voided], num_accepted[voided], bonus[voided] = -1, 0, root[voided]
         # emitted tokens of every walked tree (path + bonus), written to the device in one copy
         host = np.full((walked.size, width), PLACEHOLDER_TOKEN_ID, np.int32)
         acc = accepted[walked]
@@ -145,7 +171,11 @@ class TreeRejectionSampler(nn.Module):
             self.runner.move_kv(src, dst)
         t_kv = time.perf_counter() - t_kv
         self.runner.host_clock.add("kv", t_kv)
-        t_harvest = self._observe(step, starts, logits, accepted, num_accepted)
+        if void.any():  # trees no rank verified are not observed (nor learned from)
+            keep = np.flatnonzero(~void)
+            t_harvest = self._observe(step.select(keep), starts[keep], logits, accepted[keep], num_accepted[keep])
+        else:
+            t_harvest = self._observe(step, starts, logits, accepted, num_accepted)
 
         logprobs = None
         if num_logprobs is not None:
