@@ -117,7 +117,9 @@ TP2 = {**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"
 def test_tp2_greedy_identical_and_sampled_ranks_stay_in_step(pair, tiny_prompts, tmp_path):
     """Each rank loads its own copy of the draft model and drafts its own trees: greedy trees
     must match, and under sampling every rank must draw the same tokens from q (request-seeded
-    uniforms) and accept the same path, or the next step's ``take_step`` raises on some rank.
+    uniforms) and accept the same path, or the ranks' agreement counts a "ranks" fault
+    (``faults.agree``; none may occur). q drafts each step's requests batched
+    (``proposers/draft_batch.py``) on each rank.
     The shape comes from a selector whose choice follows q's root entropy (thresholds at this
     draft's median: ~6.7 nats raw, ~4.0 processed at T 0.8, top-p 0.9), so the ranks must also
     make the same changing choices; both shapes must occur."""
@@ -136,6 +138,7 @@ def test_tp2_greedy_identical_and_sampled_ranks_stay_in_step(pair, tiny_prompts,
     assert spec.spec.num_accepted_tokens > 10, spec.spec
     assert plain.token_ids == spec.token_ids
     assert set(json.loads(stats.read_text())["selector_shapes"]) == {"1,3,0", "2,1,1"}
+    assert json.loads(stats.read_text())["faults"] == {}
     # per-request seeds: the drafts' uniforms and vLLM's samples repeat run to run (unseeded,
     # the accepted count varied with the batch timing: 9 in one full-suite run)
     stats = tmp_path / "sampled.json"
@@ -146,6 +149,7 @@ def test_tp2_greedy_identical_and_sampled_ranks_stay_in_step(pair, tiny_prompts,
     assert sampled.spec.num_accepted_tokens > 10, sampled.spec
     assert all(len(r[0]) == 24 for r in sampled.token_ids)
     assert set(json.loads(stats.read_text())["selector_shapes"]) == {"1,3,0", "2,1,1"}
+    assert json.loads(stats.read_text())["faults"] == {}  # the ranks drew and accepted alike
 
 
 def test_a_draft_with_another_tokenizer_is_refused_at_start_up(pair, tiny_prompts, tmp_path):

@@ -52,6 +52,37 @@ def test_parse_injection_names_the_valid_stages():
             parse_injection(bad)
 
 
+def test_inject_fails_the_nth_call_of_each_stage_of_this_rank_once(monkeypatch):
+    from vllm_anisotropic.integration.vllm.engine import faults
+
+    monkeypatch.setenv(INJECT_ENV, "verify@2:rank1,propose")
+    monkeypatch.setattr(faults, "_pending", None)
+    monkeypatch.setattr(faults, "tp_rank", lambda: 1)
+    faults.inject("verify")
+    faults.inject("harvest")
+    with pytest.raises(faults.InjectedFault, match="fault injected in stage 'verify'"):
+        faults.inject("verify")
+    faults.inject("verify")  # each once
+    with pytest.raises(faults.InjectedFault, match="stage 'propose'"):
+        faults.inject("propose")
+    faults.inject("propose")
+    assert faults._pending == {}
+    monkeypatch.setattr(faults, "_pending", None)
+    monkeypatch.setattr(faults, "tp_rank", lambda: 0)  # rank 0: only the unqualified fault
+    for _ in range(3):
+        faults.inject("verify")
+    assert faults._pending == {"propose": 1}
+    monkeypatch.setattr(faults, "_pending", None)
+    monkeypatch.setenv(INJECT_ENV, "verify@2")
+    monkeypatch.setattr(faults, "tp_rank", lambda: 1 / 0)  # no rank qualifier: the rank is not asked
+    faults.inject("verify")
+    assert faults._pending == {"verify": 1}
+    monkeypatch.setattr(faults, "_pending", None)
+    monkeypatch.delenv(INJECT_ENV)
+    faults.inject("verify")
+    assert faults._pending == {}
+
+
 def _agree_on_rank(rank: int, path: str, flags: list, out) -> None:
     import os
 

@@ -1,7 +1,9 @@
 """Draft-model trees with delayed expansion (arXiv 2602.16994, Def. 5.2): a trunk, then K branches.
 
 Scope: drafting only. A small causal LM q (``DraftLM``, loaded with transformers, one KV cache
-per request in a ``DraftSession``) drafts one ``DraftTree`` per step from a request's context:
+per request in a ``DraftSession``) drafts one ``DraftTree`` per step from a request's context
+(one request here; the engine drafts a step's requests together, q batched over them:
+``draft_batch.py``, the same trees):
 
 1. the **trunk**: L1 tokens, each drawn from q given the context and the trunk so far;
 2. the **branches**: K paths of L2 tokens from the trunk's end, each token drawn from q given
@@ -127,13 +129,16 @@ class DraftSession:
             if a != b:
                 break
             common += 1
-        keep = min(common, len(context) - 1)  # the root's logits are needed: run it again
+        self.crop(min(common, len(context) - 1))  # the root's logits are needed: run it again
+        return self.extend(context[len(self.tokens):])[0, -1]
+
+    def crop(self, keep: int) -> None:
+        """Keep the first ``keep`` cached tokens."""
         if keep == 0:
             self.cache = self._new_cache()
         else:
             _crop(self.cache, keep)
-        self.tokens = context[:keep]
-        return self.extend(context[keep:])[0, -1]
+        self.tokens = self.tokens[:keep]
 
     def extend(self, tokens: Sequence[int]) -> torch.Tensor:
         """Run ``tokens`` after the cached ones (batch 1): q's logits after the last [1, 1, vocab_size]."""
@@ -347,6 +352,15 @@ class DraftTreeProposer(Proposer):
 
     def new_request(self, tenant: str | None = None) -> DraftTreeState:
         return DraftTreeState(self)
+
+    def propose_batch(self, states, token_ids, rows, lengths, max_nodes=None, chain_drafts=None):
+        """One engine step's trees of ``states`` (each ``DraftTreeState.propose``'s tree), q's
+        forwards batched over the requests (``draft_batch.propose_draft_trees``)."""
+        from vllm_anisotropic.proposers.draft_batch import propose_draft_trees
+
+        if chain_drafts is not None:
+            raise ValueError("draft_tree drafts no chains alone")
+        return propose_draft_trees(self, states, token_ids, rows, lengths, max_nodes)
 
     def begin_step(self, num_requests: int) -> None:
         self.step_requests = max(1, int(num_requests))

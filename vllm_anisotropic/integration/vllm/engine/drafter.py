@@ -189,8 +189,8 @@ class TreeDrafter:
         steps: a first GOOSE proposal in a new process costs ~0.3 s of loading cached machine
         code. One throwaway proposal with a throwaway proposer of the same configuration over a
         token array of vLLM's dtype (``token_dtype``); nothing of it is kept."""
-        if getattr(self.proposer, "propose_batch", None) is None:
-            return
+        if getattr(self.proposer, "propose_batch", None) is None or isinstance(self.proposer, DraftTreeProposer):
+            return  # nothing compiled to load (draft_tree: q loaded with the proposer)
         t0 = time.perf_counter()
         proposer = type(self.proposer)(self.proposer.config, self.proposer.vocab_size)
         tokens = np.tile(np.arange(8, dtype=token_dtype), 8).reshape(1, -1)

@@ -153,7 +153,7 @@ class TreeRejectionSampler(nn.Module):
             mine = set(step.rows[voided].tolist())
             _, _, root = self._root_samples(step, voided, starts, metadata, logits, sampling_metadata,
                                             {i: g for i, g in snapshot.items() if i in mine})
-            accepted[voided], num_accepted[voided], bonus[voided] = -1, 0, root[voided]
+            num_accepted[voided], bonus[voided] = 0, root[voided]  # nothing of a path this rank may have walked
         # emitted tokens of every walked tree (path + bonus), written to the device in one copy
         host = np.full((walked.size, width), PLACEHOLDER_TOKEN_ID, np.int32)
         acc = accepted[walked]

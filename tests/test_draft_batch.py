@@ -1,0 +1,147 @@
+"""``draft_tree``'s batched step (``proposers/draft_batch.py``) against one request at a time.
+
+The reference is ``DraftTreeState.propose`` on a twin proposer (same q, same seeds), request by
+request: every tree of a batched step must be the very tree it drafts (tokens, parents, q rows,
+path values), step after step while the contexts grow by accepted tokens, and the sessions must
+have run the same tokens through q. What this catches: a row reading another row's KV (the
+joined cache's padding or mask wrong), positions off by the padding, a session left holding
+the branches or missing the trunk after the split, draws taken from another request's generator
+or in another order, the wrong row's law recorded in ``draft_probs``, a selector's shape groups
+mixed up. The batched step must also be one q forward per depth for all requests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_selector_runtime import threshold_selector
+
+from vllm_anisotropic.models.tiny import build_tiny_model
+from vllm_anisotropic.proposers import get_proposer
+from vllm_anisotropic.proposers.draft_batch import PREFILL_ALONE
+from vllm_anisotropic.verifiers import TargetSampling
+
+SAMPLED = TargetSampling(temperature=0.8, top_k=-1, top_p=0.9)
+WIDTH = 160
+
+
+@pytest.fixture(scope="module")
+def draft_dir():
+    # a law with some hundreds of tokens: sampled draws vary, and a draw does not sit on a
+    # boundary of the inverse CDF that float rounding of a batched matmul could move
+    return str(build_tiny_model(seed=1, block_std=0.1, lm_head_alpha=0.2))
+
+
+def _twins(draft_dir, n, **options):
+    """Two proposers on the same q with ``n`` requests each, every other one sampled (seeded alike)."""
+    out = []
+    for _ in range(2):
+        proposer = get_proposer("draft_tree", model=draft_dir, **options)
+        states = [proposer.new_request() for _ in range(n)]
+        for i, state in enumerate(states):
+            if i % 2:
+                state.set_sampling(SAMPLED, seed=11 + i)
+        out.append((proposer, states))
+    return out
+
+
+def _contexts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = np.zeros((len(lengths), WIDTH), np.int64)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = rng.integers(100, 5000, n)
+    return tokens, np.asarray(lengths, np.int64)
+
+
+def _forwards(proposer) -> list:
+    calls = []
+    proposer.lm.model.get_decoder().register_forward_hook(lambda *args: calls.append(1))
+    return calls
+
+
+def _same(batched, reference) -> None:
+    assert batched.tokens.tolist() == reference.tokens.tolist()
+    assert batched.parents.tolist() == reference.parents.tolist()
+    np.testing.assert_allclose(batched.values, reference.values, rtol=1e-4)
+    if reference.draft_probs is None:
+        assert batched.draft_probs is None
+    else:
+        torch.testing.assert_close(batched.draft_probs, reference.draft_probs, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 2), (1, 4, 0), (3, 0, 3)])
+def test_a_batched_step_drafts_each_requests_own_tree(draft_dir, shape):
+    (pa, sa), (pb, sb) = _twins(draft_dir, 4, branches=shape[0], trunk=shape[1], branch_length=shape[2], selector="off")
+    tokens, lengths = _contexts([12, 40, 7, 25])
+    rng = np.random.default_rng(1)
+    calls = _forwards(pa)
+    for step in range(3):
+        calls.clear()
+        out = pa.propose_batch(sa, tokens, np.arange(4), lengths)
+        depth_forwards = 1 + shape[1] - (shape[2] == 0) + max(shape[2] - 1, 0)
+        alone = int(step == 0)  # request 1's prompt of 40 (> PREFILL_ALONE new tokens) ran alone first
+        assert len(calls) == alone + depth_forwards, (step, len(calls))  # one per depth, all requests at once
+        assert out.modes.tolist() == [1] * 4
+        assert out.prev_roots.tolist() == tokens[np.arange(4), lengths - 2].tolist()
+        for i, state in enumerate(sb):
+            _same(out.trees.tree(i), state.propose(tokens[i, : lengths[i]]))
+        # each request accepts its first two drafts and a bonus token (or, at step 1, request
+        # 2 nothing: its session's trunk is cut back)
+        for i in range(4):
+            add = out.trees.tree(i).tokens[1:3].tolist() if (step, i) != (1, 2) else []
+            add.append(int(rng.integers(100, 5000)))
+            tokens[i, lengths[i] : lengths[i] + len(add)] = add
+            lengths[i] += len(add)
+    assert [s.session.forwarded for s in sa] == [s.session.forwarded for s in sb]
+    assert [s.session.tokens for s in sa] == [s.session.tokens for s in sb]
+
+
+def test_selector_shapes_group_the_rows_and_budgets_cut_after_drawing(draft_dir, tmp_path):
+    """The threshold selector picks (1, 3, 0) or (2, 1, 1) per root (its entropy): rows of a
+    step split into two shape groups; request 0's budget of 3 nodes cuts its tree after the
+    draws, request 3's budget of 1 node drafts nothing (no q forward for it); a new request
+    with a long prompt runs it alone first (``PREFILL_ALONE``)."""
+    path = str(threshold_selector(tmp_path, {0.0: 6.7, 0.8: 4.0}))
+    (pa, sa), (pb, sb) = _twins(draft_dir, 5, selector=path)
+    tokens, lengths = _contexts([12, 40, 7, 25, PREFILL_ALONE + 30], seed=3)
+    budgets = np.array([3, 0, 0, 1, 0])
+    rng = np.random.default_rng(2)
+    for step in range(4):
+        pa.begin_step(5)
+        pb.begin_step(5)
+        out = pa.propose_batch(sa, tokens, np.arange(5), lengths, budgets)
+        for i, state in enumerate(sb):
+            ref = state.propose(tokens[i, : lengths[i]], None if budgets[i] <= 0 else int(budgets[i]))
+            _same(out.trees.tree(i), ref)
+            assert MODES[out.modes[i]] == state.last_info.mode.value == sa[i].last_info.mode.value
+        assert out.trees.tree(0).num_nodes <= 3 and out.trees.tree(3).num_nodes == 1
+        for i in range(5):
+            add = out.trees.tree(i).tokens[1:2].tolist() + [int(rng.integers(100, 5000))]
+            tokens[i, lengths[i] : lengths[i] + len(add)] = add
+            lengths[i] += len(add)
+    assert {"1,3,0", "2,1,1"} <= set(pa.shape_counts), pa.shape_counts  # both shape groups ran
+    assert pa.shape_counts == pb.shape_counts
+    assert sa[3].session.forwarded == 0  # never drafted: q never ran for it
+    assert [s.session.tokens for s in sa] == [s.session.tokens for s in sb]
+
+
+def test_a_released_session_is_rebuilt_from_the_context(draft_dir):
+    """A preempted request's q cache is dropped (``release``); the next batched step rebuilds it
+    from the whole context beside requests whose caches are current."""
+    (pa, sa), (pb, sb) = _twins(draft_dir, 2, branches=2, trunk=1, branch_length=1, selector="off")
+    tokens, lengths = _contexts([20, 9], seed=4)
+    pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    for i, state in enumerate(sb):
+        state.propose(tokens[i, : lengths[i]])
+    sa[0].release()
+    sb[0].release()
+    tokens[:, lengths[0]] = 77
+    lengths += 1
+    out = pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    for i, state in enumerate(sb):
+        _same(out.trees.tree(i), state.propose(tokens[i, : lengths[i]]))
+    assert sa[0].session.tokens == sb[0].session.tokens and len(sa[0].session.tokens) == lengths[0] + 1
+
+
+MODES = {0: "plain", 1: "tree", 2: "bypass", 3: "chain"}

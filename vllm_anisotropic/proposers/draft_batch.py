@@ -1,0 +1,285 @@
+"""One engine step's draft-model trees for all its drafting requests, q's forwards batched.
+
+Scope: ``DraftTreeProposer.propose_batch`` (the engine's drafter calls it once per step). The
+trees are the ones ``draft_model.delayed_tree`` drafts one request at a time (same node order,
+same draws from each request's generator in the same order, ``draft_probs`` the law each draw
+came from); what changes is that each depth is one forward of q for every request of the step:
+
+1. **catch-up**: each request's tokens q has not run yet (its accepted tokens and the root;
+   a new request's prompt runs alone first, ``PREFILL_ALONE``) in one forward of all rows,
+   which gives every root law at once;
+2. **shapes**: the selector's (K, L1, L2) per request from its root law, or the fixed shape;
+   requests grouped by shape;
+3. per group, **trunk**: L1 forwards of one token per row; **branches**: the rows repeated K
+   times, L2 - 1 forwards of one token per branch.
+
+KV: ``DraftBatch`` joins the requests' caches (``DraftSession.cache``, one per request) into one
+batch cache, each row's tokens from position 0 and zero padding after them, an attention mask of
+the valid entries, and each row's own positions (RoPE): tokens appended in a step land after the
+widest row, with masked holes before them in the narrower ones. ``split`` copies each row's valid
+entries back into its session (the context plus the trunk, as ``delayed_tree`` leaves it); the
+branch rows are dropped. Cost: the joined cache is a copy of the rows' KV, made once per step (and
+once more per shape group after the first), against one weight pass of q per depth for the whole
+batch instead of one per request.
+
+q's head runs on the rows' last valid positions only (the decoder's hidden states, then the
+output embedding): causal LMs whose logits are a linear map of the last hidden state (Llama,
+Qwen2, Mistral families).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_anisotropic.proposers.base import MODE_CODES, ProposalInfo, ProposalMode, node_budget, root_only
+from vllm_anisotropic.selector.features import root_features
+from vllm_anisotropic.selector.shape import DelayedShape
+from vllm_anisotropic.tree import FlatTrees
+from vllm_anisotropic.verifiers.sampling import target_probs
+
+__all__ = ["DraftBatch", "DraftProposals", "propose_draft_trees", "PREFILL_ALONE"]
+
+# a request with more new tokens than this (a new prompt, a resumed preemption) runs them alone
+# first: padding every row of the catch-up to a prompt's length would cost a prompt per row
+PREFILL_ALONE = 32
+
+
+@dataclass
+class DraftProposals:
+    """One step's proposals (``propose_draft_trees``): tree r is request r's."""
+
+    trees: FlatTrees
+    modes: np.ndarray  # [R] int8 ``base.MODE_CODES``
+    prev_roots: np.ndarray  # [R] int64 the token before each root, -1: none
+
+
+class DraftBatch:
+    """Several requests' q caches as one padded batch (module docstring)."""
+
+    def __init__(self, lm, sessions: list) -> None:
+        from transformers import DynamicCache
+
+        self.lm, self.sessions = lm, sessions
+        lengths = [len(s.tokens) for s in sessions]
+        width = max(lengths, default=0)
+        rows = len(sessions)
+        self.mask = torch.zeros(rows, width, dtype=torch.long)
+        for b, n in enumerate(lengths):
+            self.mask[b, :n] = 1
+        self.next_position = torch.tensor(lengths, dtype=torch.long)  # [rows]
+        self.tokens = [list(s.tokens) for s in sessions]  # what each row holds
+        self.owner = list(range(rows))  # the session of each row (branch rows share their trunk's)
+        self.cache = DynamicCache()
+        if width:
+            widest = sessions[int(np.argmax(lengths))].cache.layers
+            for i, layer in enumerate(widest):
+                heads, dim = layer.keys.shape[1], layer.keys.shape[3]
+                keys = layer.keys.new_zeros(rows, heads, width, dim)
+                values = layer.values.new_zeros(rows, heads, width, dim)
+                for b, (s, n) in enumerate(zip(sessions, lengths)):
+                    if n:
+                        keys[b, :, :n] = s.cache.layers[i].keys[0]
+                        values[b, :, :n] = s.cache.layers[i].values[0]
+                self.cache.update(keys, values, i)
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens)
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[list[int]]) -> torch.Tensor:
+        """Append row b's ``tokens[b]`` (at least one each) and run them: q's logits after each
+        row's last token, ``[rows, vocab]`` float32."""
+        counts = torch.tensor([len(t) for t in tokens], dtype=torch.long)
+        width = int(counts.max())
+        ids = torch.zeros(self.rows, width, dtype=torch.long)
+        for b, t in enumerate(tokens):
+            ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+        new = (torch.arange(width)[None, :] < counts[:, None]).long()
+        mask = torch.cat([self.mask, new], dim=1)
+        positions = self.next_position[:, None] + torch.arange(width)[None, :]
+        model, device = self.lm.model, self.lm.device
+        hidden = model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                     position_ids=positions.to(device), past_key_values=self.cache,
+                                     use_cache=True).last_hidden_state
+        last = hidden[torch.arange(self.rows, device=device), (counts - 1).to(device)]
+        self.mask, self.next_position = mask, self.next_position + counts
+        for row, owner, t in zip(self.tokens, self.owner, tokens):
+            row.extend(int(x) for x in t)
+            self.sessions[owner].forwarded += len(t)
+        return model.get_output_embeddings()(last).float()
+
+    def repeat(self, k: int) -> None:
+        """Each row becomes ``k`` consecutive rows (the branches of its trunk's end)."""
+        if k > 1:
+            self.cache.batch_repeat_interleave(k)
+            self.mask = self.mask.repeat_interleave(k, dim=0)
+            self.next_position = self.next_position.repeat_interleave(k)
+            self.tokens = [list(t) for t in self.tokens for _ in range(k)]
+            self.owner = [o for o in self.owner for _ in range(k)]
+
+    def split(self) -> None:
+        """Each row's valid entries back into its session (one cache per request again)."""
+        from transformers import DynamicCache
+
+        for b, session in enumerate(self.sessions):
+            valid = torch.nonzero(self.mask[b]).flatten().to(self.lm.device)
+            cache = DynamicCache()
+            for i, layer in enumerate(self.cache.layers):
+                cache.update(layer.keys[b : b + 1].index_select(2, valid).contiguous(),
+                             layer.values[b : b + 1].index_select(2, valid).contiguous(), i)
+            session.cache, session.tokens = cache, list(self.tokens[b])
+
+
+def _laws(logits: torch.Tensor, samplings: list) -> torch.Tensor:
+    """``[rows, vocab]`` law of each row's draws: q processed like the target's for its request
+    (``samplings[b]``; raw softmax for greedy ones), as ``draft_model._law`` does row by row."""
+    out = logits.softmax(dim=-1)
+    sampled = [b for b, s in enumerate(samplings) if not s.greedy]
+    if sampled:
+        index = torch.tensor(sampled, dtype=torch.long)
+        out[index] = target_probs(logits[index].float().cpu(),
+                                  torch.tensor([float(samplings[b].temperature) for b in sampled]),
+                                  torch.tensor([int(samplings[b].top_k) for b in sampled]),
+                                  torch.tensor([float(samplings[b].top_p) for b in sampled])).to(out)
+    return out
+
+
+def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
+                        max_nodes: np.ndarray | None = None) -> DraftProposals:
+    """The trees ``DraftTreeState.propose`` would draft for each of ``states`` (request r's
+    context: ``token_ids[rows[r], :lengths[r]]``; ``max_nodes[r]`` its node budget, 0: the
+    proposer's own), q's forwards batched over the requests (module docstring)."""
+    from vllm_anisotropic.proposers.draft_model import NO_DRAFTS
+
+    n = len(states)
+    contexts = [token_ids[rows[r], : lengths[r]] for r in range(n)]
+    budgets = [None if max_nodes is None or max_nodes[r] <= 0 else int(max_nodes[r]) for r in range(n)]
+    selector, fixed = proposer.selector, proposer.shape
+    trees: list = [None] * n
+    drafting = []
+    for r, state in enumerate(states):
+        most = 1 + (fixed.num_drafts if selector is None else selector.max_drafts)
+        if node_budget(most, budgets[r]) <= 1:
+            trees[r] = root_only(contexts[r])
+            continue
+        if selector is not None:
+            s, b = state.sampling, proposer.step_requests
+            temperature, top_p = (0.0, 1.0) if s.greedy else (s.temperature, s.top_p)
+            if not selector.may_draft(len(contexts[r]), temperature, top_p, b):
+                proposer.count_shape(NO_DRAFTS)
+                trees[r] = root_only(contexts[r])
+                continue
+        drafting.append(r)
+    for r in range(n):
+        if trees[r] is not None:
+            states[r].last_info = ProposalInfo(ProposalMode.PLAIN)
+    if drafting:
+        batch, logits = _catch_up(proposer.lm, [states[r].session for r in drafting], [contexts[r] for r in drafting])
+        root_laws = _laws(logits, [states[r].sampling for r in drafting])
+        shapes = {}
+        for j, r in enumerate(drafting):
+            shape = fixed
+            if selector is not None:
+                s = states[r].sampling
+                temperature, top_p = (0.0, 1.0) if s.greedy else (s.temperature, s.top_p)
+                shape = selector.choose(root_features(root_laws[j], len(contexts[r]), temperature, top_p,
+                                                      proposer.step_requests))
+                proposer.count_shape(shape)
+            shapes.setdefault(shape, []).append(j)
+        groups = list(shapes.items())
+        if len(groups) > 1:
+            batch.split()  # every session holds its context; each group joins its own rows
+        for shape, members in groups:
+            group = batch if len(groups) == 1 else DraftBatch(proposer.lm, [batch.sessions[j] for j in members])
+            drawn = _delayed_trees(group, shape, [states[drafting[j]] for j in members], root_laws[members],
+                                   [int(contexts[drafting[j]][-1]) for j in members])
+            for j, tree in zip(members, drawn):
+                r = drafting[j]
+                limit = node_budget(1 + shape.num_drafts, budgets[r])
+                trees[r] = tree if limit >= tree.num_nodes else tree.truncate(limit)
+                states[r].last_info = ProposalInfo(ProposalMode.TREE if shape.num_drafts else ProposalMode.PLAIN)
+    modes = np.array([MODE_CODES[s.last_info.mode] for s in states], np.int8)
+    prev_roots = np.where(lengths >= 2, token_ids[rows, np.maximum(lengths - 2, 0)], -1).astype(np.int64)
+    return DraftProposals(FlatTrees.from_trees(trees), modes, prev_roots)
+
+
+def _catch_up(lm, sessions: list, contexts: list) -> tuple[DraftBatch, torch.Tensor]:
+    """Each session cropped to its common prefix with its context (the root always runs again),
+    a long remainder run alone (``PREFILL_ALONE``), then the rows joined and the rest of every
+    context (accepted tokens, then the root) run in one forward: ``(batch, root logits [rows,
+    vocab])``, each session's context all cached."""
+    contexts = [[int(t) for t in c] for c in contexts]
+    for session, context in zip(sessions, contexts):
+        common = 0
+        for a, b in zip(session.tokens, context):
+            if a != b:
+                break
+            common += 1
+        session.crop(min(common, len(context) - 1))
+        if len(context) - 1 - len(session.tokens) > PREFILL_ALONE:
+            session.extend(context[len(session.tokens) : -1])
+    batch = DraftBatch(lm, sessions)
+    logits = batch.forward([context[len(held):] for held, context in zip(batch.tokens, contexts)])
+    return batch, logits
+
+
+def _delayed_trees(batch: DraftBatch, shape: DelayedShape, states: list, laws: torch.Tensor, roots: list) -> list:
+    """``draft_model.delayed_tree`` for every row of ``batch`` (one request each, its context
+    cached, ``laws`` ``[rows, vocab]`` the root laws): one forward per trunk depth and per
+    branch depth for all rows; each request's draws from its own generator in
+    ``delayed_tree``'s order. The sessions end holding their context and trunk."""
+    from vllm_anisotropic.proposers.draft_model import _draw, _tree, shape_parents
+
+    parents = shape_parents(shape)
+    n, rows = parents.size, batch.rows
+    samplings = [s.sampling for s in states]
+    sampled = [not s.greedy for s in samplings]
+    tokens = np.zeros((rows, n), np.int64)
+    tokens[:, 0] = roots
+    values = np.ones((rows, n))
+    q_rows = [torch.zeros(n, laws.shape[-1]) if sampled[b] else None for b in range(rows)]
+    node = 0
+    for _ in range(shape.trunk):  # node + 1 drawn after node, every row at once
+        drawn = []
+        for b, state in enumerate(states):
+            if q_rows[b] is not None:
+                q_rows[b][node] = laws[b]
+            drawn.append(int(_draw(laws[b][None], samplings[b], state.generator)[0]))
+        node += 1
+        tokens[:, node] = drawn
+        values[:, node] = values[:, node - 1] * laws[torch.arange(rows), torch.tensor(drawn)].double().numpy()
+        if node < n - 1:  # q after the new nodes only if something hangs below them
+            laws = _laws(batch.forward([[t] for t in drawn]), samplings)
+    if shape.branch_length == 0:
+        batch.split()
+        return [_tree(tokens[b], parents, values[b], q_rows[b]) for b in range(rows)]
+    k = shape.branches
+    first = []
+    for b, state in enumerate(states):
+        if q_rows[b] is not None:
+            q_rows[b][node] = laws[b]
+        first.append(torch.topk(laws[b], k).indices if not sampled[b]
+                     else _draw(laws[b].expand(k, -1), samplings[b], state.generator))
+    current = torch.stack(first)  # [rows, K]
+    current_values = values[:, node, None] * laws.gather(1, current).double().numpy()
+    batch.split()  # the sessions keep context + trunk; the branches run on the joined copy
+    batch.repeat(k)
+    branch_samplings = [s for s in samplings for _ in range(k)]
+    for depth in range(shape.branch_length):
+        ids = 1 + shape.trunk + depth * k + np.arange(k)  # this depth's K nodes of every tree
+        tokens[:, ids], values[:, ids] = current.numpy(), current_values
+        if depth == shape.branch_length - 1:
+            break
+        step = _laws(batch.forward([[int(t)] for t in current.flatten()]), branch_samplings).view(rows, k, -1)
+        drawn = []
+        for b, state in enumerate(states):
+            if q_rows[b] is not None:
+                q_rows[b][ids] = step[b]
+            drawn.append(_draw(step[b], samplings[b], state.generator))
+        current = torch.stack(drawn)
+        current_values = current_values * step.gather(2, current[:, :, None])[:, :, 0].double().numpy()
+    return [_tree(tokens[b], parents, values[b], q_rows[b]) for b in range(rows)]
