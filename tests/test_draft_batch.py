@@ -145,3 +145,19 @@ def test_a_released_session_is_rebuilt_from_the_context(draft_dir):
 
 
 MODES = {0: "plain", 1: "tree", 2: "bypass", 3: "chain"}
+
+
+def test_a_step_with_one_drafting_request_drafts_on_its_cache_in_place(draft_dir):
+    """One request drafting (the others plain by their budgets): its tree is drafted on its own
+    cache, no joined batch (a copy of its KV for nothing): q runs exactly the forwards of
+    ``DraftTreeState.propose``."""
+    (pa, sa), (pb, sb) = _twins(draft_dir, 3, branches=2, trunk=1, branch_length=2, selector="off")
+    tokens, lengths = _contexts([14, 9, 11], seed=5)
+    budgets = np.array([1, 0, 1])
+    calls_a, calls_b = _forwards(pa), _forwards(pb)
+    out = pa.propose_batch(sa, tokens, np.arange(3), lengths, budgets)
+    ref = sb[1].propose(tokens[1, : lengths[1]])
+    _same(out.trees.tree(1), ref)
+    assert out.trees.sizes().tolist() == [1, ref.num_nodes, 1] and out.modes.tolist() == [0, 1, 0]
+    assert len(calls_a) == len(calls_b) == 1 + 1 + 1  # the context, the trunk's end, one branch depth
+    assert sa[1].session.forwarded == sb[1].session.forwarded and sa[0].session.forwarded == 0

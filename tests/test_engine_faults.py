@@ -38,8 +38,9 @@ def test_parse_injection_names_the_valid_stages():
     assert parse_injection(None) == {}
     with pytest.raises(ValueError, match="valid stages: propose, allocator, verify, harvest, grammar"):
         parse_injection("sampler@2")
-    with pytest.raises(ValueError, match="count >= 1"):
-        parse_injection("verify@0")
+    for bad in ("verify@0", "verify@x"):
+        with pytest.raises(ValueError, match="count >= 1"):
+            parse_injection(bad)
     # a rank qualifier: that tensor-parallel rank's worker only
     spec = "propose@3:rank1, verify@2, harvest:rank0"
     assert parse_injection(spec, rank=0) == {"verify": 2, "harvest": 1}

@@ -2,7 +2,8 @@
 (``DraftTreeProposer.propose_batch``, proposers/draft_batch.py) vs one request at a time
 (``DraftTreeState.propose``, what the engine ran before), side by side in one process.
 
-Real q (Qwen2.5-Coder-0.5B-Instruct, float32, transformers on this CPU), B requests with real
+Real q (Qwen2.5-Coder-0.5B-Instruct, float32, transformers with vLLM's CPU GEMM on its linear
+layers as in the engine: ``kernels/cpu_gemm.py``; ``--torch-linear``: torch's own), B requests with real
 HumanEval / GSM8K prompts (chat-formatted, B = 1, 2, 4, 8), greedy, shapes chain of 4
 (1, 4, 0) and the delayed tree (2, 2, 2). Each step the requests accept the first two drafts
 plus a bonus token; per step the two paths draft the same trees (checked) from twin
@@ -29,6 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--torch-linear", action="store_true", help="q's linears on torch's own GEMM")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -37,11 +39,17 @@ def main() -> None:
     prompts = load_prompts("humaneval", 4, 0, tok, "chat") + load_prompts("gsm8k", 4, 0, tok, "chat")
     with open("/proc/cpuinfo") as f:
         cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    print(f"CPU: {cpu}; torch threads {torch.get_num_threads()}; python {platform.python_version()}")
+    print(f"CPU: {cpu}; torch threads {torch.get_num_threads()}; python {platform.python_version()}; "
+          f"q's linears: {'torch' if args.torch_linear else 'vLLM CPU GEMM'}")
     print("shape | requests | one at a time ms/step | batched ms/step | ratio (spread over steps)")
     for shape in ((1, 4, 0), (2, 2, 2)):
         twins = [get_proposer("draft_tree", model=q, branches=shape[0], trunk=shape[1], branch_length=shape[2],
                               selector="off") for _ in range(2)]
+        if not args.torch_linear:
+            from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import use_vllm_cpu_gemm
+
+            for p in twins:
+                use_vllm_cpu_gemm(p.lm.model)
         for b in [int(x) for x in args.batches.split(",")]:
             batched, single = ([p.new_request() for _ in range(b)] for p in twins)
             width = max(len(p) for p in prompts[:b]) + 8 * (args.steps + 2)
