@@ -46,7 +46,8 @@ VERIFIERS = ("traversal", "specinfer", "spectr", "khisti", "naive_tree", "naive"
 def step_time(action: tuple[int, int, int], timing: dict, batch_size: int = 1) -> float:
     """Eq. 11 with pass times measured at one context length, for one of ``batch_size`` requests
     drafting the same shape in a step: ``L1 t_q(1) + L2 t_q(K) + t_p(b (1 + L1 + K L2)) / b``
-    seconds. Each request drafts alone (the engine runs q request by request), the b trees are
+    seconds. Each request drafts alone (as the engine ran q when the shipped selector was
+    trained; it now batches q over a step's requests, ``proposers/draft_batch.py``), the b trees are
     verified in one target forward (``timing``: a ``draft_tree_grid --time`` record; keys may be
     strings, as JSON stores them). Raises ValueError if the record lacks that forward's size."""
     k, l1, l2 = action
