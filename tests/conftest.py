@@ -17,7 +17,7 @@ import pytest
 # the longest files (their order: longest first, seconds on a 2-core AVX2 EPYC); the rest follow
 # in the usual order
 LONGEST_FIRST = (
-    "test_engine_draft_tree.py",   # ~600: eight verifiers' law tests, q drafting one request at a time
+    "test_engine_draft_tree.py",   # ~600: eight verifiers' law tests
     "test_engine_sampling.py",     # ~550
     "test_vllm033.py",             # ~350: engine tests again on vLLM 0.33
     "test_engine_plugin.py",       # ~300: multiprocess starts

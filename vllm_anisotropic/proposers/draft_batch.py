@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from vllm_anisotropic.proposers.base import MODE_CODES, ProposalInfo, ProposalMode, node_budget, root_only
+from vllm_anisotropic.proposers.draft_common import NO_DRAFTS, _draw, _tree, shape_parents
 from vllm_anisotropic.selector.features import root_features
 from vllm_anisotropic.selector.shape import DelayedShape
 from vllm_anisotropic.tree import FlatTrees
@@ -125,6 +126,7 @@ class DraftBatch:
         """Each row's valid entries back into its session (one cache per request again)."""
         from transformers import DynamicCache
 
+        assert self.rows == len(self.sessions), "split before the branch rows are made"
         for b, session in enumerate(self.sessions):
             valid = torch.nonzero(self.mask[b]).flatten().to(self.lm.device)
             cache = DynamicCache()
@@ -153,7 +155,6 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
     """The trees ``DraftTreeState.propose`` would draft for each of ``states`` (request r's
     context: ``token_ids[rows[r], :lengths[r]]``; ``max_nodes[r]`` its node budget, 0: the
     proposer's own), q's forwards batched over the requests (module docstring)."""
-    from vllm_anisotropic.proposers.draft_model import NO_DRAFTS
 
     n = len(states)
     contexts = [token_ids[rows[r], : lengths[r]] for r in range(n)]
@@ -237,8 +238,6 @@ def _delayed_trees(batch: DraftBatch, shape: DelayedShape, states: list, laws: t
     cached, ``laws`` ``[rows, vocab]`` the root laws): one forward per trunk depth and per
     branch depth for all rows; each request's draws from its own generator in
     ``delayed_tree``'s order. The sessions end holding their context and trunk."""
-    from vllm_anisotropic.proposers.draft_model import _draw, _tree, shape_parents
-
     parents = shape_parents(shape)
     n, rows = parents.size, batch.rows
     samplings = [s.sampling for s in states]
