@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from vllm_anisotropic.proposers.base import MODE_CODES, ProposalInfo, ProposalMode, node_budget, root_only
-from vllm_anisotropic.proposers.draft_common import NO_DRAFTS, _draw, _tree, shape_parents
+from vllm_anisotropic.proposers.draft_common import _draw, _tree, shape_parents
 from vllm_anisotropic.selector.features import root_features
 from vllm_anisotropic.selector.shape import DelayedShape
 from vllm_anisotropic.tree import FlatTrees
@@ -155,7 +155,6 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
     """The trees ``DraftTreeState.propose`` would draft for each of ``states`` (request r's
     context: ``token_ids[rows[r], :lengths[r]]``; ``max_nodes[r]`` its node budget, 0: the
     proposer's own), q's forwards batched over the requests (module docstring)."""
-
     n = len(states)
     contexts = [token_ids[rows[r], : lengths[r]] for r in range(n)]
     budgets = [None if max_nodes is None or max_nodes[r] <= 0 else int(max_nodes[r]) for r in range(n)]
@@ -163,26 +162,15 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
     trees: list = [None] * n
     drafting = []
     for r, state in enumerate(states):
-        most = 1 + (fixed.num_drafts if selector is None else selector.max_drafts)
-        if node_budget(most, budgets[r]) <= 1:
+        if state.wants_q(contexts[r], budgets[r]):
+            drafting.append(r)
+        else:
             trees[r] = root_only(contexts[r])
-            continue
-        if selector is not None:
-            s, b = state.sampling, proposer.step_requests
-            temperature, top_p = (0.0, 1.0) if s.greedy else (s.temperature, s.top_p)
-            if not selector.may_draft(len(contexts[r]), temperature, top_p, b):
-                proposer.count_shape(NO_DRAFTS)
-                trees[r] = root_only(contexts[r])
-                continue
-        drafting.append(r)
-    for r in range(n):
-        if trees[r] is not None:
-            states[r].last_info = ProposalInfo(ProposalMode.PLAIN)
     if len(drafting) == 1:
         # one request: its own cache in place (joining one row would copy its KV twice a step;
         # 0.91x of this path at one request on a 2-core EPYC, docs/measurements/cpu/draft_batch_2026_11_29.txt)
         r = drafting[0]
-        trees[r] = states[r].propose(contexts[r], budgets[r])
+        trees[r] = states[r].draft(contexts[r], budgets[r])
     elif drafting:
         batch, logits = _catch_up(proposer.lm, [states[r].session for r in drafting], [contexts[r] for r in drafting])
         root_laws = _laws(logits, [states[r].sampling for r in drafting])
@@ -190,8 +178,7 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
         for j, r in enumerate(drafting):
             shape = fixed
             if selector is not None:
-                s = states[r].sampling
-                temperature, top_p = (0.0, 1.0) if s.greedy else (s.temperature, s.top_p)
+                temperature, top_p = states[r].selector_sampling()
                 shape = selector.choose(root_features(root_laws[j], len(contexts[r]), temperature, top_p,
                                                       proposer.step_requests))
                 proposer.count_shape(shape)

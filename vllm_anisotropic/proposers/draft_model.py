@@ -262,22 +262,40 @@ class DraftTreeState(RequestState):
     def propose(self, context_tokens: np.ndarray, max_nodes: int | None = None) -> DraftTree:
         """The shape's tree (the selector's choice for this context, if there is a selector), cut
         to ``max_nodes`` (a cut decided before any token is drawn)."""
-        selector, shape, root_law = self.proposer.selector, self.proposer.shape, None
+        if not self.wants_q(context_tokens, max_nodes):
+            return root_only(context_tokens)
+        return self.draft(context_tokens, max_nodes)
+
+    def selector_sampling(self) -> tuple[float, float]:
+        """(temperature, top-p) of the request as the selector reads them: (0, 1) when greedy."""
+        s = self.sampling
+        return (0.0, 1.0) if s.greedy else (s.temperature, s.top_p)
+
+    def wants_q(self, context_tokens: np.ndarray, max_nodes: int | None = None) -> bool:
+        """Whether this step drafts at all: a budget above the root and, with a selector, some
+        root entropy that would draft at this batch size. If not, the step is plain
+        (``last_info``; the selector's ``NO_DRAFTS`` counted) and q does not run (q's cache
+        catches up when drafting resumes)."""
+        selector, shape = self.proposer.selector, self.proposer.shape
         if node_budget(1 + (shape.num_drafts if selector is None else selector.max_drafts), max_nodes) <= 1:
             self.last_info = ProposalInfo(ProposalMode.PLAIN)
-            return root_only(context_tokens)
+            return False
+        if selector is not None and not selector.may_draft(len(context_tokens), *self.selector_sampling(),
+                                                           self.proposer.step_requests):
+            self.proposer.count_shape(NO_DRAFTS)
+            self.last_info = ProposalInfo(ProposalMode.PLAIN)
+            return False
+        return True
+
+    def draft(self, context_tokens: np.ndarray, max_nodes: int | None = None) -> DraftTree:
+        """``propose``'s tree once ``wants_q`` said yes."""
+        selector, shape, root_law = self.proposer.selector, self.proposer.shape, None
         if selector is not None:
             # the shape from what is known before any draft is drawn (the i.i.d. branches stay i.i.d.)
-            s, b = self.sampling, self.proposer.step_requests
-            temperature, top_p = (0.0, 1.0) if s.greedy else (s.temperature, s.top_p)
-            if not selector.may_draft(len(context_tokens), temperature, top_p, b):
-                # no root entropy would give drafts at this batch size: no q forward (q's cache
-                # catches up when drafting resumes)
-                self.proposer.count_shape(NO_DRAFTS)
-                self.last_info = ProposalInfo(ProposalMode.PLAIN)
-                return root_only(context_tokens)
+            temperature, top_p = self.selector_sampling()
             root_law = root_law_of(self.session, context_tokens, self.sampling)
-            shape = selector.choose(root_features(root_law, len(context_tokens), temperature, top_p, b))
+            shape = selector.choose(root_features(root_law, len(context_tokens), temperature, top_p,
+                                                  self.proposer.step_requests))
             self.proposer.count_shape(shape)
         limit = node_budget(1 + shape.num_drafts, max_nodes)
         self.last_info = ProposalInfo(ProposalMode.TREE)
