@@ -7,7 +7,8 @@ have run the same tokens through q. What this catches: a row reading another row
 joined cache's padding or mask wrong), positions off by the padding, a session left holding
 the branches or missing the trunk after the split, draws taken from another request's generator
 or in another order, the wrong row's law recorded in ``draft_probs``, a selector's shape groups
-mixed up. The batched step must also be one q forward per depth for all requests.
+mixed up. The batched step must also be one q forward per depth for all requests, whatever
+shape the selector gives each.
 """
 
 from __future__ import annotations
@@ -97,20 +98,31 @@ def test_a_batched_step_drafts_each_requests_own_tree(draft_dir, shape):
     assert [s.session.tokens for s in sa] == [s.session.tokens for s in sb]
 
 
-def test_selector_shapes_group_the_rows_and_budgets_cut_after_drawing(draft_dir, tmp_path):
-    """The threshold selector picks (1, 3, 0) or (2, 1, 1) per root (its entropy): rows of a
-    step split into two shape groups; request 0's budget of 3 nodes cuts its tree after the
-    draws, request 3's budget of 1 node drafts nothing (no q forward for it); a new request
-    with a long prompt runs it alone first (``PREFILL_ALONE``)."""
+def test_selector_shapes_share_each_depths_forward_and_budgets_cut_after_drawing(draft_dir, tmp_path):
+    """The threshold selector picks (1, 3, 0) or (2, 1, 1) per root (its entropy): rows of
+    different shapes in one step still run one q forward per depth together (the catch-up, the
+    chains' two trunk depths, of which the delayed trees share the first; the latter's branches
+    of length 1 need none); request 0's budget of 3 nodes cuts its tree after the draws, request
+    3's budget of 1 node drafts nothing (no q forward for it); a new request with a long prompt
+    runs it alone first (``PREFILL_ALONE``)."""
     path = str(threshold_selector(tmp_path, {0.0: 6.7, 0.8: 4.0}))
     (pa, sa), (pb, sb) = _twins(draft_dir, 5, selector=path)
     tokens, lengths = _contexts([12, 40, 7, 25, PREFILL_ALONE + 30], seed=3)
     budgets = np.array([3, 0, 0, 1, 0])
     rng = np.random.default_rng(2)
+    calls = _forwards(pa)
+    mixed = 0
     for step in range(4):
         pa.begin_step(5)
         pb.begin_step(5)
+        calls.clear()
+        before = dict(pa.shape_counts)
         out = pa.propose_batch(sa, tokens, np.arange(5), lengths, budgets)
+        chosen = {key for key, count in pa.shape_counts.items() if count > before.get(key, 0)}
+        trunk_forwards = 2 if "1,3,0" in chosen else 1  # (1, 3, 0): after nodes 1 and 2; (2, 1, 1): after node 1
+        alone = 2 * int(step == 0)  # the prompts of 40 and PREFILL_ALONE + 30 ran alone first
+        assert len(calls) == alone + 1 + trunk_forwards, (step, chosen, len(calls))
+        mixed += len(chosen) == 2
         for i, state in enumerate(sb):
             ref = state.propose(tokens[i, : lengths[i]], None if budgets[i] <= 0 else int(budgets[i]))
             _same(out.trees.tree(i), ref)
@@ -120,7 +132,8 @@ def test_selector_shapes_group_the_rows_and_budgets_cut_after_drawing(draft_dir,
             add = out.trees.tree(i).tokens[1:2].tolist() + [int(rng.integers(100, 5000))]
             tokens[i, lengths[i] : lengths[i] + len(add)] = add
             lengths[i] += len(add)
-    assert {"1,3,0", "2,1,1"} <= set(pa.shape_counts), pa.shape_counts  # both shape groups ran
+    assert {"1,3,0", "2,1,1"} <= set(pa.shape_counts), pa.shape_counts  # both shapes ran
+    assert mixed >= 2, mixed  # in one step together, more than once
     assert pa.shape_counts == pb.shape_counts
     assert sa[3].session.forwarded == 0  # never drafted: q never ran for it
     assert [s.session.tokens for s in sa] == [s.session.tokens for s in sb]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_anisotropic.bench.draft_tree_grid import Target, branch_nodes, merge, root_record, select
+from vllm_anisotropic.bench.draft_tree_grid import Target, branch_nodes, merge, root_record, select, time_passes
 from vllm_anisotropic.models import build_tiny_model
 from vllm_anisotropic.proposers.draft_model import DelayedShape, DraftLM, shape_parents
 from vllm_anisotropic.tree import DraftTree
@@ -61,3 +61,21 @@ def test_self_draft_accepts_every_node(models, temperature):
         assert rec["values"]["3,2,2"]["nss"] < 5 - 0.1  # NSS ignores q: it loses nodes even here
         assert rec["dropped"] < 1e-6
     assert 1 <= len(emitted) <= 1 + 2 + 2
+
+
+def test_time_passes_records_every_forward_the_batch_labels_need(models):
+    """The timing record holds q's forward at b and b K rows and the target's at b tree sizes,
+    so that Eq. 11 prices every action of the capped grid at every batch size (the selector's
+    labels, ``selector.train.step_time``); a record without q's batched rows makes that raise."""
+    from vllm_anisotropic.selector.policy import action_grid
+    from vllm_anisotropic.selector.train import step_time
+
+    target, draft = models
+    timing = time_passes(target, draft, list(range(300, 340)), 4, 8, 8, repeats=1, batch_sizes=(1, 2, 4),
+                         max_drafts=4)
+    assert sorted(timing["t_q"]) == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert all(v > 0 for v in timing["t_q"].values())
+    for b in (1, 2, 4):
+        assert all(step_time(a, timing, b) > 0 for a in action_grid(4))
+    with pytest.raises(ValueError, match="no draft forward of 16 rows"):
+        step_time((4, 0, 1), {**timing, "t_q": {m: t for m, t in timing["t_q"].items() if m <= 4}}, 4)

@@ -37,20 +37,38 @@ def test_step_time_is_eq_11():
     # (2, 3, 4): 3 trunk forwards of one token, 4 branch forwards of two, one target pass of 12 nodes
     assert step_time((2, 3, 4), TIMING) == pytest.approx(3 * 0.1 + 4 * 0.12 + 0.3 + 0.01 * 12)
     assert step_time((1, 0, 0), TIMING) == pytest.approx(0.31)
-    # one of 4 requests: its own drafting, a quarter of the forward verifying the 4 trees (48 nodes)
-    timing = {**TIMING, "t_p": {**TIMING["t_p"], "48": 0.9}}
-    assert step_time((2, 3, 4), timing, 4) == pytest.approx(3 * 0.1 + 4 * 0.12 + 0.9 / 4)
+    # one of 4 requests: a quarter of q's trunk forwards of 4 rows, of its branch forwards of 8 rows
+    # and of the target forward verifying the 4 trees (48 nodes)
+    timing = {**TIMING, "t_p": {**TIMING["t_p"], "48": 0.9}, "t_q": {**TIMING["t_q"], "8": 0.3}}
+    assert step_time((2, 3, 4), timing, 4) == pytest.approx((3 * 0.2 + 4 * 0.3 + 0.9) / 4)
+    assert step_time((1, 0, 0), timing, 4) == pytest.approx((0.3 + 0.04) / 4)  # plain: no q forward needed
     with pytest.raises(ValueError, match="no target forward of 48 tokens"):
-        step_time((2, 3, 4), TIMING, 4)
+        step_time((2, 3, 4), {**TIMING, "t_q": timing["t_q"]}, 4)
+    with pytest.raises(ValueError, match="no draft forward of 8 rows"):
+        step_time((2, 3, 4), {**timing, "t_q": TIMING["t_q"]}, 4)
+
+
+def test_batch_labels_price_q_batched():
+    """q's forward of b rows serves b requests: when it costs little more than one row, a chain pays
+    in a wide batch; when it costs b rows' worth, it does not (the target's forward is the same in
+    both). Fails if a request of a batch is charged t_q(1) or t_q(K) (q drafted alone)."""
+    t_p = {str(n): 0.5 + 0.002 * n for n in range(1, 60)}
+    flat = {"t_q": {str(m): 0.08 for m in range(1, 33)}, "t_p": t_p}
+    per_row = {"t_q": {str(m): 0.08 * m for m in range(1, 33)}, "t_p": t_p}
+    value = 1 + sum(0.8 ** d for d in range(1, 7))  # chain of 6, E[tau + 1]
+    for timing, chain_pays in ((flat, True), (per_row, False)):
+        plain, chain = step_time((1, 0, 0), timing, 8), step_time((1, 6, 0), timing, 8) / value
+        assert (chain < plain) == chain_pays, (timing["t_q"]["8"], chain, plain)
+    assert step_time((2, 2, 2), flat, 8) == pytest.approx((2 * 0.08 + 2 * 0.08 + 0.5 + 0.002 * 56) / 8)
 
 
 def test_learns_which_shape_pays_from_the_batch_size(tmp_path):
     """The same roots at batch sizes 1 and 8, with a target forward that costs little more for
-    more tokens and drafting that each request pays alone: a long chain pays alone, plain
+    more tokens and q's forward that costs each row the same however many share it: a long chain pays alone, plain
     decoding in the wide batch. Fails if the batch size is not a feature, the times are not
     divided by the batch size, or the rows of one root get one batch size."""
     actions = [(1, 0, 0), (1, 2, 0), (1, 6, 0)]
-    timing = {"kind": "timing", "t_q": {str(k): 0.08 for k in range(1, 5)},
+    timing = {"kind": "timing", "t_q": {str(m): 0.08 * m for m in range(1, 33)},  # q: no gain from batching
               "t_p": {str(n): 0.5 + 0.002 * n for n in range(1, 60)}}
     vals = {f"{k},{l1},{l2}": {"greedy": 1 + sum(0.8 ** d for d in range(1, l1 + 1))} for k, l1, l2 in actions}
     roots = [{"kind": "root", "temperature": 0.0, "dataset": "d", "prompt": i, "context_len": 50 + i,

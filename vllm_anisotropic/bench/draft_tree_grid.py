@@ -26,7 +26,8 @@ target law too (greedy at T = 0; at T > 0 the NSS walk over the L1 = L1_max tree
 exactly the target's law): each later root is the previous one's next verification step.
 
 Timing for Eq. 11: ``--time`` measures the target's tree forward at each tree size and q's
-forward at batch 1..K_max once (the paper's "warm-up run"); ``--summarize`` divides each
+batched forward at 1..K_max rows once (the paper's "warm-up run"; ``--time-batch-sizes``: also
+for b requests, ``time_passes``); ``--summarize`` divides each
 action's mean E[tau + 1] by ``T(a) = L1 t_q(1) + L2 t_q(K) + t_p(1 + L1 + K L2)`` (the draft
 steps q runs on this implementation: one forward per trunk token, one batched forward of K
 per branch depth) for an estimate of tokens per second, reported next to the block efficiency.
@@ -45,6 +46,8 @@ import numpy as np
 import torch
 
 from vllm_anisotropic.bench.harness import load_model, tree_attention_mask
+from vllm_anisotropic.bench.machine import cpu_model
+from vllm_anisotropic.proposers.draft_batch import DraftBatch
 from vllm_anisotropic.proposers.draft_model import DelayedShape, DraftLM, delayed_tree
 from vllm_anisotropic.selector.features import entropy
 from vllm_anisotropic.selector.train import read_records, step_time
@@ -243,36 +246,45 @@ def draft_root_q(session, context) -> torch.Tensor:
 @torch.inference_mode()
 def time_passes(target: Target, draft: DraftLM, context: list[int], k_max: int, l1_max: int, l2_max: int,
                 repeats: int = 3, batch_sizes: tuple[int, ...] = (1,), max_drafts: int | None = None) -> dict:
-    """Eq. 11's t_p(n) (a tree forward of n nodes) and t_q(K) (q's forward of K tokens after a
-    cached context): median of ``repeats`` runs each, seconds. t_p is timed at every tree size
-    of the grid (trees of at most ``max_drafts`` drafts) times every one of ``batch_sizes``: b
-    requests' trees verified in one forward cost about one forward of b times the nodes (the
-    linears dominate; the b contexts' attention is left out)."""
+    """Eq. 11's t_p(n) (a tree forward of n nodes) and t_q(m) (q's forward of one token in each
+    of m rows, each row after its own cached copy of the context, batched as the engine's
+    ``DraftBatch`` runs it): median of ``repeats`` rounds over all sizes, seconds. t_p is timed at every tree
+    size of the grid (trees of at most ``max_drafts`` drafts) times every one of ``batch_sizes``:
+    b requests' trees verified in one forward cost about one forward of b times the nodes (the
+    linears dominate; the b contexts' attention is left out). t_q is timed at m = b and b K for
+    every b of ``batch_sizes`` and K up to ``k_max`` (``selector.train.step_time``)."""
     target.reset(context)
     sizes = sorted({b * (1 + l1 + k * l2) for k in range(1, k_max + 1) for l1 in range(l1_max + 1)
                     for l2 in range(l2_max + 1) for b in batch_sizes
                     if max_drafts is None or l1 + k * l2 <= max_drafts})
-    t_p = {}
-    for n in sizes:
-        tree = DraftTree(tokens=[context[-1]] * n, parents=[-1] + list(range(n - 1)))
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            target.tree_logits(tree)
-            runs.append(time.perf_counter() - t0)
-        t_p[n] = float(np.median(runs))
+    rows = sorted({b * k for b in batch_sizes for k in range(1, k_max + 1)} | set(batch_sizes))
     session = draft.new_session()
     session.root_logits(context)
-    t_q = {}
-    for k in range(1, k_max + 1):
-        runs = []
-        for _ in range(repeats):
-            br = session.branch(k)
-            t0 = time.perf_counter()
-            br.step(torch.full((k,), int(context[-1])))
-            runs.append(time.perf_counter() - t0)
-            br.close()
-        t_q[k] = float(np.median(runs))
+
+    def target_pass(n: int) -> float:
+        tree = DraftTree(tokens=[context[-1]] * n, parents=[-1] + list(range(n - 1)))
+        t0 = time.perf_counter()
+        target.tree_logits(tree)
+        return time.perf_counter() - t0
+
+    def draft_pass(m: int) -> float:
+        batch = DraftBatch(draft, [session])  # the engine's joined cache, each row a copy of the context's
+        batch.repeat(m)
+        t0 = time.perf_counter()
+        batch.forward([[int(context[-1])]] * m)
+        return time.perf_counter() - t0
+
+    # every size once per round, so that a slow spell of the machine spreads over the sizes
+    # instead of landing on one of them
+    runs_p: dict[int, list[float]] = defaultdict(list)
+    runs_q: dict[int, list[float]] = defaultdict(list)
+    for _ in range(repeats):
+        for n in sizes:
+            runs_p[n].append(target_pass(n))
+        for m in rows:
+            runs_q[m].append(draft_pass(m))
+    t_p = {n: float(np.median(r)) for n, r in runs_p.items()}
+    t_q = {m: float(np.median(r)) for m, r in runs_q.items()}
     return {"t_p": t_p, "t_q": t_q, "context_len": len(context), "batch_sizes": list(batch_sizes)}
 
 
@@ -357,10 +369,14 @@ def main(argv=None) -> None:
     ap.add_argument("--time", action="store_true", help="also record Eq. 11's pass times (first prompt)")
     ap.add_argument("--time-only", action="store_true", help="record Eq. 11's pass times and no roots")
     ap.add_argument("--time-batch-sizes", default="1",
-                    help="comma-separated batch sizes b: t_p is also timed at b times every tree size (the "
-                         "selector's batch-size labels, selector.train)")
+                    help="comma-separated batch sizes b: t_p is also timed at b times every tree size and t_q at "
+                         "b and b K rows (the selector's batch-size labels, selector.train)")
+    ap.add_argument("--time-repeats", type=int, default=3, help="runs per timed forward (their median is recorded)")
     ap.add_argument("--time-max-drafts", type=int, default=None,
                     help="time only trees of at most this many drafts (with large --time-batch-sizes)")
+    ap.add_argument("--linears", default="torch", choices=["torch", "vllm"],
+                    help="the target's and q's linear layers on torch's GEMM, or on vLLM's CPU GEMM as the "
+                         "engine runs them (integration/vllm/kernels/cpu_gemm.py; the CPU platform only)")
     ap.add_argument("--out", help="JSONL, appended")
     ap.add_argument("--summarize", metavar="JSONL", help="print the tables of a finished run (.jsonl or .jsonl.gz) and exit")
     args = ap.parse_args(argv)
@@ -377,6 +393,11 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     target = Target(args.target, dtype)
     draft = DraftLM(args.draft, dtype=dtype)
+    if args.linears == "vllm":
+        from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import use_vllm_cpu_gemm
+
+        if not (use_vllm_cpu_gemm(target.model) and use_vllm_cpu_gemm(draft.model)):
+            ap.error("--linears vllm: vLLM's platform is not the CPU")
     gen = torch.Generator().manual_seed(args.seed)
     jobs = []
     for ds in args.datasets.split(","):
@@ -385,10 +406,11 @@ def main(argv=None) -> None:
             jobs.append((ds, i, target.tokenizer.encode(text, add_special_tokens=False)))
     with open(args.out, "a") as f:
         if args.time or args.time_only:
-            rec = {"kind": "timing", "dtype": args.dtype,
+            rec = {"kind": "timing", "dtype": args.dtype, "linears": args.linears, "cpu": cpu_model(),
+                   "threads": torch.get_num_threads(),
                    **time_passes(target, draft, jobs[0][2], args.k_max, args.l1_max, args.l2_max,
                                  batch_sizes=tuple(int(b) for b in args.time_batch_sizes.split(",")),
-                                 max_drafts=args.time_max_drafts)}
+                                 max_drafts=args.time_max_drafts, repeats=args.time_repeats)}
             f.write(json.dumps(rec) + "\n")
             f.flush()
         if args.time_only:

@@ -9,18 +9,19 @@ came from); what changes is that each depth is one forward of q for every reques
    a new request's prompt runs alone first, ``PREFILL_ALONE``) in one forward of all rows,
    which gives every root law at once;
 2. **shapes**: the selector's (K, L1, L2) per request from its root law, or the fixed shape;
-   requests grouped by shape;
-3. per group, **trunk**: L1 forwards of one token per row; **branches**: the rows repeated K
-   times, L2 - 1 forwards of one token per branch.
+3. **trunk**: one forward per depth of one token per row, for every request whose trunk goes
+   that deep; **branches**: each row repeated its request's K times, one forward per depth of
+   one token per branch of every request. Whatever the shapes, the catch-up is followed by at
+   most max(L1) + max(L2) - 1 forwards; a row with nothing to run at a depth rides along
+   masked, like padding.
 
 KV: ``DraftBatch`` joins the requests' caches (``DraftSession.cache``, one per request) into one
 batch cache, each row's tokens from position 0 and zero padding after them, an attention mask of
 the valid entries, and each row's own positions (RoPE): tokens appended in a step land after the
 widest row, with masked holes before them in the narrower ones. ``split`` copies each row's valid
 entries back into its session (the context plus the trunk, as ``delayed_tree`` leaves it); the
-branch rows are dropped. Cost: the joined cache is a copy of the rows' KV, made once per step (and
-once more per shape group after the first), against one weight pass of q per depth for the whole
-batch instead of one per request.
+branch rows are dropped. Cost: the joined cache is a copy of the rows' KV, made once per step,
+against one weight pass of q per depth for the whole batch instead of one per request.
 
 q's head runs on the rows' last valid positions only (the decoder's hidden states, then the
 output embedding): causal LMs whose logits are a linear map of the last hidden state (Llama,
@@ -92,8 +93,9 @@ class DraftBatch:
 
     @torch.inference_mode()
     def forward(self, tokens: list[list[int]]) -> torch.Tensor:
-        """Append row b's ``tokens[b]`` (at least one each) and run them: q's logits after each
-        row's last token, ``[rows, vocab]`` float32."""
+        """Append row b's ``tokens[b]`` and run them: q's logits after each row's last token,
+        ``[rows, vocab]`` float32. A row given no token (its tree needs nothing more at this depth)
+        gets a masked column, like the padding, and a meaningless logits row."""
         counts = torch.tensor([len(t) for t in tokens], dtype=torch.long)
         width = int(counts.max())
         ids = torch.zeros(self.rows, width, dtype=torch.long)
@@ -106,21 +108,24 @@ class DraftBatch:
         hidden = model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device),
                                      position_ids=positions.to(device), past_key_values=self.cache,
                                      use_cache=True).last_hidden_state
-        last = hidden[torch.arange(self.rows, device=device), (counts - 1).to(device)]
+        last = hidden[torch.arange(self.rows, device=device), (counts - 1).clamp(min=0).to(device)]
         self.mask, self.next_position = mask, self.next_position + counts
         for row, owner, t in zip(self.tokens, self.owner, tokens):
             row.extend(int(x) for x in t)
             self.sessions[owner].forwarded += len(t)
         return model.get_output_embeddings()(last).float()
 
-    def repeat(self, k: int) -> None:
-        """Each row becomes ``k`` consecutive rows (the branches of its trunk's end)."""
-        if k > 1:
-            self.cache.batch_repeat_interleave(k)
-            self.mask = self.mask.repeat_interleave(k, dim=0)
-            self.next_position = self.next_position.repeat_interleave(k)
-            self.tokens = [list(t) for t in self.tokens for _ in range(k)]
-            self.owner = [o for o in self.owner for _ in range(k)]
+    def repeat(self, counts) -> None:
+        """Row b becomes ``counts[b]`` consecutive rows (the branches of its trunk's end; 0 drops
+        it); an int repeats every row that often."""
+        counts = [counts] * self.rows if isinstance(counts, int) else [int(c) for c in counts]
+        if all(c == 1 for c in counts):
+            return
+        index = torch.repeat_interleave(torch.arange(self.rows), torch.tensor(counts, dtype=torch.long))
+        self.cache.batch_select_indices(index.to(self.lm.device))
+        self.mask, self.next_position = self.mask[index], self.next_position[index]
+        self.tokens = [list(self.tokens[b]) for b in index.tolist()]
+        self.owner = [self.owner[b] for b in index.tolist()]
 
     def split(self) -> None:
         """Each row's valid entries back into its session (one cache per request again)."""
@@ -174,7 +179,7 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
     elif drafting:
         batch, logits = _catch_up(proposer.lm, [states[r].session for r in drafting], [contexts[r] for r in drafting])
         root_laws = _laws(logits, [states[r].sampling for r in drafting])
-        shapes = {}
+        shapes = []
         for j, r in enumerate(drafting):
             shape = fixed
             if selector is not None:
@@ -182,19 +187,13 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
                 shape = selector.choose(root_features(root_laws[j], len(contexts[r]), temperature, top_p,
                                                       proposer.step_requests))
                 proposer.count_shape(shape)
-            shapes.setdefault(shape, []).append(j)
-        groups = list(shapes.items())
-        if len(groups) > 1:
-            batch.split()  # every session holds its context; each group joins its own rows
-        for shape, members in groups:
-            group = batch if len(groups) == 1 else DraftBatch(proposer.lm, [batch.sessions[j] for j in members])
-            drawn = _delayed_trees(group, shape, [states[drafting[j]] for j in members], root_laws[members],
-                                   [int(contexts[drafting[j]][-1]) for j in members])
-            for j, tree in zip(members, drawn):
-                r = drafting[j]
-                limit = node_budget(1 + shape.num_drafts, budgets[r])
-                trees[r] = tree if limit >= tree.num_nodes else tree.truncate(limit)
-                states[r].last_info = ProposalInfo(ProposalMode.TREE if shape.num_drafts else ProposalMode.PLAIN)
+            shapes.append(shape)
+        drawn = _delayed_trees(batch, shapes, [states[r] for r in drafting], root_laws,
+                               [int(contexts[r][-1]) for r in drafting])
+        for r, shape, tree in zip(drafting, shapes, drawn):
+            limit = node_budget(1 + shape.num_drafts, budgets[r])
+            trees[r] = tree if limit >= tree.num_nodes else tree.truncate(limit)
+            states[r].last_info = ProposalInfo(ProposalMode.TREE if shape.num_drafts else ProposalMode.PLAIN)
     modes = np.array([MODE_CODES[s.last_info.mode] for s in states], np.int8)
     prev_roots = np.where(lengths >= 2, token_ids[rows, np.maximum(lengths - 2, 0)], -1).astype(np.int64)
     return DraftProposals(FlatTrees.from_trees(trees), modes, prev_roots)
@@ -220,57 +219,75 @@ def _catch_up(lm, sessions: list, contexts: list) -> tuple[DraftBatch, torch.Ten
     return batch, logits
 
 
-def _delayed_trees(batch: DraftBatch, shape: DelayedShape, states: list, laws: torch.Tensor, roots: list) -> list:
+def _delayed_trees(batch: DraftBatch, shapes: list, states: list, laws: torch.Tensor, roots: list) -> list:
     """``draft_model.delayed_tree`` for every row of ``batch`` (one request each, its context
-    cached, ``laws`` ``[rows, vocab]`` the root laws): one forward per trunk depth and per
-    branch depth for all rows; each request's draws from its own generator in
-    ``delayed_tree``'s order. The sessions end holding their context and trunk."""
-    parents = shape_parents(shape)
-    n, rows = parents.size, batch.rows
+    cached, ``laws`` ``[rows, vocab]`` the root laws, ``shapes[b]`` row b's (K, L1, L2)): one
+    forward per trunk depth for all rows whose trunk goes that deep, then one per branch depth
+    for all branches of all rows (rows that need nothing at a depth ride along masked); each
+    request's draws from its own generator in ``delayed_tree``'s order. The sessions end holding
+    their context and trunk."""
+    rows = batch.rows
+    parents = [shape_parents(shape) for shape in shapes]
+    size = [p.size for p in parents]
     samplings = [s.sampling for s in states]
-    sampled = [not s.greedy for s in samplings]
-    tokens = np.zeros((rows, n), np.int64)
-    tokens[:, 0] = roots
-    values = np.ones((rows, n))
-    q_rows = [torch.zeros(n, laws.shape[-1]) if sampled[b] else None for b in range(rows)]
-    node = 0
-    for _ in range(shape.trunk):  # node + 1 drawn after node, every row at once
-        drawn = []
+    tokens = [np.zeros(n, np.int64) for n in size]
+    values = [np.ones(n) for n in size]
+    q_rows = [None if samplings[b].greedy else torch.zeros(size[b], laws.shape[-1]) for b in range(rows)]
+    for b in range(rows):
+        tokens[b][0] = roots[b]
+    for depth in range(max(shape.trunk for shape in shapes)):  # node depth + 1 drawn after node depth
+        step = [[] for _ in range(rows)]
         for b, state in enumerate(states):
+            if shapes[b].trunk <= depth:
+                continue
             if q_rows[b] is not None:
-                q_rows[b][node] = laws[b]
-            drawn.append(int(_draw(laws[b][None], samplings[b], state.generator)[0]))
-        node += 1
-        tokens[:, node] = drawn
-        values[:, node] = values[:, node - 1] * laws[torch.arange(rows), torch.tensor(drawn)].double().numpy()
-        if node < n - 1:  # q after the new nodes only if something hangs below them
-            laws = _laws(batch.forward([[t] for t in drawn]), samplings)
-    if shape.branch_length == 0:
-        batch.split()
-        return [_tree(tokens[b], parents, values[b], q_rows[b]) for b in range(rows)]
-    k = shape.branches
-    first = []
-    for b, state in enumerate(states):
-        if q_rows[b] is not None:
-            q_rows[b][node] = laws[b]
-        first.append(torch.topk(laws[b], k).indices if not sampled[b]
-                     else _draw(laws[b].expand(k, -1), samplings[b], state.generator))
-    current = torch.stack(first)  # [rows, K]
-    current_values = values[:, node, None] * laws.gather(1, current).double().numpy()
+                q_rows[b][depth] = laws[b]
+            token = int(_draw(laws[b][None], samplings[b], state.generator)[0])
+            tokens[b][depth + 1], values[b][depth + 1] = token, values[b][depth] * float(laws[b, token])
+            if depth + 1 < size[b] - 1:  # q after the new node only if something hangs below it
+                step[b] = [token]
+        if any(step):
+            ran = [b for b in range(rows) if step[b]]
+            logits = batch.forward(step)
+            laws = laws.clone()
+            laws[ran] = _laws(logits[ran], [samplings[b] for b in ran])
+    ks = [shape.branches if shape.branch_length else 0 for shape in shapes]
+    current, current_values = {}, {}
+    for b, state in enumerate(states):  # the first branch nodes, drawn from the law after the trunk
+        if ks[b]:
+            end = shapes[b].trunk
+            if q_rows[b] is not None:
+                q_rows[b][end] = laws[b]
+            current[b] = (torch.topk(laws[b], ks[b]).indices if samplings[b].greedy
+                          else _draw(laws[b].expand(ks[b], -1), samplings[b], state.generator))
+            current_values[b] = values[b][end] * laws[b][current[b]].double().numpy()
     batch.split()  # the sessions keep context + trunk; the branches run on the joined copy
-    batch.repeat(k)
-    branch_samplings = [s for s in samplings for _ in range(k)]
-    for depth in range(shape.branch_length):
-        ids = 1 + shape.trunk + depth * k + np.arange(k)  # this depth's K nodes of every tree
-        tokens[:, ids], values[:, ids] = current.numpy(), current_values
-        if depth == shape.branch_length - 1:
-            break
-        step = _laws(batch.forward([[int(t)] for t in current.flatten()]), branch_samplings).view(rows, k, -1)
-        drawn = []
-        for b, state in enumerate(states):
-            if q_rows[b] is not None:
-                q_rows[b][ids] = step[b]
-            drawn.append(_draw(step[b], samplings[b], state.generator))
-        current = torch.stack(drawn)
-        current_values = current_values * step.gather(2, current[:, :, None])[:, :, 0].double().numpy()
-    return [_tree(tokens[b], parents, values[b], q_rows[b]) for b in range(rows)]
+    if current:
+        batch.repeat(ks)
+        first_row = np.cumsum([0] + ks[:-1])  # request b's branches are rows first_row[b] ..
+        step = [[] for _ in range(sum(ks))]
+        for depth in range(max(shape.branch_length for shape in shapes)):
+            step = [[] for _ in step]
+            for b in current:
+                shape = shapes[b]
+                if shape.branch_length <= depth:
+                    continue
+                ids = 1 + shape.trunk + depth * shape.branches + np.arange(shape.branches)  # this depth's K nodes
+                tokens[b][ids], values[b][ids] = current[b].numpy(), current_values[b]
+                if depth < shape.branch_length - 1:
+                    for i, t in enumerate(current[b].tolist()):
+                        step[first_row[b] + i] = [int(t)]
+            if not any(step):
+                break
+            logits = batch.forward(step)
+            for b, state in enumerate(states):
+                first = first_row[b]
+                if b not in current or not step[first]:
+                    continue
+                law = _laws(logits[first : first + ks[b]], [samplings[b]] * ks[b])
+                ids = 1 + shapes[b].trunk + depth * ks[b] + np.arange(ks[b])
+                if q_rows[b] is not None:
+                    q_rows[b][ids] = law
+                current[b] = _draw(law, samplings[b], state.generator)
+                current_values[b] = current_values[b] * law.gather(1, current[b][:, None])[:, 0].double().numpy()
+    return [_tree(tokens[b], parents[b], values[b], q_rows[b]) for b in range(rows)]

@@ -44,21 +44,28 @@ VERIFIERS = ("traversal", "specinfer", "spectr", "khisti", "naive_tree", "naive"
 
 
 def step_time(action: tuple[int, int, int], timing: dict, batch_size: int = 1) -> float:
-    """Eq. 11 with pass times measured at one context length, for one of ``batch_size`` requests
-    drafting the same shape in a step: ``L1 t_q(1) + L2 t_q(K) + t_p(b (1 + L1 + K L2)) / b``
-    seconds. Each request drafts alone (as the engine ran q when the shipped selector was
-    trained; it now batches q over a step's requests, ``proposers/draft_batch.py``), the b trees are
-    verified in one target forward (``timing``: a ``draft_tree_grid --time`` record; keys may be
-    strings, as JSON stores them). Raises ValueError if the record lacks that forward's size."""
+    """Eq. 11 with pass times measured at one context length, for one of the b = ``batch_size``
+    requests drafting the same shape in a step: ``(L1 t_q(b) + L2 t_q(b K)) / b + t_p(b (1 + L1 + K L2)) / b``
+    seconds. q runs batched over the step's requests as the engine runs it
+    (``proposers/draft_batch.py``: one forward of b rows per trunk depth, one of b K rows per branch
+    depth) and the b trees are verified in one target forward (``timing``: a ``draft_tree_grid
+    --time`` record, t_q and t_p by rows / tokens; keys may be strings, as JSON stores them). At
+    b = 1 this is the paper's ``L1 t_q(1) + L2 t_q(K) + t_p(1 + L1 + K L2)``. Raises ValueError if
+    the record lacks a forward the action needs."""
     k, l1, l2 = action
     t_p = {int(n): float(v) for n, v in timing["t_p"].items()}
     t_q = {int(n): float(v) for n, v in timing["t_q"].items()}
-    n = batch_size * (1 + l1 + k * l2)
+    b = batch_size
+    n = b * (1 + l1 + k * l2)
+    hint = (f"(action {action} at batch size {b}); time it with `draft_tree_grid --time-only --time-batch-sizes {b}`, "
+            f"or leave that batch size out")
     if n not in t_p:
-        raise ValueError(f"the timing record has no target forward of {n} tokens (action {action} at batch size "
-                         f"{batch_size}); time it with `draft_tree_grid --time-only --time-batch-sizes "
-                         f"{batch_size}`, or leave that batch size out")
-    return l1 * t_q[1] + l2 * t_q[k] + t_p[n] / batch_size
+        raise ValueError(f"the timing record has no target forward of {n} tokens {hint}")
+    rows = [m for m, count in ((b, l1), (b * k, l2)) if count]
+    if missing := [m for m in rows if m not in t_q]:
+        raise ValueError(f"the timing record has no draft forward of {missing[0]} rows {hint}")
+    drafting = (l1 * t_q[b] if l1 else 0.0) + (l2 * t_q[b * k] if l2 else 0.0)
+    return (drafting + t_p[n]) / b
 
 
 @dataclass
