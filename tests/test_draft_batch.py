@@ -21,6 +21,7 @@ from test_selector_runtime import threshold_selector
 from vllm_anisotropic.models.tiny import build_tiny_model
 from vllm_anisotropic.proposers import get_proposer
 from vllm_anisotropic.proposers.draft_batch import PREFILL_ALONE
+from vllm_anisotropic.selector.shape import DelayedShape
 from vllm_anisotropic.verifiers import TargetSampling
 
 SAMPLED = TargetSampling(temperature=0.8, top_k=-1, top_p=0.9)
@@ -174,3 +175,44 @@ def test_a_step_with_one_drafting_request_drafts_on_its_cache_in_place(draft_dir
     assert out.trees.sizes().tolist() == [1, ref.num_nodes, 1] and out.modes.tolist() == [0, 1, 0]
     assert len(calls_a) == len(calls_b) == 1 + 1 + 1  # the context, the trunk's end, one branch depth
     assert sa[1].session.forwarded == sb[1].session.forwarded and sa[0].session.forwarded == 0
+
+
+class _ByContextLength:
+    """A stand-in selector: request r's shape follows its context length (so the batched step and
+    the one-at-a-time reference give each request the same shape, in whatever order they ask)."""
+
+    SHAPES = [DelayedShape(1, 3, 0), DelayedShape(2, 0, 3), DelayedShape(3, 1, 2), DelayedShape(1, 0, 1)]
+    max_drafts = 9
+
+    def may_draft(self, *args, **kwargs) -> bool:
+        return True
+
+    def choose(self, features) -> DelayedShape:
+        return self.SHAPES[int(round(np.expm1(features[1]))) % len(self.SHAPES)]
+
+
+def test_branches_of_different_widths_and_lengths_share_each_depths_forward(draft_dir):
+    """Four requests, four shapes in every step: a chain, K = 2 branches of 3 from the root,
+    K = 3 of 2 after one trunk token, K = 1 of 1. The branch rows are 0 / 2 / 3 / 1 per request,
+    and the branches end at different depths. Fails if a request's branches read another's rows,
+    if rows whose branches ended are run or stop the others, or if one width is assumed."""
+    (pa, sa), (pb, sb) = _twins(draft_dir, 4, selector="off")
+    for p in (pa, pb):
+        p.selector = _ByContextLength()
+    tokens, lengths = _contexts([12, 13, 14, 15], seed=5)
+    calls = _forwards(pa)
+    for step in range(3):
+        calls.clear()
+        out = pa.propose_batch(sa, tokens, np.arange(4), lengths)
+        for i, state in enumerate(sb):
+            _same(out.trees.tree(i), state.propose(tokens[i, : lengths[i]]))
+        shapes = [_ByContextLength.SHAPES[n % 4] for n in lengths]
+        assert len(set(shapes)) >= 3, shapes
+        trunk = max(s.trunk - (s.branch_length == 0) for s in shapes)  # a chain's last node runs no forward
+        assert len(calls) == 1 + trunk + max(s.branch_length - 1 for s in shapes), (step, shapes, len(calls))
+        for i in range(4):
+            add = [int(out.trees.tree(i).tokens[1])] if out.trees.tree(i).num_nodes > 1 else []
+            add.append(int(np.random.default_rng(step * 10 + i).integers(100, 5000)))
+            tokens[i, lengths[i] : lengths[i] + len(add)] = add
+            lengths[i] += len(add)
+    assert [s.session.tokens for s in sa] == [s.session.tokens for s in sb]
