@@ -35,10 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_anisotropic.proposers.base import MODE_CODES, ProposalInfo, ProposalMode, node_budget, root_only
-from vllm_anisotropic.proposers.draft_common import _draw, _tree, shape_parents
-from vllm_anisotropic.selector.features import root_features
-from vllm_anisotropic.selector.shape import DelayedShape
+from vllm_anisotropic.proposers.base import MODE_CODES, root_only
+from vllm_anisotropic.proposers.draft_common import _draw, _law, _tree, shape_parents
 from vllm_anisotropic.tree import FlatTrees
 from vllm_anisotropic.verifiers.sampling import target_probs
 
@@ -143,15 +141,19 @@ class DraftBatch:
 
 def _laws(logits: torch.Tensor, samplings: list) -> torch.Tensor:
     """``[rows, vocab]`` law of each row's draws: q processed like the target's for its request
-    (``samplings[b]``; raw softmax for greedy ones), as ``draft_model._law`` does row by row."""
-    out = logits.softmax(dim=-1)
+    (``samplings[b]``; raw softmax for greedy ones), as ``draft_common._law`` does for one sampling."""
     sampled = [b for b, s in enumerate(samplings) if not s.greedy]
-    if sampled:
-        index = torch.tensor(sampled, dtype=torch.long)
-        out[index] = target_probs(logits[index].float().cpu(),
-                                  torch.tensor([float(samplings[b].temperature) for b in sampled]),
-                                  torch.tensor([int(samplings[b].top_k) for b in sampled]),
-                                  torch.tensor([float(samplings[b].top_p) for b in sampled])).to(out)
+    if not sampled:
+        return logits.softmax(dim=-1)
+    out = torch.empty_like(logits)
+    greedy = torch.tensor([b for b, s in enumerate(samplings) if s.greedy], dtype=torch.long)
+    if greedy.numel():
+        out[greedy] = logits[greedy].softmax(dim=-1)
+    index = torch.tensor(sampled, dtype=torch.long)
+    out[index] = target_probs(logits[index].float().cpu(),
+                              torch.tensor([float(samplings[b].temperature) for b in sampled]),
+                              torch.tensor([int(samplings[b].top_k) for b in sampled]),
+                              torch.tensor([float(samplings[b].top_p) for b in sampled])).to(out)
     return out
 
 
@@ -163,7 +165,6 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
     n = len(states)
     contexts = [token_ids[rows[r], : lengths[r]] for r in range(n)]
     budgets = [None if max_nodes is None or max_nodes[r] <= 0 else int(max_nodes[r]) for r in range(n)]
-    selector, fixed = proposer.selector, proposer.shape
     trees: list = [None] * n
     drafting = []
     for r, state in enumerate(states):
@@ -179,21 +180,11 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
     elif drafting:
         batch, logits = _catch_up(proposer.lm, [states[r].session for r in drafting], [contexts[r] for r in drafting])
         root_laws = _laws(logits, [states[r].sampling for r in drafting])
-        shapes = []
-        for j, r in enumerate(drafting):
-            shape = fixed
-            if selector is not None:
-                temperature, top_p = states[r].selector_sampling()
-                shape = selector.choose(root_features(root_laws[j], len(contexts[r]), temperature, top_p,
-                                                      proposer.step_requests))
-                proposer.count_shape(shape)
-            shapes.append(shape)
+        shapes = [states[r].shape_for(contexts[r], root_laws[j]) for j, r in enumerate(drafting)]
         drawn = _delayed_trees(batch, shapes, [states[r] for r in drafting], root_laws,
                                [int(contexts[r][-1]) for r in drafting])
         for r, shape, tree in zip(drafting, shapes, drawn):
-            limit = node_budget(1 + shape.num_drafts, budgets[r])
-            trees[r] = tree if limit >= tree.num_nodes else tree.truncate(limit)
-            states[r].last_info = ProposalInfo(ProposalMode.TREE if shape.num_drafts else ProposalMode.PLAIN)
+            trees[r] = states[r].cut(tree, shape, budgets[r])
     modes = np.array([MODE_CODES[s.last_info.mode] for s in states], np.int8)
     prev_roots = np.where(lengths >= 2, token_ids[rows, np.maximum(lengths - 2, 0)], -1).astype(np.int64)
     return DraftProposals(FlatTrees.from_trees(trees), modes, prev_roots)
@@ -206,12 +197,7 @@ def _catch_up(lm, sessions: list, contexts: list) -> tuple[DraftBatch, torch.Ten
     vocab])``, each session's context all cached."""
     contexts = [[int(t) for t in c] for c in contexts]
     for session, context in zip(sessions, contexts):
-        common = 0
-        for a, b in zip(session.tokens, context):
-            if a != b:
-                break
-            common += 1
-        session.crop(min(common, len(context) - 1))
+        session.keep_common(context)
         if len(context) - 1 - len(session.tokens) > PREFILL_ALONE:
             session.extend(context[len(session.tokens) : -1])
     batch = DraftBatch(lm, sessions)
@@ -235,6 +221,7 @@ def _delayed_trees(batch: DraftBatch, shapes: list, states: list, laws: torch.Te
     q_rows = [None if samplings[b].greedy else torch.zeros(size[b], laws.shape[-1]) for b in range(rows)]
     for b in range(rows):
         tokens[b][0] = roots[b]
+    laws = laws.clone()  # row b's law is replaced as its trunk grows
     for depth in range(max(shape.trunk for shape in shapes)):  # node depth + 1 drawn after node depth
         step = [[] for _ in range(rows)]
         for b, state in enumerate(states):
@@ -249,7 +236,6 @@ def _delayed_trees(batch: DraftBatch, shapes: list, states: list, laws: torch.Te
         if any(step):
             ran = [b for b in range(rows) if step[b]]
             logits = batch.forward(step)
-            laws = laws.clone()
             laws[ran] = _laws(logits[ran], [samplings[b] for b in ran])
     ks = [shape.branches if shape.branch_length else 0 for shape in shapes]
     current, current_values = {}, {}
@@ -265,9 +251,8 @@ def _delayed_trees(batch: DraftBatch, shapes: list, states: list, laws: torch.Te
     if current:
         batch.repeat(ks)
         first_row = np.cumsum([0] + ks[:-1])  # request b's branches are rows first_row[b] ..
-        step = [[] for _ in range(sum(ks))]
         for depth in range(max(shape.branch_length for shape in shapes)):
-            step = [[] for _ in step]
+            step = [[] for _ in range(sum(ks))]
             for b in current:
                 shape = shapes[b]
                 if shape.branch_length <= depth:
@@ -284,7 +269,7 @@ def _delayed_trees(batch: DraftBatch, shapes: list, states: list, laws: torch.Te
                 first = first_row[b]
                 if b not in current or not step[first]:
                     continue
-                law = _laws(logits[first : first + ks[b]], [samplings[b]] * ks[b])
+                law = _law(logits[first : first + ks[b]], samplings[b])
                 ids = 1 + shapes[b].trunk + depth * ks[b] + np.arange(ks[b])
                 if q_rows[b] is not None:
                     q_rows[b][ids] = law

@@ -110,13 +110,18 @@ class DraftSession:
         context = [int(t) for t in context]
         if not context:
             raise ValueError("the context must hold at least the root token")
+        self.keep_common(context)
+        return self.extend(context[len(self.tokens):])[0, -1]
+
+    def keep_common(self, context: list[int]) -> None:
+        """Crop the cache to its longest common prefix with ``context``, short of the root (whose
+        logits are needed: it always runs again)."""
         common = 0
         for a, b in zip(self.tokens, context):
             if a != b:
                 break
             common += 1
-        self.crop(min(common, len(context) - 1))  # the root's logits are needed: run it again
-        return self.extend(context[len(self.tokens):])[0, -1]
+        self.crop(min(common, len(context) - 1))
 
     def crop(self, keep: int) -> None:
         """Keep the first ``keep`` cached tokens."""
@@ -289,17 +294,31 @@ class DraftTreeState(RequestState):
 
     def draft(self, context_tokens: np.ndarray, max_nodes: int | None = None) -> DraftTree:
         """``propose``'s tree once ``wants_q`` said yes."""
-        selector, shape, root_law = self.proposer.selector, self.proposer.shape, None
-        if selector is not None:
-            # the shape from what is known before any draft is drawn (the i.i.d. branches stay i.i.d.)
-            temperature, top_p = self.selector_sampling()
+        root_law = None
+        if self.proposer.selector is not None:
             root_law = root_law_of(self.session, context_tokens, self.sampling)
-            shape = selector.choose(root_features(root_law, len(context_tokens), temperature, top_p,
-                                                  self.proposer.step_requests))
-            self.proposer.count_shape(shape)
-        limit = node_budget(1 + shape.num_drafts, max_nodes)
-        self.last_info = ProposalInfo(ProposalMode.TREE)
+        shape = self.shape_for(context_tokens, root_law)
         tree = delayed_tree(self.session, context_tokens, shape, self.sampling, self.generator, root_law)
+        return self.cut(tree, shape, max_nodes)
+
+    def shape_for(self, context_tokens: np.ndarray, root_law: torch.Tensor | None) -> DelayedShape:
+        """The selector's shape for this root, from what is known before any draft is drawn (the
+        i.i.d. branches stay i.i.d.; ``root_law``: q's processed law at the root), counted; the
+        fixed shape without a selector."""
+        selector = self.proposer.selector
+        if selector is None:
+            return self.proposer.shape
+        temperature, top_p = self.selector_sampling()
+        shape = selector.choose(root_features(root_law, len(context_tokens), temperature, top_p,
+                                              self.proposer.step_requests))
+        self.proposer.count_shape(shape)
+        return shape
+
+    def cut(self, tree: DraftTree, shape: DelayedShape, max_nodes: int | None) -> DraftTree:
+        """``tree`` (drafted in ``shape``) cut to the node budget after drawing, ``last_info`` set
+        (a shape without drafts is a plain step)."""
+        self.last_info = ProposalInfo(ProposalMode.TREE if shape.num_drafts else ProposalMode.PLAIN)
+        limit = node_budget(1 + shape.num_drafts, max_nodes)
         return tree if limit >= tree.num_nodes else tree.truncate(limit)
 
 
