@@ -6,8 +6,11 @@ binary trees; R requests x n draft nodes over ``ctx`` context tokens. Median of 
 each) after a warm call. Next to the two paths, ``kernel``: one call of vLLM's CPU kernel for
 the same R x (n + 1) query rows, causal, over the same caches: what the rows' context part costs
 when each row reads its context once (the CUDA split's context pass; vLLM's CPU kernel returns
-no log-sum-exp, so its output cannot be merged with a dense tree part). Usage:
-.venv/bin/python scripts/cpu_tree_rows_cost.py [--contexts 256,1024,4096]
+no log-sum-exp, so its output cannot be merged with a dense tree part), and ``chain``: the
+same call over each request's root and leading chain only (R x (c + 1) rows), the first
+kernel call of a tree step since ``TreeCPUAttentionImpl._main_plan``; a step's attention was
+``kernel`` + the tree rows and is ``chain`` + the tree rows. Usage:
+.venv/bin/python scripts/cpu_tree_rows_cost.py [--contexts 256,1024,4096] [--dtype float32]
 (records: docs/measurements/cpu/tree_rows_paths_vs_recompute_2026_11_26.txt,
 tree_rows_by_context_2026_11_28.txt)
 """
@@ -58,7 +61,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default=None,
                     help="comma-separated contexts: R in 1,4 x n = 8 at each (default: the fixed shapes)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
+    global DTYPE
+    DTYPE = getattr(torch, args.dtype)
     shapes = SHAPES if not args.contexts else [
         (r, 8, int(c)) for c in args.contexts.split(",") for r in (1, 4)]
     torch.set_num_threads(1)
@@ -82,10 +88,15 @@ def main() -> None:
                                  query_start_loc=torch.arange(0, tokens + 1, n + 1, dtype=torch.int32),
                                  block_table=torch.arange(reqs * per, dtype=torch.int32).view(reqs, per))
             kernel = kernel_call(impl, layer, q, kv, md)
+            c = tree.chain_prefix()  # the first call's rows: root and leading chain
+            chain = kernel_call(impl, layer, q[: reqs * (c + 1)], kv, SimpleNamespace(
+                seq_lens=torch.full((reqs,), ctx + c, dtype=torch.int32),
+                query_start_loc=torch.arange(0, reqs * (c + 1) + 1, c + 1, dtype=torch.int32),
+                block_table=md.block_table))
             probe = TreePlan([*range(reqs)], FlatTrees.from_trees([tree] * reqs))
             slim = impl._path_plan(probe, md, BS, DTYPE, ISA) is not None  # else the engine takes the recompute
             res = {"paths": float("nan")}
-            for method in ("recompute", "paths", "kernel") if slim else ("recompute", "kernel"):
+            for method in ("recompute", "paths", "kernel", "chain") if slim else ("recompute", "kernel", "chain"):
                 times = []
                 for _ in range(6):
                     plan = TreePlan([*range(reqs)], FlatTrees.from_trees([tree] * reqs))
@@ -93,14 +104,19 @@ def main() -> None:
                     for _ in range(LAYERS):
                         if method == "kernel":
                             kernel()
+                        elif method == "chain":
+                            chain()
                         elif method == "paths":
                             impl._tree_rows_paths(layer, q, k, v, kv, md, plan, out)
                         else:
                             impl._tree_rows(layer, q, kv, md, plan, out)
                     times.append(time.perf_counter() - t0)
                 res[method] = float(np.median(times[1:])) * 1e3
-            print(f"{kind:8s} R={reqs} n={n} ctx={ctx}: recompute {res['recompute']:.2f} ms  "
-                  f"paths {res['paths']:.2f} ms  kernel {res['kernel']:.2f} ms  ({LAYERS} layers)", flush=True)
+            rows = res["paths"] if slim else res["recompute"]  # what the engine takes
+            print(f"{kind:8s} R={reqs} n={n} c={c} ctx={ctx}: recompute {res['recompute']:.2f} ms  "
+                  f"paths {res['paths']:.2f} ms  kernel {res['kernel']:.2f} ms  chain {res['chain']:.2f} ms  "
+                  f"step before {res['kernel'] + rows:.2f} after {res['chain'] + rows:.2f} ms ({LAYERS} layers)",
+                  flush=True)
 
 
 if __name__ == "__main__":

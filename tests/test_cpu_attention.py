@@ -73,32 +73,27 @@ def _impl(num_heads, num_kv_heads, head_size):
     return impl
 
 
-@pytest.mark.parametrize("isa,block_size,layout", _layouts(), ids=lambda x: str(x) if not isinstance(x, tuple) else "")
-@pytest.mark.parametrize("num_heads,num_kv_heads,dtype", [(6, 2, torch.bfloat16), (4, 4, torch.bfloat16), (6, 2, torch.float32)])
-@pytest.mark.parametrize("method", ["paths", "recompute"])
-def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads, num_kv_heads, dtype, method):
-    """Two tree requests (each with a chain prefix, whose rows are left to the kernel; the first
-    with 3 re-run tokens before its root) and a plain request between them, KV written by
-    vLLM's own cache writer through a shuffled block table: every recomputed row equals masked attention in float64 over (context + self +
-    ancestors); rows not recomputed stay untouched. Catches a wrong GQA head grouping, a mask
-    off by one position, a K/V layout mix-up and rows written to the wrong place."""
+# request 0: 37 context + tree [-1,0,0,1,2] (4 nodes, chain prefix 1) after 3 re-run tokens;
+# request 1: plain (1 row); request 2: 150 context + tree [-1,0,1,1,3,0] (5 nodes, chain prefix 2)
+_PARENTS = {0: [-1, 0, 0, 1, 2], 2: [-1, 0, 1, 1, 3, 0]}
+_CTX = {0: 37, 1: 20, 2: 150}
+_Q_LENS = {0: 3 + 5, 1: 1, 2: 6}  # (re-run tokens +) root + nodes
+
+
+def _scene(isa, block_size, num_heads, num_kv_heads, dtype, head_size=64, tree_requests=(0, 2)):
+    """The three requests above, KV written by vLLM's own cache writer through a shuffled block
+    table (every position of every request, the tree nodes' included, as vLLM's KV update
+    writes them before attention): ``(kv_cache, keys, values, query, key, value, block_table,
+    seq_lens, q_end, trees, plan)``; keys / values per request in float64, ``key`` / ``value``
+    each query row's fresh K/V (the last q_len positions of its request). Requests not in
+    ``tree_requests`` have no tree (their rows are causal)."""
     from vllm import _custom_ops as ops
 
-    from vllm_anisotropic.integration.vllm.platform_fixes.amx import cpu_has_amx, request_amx_permission
+    from vllm_anisotropic.integration.vllm.engine.runner import TreePlan
+    from vllm_anisotropic.tree import DraftTree, FlatTrees
 
-    if method == "paths" and isa == "amx" and not (cpu_has_amx() and request_amx_permission()):
-        pytest.skip("the amx attention kernel needs an AMX CPU (its KV layout is still probed above)")
-    if method == "paths" and isa == "amx" and dtype != torch.bfloat16:
-        # vLLM picks its amx kernel for bf16 only (cpu_attn._get_attn_isa); given float32 it aborts the process
-        pytest.skip("vLLM never runs the amx attention kernel on float32")
-    head_size = 64
     torch.manual_seed(1)
-    # request 0: 37 context + tree [-1,0,0,1,2] (4 nodes); request 1: plain (1 row);
-    # request 2: 150 context + tree [-1,0,1,1,3,0] (5 nodes, chain prefix 2)
-    parents = {0: [-1, 0, 0, 1, 2], 2: [-1, 0, 1, 1, 3, 0]}
-    ctx = {0: 37, 1: 20, 2: 150}
-    q_lens = {0: 3 + 5, 1: 1, 2: 6}  # (re-run tokens +) root + nodes
-    seq_lens = [ctx[0] + 4, ctx[1], ctx[2] + 5]
+    seq_lens = [_CTX[0] + 4, _CTX[1], _CTX[2] + 5]
     max_blocks = -(-max(seq_lens) // block_size)
     num_blocks = 3 * max_blocks + 2
     perm = torch.randperm(num_blocks)
@@ -114,61 +109,151 @@ def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads,
         ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
         keys.append(k.double())
         values.append(v.double())
-    total_q = sum(q_lens.values())
+    total_q = sum(_Q_LENS.values())
     query = torch.randn(total_q, num_heads * head_size).to(dtype)
-    q_end = torch.tensor(list(q_lens.values())).cumsum(0)
-    from vllm_anisotropic.integration.vllm.engine.runner import TreePlan
-    from vllm_anisotropic.tree import DraftTree
-
-    from vllm_anisotropic.tree import FlatTrees
-
+    key = torch.cat([k[len(k) - q:] for k, q in zip(keys, _Q_LENS.values())]).to(dtype)
+    value = torch.cat([v[len(v) - q:] for v, q in zip(values, _Q_LENS.values())]).to(dtype)
+    q_end = torch.tensor(list(_Q_LENS.values())).cumsum(0)
     trees = {i: DraftTree(tokens=np.zeros(len(par), dtype=np.int64), parents=np.array(par), values=np.zeros(len(par)))
-             for i, par in parents.items()}
+             for i, par in _PARENTS.items() if i in tree_requests}
     plan = TreePlan(list(trees), FlatTrees.from_trees(list(trees.values())))
-    assert plan.chain_prefix.tolist() == [1, 2]
+    assert plan.chain_prefix.tolist() == [{0: 1, 2: 2}[i] for i in tree_requests]
+    return kv_cache, keys, values, query, key, value, block_table, seq_lens, q_end, trees, plan
+
+
+def _reference_rows(query, keys, values, seq_lens, q_end, trees, num_heads, num_kv_heads, head_size=64):
+    """Float64 attention of every query row: a draft node's row over its context, itself and
+    its ancestors; every other row causal. ``{row: [num_heads, head_size]}`` and the rows of
+    the nodes off each tree's leading chain."""
+    group = num_heads // num_kv_heads
+    q = query.double().view(query.shape[0], num_heads, head_size)
+    want, off_chain = {}, set()
+    start = 0
+    for i, end in enumerate(q_end.tolist()):
+        length, seq = end - start, seq_lens[i]
+        tree = trees.get(i)
+        n = 0 if tree is None else tree.num_nodes - 1
+        for j in range(length):
+            row = start + j
+            allowed = torch.zeros(seq, dtype=torch.bool)
+            allowed[: seq - length + j + 1] = True  # causal
+            node = j - (length - n)  # 0-based draft node, or < 0
+            if node >= 0:
+                allowed[seq - n :] = torch.from_numpy(np.ascontiguousarray(tree.ancestor_mask[1:, 1:][node]))
+                if node >= tree.chain_prefix():
+                    off_chain.add(row)
+            rows = []
+            for h in range(num_heads):
+                s = (keys[i][allowed, h // group] @ q[row, h]) * head_size ** -0.5
+                rows.append(torch.softmax(s, 0) @ values[i][allowed, h // group])
+            want[row] = torch.stack(rows)
+        start = end
+    return want, off_chain
+
+
+@pytest.mark.parametrize("isa,block_size,layout", _layouts(), ids=lambda x: str(x) if not isinstance(x, tuple) else "")
+@pytest.mark.parametrize("num_heads,num_kv_heads,dtype", [(6, 2, torch.bfloat16), (4, 4, torch.bfloat16), (6, 2, torch.float32)])
+@pytest.mark.parametrize("method", ["paths", "recompute"])
+def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads, num_kv_heads, dtype, method):
+    """Two tree requests (each with a chain prefix, whose rows are left to the kernel; the first
+    with 3 re-run tokens before its root) and a plain request between them, KV written by
+    vLLM's own cache writer through a shuffled block table: every recomputed row equals masked attention in float64 over (context + self +
+    ancestors); rows not recomputed stay untouched. Catches a wrong GQA head grouping, a mask
+    off by one position, a K/V layout mix-up and rows written to the wrong place."""
+    from vllm_anisotropic.integration.vllm.platform_fixes.amx import cpu_has_amx, request_amx_permission
+
+    if method == "paths" and isa == "amx" and not (cpu_has_amx() and request_amx_permission()):
+        pytest.skip("the amx attention kernel needs an AMX CPU (its KV layout is still probed above)")
+    if method == "paths" and isa == "amx" and dtype != torch.bfloat16:
+        # vLLM picks its amx kernel for bf16 only (cpu_attn._get_attn_isa); given float32 it aborts the process
+        pytest.skip("vLLM never runs the amx attention kernel on float32")
+    head_size = 64
+    kv_cache, keys, values, query, key, value, block_table, seq_lens, q_end, trees, plan = _scene(
+        isa, block_size, num_heads, num_kv_heads, dtype)
+    total_q = query.shape[0]
     meta = SimpleNamespace(seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                            query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int64), q_end]),
                            block_table=block_table)
     layer = SimpleNamespace(isa=isa)
     output = torch.full((total_q, num_heads * head_size), 7.0)  # float32: the math at full precision
     if method == "paths":
-        # each query row's fresh K/V: the last q_len positions of its request
-        key = torch.cat([k[len(k) - q:] for k, q in zip(keys, q_lens.values())]).to(dtype)
-        value = torch.cat([v[len(v) - q:] for v, q in zip(values, q_lens.values())]).to(dtype)
         before = kv_cache.clone()
         _impl(num_heads, num_kv_heads, head_size)._tree_rows_paths(layer, query, key, value, kv_cache, meta, plan, output)
         assert torch.equal(kv_cache, before)  # the tree's KV is put back where the next step reads it
     else:
         _impl(num_heads, num_kv_heads, head_size)._tree_rows(layer, query, kv_cache, meta, plan, output)
 
-    group = num_heads // num_kv_heads
-    q = query.double().view(total_q, num_heads, head_size)
+    want, recomputed = _reference_rows(query, keys, values, seq_lens, q_end, trees, num_heads, num_kv_heads)
     out = output.view(total_q, num_heads, head_size)
-    recomputed = set()
     # the recompute works in float32; vLLM's kernel returns the model dtype (bf16: 8 bits of
     # mantissa, so half an ulp is 2e-3 of the value), a wrong mask or head errs by ~1e-1
     tol = 4e-3 if (method == "paths" and dtype == torch.bfloat16) else 2e-5
     worst = 0.0
-    for i, tree in trees.items():
-        n, c = tree.num_nodes - 1, tree.chain_prefix()
-        anc = tree.ancestor_mask[1:, 1:]
-        for node in range(c, n):  # node index among the draft nodes (0 = node 1)
-            row = int(q_end[i]) - n + node
-            recomputed.add(row)
-            allowed = torch.zeros(seq_lens[i], dtype=torch.bool)
-            allowed[: seq_lens[i] - n] = True
-            allowed[seq_lens[i] - n :] = torch.from_numpy(np.ascontiguousarray(anc[node]))
-            for h in range(num_heads):
-                kvh = h // group
-                s = (keys[i][allowed, kvh] @ q[row, h]) * head_size ** -0.5
-                want = torch.softmax(s, 0) @ values[i][allowed, kvh]
-                worst = max(worst, float((out[row, h].double() - want).abs().max()))
-                torch.testing.assert_close(out[row, h].double(), want, atol=tol, rtol=tol)
+    for row in recomputed:
+        worst = max(worst, float((out[row].double() - want[row]).abs().max()))
+        torch.testing.assert_close(out[row].double(), want[row], atol=tol, rtol=tol)
     untouched = [r for r in range(total_q) if r not in recomputed]
     if method == "paths" and dtype == torch.bfloat16:
         assert worst > 1e-4  # the kernel's bf16 output rounding: the tolerance is not vacuous
     assert len(recomputed) == 3 + 3
     assert bool((out[untouched] == 7.0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", ["paths", "recompute"])
+@pytest.mark.parametrize("tree_requests", [(0, 2), (2,)], ids=["two-trees", "last-only"])
+def test_forward_leaves_the_rows_off_the_chain_out_of_vllms_call_and_gets_every_row_right(
+        dtype, method, tree_requests, monkeypatch):
+    """The whole layer (``TreeCPUAttentionImpl.forward``, vLLM's metadata type): vLLM's kernel
+    is called first for every row but the tree rows off the leading chains (3 + 3; its cost
+    grows with each request's query rows), then the tree rows; every row, re-run tokens, roots,
+    chains, the plain requests and the tree rows, equals float64 attention under its mask.
+    ``last-only``: the one tree request is the batch's last, so the first call reads the leading
+    rows in place. Catches rows left in the first call, a wrong kept row, and a KV length or
+    query start not shortened with the query (the chain rows would then see the tree nodes
+    after them)."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+    isa, block_size, num_heads, num_kv_heads, head_size = "vec", 32, 6, 2, 64
+    if method == "recompute":
+        monkeypatch.setenv("VLLM_ANISOTROPIC_TREE_ROWS", "recompute")
+    kv_cache, keys, values, query, key, value, block_table, seq_lens, q_end, trees, plan = _scene(
+        isa, block_size, num_heads, num_kv_heads, dtype, tree_requests=tree_requests)
+    total_q = query.shape[0]
+    query_start = torch.cat([torch.zeros(1, dtype=torch.int32), q_end.int()])
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    meta = CPUAttentionMetadata(
+        num_actual_tokens=total_q, max_query_len=8, query_start_loc=query_start, max_seq_len=max(seq_lens),
+        seq_lens=lens, block_table=block_table, slot_mapping=torch.zeros(total_q, dtype=torch.int64),
+        scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=3, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size, seq_lens=lens,
+            dtype=dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa,
+            enable_kv_split=False, kv_cache_dtype="auto"))
+    meta.tree_plan = plan
+    impl = _impl(num_heads, num_kv_heads, head_size)
+    impl.attn_type, impl.use_zentorch_sdpa, impl.sinks, impl.alibi_slopes = AttentionType.DECODER, False, None, None
+    impl.sliding_window, impl.logits_soft_cap = -1, 0
+    calls = []
+    kernel = ops.cpu_attention_with_kv_cache
+
+    def spy(**kw):
+        calls.append(kw["query"].shape[0])
+        return kernel(**kw)
+
+    monkeypatch.setattr(ops, "cpu_attention_with_kv_cache", spy)
+    output = torch.full((total_q, num_heads * head_size), 7.0, dtype=dtype)
+    impl.forward(SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0), query.view(total_q, num_heads, head_size),
+                 key, value, kv_cache, meta, output.view(total_q, num_heads, head_size))
+    want, off_chain = _reference_rows(query, keys, values, seq_lens, q_end, trees, num_heads, num_kv_heads)
+    assert len(off_chain) == 3 * len(tree_requests) and calls[0] == total_q - len(off_chain)
+    # paths: one round per path of a request after the first call (both trees have 2 paths)
+    assert len(calls) == 1 + (0 if method == "recompute" else 2)
+    out = output.view(total_q, num_heads, head_size)
+    tol = 4e-3 if dtype == torch.bfloat16 else 2e-5
+    for row in range(total_q):
+        torch.testing.assert_close(out[row].double(), want[row], atol=tol, rtol=tol, msg=f"row {row}")
 
 
 def test_path_rounds_for_slim_trees_and_the_recompute_for_bushy_ones():

@@ -1,12 +1,13 @@
-"""Tree attention for vLLM's CPU backend: CPU_ATTN, then the tree rows again, by path rounds or
-a masked recompute.
+"""Tree attention for vLLM's CPU backend: CPU_ATTN without the tree rows off the leading chains,
+then those rows, by path rounds or a masked recompute.
 
 Scope: decoder self-attention of the draft-tree rows only. vLLM's CPU kernel
 (``ops.cpu_attention_with_kv_cache``) supports causal or per-sequence ``dynamic_causal``
 masks, not arbitrary ones (shared/notes section 3b). So ``TreeCPUAttentionImpl.forward`` lets
-the kernel compute every row (correct for prompts, re-run tokens, each tree's root and its
-leading chain), then overwrites the rows of the other tree nodes (``tree_rows``), once per step
-choosing between:
+the kernel compute the rows it gets right (prompts, re-run tokens, each tree's root and its
+leading chain; the other tree rows are left out of its call, ``_main_plan``: its cost grows with
+each request's query rows), then computes the rows of the other tree nodes (``tree_rows``), once
+per step choosing between:
 
 * **path rounds** (``_tree_rows_paths``, slim trees): a node's tree-masked attention is causal
   attention over its context and its root-to-node path. Each path is written (K/V) at the
@@ -35,6 +36,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -145,12 +147,65 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                                       "model without it, or plain vLLM speculative decoding")
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         plan = getattr(attn_metadata, "tree_plan", None) if attn_metadata is not None else None
         if plan is None:
-            return output
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        t0 = time.perf_counter()
+        main = self._main_plan(plan, attn_metadata, query.dtype, layer.isa)
+        _clock(plan, t0)
+        if main is None:
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        else:
+            # vLLM's kernel over every row but the tree rows off the leading chain, which the
+            # tree rows below compute: its cost grows with the query rows of each request
+            keep, meta = main
+            if isinstance(keep, int):  # the leading rows (one tree request, the batch's last): views
+                super().forward(layer, query[:keep], key, value, kv_cache, meta, output[:keep], *args, **kwargs)
+            else:
+                part = output.new_empty((keep.shape[0], *output.shape[1:]))
+                super().forward(layer, query.index_select(0, keep), key, value, kv_cache, meta, part, *args, **kwargs)
+                output.index_copy_(0, keep, part)
         self.tree_rows(layer, query, key, value, kv_cache, attn_metadata, plan, output)
         return output
+
+    def _main_plan(self, plan, attn_metadata, dtype: torch.dtype, isa: str):
+        """The first kernel call without the rows ``tree_rows`` computes again, built once per
+        step: ``(keep, metadata)``, ``keep`` the query rows it computes (int64; an int m when
+        they are rows 0..m-1, as when the one tree request is the batch's last) and vLLM's
+        metadata with each tree request's query and KV shortened by its ``n - c`` rows off the
+        leading chain (the last rows of its query, the last positions of its KV: a causal row
+        sees the same context, root and chain as before). None: vLLM's own call, as it is
+        (per-sequence ``dynamic_causal`` masks, or no such rows).
+
+        Example: queries of 8, 1 and 6 rows, trees in requests 0 and 2 with 1 and 3 rows off
+        their chains -> keep rows 0-6, 8, 9-11; ``query_start_loc`` [0, 7, 8, 11], ``seq_lens``
+        each minus 1, 0, 3."""
+        key = ("main", dtype, isa)
+        if key in plan.cache:
+            return plan.cache[key]
+        out = None
+        off = plan.num_nodes - plan.chain_prefix  # [T] rows off each tree's leading chain
+        if attn_metadata.dynamic_causal is None and attn_metadata.causal and int(off.sum()):
+            qsl = attn_metadata.query_start_loc.numpy().astype(np.int64)
+            drop = np.zeros(qsl.shape[0] - 1, np.int64)
+            drop[np.asarray(plan.req_index, np.int64)] = off
+            keep = np.ones(int(attn_metadata.num_actual_tokens), bool)
+            ends = np.repeat(qsl[1:], drop)
+            keep[ends - (np.arange(ends.shape[0]) - np.repeat(np.cumsum(drop) - drop, drop)) - 1] = False
+            query_start = torch.from_numpy((qsl - np.concatenate(([0], np.cumsum(drop)))).astype(np.int32))
+            seq_lens = torch.from_numpy((attn_metadata.seq_lens.numpy() - drop).astype(np.int32))
+            meta = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=drop.shape[0], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_size, seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start, causal=True,
+                sliding_window_size=-1, isa=isa, enable_kv_split=_split_kv(), kv_cache_dtype=self.kv_cache_dtype,
+            )
+            rows = np.flatnonzero(keep)
+            m = rows.shape[0]
+            out = (m if m == 0 or rows[-1] == m - 1 else torch.from_numpy(rows),
+                   replace(attn_metadata, num_actual_tokens=int(keep.sum()), query_start_loc=query_start,
+                           seq_lens=seq_lens, scheduler_metadata=meta))
+        plan.cache[key] = out
+        return out
 
     def tree_rows(self, layer, query, key, value, kv_cache, attn_metadata, plan, output) -> None:
         """The rows of the step's tree nodes: by path rounds through vLLM's kernel
