@@ -243,13 +243,16 @@ def test_forward_leaves_the_rows_off_the_chain_out_of_vllms_call_and_gets_every_
         return kernel(**kw)
 
     monkeypatch.setattr(ops, "cpu_attention_with_kv_cache", spy)
-    output = torch.full((total_q, num_heads * head_size), 7.0, dtype=dtype)
-    impl.forward(SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0), query.view(total_q, num_heads, head_size),
-                 key, value, kv_cache, meta, output.view(total_q, num_heads, head_size))
+    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    for _ in range(2):  # two layers of one step: the second reads the plan the first built
+        output = torch.full((total_q, num_heads * head_size), 7.0, dtype=dtype)
+        impl.forward(layer, query.view(total_q, num_heads, head_size), key, value, kv_cache, meta,
+                     output.view(total_q, num_heads, head_size))
     want, off_chain = _reference_rows(query, keys, values, seq_lens, q_end, trees, num_heads, num_kv_heads)
-    assert len(off_chain) == 3 * len(tree_requests) and calls[0] == total_q - len(off_chain)
     # paths: one round per path of a request after the first call (both trees have 2 paths)
-    assert len(calls) == 1 + (0 if method == "recompute" else 2)
+    per_layer = 1 + (0 if method == "recompute" else 2)
+    assert len(off_chain) == 3 * len(tree_requests) and len(calls) == 2 * per_layer
+    assert calls[0] == calls[per_layer] == total_q - len(off_chain)
     out = output.view(total_q, num_heads, head_size)
     tol = 4e-3 if dtype == torch.bfloat16 else 2e-5
     for row in range(total_q):
