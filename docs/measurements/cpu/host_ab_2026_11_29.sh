@@ -6,7 +6,8 @@
 # AVX2-only EPYC it kept 1,127 of 1,129 steps plain at one request) at 1 and 8 requests,
 # 2 repeats. Records: docs/measurements/cpu/host_ab_{before,after}_2026_11_29.jsonl.
 #   git worktree add /tmp/before 45c1457 && bash docs/measurements/cpu/host_ab_2026_11_29.sh
-# The records' suffix is the first argument (default 2026_11_29; host_ab_2026_11_29b.sh passes its own).
+# The records' suffix is the first argument (default 2026_11_29; host_ab_2026_11_29b.sh passes its own);
+# PH_EXTRA: more profile-host options (host_ab_2026_11_30.sh: --dtype float32).
 set -u
 suffix=${1:-2026_11_29}
 run() {  # tree method conc prompts tag
@@ -14,7 +15,7 @@ run() {  # tree method conc prompts tag
   echo "== $tag $m c=$c" >&2
   (cd $tree && PYTHONPATH=$tree VLLM_LOGGING_LEVEL=WARNING /work/main/.venv/bin/python -m vllm_anisotropic.cli profile-host \
      --method $m --max-num-seqs $c --num-prompts $n --dataset humaneval,gsm8k,mtbench --max-tokens 128 --no-profile \
-     --json /work/main/docs/measurements/cpu/host_ab_${tag}_${suffix}.jsonl 2>&1 | grep -v WARNING | grep -E "tokens/s|ms/step" | head -3)
+     ${PH_EXTRA:-} --json /work/main/docs/measurements/cpu/host_ab_${tag}_${suffix}.jsonl 2>&1 | grep -v WARNING | grep -E "tokens/s|ms/step" | head -3)
 }
 # 64 requests left out: on this machine (bf16 emulated) a 64-request goose-b8 run takes ~10 min
 # (an 8-request step took 0.8 s); the fixed-input stages (host_stages_ab_2026_11_29.txt) cover 64.

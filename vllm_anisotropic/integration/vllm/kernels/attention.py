@@ -188,9 +188,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             qsl = attn_metadata.query_start_loc.numpy().astype(np.int64)
             drop = np.zeros(qsl.shape[0] - 1, np.int64)
             drop[np.asarray(plan.req_index, np.int64)] = off
-            keep = np.ones(int(attn_metadata.num_actual_tokens), bool)
-            ends = np.repeat(qsl[1:], drop)
-            keep[ends - (np.arange(ends.shape[0]) - np.repeat(np.cumsum(drop) - drop, drop)) - 1] = False
+            keep = np.arange(qsl[-1]) < np.repeat(qsl[1:] - drop, np.diff(qsl))  # before its request's dropped end
             query_start = torch.from_numpy((qsl - np.concatenate(([0], np.cumsum(drop)))).astype(np.int32))
             seq_lens = torch.from_numpy((attn_metadata.seq_lens.numpy() - drop).astype(np.int32))
             meta = ops.cpu_attn_get_scheduler_metadata(
