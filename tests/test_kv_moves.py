@@ -146,3 +146,65 @@ def test_a_cpu_layer_gets_its_probed_layout():
     (_, k_off, v_off), = KVMover.from_layers([layer]).caches
     want_k, want_v, _, _ = kv_layout("vec", torch.bfloat16, 16, 48)
     assert torch.equal(k_off, want_k) and torch.equal(v_off, want_v)
+
+
+def _reference_move(cache: torch.Tensor, src: list[int], dst: list[int]) -> torch.Tensor:
+    """The moved cache by the definition: every source's K/V (a slot's ``[heads, 2 * head_size]``
+    row of a plain-layout cache) read first, then written to its destination."""
+    block_size = cache.shape[2]
+    want = cache.clone()
+    rows = [cache[s // block_size, :, s % block_size].clone() for s in src]
+    for d, row in zip(dst, rows):
+        want[d // block_size, :, d % block_size] = row
+    return want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_and_device_moves_agree_with_the_definition(dtype):
+    """The CPU moves (one compiled call per layout, ``kernels/kv.py``) and the device moves
+    (``gather_scatter``: torch gathers and scatters, run here on CPU tensors) both give the
+    definition's cache, in every layer of the group and in each dtype's bits: a chain of moves
+    where each source is the previous move's destination (16 -> 17 -> 18, read before written,
+    in any order of the moves), a move across blocks, a slot onto itself."""
+    from vllm_anisotropic.integration.vllm.engine.kv_moves import gather_scatter
+
+    gen = torch.Generator().manual_seed(3)
+    shape = (4, 3, 16, 2 * 8)
+    src, dst = [16, 17, 40, 9], [17, 18, 3, 9]
+    for compiled in (True, False):
+        caches = [torch.randn(*shape, generator=gen).to(dtype) for _ in range(3)]
+        before = [c.clone() for c in caches]
+        layers = []
+        for cache in caches:
+            layer = type("Layer", (), {})()
+            layer.kv_cache = cache
+            layers.append(layer)
+        mover = KVMover.from_layers(layers)
+        s, d = torch.tensor(src), torch.tensor(dst)
+        if compiled:
+            mover.move(s, d)
+        else:
+            gather_scatter(mover.caches, s, d)
+        for cache, old in zip(caches, before):
+            assert torch.equal(cache.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                               _reference_move(old, src, dst).view(torch.int16 if dtype != torch.float32
+                                                                   else torch.int32)), (compiled, dtype)
+
+
+def test_caches_of_two_element_sizes_move_in_their_own_groups():
+    """A float32 and a bf16 layer of one shape: two compiled groups (one per element size),
+    each cache moved exactly once, each exactly by the definition."""
+    caches = [torch.randn(3, 2, 16, 16), torch.randn(3, 2, 16, 16).to(torch.bfloat16), torch.randn(3, 2, 16, 16)]
+    before = [c.clone() for c in caches]
+    layers = []
+    for cache in caches:
+        layer = type("Layer", (), {})()
+        layer.kv_cache = cache
+        layers.append(layer)
+    mover = KVMover.from_layers(layers)
+    mover.move(torch.tensor([20, 33]), torch.tensor([19, 20]))
+    assert len(mover._host_groups) == 2 and sorted(len(g[0]) for g in mover._host_groups) == [1, 2]
+    for cache, old in zip(caches, before):
+        assert torch.equal(cache, _reference_move(old, [20, 33], [19, 20]))
+    mover.move(torch.tensor([5]), torch.tensor([4]))  # the groups are built once and kept
+    assert torch.equal(caches[1], _reference_move(_reference_move(before[1], [20, 33], [19, 20]), [5], [4]))

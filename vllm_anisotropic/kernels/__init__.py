@@ -2,12 +2,12 @@
 
 Scope: every numba function of the package lives here, one module per stage: ``match`` (the
 context matcher's backward scan), ``table`` (adjacency-table lookup and update), ``goose`` (GOOSE
-tree building), ``walk`` (the greedy walk's descent), ``plan`` (the tree attention's per-step plans: the CPU
-path rounds, the CUDA split's node rows and masks), ``vocab`` (passes over vocabulary rows of
-logits: the harvest's top-k and softmax probabilities, the walk's argmax; bf16 rows read as their
-16 bits), ``rank`` (the allocator's probabilities and order of a step's trees), ``allocate`` (the
-allocator's envelopes and prefix scans). Callers fetch a module with ``load(name)`` at call time,
-never at import time.
+tree building), ``walk`` (the greedy walk's descent), ``kv`` (the accepted nodes' K/V slot moves
+on the CPU), ``plan`` (the tree attention's per-step plans: the CPU path rounds, the CUDA split's
+node rows and masks), ``vocab`` (passes over vocabulary rows of logits: the harvest's top-k and
+softmax probabilities, the walk's argmax; bf16 rows read as their 16 bits), ``rank`` (the
+allocator's probabilities and order of a step's trees), ``allocate`` (the allocator's envelopes
+and prefix scans). Callers fetch a module with ``load(name)`` at call time, never at import time.
 
 numba's disk cache (``cache=True``) checks a function's own source file only: a kernel that calls
 one of another module (``goose`` calls ``table``'s) keeps its cached machine code when only that
@@ -30,14 +30,14 @@ from types import ModuleType
 
 __all__ = ["load"]
 
-_NAMES = ("allocate", "goose", "match", "plan", "rank", "table", "vocab", "walk")
+_NAMES = ("allocate", "goose", "kv", "match", "plan", "rank", "table", "vocab", "walk")
 
 
 _LOADED: dict[str, ModuleType] = {}  # what import_module returned (a lookup there costs ~2 us a call)
 
 
 def load(name: str) -> ModuleType:
-    """The kernel module ``name`` (one of allocate, goose, match, plan, rank, table, vocab, walk), imported on first use."""
+    """The kernel module ``name`` (one of allocate, goose, kv, match, plan, rank, table, vocab, walk), imported on first use."""
     module = _LOADED.get(name)
     if module is None:
         if name not in _NAMES:

@@ -18,9 +18,11 @@ Layouts (``KVMover``): a layer's cache is ``[num_blocks, num_kv_heads, block_siz
 (vLLM 0.32, CPU and FLASH_ATTN); each (block, kv head) region holds ``2 * block_size *
 head_size`` elements. On CUDA (FLASH_ATTN) token t's K is ``[t, :head_size]`` and V
 ``[t, head_size:]`` of the region; on CPU the order depends on the ISA and is probed through
-vLLM's own cache writer (``attention.kv_layout``). Either way a move is one gather and one
-scatter of element indices per layer; layers sharing one cache tensor are moved once (a second
-application would read sources already overwritten).
+vLLM's own cache writer (``attention.kv_layout``). Layers sharing one cache tensor are moved
+once (a second application would read sources already overwritten). On CPU every layer of one
+layout moves in one compiled call (``kernels/kv.py``: element indices computed once, each
+cache's bits copied through a buffer); on a device, each layer is one gather and one scatter of
+element indices.
 
 Prefix caching: the moves happen in the worker before the step's reply, so no block vLLM
 caches after the reply (0.33's ``update_from_output`` caches right away) holds a node's K/V at
@@ -32,7 +34,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["KVMover", "accepted_moves"]
+from vllm_anisotropic import kernels as _kernels
+
+__all__ = ["KVMover", "accepted_moves", "gather_scatter"]
 
 
 def accepted_moves(accepted: np.ndarray, num_accepted: np.ndarray, node_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -59,6 +63,8 @@ class KVMover:
         k_offsets [block_size, head_size], v_offsets [block_size, head_size])``: where token t,
         dim d of one (block, kv head) region lives, as element offsets inside the region."""
         self.caches = caches
+        self._host_groups: list[tuple] | None = None  # the CPU caches by layout (``_groups``), on the first move
+        self._device_caches: list[tuple] = []
 
     @staticmethod
     def plain_offsets(block_size: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,22 +103,60 @@ class KVMover:
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """``slot[dst[m]] <- slot[src[m]]`` (K and V, every head) in every cache; sources read
-        first. ``src_slots``, ``dst_slots``: ``[M]`` int64 on the caches' device. The element
-        indices are computed once per layout and cache shape (a model's layers share one): a
-        layer costs one gather and one scatter."""
+        first. ``src_slots``, ``dst_slots``: ``[M]`` int64 on the caches' device. CPU caches: one
+        compiled call per layout (``kernels/kv.py``); device caches: ``gather_scatter``."""
         if src_slots.numel() == 0:
             return
-        slots = torch.cat([src_slots, dst_slots])
-        indices = {}
-        for cache, k_off, v_off in self.caches:
-            num_blocks, num_heads, block_size, two_hs = cache.shape
-            key = (id(k_off), num_heads, block_size, two_hs)
-            if key not in indices:
-                both = _elements(slots, k_off, v_off, num_heads, block_size, two_hs)
-                indices[key] = both[: both.numel() // 2], both[both.numel() // 2 :]
-            src, dst = indices[key]
-            flat = cache.view(-1)
-            flat.index_copy_(0, dst, flat.index_select(0, src))  # ~2x faster than flat[dst] = flat[src]
+        if self._host_groups is None:
+            self._host_groups = _groups([c for c in self.caches if c[0].device.type == "cpu"])
+            self._device_caches = [c for c in self.caches if c[0].device.type != "cpu"]
+        if self._host_groups:
+            move = _kernels.load("kv").move_slots
+            src, dst = src_slots.cpu().numpy().astype(np.int64), dst_slots.cpu().numpy().astype(np.int64)
+            for views, k_off, v_off, shape in self._host_groups:
+                move(views, src, dst, k_off, v_off, *shape)
+        if self._device_caches:
+            gather_scatter(self._device_caches, src_slots, dst_slots)
+
+
+def gather_scatter(caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], src_slots: torch.Tensor,
+                   dst_slots: torch.Tensor) -> None:
+    """``KVMover.move`` with torch operations, for caches on a device: the element indices are
+    computed once per layout and cache shape (a model's layers share one), then a layer costs
+    one gather and one scatter."""
+    slots = torch.cat([src_slots, dst_slots])
+    indices = {}
+    for cache, k_off, v_off in caches:
+        num_blocks, num_heads, block_size, two_hs = cache.shape
+        key = (id(k_off), num_heads, block_size, two_hs)
+        if key not in indices:
+            both = _elements(slots, k_off, v_off, num_heads, block_size, two_hs)
+            indices[key] = both[: both.numel() // 2], both[both.numel() // 2 :]
+        src, dst = indices[key]
+        flat = cache.view(-1)
+        flat.index_copy_(0, dst, flat.index_select(0, src))  # ~2x faster than flat[dst] = flat[src]
+
+
+def _groups(caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[tuple]:
+    """CPU caches grouped for ``kernels/kv.py``: per (offsets, shape, element size), a numba
+    typed list of the caches flattened as integers of their element size (views: the moves
+    write the caches themselves), the offsets as int64 arrays, and ``(num_heads, block_size,
+    two_hs)``."""
+    from numba.typed import List
+
+    by_key: dict[tuple, tuple] = {}
+    for cache, k_off, v_off in caches:
+        num_blocks, num_heads, block_size, two_hs = cache.shape
+        key = (id(k_off), num_heads, block_size, two_hs, cache.element_size())
+        if key not in by_key:
+            by_key[key] = (List(), k_off.cpu().numpy().astype(np.int64), v_off.cpu().numpy().astype(np.int64),
+                           (num_heads, block_size, two_hs))
+        bits = _BITS[cache.element_size()]
+        by_key[key][0].append(cache.view(-1).view(bits).numpy())
+    return list(by_key.values())
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> integer of its bits
 
 
 def _elements(slots: torch.Tensor, k_off: torch.Tensor, v_off: torch.Tensor, num_heads: int, block_size: int,
