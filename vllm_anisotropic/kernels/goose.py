@@ -27,7 +27,7 @@ import numpy as np
 
 from vllm_anisotropic.kernels import table as tk
 
-__all__ = ["build_trees", "harmonic_widths", "TREE", "CHAIN"]
+__all__ = ["build_trees", "harmonic_widths", "spine_trees", "TREE", "CHAIN"]
 
 TREE, CHAIN = 0, 1  # per-request mode of ``build_trees``: a spine tree, or the spine alone
 _ROOT, _SPINE, _BRANCH = 0, 1, 2  # NodeSource codes (tree.NodeSource)
@@ -202,6 +202,41 @@ def _build_one(table, vocab, use_bigram, root, prev_token, spine, budget, max_de
 
 
 @_jit
+def _place(table, vocab, use_bigram, root, prev, spine, mode, budget, max_depth, ratio, rho, min_score, p_s,
+           spine_branches, tok, par, src, val, dep, bdep, out_tokens, out_parents, out_sources, out_values, out_depths,
+           out_build, pos):
+    """One request's tree (``TREE``: Algorithm 1) or chain (``CHAIN``: the root and its spine,
+    values p_s ** i) written at ``out_*[pos:]`` in value order, through the build-order scratch
+    arrays ``tok`` .. ``bdep``; returns its node count."""
+    if mode == CHAIN:
+        v = min(max(p_s, 1e-3), 1.0)
+        n = spine.shape[0] + 1
+        out_tokens[pos], out_parents[pos], out_sources[pos], out_values[pos], out_depths[pos], out_build[pos] = (
+            root, -1, _ROOT, 1.0, 0, 0)
+        for i in range(1, n):
+            out_tokens[pos + i], out_parents[pos + i], out_sources[pos + i] = spine[i - 1], i - 1, _SPINE
+            out_values[pos + i], out_depths[pos + i], out_build[pos + i] = math.pow(v, float(i)), i, i
+        return n
+    n = _build_one(table, vocab, use_bigram, root, prev, spine, budget, max_depth, ratio, rho, min_score, p_s,
+                   spine_branches, tok, par, src, val, dep, bdep)
+    # value order: value desc, then depth asc, then build order (stable sorts, last key first)
+    order = np.argsort(dep[:n], kind="mergesort")
+    order = order[np.argsort(-val[:n][order], kind="mergesort")]
+    new_index = np.empty(n, np.int64)
+    for i in range(n):
+        new_index[order[i]] = i
+    for i in range(n):
+        b = order[i]
+        out_tokens[pos + i] = tok[b]
+        out_parents[pos + i] = -1 if par[b] < 0 else new_index[par[b]]
+        out_sources[pos + i] = src[b]
+        out_values[pos + i] = val[b]
+        out_depths[pos + i] = dep[b]
+        out_build[pos + i] = b
+    return n
+
+
+@_jit
 def build_trees(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters, vocab, use_bigram,
                 roots, prevs, spines, spine_offsets, modes, budgets, spine_ratios, p_s, max_depth, rho, min_score,
                 spine_branches, out_tokens, out_parents, out_sources, out_values, out_depths, out_build, out_offsets):
@@ -218,42 +253,95 @@ def build_trees(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, coun
     cap = 1
     for r in range(roots.shape[0]):
         cap = max(cap, budgets[r], spine_offsets[r + 1] - spine_offsets[r] + 1)
-    tok = np.empty(cap, np.int64)
-    par = np.empty(cap, np.int64)
-    src = np.empty(cap, np.int8)
-    val = np.empty(cap, np.float64)
-    dep = np.empty(cap, np.int64)
-    bdep = np.empty(cap, np.int64)
+    tok, par, src, val, dep, bdep = _scratch(cap)
     pos = 0
     out_offsets[0] = 0
     for r in range(roots.shape[0]):
-        spine = spines[spine_offsets[r]:spine_offsets[r + 1]]
-        if modes[r] == CHAIN:
-            v = min(max(p_s[r], 1e-3), 1.0)
-            n = spine.shape[0] + 1
-            tok[0], par[0], src[0], val[0], dep[0] = roots[r], -1, _ROOT, 1.0, 0
-            for i in range(1, n):
-                tok[i], par[i], src[i], val[i], dep[i] = spine[i - 1], i - 1, _SPINE, math.pow(v, float(i)), i
-            for i in range(n):
-                out_tokens[pos + i], out_parents[pos + i], out_sources[pos + i] = tok[i], par[i], src[i]
-                out_values[pos + i], out_depths[pos + i], out_build[pos + i] = val[i], dep[i], i
+        pos += _place(table, vocab, use_bigram, roots[r], prevs[r], spines[spine_offsets[r]:spine_offsets[r + 1]],
+                      modes[r], budgets[r], max_depth, spine_ratios[r], rho, min_score, p_s[r], spine_branches,
+                      tok, par, src, val, dep, bdep, out_tokens, out_parents, out_sources, out_values, out_depths,
+                      out_build, pos)
+        out_offsets[r + 1] = pos
+    return pos
+
+
+@_jit
+def _scratch(cap):
+    """Build-order arrays of one tree of at most ``cap`` nodes: tokens, parents, sources, values,
+    depths, branch depths."""
+    return (np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int8), np.empty(cap, np.float64),
+            np.empty(cap, np.int64), np.empty(cap, np.int64))
+
+
+@_jit
+def spine_trees(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters, vocab, use_bigram,
+                token_ids, rows, lengths, roots, prevs, match, store_ngrams, store_lens, store_starts, store_tokens,
+                limits, budgets, p_s, chains, policy, tiers, codes, max_depth, rho, min_score, spine_branches,
+                out_tokens, out_parents, out_sources, out_values, out_depths, out_offsets, out_stats, out_ratios):
+    """GOOSE's proposals (Algorithm 2 routing + Algorithm 1) of R requests reading one table:
+    spine, route, tree, in one call (``proposers.goose.propose_spine_trees``).
+
+    Per request r, context ``token_ids[rows[r], :lengths[r]]``: its spine is its own context
+    match (``match[r]`` = ``kernels.match.match_rows``' ``(f, n, match_length, consensus)``,
+    taken when ``n > 0`` and ``limits[r] > 0``: ``min(limits[r], lengths[r] - f)`` tokens from
+    position f), else the tenant store's draft (``store_ngrams[r] > 0``: ``store_lens[r]``
+    tokens at ``store_tokens[store_starts[r]:]``), else none. Routing (``chains``: every request
+    a chain; else a bypass chain when the own match has consensus (``policy[1]``) or its signal,
+    spine length (``policy[2]``) or match length, is >= ``policy[3]``, with ``policy[0]`` the
+    bypass switch; else a tree with budget ``budgets[r]``); the spine ratio from p_s's tier
+    (``tiers`` = threshold 1, threshold 2, ratio 0, 1, 2). Outputs: the trees as
+    ``build_trees``' (parents local, value order), ``out_stats [R, 5]`` int64: proposal mode
+    (``codes`` = plain, tree, bypass; plain when the tree is the root alone), spine tokens
+    drafted (a chain's size - 1; a tree's spine nodes, at most the spine), n-gram, match length,
+    consensus; ``out_ratios [R]`` the spine ratio (nan for chains). Returns the node total."""
+    table = (uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters)
+    num = rows.shape[0]
+    cap = 1
+    for r in range(num):
+        cap = max(cap, budgets[r], limits[r] + 1)
+    tok, par, src, val, dep, bdep = _scratch(cap)
+    spine = np.empty(cap, np.int64)
+    build = np.empty(out_tokens.shape[0], np.int64)  # build order: not an output here
+    pos = 0
+    out_offsets[0] = 0
+    for r in range(num):
+        found = match[r, 1] > 0 and limits[r] > 0
+        from_store = not found and store_ngrams[r] > 0
+        consensus = found and match[r, 3] > 0
+        if found:
+            m = min(limits[r], lengths[r] - match[r, 0])
+            for i in range(m):
+                spine[i] = token_ids[rows[r], match[r, 0] + i]
+            ngram, match_len = match[r, 1], match[r, 2]
+        elif from_store:
+            m = store_lens[r]
+            for i in range(m):
+                spine[i] = store_tokens[store_starts[r] + i]
+            ngram = match_len = store_ngrams[r]
         else:
-            n = _build_one(table, vocab, use_bigram, roots[r], prevs[r], spine, budgets[r], max_depth, spine_ratios[r],
-                           rho, min_score, p_s[r], spine_branches, tok, par, src, val, dep, bdep)
-            # value order: value desc, then depth asc, then build order (stable sorts, last key first)
-            order = np.argsort(dep[:n], kind="mergesort")
-            order = order[np.argsort(-val[:n][order], kind="mergesort")]
-            new_index = np.empty(n, np.int64)
+            m = ngram = match_len = 0
+        signal = m if policy[2] != 0 else match_len
+        bypass = found and policy[0] != 0 and ((policy[1] != 0 and consensus) or signal >= policy[3])
+        mode = CHAIN if chains or bypass else TREE
+        info = codes[2] if (bypass or (chains and (found or from_store))) else (codes[0] if chains else codes[1])
+        ratio = tiers[2] if p_s[r] < tiers[0] else (tiers[3] if p_s[r] < tiers[1] else tiers[4])
+        n = _place(table, vocab, use_bigram, roots[r], prevs[r], spine[:m], mode, budgets[r], max_depth, ratio, rho,
+                   min_score, p_s[r], spine_branches, tok, par, src, val, dep, bdep, out_tokens, out_parents,
+                   out_sources, out_values, out_depths, build, pos)
+        if mode == CHAIN:
+            spine_len = n - 1
+        else:
+            spine_len = 0
             for i in range(n):
-                new_index[order[i]] = i
-            for i in range(n):
-                b = order[i]
-                out_tokens[pos + i] = tok[b]
-                out_parents[pos + i] = -1 if par[b] < 0 else new_index[par[b]]
-                out_sources[pos + i] = src[b]
-                out_values[pos + i] = val[b]
-                out_depths[pos + i] = dep[b]
-                out_build[pos + i] = b
+                if out_sources[pos + i] == _SPINE:
+                    spine_len += 1
+            spine_len = min(spine_len, m)
+        out_stats[r, 0] = info if n > 1 else codes[0]
+        out_stats[r, 1] = spine_len
+        out_stats[r, 2] = ngram
+        out_stats[r, 3] = match_len
+        out_stats[r, 4] = 1 if consensus else 0
+        out_ratios[r] = np.nan if chains else ratio
         pos += n
         out_offsets[r + 1] = pos
     return pos

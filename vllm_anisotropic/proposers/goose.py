@@ -194,10 +194,11 @@ def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows,
     call's node budget below the proposer's own (<= 0: the proposer's). ``chain_drafts`` ``[R]``:
     a chain step (each request's spine alone, at most that many tokens) instead of trees.
 
-    Stages: the spines (``_match_spines``: one compiled context match for every request, the
-    tenant's cross-request store for requests without a match of their own); the routing
-    (``_route``: bypass on consensus or a long match, never from the store; spine ratio tier
-    from p_s); one compiled tree build per adjacency table (``_build_by_table``).
+    Stages: one compiled context match for every request (``kernels.match.match_rows``); the
+    tenant's cross-request store for requests without a match of their own (``_store_spines``);
+    then, per adjacency table (one for every request of a tenant), one compiled call that takes
+    each spine, routes (bypass on consensus or a long match, never from the store; the spine
+    ratio tier of p_s) and builds the tree (``kernels.goose.spine_trees``).
     """
     cfg = states[0].config
     rows = np.ascontiguousarray(rows, np.int64)
@@ -219,108 +220,80 @@ def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows,
         s._prev_root = prev
         if s._prompt_len < 0:
             s._prompt_len = length - 1  # the first proposal follows the prefill's token
-    sp = _match_spines(states, token_ids, rows, lengths, limits)
-    modes, info, ratios = _route(cfg, sp, p_s, chains)
-    trees = _build_by_table(states, sp, roots, prevs, modes, budgets, ratios, p_s)
-    sizes = trees.sizes()
-    info = np.where(sizes > 1, info, MODE_CODES[ProposalMode.PLAIN]).astype(np.int8)
-    spine_lens = np.where(modes == kernels.load("goose").CHAIN, sizes - 1, np.minimum(sp.lens, np.bincount(
-        trees.tree_index()[trees.sources == NodeSource.SPINE], minlength=num)))
-    return GooseBatch(trees, info, prevs, spine_lens, sp.ngrams, sp.match_len, sp.consensus,
-                      np.where(chains, np.nan, ratios))
-
-
-@dataclass
-class _Spines:
-    """Every request's spine (its context match's continuation, or the store's), back to back."""
-
-    found: np.ndarray  # [R] bool: a match in the request's own context
-    from_store: np.ndarray  # [R] bool: no own match, the tenant's store had one
-    lens: np.ndarray  # [R] int64 spine tokens (<= the request's limit)
-    ngrams: np.ndarray  # [R] int64 n of the match (0: none)
-    match_len: np.ndarray  # [R] int64 its backward match length
-    consensus: np.ndarray  # [R] bool >= 2 n-gram lengths agree on the first draft token
-    tokens: np.ndarray  # [sum(lens)] int64
-    offsets: np.ndarray  # [R + 1] int64: request r's spine is tokens[offsets[r]:offsets[r + 1]]
-
-
-def _match_spines(states, token_ids, rows, lengths, limits) -> _Spines:
-    """One compiled context match over vLLM's token array for every request
-    (``kernels.match.match_rows``), then the tenant's store for those without a match."""
-    cfg = states[0].config
-    num = rows.shape[0]
-    found, consensus = np.zeros(num, bool), np.zeros(num, bool)
-    lens, match_len, ngrams, follow = (np.zeros(num, np.int64) for _ in range(4))
-    store_drafts: dict[int, np.ndarray] = {}
+    match = np.zeros((num, 4), np.int64)
     if cfg.context_spine:
-        out = np.empty((num, 4), np.int64)
         sizes = np.asarray(sorted(set(cfg.ngram_sizes), reverse=True), np.int64)
-        kernels.load("match").match_rows(token_ids, rows, lengths, sizes, max(32, max(cfg.ngram_sizes)), out)
-        found = (out[:, 1] > 0) & (limits > 0)
-        follow = out[:, 0]
-        lens = np.where(found, np.minimum(limits, lengths - follow), 0)
-        ngrams = np.where(found, out[:, 1], 0)
-        match_len, consensus = np.where(found, out[:, 2], 0), found & (out[:, 3] > 0)
-        longest = max(cfg.ngram_sizes)
-        for r in np.flatnonzero(~found & (limits > 0)).tolist():
+        kernels.load("match").match_rows(token_ids, rows, lengths, sizes, max(32, max(cfg.ngram_sizes)), match)
+    store = _store_spines(states, token_ids, rows, lengths, limits, match)
+    policy = np.array([bool(cfg.bypass), bool(cfg.consensus_bypass), cfg.bypass_signal == "draft_length",
+                       cfg.bypass_min_length], np.int64)
+    tiers = np.array([*cfg.tier_thresholds, *cfg.tier_ratios], np.float64)
+    args = (token_ids, rows, lengths, roots, prevs, match, *store, limits, budgets, p_s)
+    groups: dict[int, list[int]] = {}
+    for r, s in enumerate(states):
+        groups.setdefault(id(s.table), []).append(r)
+    parts = []
+    for members in groups.values():
+        idx = None if len(groups) == 1 else np.asarray(members, np.int64)
+        part = args if idx is None else tuple(a if a is token_ids or a is store[3] else a[idx] for a in args)
+        parts.append((idx, _spine_trees(states[members[0]].table, cfg, part, chains, policy, tiers)))
+    if len(parts) == 1:
+        trees, stats, ratios = parts[0][1]
+    else:
+        trees = _in_order([(idx, t) for idx, (t, _, _) in parts], num)
+        stats, ratios = np.empty((num, 5), np.int64), np.empty(num, np.float64)
+        for idx, (_, st, ra) in parts:
+            stats[idx], ratios[idx] = st, ra
+    return GooseBatch(trees, stats[:, 0].astype(np.int8), prevs, stats[:, 1], stats[:, 2], stats[:, 3],
+                      stats[:, 4].astype(bool), ratios)
+
+
+def _store_spines(states, token_ids, rows, lengths, limits, match) -> tuple:
+    """The tenant store's drafts of the requests without a context match of their own (and room
+    to draft): ``(ngrams [R], lens [R], starts [R], tokens)`` int64, ngrams 0 where the store had
+    none (or the request did not ask)."""
+    num = rows.shape[0]
+    ngrams, lens, starts = np.zeros(num, np.int64), np.zeros(num, np.int64), np.zeros(num, np.int64)
+    drafts = []
+    asking = (match[:, 1] <= 0) & (limits > 0)
+    if asking.any():
+        longest = max(states[0].config.ngram_sizes)
+        at = 0
+        for r in np.flatnonzero(asking).tolist():
             store = states[r].store
             if store is None:
                 continue
             length = int(lengths[r])
             draft, n = store.match(token_ids[rows[r], max(0, length - longest):length], int(limits[r]))
             if n:
-                store_drafts[r] = np.asarray(draft, np.int64)
-                lens[r] = draft.shape[0]
-                ngrams[r] = match_len[r] = n
-    from_store = np.zeros(num, bool)
-    from_store[list(store_drafts)] = True
-    offsets = np.zeros(num + 1, np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    within = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], lens)
-    tokens = token_ids[np.repeat(rows, lens), np.repeat(follow, lens) + within].astype(np.int64)
-    for r, draft in store_drafts.items():
-        tokens[offsets[r]:offsets[r + 1]] = draft
-    return _Spines(found, from_store, lens, ngrams, match_len, consensus, tokens, offsets)
+                ngrams[r], lens[r], starts[r] = n, draft.shape[0], at
+                drafts.append(draft)
+                at += draft.shape[0]
+    tokens = np.concatenate(drafts).astype(np.int64) if drafts else np.zeros(0, np.int64)
+    return ngrams, lens, starts, tokens
 
 
-def _route(cfg, sp: _Spines, p_s: np.ndarray, chains: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Algorithm 2's routing as array expressions: (build mode ``kernels.goose.CHAIN`` / ``TREE``,
-    the proposal's ``MODE_CODES``, the spine ratio r of the p_s tier) of every request."""
-    gk = kernels.load("goose")
-    num = sp.lens.shape[0]
-    if chains:
-        modes = np.full(num, gk.CHAIN, np.int64)
-        info = np.where(sp.found | sp.from_store, MODE_CODES[ProposalMode.BYPASS], MODE_CODES[ProposalMode.PLAIN])
-    else:
-        signal = sp.lens if cfg.bypass_signal == "draft_length" else sp.match_len
-        bypass = sp.found & ~sp.from_store & bool(cfg.bypass) & (
-            (bool(cfg.consensus_bypass) & sp.consensus) | (signal >= cfg.bypass_min_length))
-        modes = np.where(bypass, gk.CHAIN, gk.TREE).astype(np.int64)
-        info = np.where(bypass, MODE_CODES[ProposalMode.BYPASS], MODE_CODES[ProposalMode.TREE])
-    t1, t2 = cfg.tier_thresholds
-    ratios = np.where(p_s < t1, cfg.tier_ratios[0], np.where(p_s < t2, cfg.tier_ratios[1], cfg.tier_ratios[2]))
-    return modes, info, ratios
+def _spine_trees(table, cfg, args: tuple, chains: bool, policy, tiers) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
+    """``kernels.goose.spine_trees`` over one table: (trees, stats [R, 5], ratios [R])."""
+    budgets, limits = args[-2], args[-3]
+    num = budgets.shape[0]
+    cap = int(np.maximum(budgets, limits + 1).sum())
+    tokens, parents, depths = (np.empty(cap, np.int64) for _ in range(3))
+    sources = np.empty(cap, np.int8)
+    values = np.empty(cap, np.float64)
+    offsets = np.empty(num + 1, np.int64)
+    stats = np.empty((num, 5), np.int64)
+    ratios = np.empty(num, np.float64)
+    total = kernels.load("goose").spine_trees(
+        *_table_args(table), *args, bool(chains), policy, tiers, _MODE_CODES, int(cfg.max_depth),
+        float(cfg.spine_branch_ratio), float(cfg.min_branch_score), bool(cfg.spine_branches),
+        tokens, parents, sources, values, depths, offsets, stats, ratios)
+    return FlatTrees(offsets, tokens[:total], parents[:total], sources[:total], values[:total], depths[:total]), stats, ratios
 
 
-def _build_by_table(states, sp: _Spines, roots, prevs, modes, budgets, ratios, p_s) -> FlatTrees:
-    """Algorithm 1 for every request: one compiled build per adjacency table (one table for every
-    request of a tenant), the trees back in request order."""
-    cfg = states[0].config
-    kw = dict(max_depth=cfg.max_depth, rho=cfg.spine_branch_ratio, min_score=cfg.min_branch_score,
-              spine_branches=cfg.spine_branches)
-    groups: dict[int, list[int]] = {}
-    for r, s in enumerate(states):
-        groups.setdefault(id(s.table), []).append(r)
-    parts = []
-    for members in groups.values():
-        idx = np.asarray(members, np.int64)
-        tokens = sp.tokens if len(groups) == 1 else np.concatenate(
-            [sp.tokens[sp.offsets[r]:sp.offsets[r + 1]] for r in members] + [np.zeros(0, np.int64)])
-        offsets = sp.offsets if len(groups) == 1 else np.concatenate([[0], np.cumsum(sp.lens[idx])])
-        flat, _ = _build(states[members[0]].table, roots[idx], prevs[idx], tokens, offsets, modes[idx],
-                         budgets[idx], ratios[idx], p_s[idx], **kw)
-        parts.append((idx, flat))
-    return parts[0][1] if len(parts) == 1 else _in_order(parts, len(states))
+# ``kernels.goose.spine_trees``' proposal codes: plain, tree, bypass (``base.MODE_CODES``)
+_MODE_CODES = np.array([MODE_CODES[ProposalMode.PLAIN], MODE_CODES[ProposalMode.TREE], MODE_CODES[ProposalMode.BYPASS]],
+                       np.int64)
 
 
 def _in_order(parts: list[tuple[np.ndarray, FlatTrees]], num: int) -> FlatTrees:
