@@ -346,6 +346,19 @@ def test_move_kv_moves_through_the_slot_mapping_and_follows_a_new_cache():
     assert r._first_cache_ptr() == -1
 
 
+def test_warm_up_kv_moves_builds_the_mover_and_changes_no_cache():
+    """At the worker's start: the mover of the model's caches is built and its compiled kernel
+    run once (slot 0 onto itself), so the first step that moves loads nothing; no cache changes."""
+    r = _make(_proposed())
+    caches = [torch.randn(3, 2, 4, 16), torch.randn(3, 2, 4, 16).to(torch.bfloat16)]
+    r.compilation_config = SimpleNamespace(static_forward_context={
+        f"l{i}": SimpleNamespace(kv_cache=c) for i, c in enumerate(caches)})
+    before = [c.clone() for c in caches]
+    r.warm_up_kv_moves()
+    assert r._kv_mover is not None and len(r._kv_mover._host_groups) == 2
+    assert all(torch.equal(a, b) for a, b in zip(caches, before))
+
+
 def test_the_tree_drafter_always_fits():
     r = _make(_proposed())
     assert r._input_fits_in_drafter(SimpleNamespace()) and not r._input_fits_in_drafter(None)

@@ -7,9 +7,11 @@
 # 2 repeats. Records: docs/measurements/cpu/host_ab_{before,after}_2026_11_29.jsonl.
 #   git worktree add /tmp/before 45c1457 && bash docs/measurements/cpu/host_ab_2026_11_29.sh
 # The records' suffix is the first argument (default 2026_11_29; host_ab_2026_11_29b.sh passes its own);
-# PH_EXTRA: more profile-host options (host_ab_2026_11_30.sh: --dtype float32).
+# PH_EXTRA: more profile-host options (host_ab_2026_11_30.sh: --dtype float32); AFTER: the
+# "after" tree (default /work/main; host_ab_2026_12_01.sh: a worktree of the commit measured).
 set -u
 suffix=${1:-2026_11_29}
+after=${AFTER:-/work/main}
 run() {  # tree method conc prompts tag
   local tree=$1 m=$2 c=$3 n=$4 tag=$5
   echo "== $tag $m c=$c" >&2
@@ -23,10 +25,10 @@ run() {  # tree method conc prompts tag
 for c in 1 8; do
   n=$(( c <= 1 ? 4 : 8 ))
   run /tmp/before goose-b8 $c $n before
-  run /work/main goose-b8 $c $n after
+  run $after goose-b8 $c $n after
 done
 for c in 1 8; do
   n=$(( c <= 1 ? 4 : 8 ))
-  run /work/main goose-b8 $c $n after
+  run $after goose-b8 $c $n after
   run /tmp/before goose-b8 $c $n before
 done

@@ -47,6 +47,7 @@ class TreeCPUWorker(CPUWorker):
 
         out = super().compile_or_warm_up_model(*args, **kwargs)
         warm_up_paths()  # the CPU tree attention's kernel (after vLLM's start-up scan: kernels/__init__.py)
+        self.model_runner.warm_up_kv_moves()  # and the K/V moves' (the caches exist now)
         _calibrate(self.model_runner)
         return out
 
