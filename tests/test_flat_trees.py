@@ -117,6 +117,41 @@ def test_walk_flat_equals_the_per_tree_walk(dtype):
     assert accepted[0, : num[0]].tolist() == [2]  # the spine child first (GOOSE Algorithm 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_walk_equals_the_walk_depth_by_depth(dtype):
+    """``walk_flat`` on CPU logits walks every depth in one compiled call (``kernels.walk.walk_rows``);
+    with a ``pick`` it walks depth by depth (``descend_flat``). Both agree on every path, bonus
+    and the -1 padding, over a 600-token vocabulary (three argmax blocks) whose rows hold ties
+    across blocks and NaNs (the first NaN wins, as in torch), with each row's argmax steered to a
+    child's token half of the time so that walks run deep."""
+    from vllm_anisotropic.verifiers.greedy import host_rows_argmax
+
+    rng = np.random.default_rng(11)
+    for _ in range(60):
+        trees = [random_tree(rng, int(rng.integers(1, 14)), vocab=6) for _ in range(int(rng.integers(1, 7)))]
+        flat = FlatTrees.from_trees(trees)
+        logits = torch.randn(flat.num_nodes + 2, 600)
+        child_of = np.full(flat.num_nodes, -1)
+        parents = flat.global_parents()
+        child_of[parents[parents >= 0]] = np.flatnonzero(parents >= 0)
+        for j in range(flat.num_nodes):
+            row = logits[j + 1]
+            if child_of[j] >= 0 and rng.random() < 0.5:
+                row[int(flat.tokens[child_of[j]])] = 9.0
+            if rng.random() < 0.2:  # a tie across blocks: the lower index wins
+                top = int(row.argmax())
+                row[(top + 256 * int(rng.integers(1, 3))) % 600] = row[top]
+            if rng.random() < 0.1:
+                row[int(rng.integers(0, 600, 2)[0])] = float("nan")
+                row[int(rng.integers(0, 600))] = float("nan")
+        logits = logits.to(dtype)
+        starts = flat.offsets[:-1] + 1
+        got = walk_flat(flat, logits, starts)
+        want = walk_flat(flat, logits, starts, pick=lambda idx, rows: host_rows_argmax(logits, rows))
+        for g, w in zip(got, want):
+            assert g.tolist() == w.tolist()
+
+
 def test_one_descent_step_moves_the_matching_trees_stops_the_others_and_counts_the_movers():
     """``kernels.walk.descend_flat``'s contract for one depth step, read directly: a tree whose
     argmax matches a child descends (path, count, cursor) and is counted in the return value; a

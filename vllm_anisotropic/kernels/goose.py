@@ -2,8 +2,10 @@
 
 Scope: the arithmetic of ``goose.py``'s module docstring as numba code over flat arrays: one
 call builds the trees (or the linear bypass chains) of all the step's requests that read one
-adjacency table, and writes them back to back in value order. Policy (the spine ratio tier, the
-bypass test, budgets) is decided by the caller (``goose.GooseProposer.propose_batch``).
+adjacency table, and writes them back to back in value order. ``spine_trees`` (the engine's
+path) also takes each request's spine from its context match or the store's draft and applies
+Algorithm 2's routing (bypass test, spine ratio tier of p_s) with the caller's policy values
+(``proposers.goose.propose_spine_trees``); ``build_trees`` is given spines and modes.
 
 Source: GOOSE (arXiv 2604.02047) Algorithm 1 lines 1-13 and Appendix C.1: spine laid first
 (values p_s ** i), first-level branches (root: its top b_r successors; spine node i: its top a_i,

@@ -43,7 +43,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["BLOCK", "argmax_rows", "as_float32", "order_key", "pow2", "topk_probs"]
+__all__ = ["BLOCK", "argmax_row", "argmax_rows", "as_float32", "order_key", "pow2", "topk_probs"]
 
 BLOCK = 256  # entries per block of the top-k's first pass and of the argmax's
 
@@ -197,10 +197,15 @@ def argmax_rows(x, rows, out):
     block 0 -> index 1."""
     maxima = np.empty((x.shape[1] + BLOCK - 1) // BLOCK, np.int32)
     for i in range(rows.shape[0]):
-        row = x[rows[i]]
-        _block_maxima(row, maxima)
-        b = np.argmax(maxima)  # the first block holding the largest key
-        j = b * BLOCK
-        while order_key(row[j]) != maxima[b]:
-            j += 1
-        out[i] = j
+        out[i] = argmax_row(x[rows[i]], maxima)
+
+
+@_jit
+def argmax_row(row, maxima):
+    """``argmax_rows`` of one row, ``maxima`` a scratch of ``ceil(len(row) / BLOCK)`` int32."""
+    _block_maxima(row, maxima)
+    b = np.argmax(maxima)  # the first block holding the largest key
+    j = b * BLOCK
+    while order_key(row[j]) != maxima[b]:
+        j += 1
+    return j

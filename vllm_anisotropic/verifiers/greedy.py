@@ -204,7 +204,9 @@ def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,
     into the batch, int64) from its logits ``rows``, one call per depth; default the argmax.
     Any per-row draw of the target's token walks the same way (the engine samples with vLLM's
     own sampler: ``integration/vllm/engine/sampler.py``): the walk descends while a child
-    holds the drawn token, and the first drawn token no child holds is the bonus."""
+    holds the drawn token, and the first drawn token no child holds is the bonus. Without
+    ``pick``, CPU float32 or bf16 logits walk every depth in one compiled call
+    (``kernels.walk.walk_rows``)."""
     num = trees.num_trees
     ranks = PRIORITY_BY_CODE[trees.sources].astype(np.int8)
     max_depth = int(trees.depths.max(initial=0))
@@ -215,6 +217,13 @@ def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,
     active = np.ones(num, bool)
     y = np.zeros(num, np.int64)
     starts = np.asarray(starts, np.int64)
+    if pick is None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
+        # every depth in one compiled call, the argmax of each visited row read in place
+        x = logits.detach()
+        x = x.view(torch.int16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
+        kernels.load("walk").walk_rows(x, trees.tokens, trees.parents, ranks, trees.offsets, starts, accepted,
+                                       num_accepted, bonus)
+        return accepted, num_accepted, bonus
     descend = kernels.load("walk").descend_flat
     if pick is None:
         argmax = host_rows_argmax if logits.device.type == "cpu" else (

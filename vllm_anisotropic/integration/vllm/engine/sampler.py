@@ -248,7 +248,7 @@ class TreeRejectionSampler(nn.Module):
         for index in (greedy[~edited[greedy]], greedy[edited[greedy]], walked[sampled_mask[walked]]):
             if index.size == 0:
                 continue
-            sub = trees.select(index)
+            sub = trees if index.size == num else trees.select(index)  # index: ascending, so all = every tree
             if not sampled_mask[index[0]] and not edited[index[0]] and not logits.is_cuda:
                 # the walk reads the rows it visits where they are (no copy of every tree row)
                 a, n, y = walk_flat(sub, logits, starts[index])
