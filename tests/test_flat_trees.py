@@ -118,19 +118,23 @@ def test_walk_flat_equals_the_per_tree_walk(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_walk_equals_the_walk_depth_by_depth(dtype):
+@pytest.mark.parametrize("vocab", [600, 257, 511])
+def test_the_compiled_walk_equals_the_walk_depth_by_depth(dtype, vocab):
     """``walk_flat`` on CPU logits walks every depth in one compiled call (``kernels.walk.walk_rows``);
     with a ``pick`` it walks depth by depth (``descend_flat``). Both agree on every path, bonus
-    and the -1 padding, over a 600-token vocabulary (three argmax blocks) whose rows hold ties
-    across blocks and NaNs (the first NaN wins, as in torch), with each row's argmax steered to a
-    child's token half of the time so that walks run deep."""
+    and the -1 padding, with each row's argmax steered to a child's token half of the time so
+    that walks run deep, ties across the argmax's blocks of 256 (the lower index wins) and NaNs
+    (the first wins, as in torch). Vocabularies: three blocks; one entry past a block (257: some
+    rows' largest entry is that last one); one short of a block (511: every other row starts
+    with the largest entry of the logits, the rows between with the smallest, so a scan past a
+    row's end would find the next row's)."""
     from vllm_anisotropic.verifiers.greedy import host_rows_argmax
 
     rng = np.random.default_rng(11)
-    for _ in range(60):
+    for _ in range(40):
         trees = [random_tree(rng, int(rng.integers(1, 14)), vocab=6) for _ in range(int(rng.integers(1, 7)))]
         flat = FlatTrees.from_trees(trees)
-        logits = torch.randn(flat.num_nodes + 2, 600)
+        logits = torch.randn(flat.num_nodes + 2, vocab)
         child_of = np.full(flat.num_nodes, -1)
         parents = flat.global_parents()
         child_of[parents[parents >= 0]] = np.flatnonzero(parents >= 0)
@@ -138,18 +142,45 @@ def test_the_compiled_walk_equals_the_walk_depth_by_depth(dtype):
             row = logits[j + 1]
             if child_of[j] >= 0 and rng.random() < 0.5:
                 row[int(flat.tokens[child_of[j]])] = 9.0
+            elif vocab == 257 and rng.random() < 0.5:
+                row[vocab - 1] = 9.0
             if rng.random() < 0.2:  # a tie across blocks: the lower index wins
                 top = int(row.argmax())
-                row[(top + 256 * int(rng.integers(1, 3))) % 600] = row[top]
+                row[(top + 256 * int(rng.integers(1, 3))) % vocab] = row[top]
             if rng.random() < 0.1:
-                row[int(rng.integers(0, 600, 2)[0])] = float("nan")
-                row[int(rng.integers(0, 600))] = float("nan")
+                row[int(rng.integers(0, vocab))] = float("nan")
+                row[int(rng.integers(0, vocab))] = float("nan")
+        if vocab == 511:
+            logits[0::2, 0], logits[1::2, 0] = 50.0, -50.0
         logits = logits.to(dtype)
         starts = flat.offsets[:-1] + 1
         got = walk_flat(flat, logits, starts)
         want = walk_flat(flat, logits, starts, pick=lambda idx, rows: host_rows_argmax(logits, rows))
         for g, w in zip(got, want):
             assert g.tolist() == w.tolist()
+
+
+def test_the_workers_walk_warm_up_compiles_what_a_step_walks():
+    """After ``warm_up_walk`` (the CPU worker's start) walks over float32 and bf16 logits of a
+    step's shape compile nothing more: two signatures, before and after (a fresh process: numba's
+    signatures are its own)."""
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np, torch
+from vllm_anisotropic.kernels import load
+from vllm_anisotropic.tree import DraftTree, FlatTrees
+from vllm_anisotropic.verifiers.greedy import walk_flat, warm_up_walk
+warm_up_walk()
+before = len(load("walk").walk_rows.signatures)
+flat = FlatTrees.from_trees([DraftTree(tokens=[3, 1, 2], parents=[-1, 0, 1])] * 2)
+for dtype in (torch.float32, torch.bfloat16):
+    walk_flat(flat, torch.randn(9, 300).to(dtype), np.array([0, 4]))
+print(before, len(load("walk").walk_rows.signatures))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["2", "2"]
 
 
 def test_one_descent_step_moves_the_matching_trees_stops_the_others_and_counts_the_movers():

@@ -109,3 +109,87 @@ def _rows(rng, vocab, n):
     scores = np.sort(rng.random((n, 10)).astype(np.float32) / 5, axis=1)[:, ::-1].copy()
     prev = np.where(rng.random(n) < 0.5, rng.integers(0, vocab, n), -1)
     return prev, rng.integers(0, vocab, n), ids, scores
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 100_000), num=st.integers(1, 6), budget=st.integers(2, 30))
+def test_the_batchs_figures_per_request_follow_their_definitions(seed, num, budget):
+    """Each request's proposal mode, spine length, n-gram, match length, consensus and spine ratio
+    in ``propose_spine_trees``' batch, against their definitions (GOOSE Algorithm 2, docs/goose.md)
+    from the request's own context match (``ContextMatcher``) and its tree, under every routing
+    policy (consensus bypass on / off, the long-match signal the spine drafted or the match
+    length, thresholds 3 and 9) and offers of 0 (the proposer's budget), 1, 2 and 7 nodes, on tree
+    steps and chain steps. The match is taken when it exists and the request may draft (its
+    limit: the chain drafts on a chain step, else min(continuation cap, budget - 1)); n-gram,
+    match length and consensus are the match's, else 0 / 0 / False; a tree step bypasses (a chain
+    of the spine) on consensus when ``consensus_bypass``, or when its signal reaches
+    ``bypass_min_length``; the mode is plain when the tree is the root alone, bypass on a chain
+    step with a spine; the spine length counts the tree's SPINE nodes (a budget below the spine
+    cuts it); the spine ratio is p_s's tier (the tier edges 0.2 and 0.4 included), nan on a chain
+    step. Contexts: half of them end with a repeat of an earlier stretch of 3-15 tokens (match
+    lengths beyond the n-gram), half random over 5 tokens."""
+    from vllm_anisotropic.proposers.base import ProposalMode
+    from vllm_anisotropic.proposers.context_match import ContextMatcher
+    from vllm_anisotropic.proposers.goose import spine_ratio_tier
+    from vllm_anisotropic.tree import NodeSource
+
+    rng = np.random.default_rng(seed)
+    vocab = 30
+    rows = _rows(rng, vocab, 60)
+    contexts = []
+    for _ in range(num):
+        if rng.random() < 0.5:
+            seg = rng.integers(0, vocab, 16)
+            stretch = int(rng.integers(3, 16))
+            contexts.append(np.concatenate([rng.integers(0, vocab, int(rng.integers(0, 6))), seg,
+                                            rng.integers(0, vocab, int(rng.integers(0, 8))), seg[:stretch]]))
+        else:
+            contexts.append(rng.integers(0, 5, int(rng.integers(1, 40))))
+    token_ids = np.zeros((num, max(len(c) for c in contexts)), np.int32)
+    for r, c in enumerate(contexts):
+        token_ids[r, : len(c)] = c
+    p_s = rng.choice([0.2, 0.4, np.nextafter(0.2, 0), np.nextafter(0.4, 0), rng.random()], num)
+    for consensus_bypass in (True, False):
+        for signal in ("draft_length", "match_length"):
+            for min_length in (3, 9):
+                prop = get_proposer("goose", vocab_size=vocab, bigram_capacity=16, budget=budget,
+                                    consensus_bypass=consensus_bypass, bypass_signal=signal,
+                                    bypass_min_length=min_length)
+                prop.table.update(*rows)
+                cfg = prop.config
+                for offer in (0, 1, 2, 7):
+                    for chains in (False, True):
+                        states = [prop.new_request() for _ in range(num)]
+                        for s, p in zip(states, p_s.tolist()):
+                            s.spine_acceptance = p
+                        batch = propose_spine_trees(states, token_ids, np.arange(num), [len(c) for c in contexts],
+                                                    None if chains else [offer] * num, [offer] * num if chains else None)
+                        assert batch.trees.tokens.shape[0] == batch.trees.offsets[-1] == batch.trees.sizes().sum()
+                        node_budget = min(budget, offer) if offer > 0 else budget
+                        limit = min(cfg.max_continuation, offer if chains else node_budget - 1)
+                        for k, (state, ctx) in enumerate(zip(states, contexts)):
+                            matcher = ContextMatcher(cfg.ngram_sizes, cfg.max_continuation)
+                            matcher.sync(ctx)
+                            hit = matcher.match(limit)
+                            taken = hit.found and limit > 0
+                            tree = batch.trees.tree(k)
+                            spine_nodes = int(np.sum(tree.sources == NodeSource.SPINE))
+                            assert (int(batch.ngrams[k]), int(batch.match_lengths[k]), bool(batch.consensus[k])) == (
+                                (hit.ngram, hit.match_length, hit.consensus) if taken else (0, 0, False))
+                            assert int(batch.spine_lens[k]) == spine_nodes <= (len(hit.draft) if taken else 0)
+                            sig = len(hit.draft) if signal == "draft_length" else hit.match_length
+                            bypass = not chains and taken and ((consensus_bypass and hit.consensus) or sig >= min_length)
+                            if tree.num_nodes == 1:
+                                want = ProposalMode.PLAIN
+                            elif chains or bypass:
+                                want = ProposalMode.BYPASS
+                            else:
+                                want = ProposalMode.TREE
+                            assert int(batch.modes[k]) == MODE_CODES[want]
+                            if bypass or chains:
+                                assert tree.num_nodes == 1 + (len(hit.draft) if taken else 0)
+                            if chains:
+                                assert np.isnan(batch.spine_ratios[k])
+                            else:
+                                assert batch.spine_ratios[k] == spine_ratio_tier(state.spine_acceptance,
+                                                                                cfg.tier_thresholds, cfg.tier_ratios)

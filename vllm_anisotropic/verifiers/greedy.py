@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from vllm_anisotropic import kernels
-from vllm_anisotropic.tree import FlatTrees, PRIORITY_BY_CODE
+from vllm_anisotropic.tree import DraftTree, FlatTrees, PRIORITY_BY_CODE
 from vllm_anisotropic.verifiers.base import BatchVerifyResult, VerifyResult
 from vllm_anisotropic.verifiers.topdown import TopDownVerifier, descend, descend_all
 
@@ -191,6 +191,15 @@ class GreedyVerifier(TopDownVerifier):
                     still.append(b)
             active = still
         return [VerifyResult(a, y) for a, y in zip(accepted, bonus)]
+
+
+def warm_up_walk() -> None:
+    """Compile the CPU walk's kernels (or load them from numba's disk cache) for the logits
+    dtypes a step passes, at the CPU worker's start rather than in the first tree step: a
+    one-node tree over a float32 and a bf16 row."""
+    tree = FlatTrees.from_trees([DraftTree(tokens=[0], parents=[-1])])
+    for dtype in (torch.float32, torch.bfloat16):
+        walk_flat(tree, torch.zeros(1, 8, dtype=dtype), np.zeros(1, np.int64))
 
 
 def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,

@@ -44,10 +44,12 @@ class TreeCPUWorker(CPUWorker):
 
     def compile_or_warm_up_model(self, *args, **kwargs):
         from vllm_anisotropic.integration.vllm.kernels.attention import warm_up_paths
+        from vllm_anisotropic.verifiers.greedy import warm_up_walk
 
         out = super().compile_or_warm_up_model(*args, **kwargs)
         warm_up_paths()  # the CPU tree attention's kernel (after vLLM's start-up scan: kernels/__init__.py)
         self.model_runner.warm_up_kv_moves()  # and the K/V moves' (the caches exist now)
+        warm_up_walk()  # and the greedy walk's
         _calibrate(self.model_runner)
         return out
 
