@@ -148,6 +148,16 @@ def test_a_cpu_layer_gets_its_probed_layout():
     assert torch.equal(k_off, want_k) and torch.equal(v_off, want_v)
 
 
+def _layers(caches: list[torch.Tensor]) -> list:
+    """Stand-ins of attention layers holding ``caches`` (``kv_cache`` is all the mover reads)."""
+    out = []
+    for cache in caches:
+        layer = type("Layer", (), {})()
+        layer.kv_cache = cache
+        out.append(layer)
+    return out
+
+
 def _reference_move(cache: torch.Tensor, src: list[int], dst: list[int]) -> torch.Tensor:
     """The moved cache by the definition: every source's K/V (a slot's ``[heads, 2 * head_size]``
     row of a plain-layout cache) read first, then written to its destination."""
@@ -174,12 +184,7 @@ def test_compiled_and_device_moves_agree_with_the_definition(dtype):
     for compiled in (True, False):
         caches = [torch.randn(*shape, generator=gen).to(dtype) for _ in range(3)]
         before = [c.clone() for c in caches]
-        layers = []
-        for cache in caches:
-            layer = type("Layer", (), {})()
-            layer.kv_cache = cache
-            layers.append(layer)
-        mover = KVMover.from_layers(layers)
+        mover = KVMover.from_layers(_layers(caches))
         s, d = torch.tensor(src), torch.tensor(dst)
         if compiled:
             mover.move(s, d)
@@ -196,15 +201,24 @@ def test_caches_of_two_element_sizes_move_in_their_own_groups():
     each cache moved exactly once, each exactly by the definition."""
     caches = [torch.randn(3, 2, 16, 16), torch.randn(3, 2, 16, 16).to(torch.bfloat16), torch.randn(3, 2, 16, 16)]
     before = [c.clone() for c in caches]
-    layers = []
-    for cache in caches:
-        layer = type("Layer", (), {})()
-        layer.kv_cache = cache
-        layers.append(layer)
-    mover = KVMover.from_layers(layers)
+    mover = KVMover.from_layers(_layers(caches))
     mover.move(torch.tensor([20, 33]), torch.tensor([19, 20]))
     assert len(mover._host_groups) == 2 and sorted(len(g[0]) for g in mover._host_groups) == [1, 2]
     for cache, old in zip(caches, before):
         assert torch.equal(cache, _reference_move(old, [20, 33], [19, 20]))
     mover.move(torch.tensor([5]), torch.tensor([4]))  # the groups are built once and kept
     assert torch.equal(caches[1], _reference_move(_reference_move(before[1], [20, 33], [19, 20]), [5], [4]))
+
+
+def test_a_slot_outside_the_caches_is_refused_and_nothing_moves():
+    """The compiled moves write without bounds checks: a slot past the smallest cache's last
+    (or a negative one) raises before anything is written."""
+    caches = [torch.randn(3, 2, 16, 16), torch.randn(2, 2, 16, 16)]  # 48 and 32 slots
+    before = [c.clone() for c in caches]
+    mover = KVMover.from_layers(_layers(caches))
+    for src, dst in (([31, 32], [1, 2]), ([1], [32]), ([-1], [0])):
+        with pytest.raises(ValueError, match="outside the caches"):
+            mover.move(torch.tensor(src), torch.tensor(dst))
+    assert all(torch.equal(a, b) for a, b in zip(caches, before))
+    mover.move(torch.tensor([31]), torch.tensor([0]))  # the last slot of the smaller cache
+    assert torch.equal(caches[1][0, :, 0], before[1][1, :, 15])

@@ -14,7 +14,7 @@ __all__ = ["move_slots"]
 def move_slots(caches, src, dst, k_off, v_off, num_heads, block_size, two_hs):
     """``slot[dst[m]] <- slot[src[m]]`` (K and V of every head) in each of ``caches``, every
     source read before any destination of its cache is written (a source may be a later
-    destination).
+    destination). A slot outside the caches raises ValueError (the writes are not bounds-checked).
 
     ``caches``: a typed list of the layers' caches ``[num_blocks, num_heads, block_size,
     two_hs]`` flattened (1-D, any element type: the bits are copied); ``src``, ``dst`` ``[M]``
@@ -25,6 +25,14 @@ def move_slots(caches, src, dst, k_off, v_off, num_heads, block_size, two_hs):
     m = src.shape[0]
     head_size = two_hs // 2
     region = block_size * two_hs
+    if len(caches) == 0:
+        return
+    slots = caches[0].shape[0] // (num_heads * region) * block_size  # slots of the smallest cache
+    for cache in caches:
+        slots = min(slots, cache.shape[0] // (num_heads * region) * block_size)
+    for i in range(m):
+        if min(src[i], dst[i]) < 0 or max(src[i], dst[i]) >= slots:
+            raise ValueError("a K/V move names a slot outside the caches")
     n = m * num_heads * 2 * head_size
     from_el = np.empty(n, np.int64)
     to_el = np.empty(n, np.int64)
@@ -41,8 +49,6 @@ def move_slots(caches, src, dst, k_off, v_off, num_heads, block_size, two_hs):
                     out[e] = head + k_off[t, d]
                     out[e + 1] = head + v_off[t, d]
                     e += 2
-    if len(caches) == 0:
-        return
     buf = np.empty(n, caches[0].dtype)
     for cache in caches:
         for j in range(n):

@@ -50,7 +50,6 @@ children and any prefix is a valid subtree (``DraftTree.truncate``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
