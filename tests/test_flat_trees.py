@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_anisotropic import kernels
 from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, rank_flat, rank_trees
-from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource, pack_trees
+from vllm_anisotropic.tree import PRIORITY_BY_CODE, DraftTree, FlatTrees, NodeSource, pack_trees
 from vllm_anisotropic.verifiers.greedy import GreedyVerifier, walk_flat
 
 
@@ -120,9 +121,9 @@ def test_walk_flat_equals_the_per_tree_walk(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [600, 257, 511])
 def test_the_compiled_walk_equals_the_walk_depth_by_depth(dtype, vocab):
-    """``walk_flat`` on CPU logits walks every depth in one compiled call (``kernels.walk.walk_rows``);
-    with a ``pick`` it walks depth by depth (``descend_flat``). Both agree on every path, bonus
-    and the -1 padding, with each row's argmax steered to a child's token half of the time so
+    """``kernels.walk.walk_rows`` walks every depth in one compiled call (``walk_flat`` takes it
+    for bf16 logits); with a ``pick`` ``walk_flat`` walks depth by depth (``descend_flat``). Both
+    agree on every path, bonus and the -1 padding, on float32 rows and on bf16 bits, with each row's argmax steered to a child's token half of the time so
     that walks run deep, ties across the argmax's blocks of 256 (the lower index wins) and NaNs
     (the first wins, as in torch). Vocabularies: three blocks; one entry past a block (257: some
     rows' largest entry is that last one); one short of a block (511: every other row starts
@@ -154,16 +155,19 @@ def test_the_compiled_walk_equals_the_walk_depth_by_depth(dtype, vocab):
             logits[0::2, 0], logits[1::2, 0] = 50.0, -50.0
         logits = logits.to(dtype)
         starts = flat.offsets[:-1] + 1
-        got = walk_flat(flat, logits, starts)
         want = walk_flat(flat, logits, starts, pick=lambda idx, rows: host_rows_argmax(logits, rows))
-        for g, w in zip(got, want):
-            assert g.tolist() == w.tolist()
+        got = [np.full_like(want[0], -1), np.zeros_like(want[1]), np.zeros_like(want[2])]
+        x = logits.view(torch.int16).numpy() if dtype == torch.bfloat16 else logits.numpy()
+        kernels.load("walk").walk_rows(x, flat.tokens, flat.parents, PRIORITY_BY_CODE[flat.sources].astype(np.int8),
+                                       flat.offsets, starts, *got)
+        for g, w, default in zip(got, want, walk_flat(flat, logits, starts)):
+            assert g.tolist() == w.tolist() == default.tolist()
 
 
 def test_the_workers_walk_warm_up_compiles_what_a_step_walks():
-    """After ``warm_up_walk`` (the CPU worker's start) walks over float32 and bf16 logits of a
-    step's shape compile nothing more: two signatures, before and after (a fresh process: numba's
-    signatures are its own)."""
+    """After ``warm_up_walk`` (the CPU worker's start) walks over bf16 logits of a step's shape
+    compile nothing more, and float32 logits do not reach the compiled walk: one signature, before
+    and after (a fresh process: numba's signatures are its own)."""
     import subprocess
     import sys
 
@@ -180,7 +184,7 @@ for dtype in (torch.float32, torch.bfloat16):
 print(before, len(load("walk").walk_rows.signatures))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["2", "2"]
+    assert out.stdout.split() == ["1", "1"]
 
 
 def test_one_descent_step_moves_the_matching_trees_stops_the_others_and_counts_the_movers():
