@@ -193,3 +193,29 @@ def test_the_batchs_figures_per_request_follow_their_definitions(seed, num, budg
                             else:
                                 assert batch.spine_ratios[k] == spine_ratio_tier(state.spine_acceptance,
                                                                                 cfg.tier_thresholds, cfg.tier_ratios)
+
+
+def test_a_batch_of_several_tenants_equals_each_tenants_batch_alone():
+    """Requests of three tenants (three adjacency tables, filled differently) interleaved in one
+    batch: each request's tree and figures equal those of its tenant's requests proposed alone,
+    in batch order (one compiled call per table, the trees and figures put back in request order)."""
+    rng = np.random.default_rng(5)
+    vocab = 30
+    prop = get_proposer("goose", vocab_size=vocab, bigram_capacity=16, budget=12)
+    tenants = ["a", None, "b", "a", "b", None, "a"]
+    for t in ("a", "b", None):
+        prop.new_request(t).table.update(*_rows(rng, vocab, 40))
+    contexts = [np.concatenate([rng.integers(0, 5, 12), rng.integers(0, 5, 3)]) for _ in tenants]
+    token_ids = np.stack(contexts).astype(np.int32)
+    lengths = [len(c) for c in contexts]
+    batch = propose_spine_trees([prop.new_request(t) for t in tenants], token_ids, np.arange(len(tenants)), lengths)
+    assert len({id(prop.new_request(t).table) for t in tenants}) == 3
+    for tenant in ("a", "b", None):
+        rows = np.array([i for i, t in enumerate(tenants) if t == tenant])
+        alone = propose_spine_trees([prop.new_request(tenant) for _ in rows], token_ids, rows, [lengths[i] for i in rows])
+        for k, i in enumerate(rows.tolist()):
+            got, want = batch.trees.tree(i), alone.trees.tree(k)
+            assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+            assert got.values.tolist() == want.values.tolist() and got.sources.tolist() == want.sources.tolist()
+            for field in ("modes", "prev_roots", "spine_lens", "ngrams", "match_lengths", "consensus", "spine_ratios"):
+                assert getattr(batch, field)[i] == getattr(alone, field)[k], field
