@@ -40,7 +40,7 @@ TWO_ROUNDS = r"""
 import json, sys
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm_anisotropic.bench.offline import _counters
+from vllm_anisotropic.bench.offline import _counters, _drain_in_process
 
 model, spec, params1, params2, dtype, out = (sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]),
                                              json.loads(sys.argv[4]), sys.argv[5], sys.argv[6])
@@ -51,10 +51,12 @@ llm = LLM(model=model, speculative_config=spec, enforce_eager=True, max_model_le
 first = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                      [SamplingParams(ignore_eos=True, **kw) for kw in params1], use_tqdm=False)
 round1 = [list(o.outputs[0].token_ids) for o in first]
+_drain_in_process(llm)  # the step that tells the workers of round 1's last finished requests: stats written
 hits_before = _counters(llm).get("vllm:prefix_cache_hits", 0.0)
 second = llm.generate([TokensPrompt(prompt_token_ids=p + r) for p, r in zip(prompts, round1)],
                       [SamplingParams(ignore_eos=True, **kw) for kw in params2], use_tqdm=False)
 round2 = [list(o.outputs[0].token_ids) for o in second]
+_drain_in_process(llm)
 hits = _counters(llm).get("vllm:prefix_cache_hits", 0.0) - hits_before
 json.dump({"round1": round1, "round2": round2, "round2_prefix_cache_hits": hits}, open(out, "w"))
 """
