@@ -35,9 +35,10 @@ def test_load_names_the_valid_modules():
 
 
 def test_the_drafters_warm_up_compiles_for_vllms_token_dtype_and_keeps_nothing():
-    """``TreeDrafter.warm_up`` (the worker's start): the context matcher and the tree builder get
-    their machine code for vLLM's int32 token array before any request, and the drafter's own
-    state (request states, shared adjacency table, pending trees) is untouched."""
+    """``TreeDrafter.warm_up`` (the worker's start): the context matcher and the proposals' kernel
+    (``spine_trees``, which reads the spines from the token array) get their machine code for
+    vLLM's int32 token array before any request, and the drafter's own state (request states,
+    shared adjacency table, pending trees) is untouched."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -54,8 +55,8 @@ def test_the_drafters_warm_up_compiles_for_vllms_token_dtype_and_keeps_nothing()
     table = d.proposer.table
     before = None if table.unigram_ids is None else table.unigram_ids.copy()
     d.warm_up(np.int32)
-    match, goose = kernels.load("match").match_rows, kernels.load("goose").build_trees
+    match, goose = kernels.load("match").match_rows, kernels.load("goose").spine_trees
     assert any("int32" in str(sig[0]) for sig in match.signatures), match.signatures
-    assert goose.signatures
+    assert any("int32" in str(sig[9]) for sig in goose.signatures), goose.signatures  # arg 9: token_ids
     assert d.states == {} and d.pending == {} and d.proposer.table is table
     assert (before is None and table.unigram_ids is None) or np.array_equal(table.unigram_ids, before)
