@@ -223,19 +223,20 @@ def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows,
     if cfg.context_spine:
         sizes = np.asarray(sorted(set(cfg.ngram_sizes), reverse=True), np.int64)
         kernels.load("match").match_rows(token_ids, rows, lengths, sizes, max(32, max(cfg.ngram_sizes)), match)
-    store = _store_spines(states, token_ids, rows, lengths, limits, match)
     policy = np.array([bool(cfg.bypass), bool(cfg.consensus_bypass), cfg.bypass_signal == "draft_length",
                        cfg.bypass_min_length], np.int64)
     tiers = np.array([*cfg.tier_thresholds, *cfg.tier_ratios], np.float64)
-    args = (token_ids, rows, lengths, roots, prevs, match, *store, limits, budgets, p_s)
+    ngrams, lens, starts, store_tokens = _store_spines(states, token_ids, rows, lengths, limits, match)
+    per_request = (rows, lengths, roots, prevs, match, ngrams, lens, starts, limits, budgets, p_s)
     groups: dict[int, list[int]] = {}
     for r, s in enumerate(states):
         groups.setdefault(id(s.table), []).append(r)
     parts = []
     for members in groups.values():
         idx = None if len(groups) == 1 else np.asarray(members, np.int64)
-        part = args if idx is None else tuple(a if a is token_ids or a is store[3] else a[idx] for a in args)
-        parts.append((idx, _spine_trees(states[members[0]].table, cfg, part, chains, policy, tiers)))
+        part = per_request if idx is None else tuple(a[idx] for a in per_request)
+        parts.append((idx, _spine_trees(states[members[0]].table, cfg, token_ids, part, store_tokens, chains, policy,
+                                        tiers)))
     if len(parts) == 1:
         trees, stats, ratios = parts[0][1]
     else:
@@ -272,9 +273,12 @@ def _store_spines(states, token_ids, rows, lengths, limits, match) -> tuple:
     return ngrams, lens, starts, tokens
 
 
-def _spine_trees(table, cfg, args: tuple, chains: bool, policy, tiers) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
-    """``kernels.goose.spine_trees`` over one table: (trees, stats [R, 5], ratios [R])."""
-    budgets, limits = args[-2], args[-3]
+def _spine_trees(table, cfg, token_ids, per_request: tuple, store_tokens, chains: bool, policy,
+                 tiers) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
+    """``kernels.goose.spine_trees`` over one table: (trees, stats [R, 5], ratios [R]).
+    ``per_request``: rows, lengths, roots, prevs, match, store n-grams, lengths and starts,
+    limits, budgets, p_s of the table's requests."""
+    rows, lengths, roots, prevs, match, ngrams, lens, starts, limits, budgets, p_s = per_request
     num = budgets.shape[0]
     cap = int(np.maximum(budgets, limits + 1).sum())
     tokens, parents, depths = (np.empty(cap, np.int64) for _ in range(3))
@@ -284,7 +288,8 @@ def _spine_trees(table, cfg, args: tuple, chains: bool, policy, tiers) -> tuple[
     stats = np.empty((num, 5), np.int64)
     ratios = np.empty(num, np.float64)
     total = kernels.load("goose").spine_trees(
-        *_table_args(table), *args, bool(chains), policy, tiers, _MODE_CODES, int(cfg.max_depth),
+        *_table_args(table), token_ids, rows, lengths, roots, prevs, match, ngrams, lens, starts, store_tokens,
+        limits, budgets, p_s, bool(chains), policy, tiers, _MODE_CODES, int(cfg.max_depth),
         float(cfg.spine_branch_ratio), float(cfg.min_branch_score), bool(cfg.spine_branches),
         tokens, parents, sources, values, depths, offsets, stats, ratios)
     return FlatTrees(offsets, tokens[:total], parents[:total], sources[:total], values[:total], depths[:total]), stats, ratios

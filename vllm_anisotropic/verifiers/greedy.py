@@ -220,9 +220,6 @@ def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,
     accepted = np.full((num, max(max_depth, 1)), -1, np.int64)
     num_accepted = np.zeros(num, np.int64)
     bonus = np.zeros(num, np.int64)
-    cur = np.zeros(num, np.int64)
-    active = np.ones(num, bool)
-    y = np.zeros(num, np.int64)
     starts = np.asarray(starts, np.int64)
     if pick is None and logits.device.type == "cpu" and logits.dtype == torch.bfloat16:
         # every depth in one compiled call, the argmax of each visited row read in place on its
@@ -231,6 +228,9 @@ def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,
         kernels.load("walk").walk_rows(logits.detach().view(torch.int16).numpy(), trees.tokens, trees.parents, ranks,
                                        trees.offsets, starts, accepted, num_accepted, bonus)
         return accepted, num_accepted, bonus
+    cur = np.zeros(num, np.int64)
+    active = np.ones(num, bool)
+    y = np.zeros(num, np.int64)
     descend = kernels.load("walk").descend_flat
     if pick is None:
         argmax = host_rows_argmax if logits.device.type == "cpu" else (
