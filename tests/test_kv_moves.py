@@ -8,17 +8,67 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_anisotropic.integration.vllm.engine.kv_moves import KVMover, accepted_moves
+from vllm_anisotropic import kernels
+from vllm_anisotropic.integration.vllm.engine.kv_moves import KVMover
+from vllm_anisotropic.tree import DraftTree, FlatTrees
 
 
-def test_accepted_moves_worked_example_and_edges():
-    src, dst = accepted_moves(np.array([[2, 3], [1, -1]]), np.array([2, 1]), np.array([10, 20]))
-    assert src.tolist() == [11, 12] and dst.tolist() == [10, 11]
-    src, dst = accepted_moves(np.array([[1, 2, 5], [-1, -1, -1]]), np.array([3, 0]), np.array([4, 9]))
-    assert src.tolist() == [8] and dst.tolist() == [6]  # nodes 1, 2 in place; node 5 -> depth 3
-    assert accepted_moves(np.zeros((0, 1), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))[0].size == 0
-    src, dst = accepted_moves(np.array([[2]]), np.array([1]), np.array([10]))  # one tree, one entry
-    assert src.tolist() == [11] and dst.tolist() == [10]
+def _emit(trees: FlatTrees, paths, node_rows, bonus, width: int = 8):
+    """``kernels.emit.emit_rows`` on trees 0..T-1 (batch rows 2t: odd rows have no tree) with
+    ``paths`` accepted: ``(rows [2T, width], on_path, src, dst)``."""
+    num = np.array([len(p) for p in paths], np.int64)
+    accepted = np.full((len(paths), max(1, int(num.max(initial=0)))), -1, np.int64)
+    for t, p in enumerate(paths):
+        accepted[t, : len(p)] = p
+    out = np.full((2 * len(paths), width), 99, np.int32)
+    on_path = np.zeros(trees.num_nodes, bool)
+    src, dst = np.empty(int(num.sum()), np.int64), np.empty(int(num.sum()), np.int64)
+    m = kernels.load("emit").emit_rows(trees.tokens, trees.offsets, np.arange(len(paths)), 2 * np.arange(len(paths)),
+                                       accepted, num, np.asarray(bonus, np.int64), np.asarray(node_rows, np.int64),
+                                       out, on_path, src, dst)
+    return out, on_path, src[:m], dst[:m]
+
+
+def accepted_moves(paths, node_rows):
+    """The moves of the module docstring: path entry j (depth j + 1) at node n_j != j + 1 moves
+    query row ``node_rows[t] + n_j - 1`` to ``node_rows[t] + j``."""
+    moves = [(r + n - 1, r + j) for p, r in zip(paths, node_rows) for j, n in enumerate(p) if n != j + 1]
+    return [s for s, _ in moves], [d for _, d in moves]
+
+
+def test_emitted_rows_paths_and_moves_worked_example_and_edges():
+    chain = DraftTree([5, 6, 7, 8, 9, 4], [-1, 0, 1, 2, 3, 4])
+    fork = DraftTree([5, 6, 7, 8], [-1, 0, 0, 2])
+    out, on_path, src, dst = _emit(FlatTrees.from_trees([fork, chain]), [[2, 3], [1, 2, 5]], [10, 4], [11, 12])
+    assert src.tolist() == [11, 12, 8] and dst.tolist() == [10, 11, 6]  # chain: nodes 1, 2 in place
+    assert out[0].tolist() == [7, 8, 11, -1, -1, -1, -1, -1] and out[2].tolist() == [6, 7, 4, 12, -1, -1, -1, -1]
+    assert (out[1] == 99).all() and (out[3] == 99).all()  # rows without a tree are not written
+    assert np.flatnonzero(on_path).tolist() == [2, 3, 5, 6, 9]
+    out, on_path, src, dst = _emit(FlatTrees.from_trees([fork]), [[]], [10], [3], width=3)  # nothing accepted
+    assert out[0].tolist() == [3, -1, -1] and not on_path.any() and src.size == 0
+
+
+def test_emitted_rows_paths_and_moves_follow_their_definitions_on_random_batches():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        trees, paths = [], []
+        for _ in range(int(rng.integers(1, 6))):
+            n = int(rng.integers(1, 10))
+            parents = [-1] + [int(rng.integers(0, i)) if rng.random() < 0.5 else i - 1 for i in range(1, n)]
+            trees.append(DraftTree(tokens=rng.integers(0, 50, n), parents=parents))
+            paths.append(trees[-1].path_to(int(rng.integers(0, n))))
+        flat = FlatTrees.from_trees(trees)
+        node_rows = rng.integers(0, 100, len(trees))
+        bonus = rng.integers(0, 50, len(trees))
+        out, on_path, src, dst = _emit(flat, paths, node_rows, bonus, width=10)
+        for t, (tree, p) in enumerate(zip(trees, paths)):
+            want = [int(tree.tokens[n]) for n in p] + [int(bonus[t])]
+            assert out[2 * t].tolist() == want + [-1] * (10 - len(want))
+        want_path = np.zeros(flat.num_nodes, bool)
+        for t, p in enumerate(paths):
+            want_path[[int(flat.offsets[t]) + n for n in p]] = True
+        assert (on_path == want_path).all()
+        assert (src.tolist(), dst.tolist()) == accepted_moves(paths, node_rows.tolist())
 
 
 def _cpu_layouts():
@@ -68,8 +118,8 @@ def test_moves_in_vllm_cpu_layouts(isa, dtype):
     shared.kv_cache, shared.isa = cache, isa  # a second layer on the same tensor: moved once
     mover = KVMover.from_layers([layer, shared])
     assert len(mover.caches) == 1
-    src, dst = accepted_moves(np.array([[2, 3, 5]]), np.array([3]), np.array([40]))
-    mover.move(torch.from_numpy(src), torch.from_numpy(dst))
+    src, dst = accepted_moves([[2, 3, 5]], [40])
+    mover.move(torch.tensor(src), torch.tensor(dst))
     want_k, want_v = k.clone(), v.clone()
     want_k[[40, 41, 42]] = k[[41, 42, 44]]
     want_v[[40, 41, 42]] = v[[41, 42, 44]]

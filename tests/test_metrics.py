@@ -14,7 +14,6 @@ from vllm_anisotropic.integration.vllm.engine.metrics import (
     MetricsSink,
     TreeMetrics,
     TreeMetricsCollector,
-    chain_accepted,
 )
 from vllm_anisotropic.proposers.base import MODE_CODES, ProposalMode
 from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource
@@ -65,24 +64,49 @@ def test_record_counts_sources_moves_and_modes():
     assert m.draft_model_nodes == 0 and "draft-model acceptance n/a" in m.summary_line()
 
 
-def test_chain_accepted_is_the_leading_run_of_nodes_1_to_c():
-    """``chain_accepted`` against a plain loop over random trees and random root-to-node paths."""
+def test_the_steps_counts_follow_their_definitions_on_random_batches():
+    """``kernels.emit.count_step`` (every counter of ``record_step``) against plain loops over
+    random trees (chains and branches, every source), random root-to-node paths and modes."""
+    from vllm_anisotropic import kernels
+
+    count_step = kernels.load("emit").count_step
     rng = np.random.default_rng(0)
-    for _ in range(200):
+    for _ in range(300):
         trees, paths = [], []
-        for _ in range(int(rng.integers(1, 5))):
+        for _ in range(int(rng.integers(1, 6))):
             n = int(rng.integers(1, 10))
             parents = [-1] + [int(rng.integers(0, i)) if rng.random() < 0.5 else i - 1 for i in range(1, n)]
-            tree = DraftTree(tokens=rng.integers(0, 9, n), parents=parents)
+            sources = [NodeSource.ROOT] + [NodeSource(int(rng.integers(1, len(NodeSource)))) for _ in range(n - 1)]
+            tree = DraftTree(tokens=rng.integers(0, 9, n), parents=parents, sources=sources)
             trees.append(tree)
             paths.append(tree.path_to(int(rng.integers(0, n))))
         flat = FlatTrees.from_trees(trees)
+        num = np.array([len(p) for p in paths], np.int64)
         accepted = np.full((len(paths), 10), -1, np.int64)
         for k, p in enumerate(paths):
             accepted[k, : len(p)] = p
-        want = [next((c for c in range(len(p)) if p[c] != c + 1), len(p)) for p in paths]
-        got = chain_accepted(flat, flat.path_mask(accepted, np.array([len(p) for p in paths])))
-        assert got.tolist() == want
+        modes = rng.integers(0, len(MODE_CODES), len(trees)).astype(np.int8)
+        bypass = MODE_CODES[ProposalMode.BYPASS]
+        on_path = flat.path_mask(accepted, num)
+        got = count_step(flat.parents, flat.sources, flat.depths, flat.offsets, on_path, num, modes, bypass,
+                         len(NodeSource)).tolist()
+        lead = [next((c for c in range(len(p)) if p[c] != c + 1), len(p)) for p in paths]
+        want = [
+            sum(len(t.tokens) == 1 for t in trees),
+            int(np.count_nonzero(modes == bypass)),
+            sum(len(t.tokens) > 1 for t in trees),
+            sum(max(list(t.parents[1:]).count(p) for p in range(len(t.tokens))) >= 2 for t in trees),
+            sum(len(t.tokens) - 1 for t in trees),
+            max(len(t.tokens) for t in trees),
+            int(num.sum()),
+            sum(c != len(p) for c, p in zip(lead, paths)),
+            sum(len(p) - c for c, p in zip(lead, paths)),
+        ]
+        bins = [0] * (2 * len(NodeSource))
+        for t, p in zip(trees, paths):
+            for j, s in enumerate(t.sources):
+                bins[2 * int(s) + (j in p)] += 1
+        assert got == want + bins
 
 
 def test_record_counts_draft_model_nodes_apart():

@@ -76,10 +76,11 @@ def _step(trees=(TREE_A, TREE_C), rows=(0, 2), ids=("a", "c")) -> StepTrees:
 
 class _Drafter:
     def __init__(self) -> None:
-        self.observed, self.contained = [], []
+        self.observed, self.contained, self.on_paths = [], [], []
 
-    def observe_step(self, step, accepted, num_accepted, starts, logits) -> None:
+    def observe_step(self, step, accepted, num_accepted, starts, logits, on_path=None) -> None:
         self.observed.append((step, accepted.copy(), num_accepted.copy(), np.asarray(starts).copy(), logits))
+        self.on_paths.append(on_path)
 
     def contain(self, stage, req_ids, live=True) -> None:
         self.contained.append((stage, list(req_ids)))
@@ -126,8 +127,36 @@ def test_greedy_trees_emit_the_walked_paths_and_move_the_off_chain_node():
     ((step, accepted, num_accepted, starts, seen),) = runner.drafter.observed
     assert accepted.tolist() == [[3, -1], [1, 2]] and num_accepted.tolist() == [1, 2]
     assert starts.tolist() == [0, 5] and seen is logits
+    assert np.flatnonzero(runner.drafter.on_paths[0]).tolist() == [3, 5, 6]  # a's node 3, c's nodes 1, 2
     assert runner.drafter.contained == []
     assert {"walk", "kv"} <= set(runner.host_clock.seconds)
+
+
+def test_the_workers_emit_warm_up_compiles_what_a_step_emits():
+    """After ``warm_up_emit`` (the worker's start) a tree step's emitted rows, moves and metrics
+    counts compile nothing more: the same signatures before and after the step above (a fresh
+    process: numba's signatures are its own)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys; sys.path.insert(0, ".")
+from tests.test_tree_sampler import _Runner, _logits, _metadata, _sampler, _sampling, _step
+from vllm_anisotropic.integration.vllm.engine.drafter import TreeDrafter
+from vllm_anisotropic.integration.vllm.engine.metrics import TreeMetrics
+from vllm_anisotropic.integration.vllm.engine.sampler import warm_up_emit
+from vllm_anisotropic.kernels import load
+warm_up_emit()
+emit = load("emit")
+before = (len(emit.emit_rows.signatures), len(emit.count_step.signatures))
+runner = _Runner(_step())
+_sampler(runner)(_metadata(), None, _logits(), _sampling())
+step, accepted, num_accepted, *_ = runner.drafter.observed[0]
+TreeMetrics().record_step(step.trees, runner.drafter.on_paths[0], num_accepted, step.modes, step.req_ids, False)
+print(*before, len(emit.emit_rows.signatures), len(emit.count_step.signatures))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "1", "1", "1"]
 
 
 def test_logprobs_come_from_the_row_that_predicted_each_token():

@@ -2,7 +2,8 @@
 
 Scope: every numba function of the package lives here, one module per stage: ``match`` (the
 context matcher's backward scan), ``table`` (adjacency-table lookup and update), ``goose`` (GOOSE
-tree building), ``walk`` (the greedy walk's descent), ``kv`` (the accepted nodes' K/V slot moves
+tree building), ``walk`` (the greedy walk's descent), ``emit`` (after the walk: the emitted
+tokens, the accepted path's nodes and K/V moves, the metrics' counts), ``kv`` (the accepted nodes' K/V slot moves
 on the CPU), ``plan`` (the tree attention's per-step plans: the CPU path rounds, the CUDA split's
 node rows and masks), ``vocab`` (passes over vocabulary rows of logits: the harvest's top-k and
 softmax probabilities, the walk's argmax; bf16 rows read as their 16 bits), ``rank`` (the
@@ -31,14 +32,14 @@ from types import ModuleType
 
 __all__ = ["load"]
 
-_NAMES = ("allocate", "goose", "kv", "match", "plan", "rank", "table", "vocab", "walk")
+_NAMES = ("allocate", "emit", "goose", "kv", "match", "plan", "rank", "table", "vocab", "walk")
 
 
 _LOADED: dict[str, ModuleType] = {}  # what import_module returned (a lookup there costs ~2 us a call)
 
 
 def load(name: str) -> ModuleType:
-    """The kernel module ``name`` (one of allocate, goose, kv, match, plan, rank, table, vocab, walk), imported on first use."""
+    """The kernel module ``name`` (one of allocate, emit, goose, kv, match, plan, rank, table, vocab, walk), imported on first use."""
     module = _LOADED.get(name)
     if module is None:
         if name not in _NAMES:

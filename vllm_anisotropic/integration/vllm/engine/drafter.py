@@ -459,12 +459,13 @@ class TreeDrafter:
 
     @timed("harvest")
     def observe_step(self, step: StepTrees, accepted: np.ndarray, num_accepted: np.ndarray, row_starts: np.ndarray,
-                     logits: torch.Tensor) -> None:
+                     logits: torch.Tensor, on_path: np.ndarray | None = None) -> None:
         """After verification: count the step's trees now, learn from them after the reply.
 
         ``accepted`` ``[T, max_depth]`` local node indices of each tree's accepted path (-1
         padded; root-only trees: none), ``num_accepted`` ``[T]``; tree t's ``num_nodes`` logits
-        rows start at ``row_starts[t]`` (row j after node j's path). The rows the harvesting
+        rows start at ``row_starts[t]`` (row j after node j's path); ``on_path``: the accepted
+        paths' nodes when the caller marked them (``FlatTrees.path_mask``; None: marked here). The rows the harvesting
         proposers read are kept (CUDA: copied on the device now, their memory back to vLLM's
         allocator; CPU: the step's logits tensor is held and its rows read in place, nothing
         writing it after the sampler); the top-k of them, the stats file, the table updates and
@@ -476,7 +477,8 @@ class TreeDrafter:
         proposal therefore does not see this step's rows yet (one step of lag in the adjacency
         table and the spine EMA; drafts only, never outputs)."""
         trees = step.trees
-        on_path = trees.path_mask(accepted, num_accepted)
+        if on_path is None:
+            on_path = trees.path_mask(accepted, num_accepted)
         self.metrics.record_step(trees, on_path, num_accepted, step.modes, step.req_ids, self.sink.trace)
         # the stats file, at most once a second: after the reply, a phase of its own
         self._deferred.append(("stats", (), self.sink.tick))

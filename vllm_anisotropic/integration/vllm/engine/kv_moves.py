@@ -12,7 +12,9 @@ cache without running the token again (a leading run ``n_j = j`` needs nothing).
 are read before any destination is written (a source may be a later destination).
 
 Worked example: root at slot 100, path ``[2, 3]`` (nodes 2 and 3, node 1 a rejected sibling)
--> moves ``102 -> 101``, ``103 -> 102``: slot 101 gets node 2's K/V, slot 102 node 3's.
+-> moves ``102 -> 101``, ``103 -> 102``: slot 101 gets node 2's K/V, slot 102 node 3's. The
+sampler lists a step's moves as query rows with its emitted tokens, in one compiled call
+(``kernels/emit.py``, ``emit_rows``); ``KVMover.move`` maps them to slots and copies.
 
 Layouts (``KVMover``): a layer's cache is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
 (vLLM 0.32, CPU and FLASH_ATTN); each (block, kv head) region holds ``2 * block_size *
@@ -36,23 +38,7 @@ import torch
 
 from vllm_anisotropic import kernels as _kernels
 
-__all__ = ["KVMover", "accepted_moves", "gather_scatter"]
-
-
-def accepted_moves(accepted: np.ndarray, num_accepted: np.ndarray, node_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Query rows to copy: ``(src_rows, dst_rows)``, both ``[M]`` int64.
-
-    ``accepted [T, D]``: each tree's accepted local node indices (-1 padded, the first
-    ``num_accepted[t]`` count); ``node_rows[t]``: the query row of tree t's node 1 (node j's row is
-    ``node_rows[t] + j - 1``). Example: ``accepted [[2, 3], [1, -1]]``, counts ``[2, 1]``,
-    node_rows ``[10, 20]`` -> src ``[11, 12]``, dst ``[10, 11]`` (tree 1's node 1 is in place)."""
-    if accepted.size == 0:
-        empty = np.zeros(0, np.int64)
-        return empty, empty
-    depth = np.arange(accepted.shape[1])[None, :]
-    off = (depth < num_accepted[:, None]) & (accepted != depth + 1)
-    base = np.asarray(node_rows, np.int64)[:, None]
-    return (base + accepted - 1)[off], np.broadcast_to(base + depth, accepted.shape)[off]
+__all__ = ["KVMover", "gather_scatter"]
 
 
 class KVMover:

@@ -39,11 +39,12 @@ from typing import Sequence
 
 import numpy as np
 
+from vllm_anisotropic import kernels
 from vllm_anisotropic.proposers.base import MODE_CODES, ProposalMode
 from vllm_anisotropic.tree import FlatTrees, NodeSource
 
 __all__ = [
-    "STATS_ENV", "TRACE_ENV", "TreeMetrics", "MetricsSink", "chain_accepted", "ensure_stats_file", "install_collector",
+    "STATS_ENV", "TRACE_ENV", "TreeMetrics", "MetricsSink", "ensure_stats_file", "install_collector",
 ]
 
 STATS_ENV = "VLLM_ANISOTROPIC_TREE_STATS"
@@ -56,18 +57,6 @@ log = logging.getLogger("vllm.anisotropic")
 _BYPASS = MODE_CODES[ProposalMode.BYPASS]
 _SPINE, _BRANCH, _DRAFT = int(NodeSource.SPINE), int(NodeSource.BRANCH), int(NodeSource.DRAFT)
 _NUM_SOURCES = len(NodeSource)
-
-
-def chain_accepted(trees: FlatTrees, on_path: np.ndarray) -> np.ndarray:
-    """``kv_in_place`` of every tree of a flat batch: ``[T]`` length of the accepted path's
-    leading run of nodes 1, 2, ..., c (node k accepted at depth k). Worked example: parents
-    ``[-1, 0, 1, 0 | -1, 0, 0]``, accepted ``[1, 2] | [2]`` -> ``[2, 0]``."""
-    local = np.arange(trees.num_nodes) - np.repeat(trees.offsets[:-1], trees.sizes())
-    run = on_path & (trees.depths == local) & (local > 0)  # node k on the path at depth k
-    # the run is 1..c exactly when nodes 1..c all qualify: count the prefix of qualifying nodes
-    broken = np.where((local > 0) & ~run, local, np.iinfo(np.int64).max)
-    first_gap = np.minimum.reduceat(broken, trees.offsets[:-1]) if trees.num_nodes else np.zeros(0, np.int64)
-    return np.minimum(first_gap, trees.sizes()) - 1
 
 
 @dataclass
@@ -111,30 +100,30 @@ class TreeMetrics:
         if trace:
             for r, a in zip(req_ids, num_accepted.tolist()):
                 self.requests.setdefault(r, []).append(a)
-        self.bypass_steps += int(np.count_nonzero(modes == _BYPASS))
-        sizes = trees.sizes()
-        self.plain_steps += int(np.count_nonzero(sizes == 1))
-        multi = sizes > 1
-        if not multi.any():
+        # every count in one compiled pass over the step's nodes (kernels/emit.py)
+        counts = kernels.load("emit").count_step(trees.parents, trees.sources, trees.depths, trees.offsets, on_path,
+                                                 num_accepted, modes, _BYPASS, _NUM_SOURCES).tolist()
+        (plain, bypass, verified, branching, draft_nodes, largest, accepted, off_chain, moved), by = counts[:9], counts[9:]
+        self.plain_steps += plain
+        self.bypass_steps += bypass
+        if not verified:
             return
-        draft = trees.parents >= 0
-        self.verified_trees += int(np.count_nonzero(multi))
-        children = np.bincount(trees.global_parents()[draft], minlength=trees.num_nodes)
-        self.branching_trees += int(np.count_nonzero(np.maximum.reduceat(children, trees.offsets[:-1]) >= 2))
-        self.draft_nodes += trees.num_nodes - num  # every node but the roots
-        # nodes and accepted nodes per source in one count: bin 2 * source + on the path
-        by = np.bincount(trees.sources.astype(np.intp) * 2 + on_path, minlength=2 * _NUM_SOURCES).tolist()
+        self.verified_trees += verified
+        self.branching_trees += branching
+        self.draft_nodes += draft_nodes  # every node but the roots
+        # nodes and accepted nodes per source: bin 2 * source + on the path
         self.spine_nodes += by[2 * _SPINE] + by[2 * _SPINE + 1]
         self.branch_nodes += by[2 * _BRANCH] + by[2 * _BRANCH + 1]
         self.draft_model_nodes += by[2 * _DRAFT] + by[2 * _DRAFT + 1]
-        self.max_nodes = max(self.max_nodes, int(sizes.max()))
-        self.accepted_nodes += int(num_accepted.sum())
+        self.max_nodes = max(self.max_nodes, largest)
+        self.accepted_nodes += accepted
         self.accepted_spine_nodes += by[2 * _SPINE + 1]
         self.accepted_branch_nodes += by[2 * _BRANCH + 1]
         self.accepted_draft_model_nodes += by[2 * _DRAFT + 1]
-        in_place = chain_accepted(trees, on_path)
-        self.accepted_off_chain += int(np.count_nonzero(in_place != num_accepted))
-        self.moved_tokens += int((num_accepted - in_place).sum())
+        # accepted paths that leave the leading chain (nodes 1..c at depths 1..c), and the
+        # accepted nodes after it: the K/V moves (kv_moves.py)
+        self.accepted_off_chain += off_chain
+        self.moved_tokens += moved
 
     @property
     def tau(self) -> float:

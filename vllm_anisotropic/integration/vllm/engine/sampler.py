@@ -46,14 +46,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from vllm_anisotropic import kernels as _kernels
 from vllm_anisotropic.integration.vllm.engine.faults import agree, inject, report
-from vllm_anisotropic.integration.vllm.engine.kv_moves import accepted_moves
 from vllm_anisotropic.verifiers import SamplingTensors, get_verifier
 from vllm_anisotropic.verifiers.greedy import walk_flat
 from vllm_anisotropic.verifiers.sampling import SAMPLING_EPS
 from vllm_anisotropic.verifiers.uniforms import counter_uniforms, request_seed
 
-__all__ = ["TreeRejectionSampler"]
+__all__ = ["TreeRejectionSampler", "warm_up_emit"]
 
 PLACEHOLDER_TOKEN_ID = -1  # vLLM's rejection_sampler.PLACEHOLDER_TOKEN_ID
 
@@ -113,10 +113,6 @@ class TreeRejectionSampler(nn.Module):
             predict_bonus_token=True,
         )
         t_vllm = time.perf_counter() - t_vllm  # vLLM's sampler: not the plugin's host work
-        width = metadata.max_spec_len + 1
-        out = torch.full((batch_size, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=logits.device)
-        out[:, 0] = bonus_out.sampled_token_ids[:, 0].to(torch.int32)
-
         starts = cu_sampled[step.rows] - sizes  # [T] first logits row of each tree (its root)
         walked = np.flatnonzero(sizes > 1)
         void = step.void if step.void is not None else np.zeros(sizes.shape[0], bool)
@@ -154,28 +150,29 @@ class TreeRejectionSampler(nn.Module):
             _, _, root = self._root_samples(step, voided, starts, metadata, logits, sampling_metadata,
                                             {i: g for i, g in snapshot.items() if i in mine})
             num_accepted[voided], bonus[voided] = 0, root[voided]  # nothing of a path this rank may have walked
-        # emitted tokens of every walked tree (path + bonus), written to the device in one copy
-        host = np.full((walked.size, width), PLACEHOLDER_TOKEN_ID, np.int32)
-        acc = accepted[walked]
-        n_acc = num_accepted[walked]
-        cols = np.arange(acc.shape[1])[None, :]
-        path = cols < n_acc[:, None]
-        host[:, : acc.shape[1]] = np.where(path, trees.tokens[trees.offsets[walked, None] + np.maximum(acc, 0)],
-                                           PLACEHOLDER_TOKEN_ID)
-        host[np.arange(walked.size), n_acc] = bonus[walked]
-        out[torch.from_numpy(step.rows[walked]).to(out.device)] = torch.from_numpy(host).to(out.device)
+        # what the step emits, in one compiled call (kernels/emit.py): each walked tree's row of
+        # emitted tokens (path + bonus; the other rows keep vLLM's bonus sample), its path's nodes,
+        # and the K/V moves of accepted nodes off the leading chain; to the device in one copy
+        width = metadata.max_spec_len + 1
+        host = np.full((batch_size, width), PLACEHOLDER_TOKEN_ID, np.int32)
+        host[:, 0] = bonus_out.sampled_token_ids[:, 0].cpu().numpy()
+        on_path = np.zeros(trees.num_nodes, bool)
+        src = np.empty(int(num_accepted.sum()), np.int64)
+        dst = np.empty_like(src)
+        moves = _kernels.load("emit").emit_rows(trees.tokens, trees.offsets, walked, step.rows, accepted,
+                                                num_accepted, bonus, step.node_rows, host, on_path, src, dst)
+        out = torch.from_numpy(host).to(logits.device)
         # accepted nodes off the leading chain: their K/V to the slots the sequence needs
         t_kv = time.perf_counter()
-        src, dst = accepted_moves(acc, n_acc, step.node_rows[walked])
-        if src.size:
-            self.runner.move_kv(src, dst)
+        if moves:
+            self.runner.move_kv(src[:moves], dst[:moves])
         t_kv = time.perf_counter() - t_kv
         self.runner.host_clock.add("kv", t_kv)
         if void.any():  # trees no rank verified are not observed (nor learned from)
             keep = np.flatnonzero(~void)
             t_harvest = self._observe(step.select(keep), starts[keep], logits, accepted[keep], num_accepted[keep])
         else:
-            t_harvest = self._observe(step, starts, logits, accepted, num_accepted)
+            t_harvest = self._observe(step, starts, logits, accepted, num_accepted, on_path)
 
         logprobs = None
         if num_logprobs is not None:
@@ -185,7 +182,7 @@ class TreeRejectionSampler(nn.Module):
             source = (cu_sampled - 1)[:, None] + np.zeros((1, width), np.int64)
             tree_rows = step.rows[walked]
             source[tree_rows, 0] = starts[walked]
-            source[tree_rows, 1 : acc.shape[1] + 1] = starts[walked, None] + np.maximum(acc, 0)
+            source[tree_rows, 1 : accepted.shape[1] + 1] = starts[walked, None] + np.maximum(accepted[walked], 0)
             logprobs = self._logprobs(logits, source, out, num_logprobs)
         from vllm.v1.outputs import SamplerOutput
 
@@ -214,14 +211,14 @@ class TreeRejectionSampler(nn.Module):
             parts.append(full)
         return LogprobsTensors(*parts)
 
-    def _observe(self, step, starts, logits, accepted=None, num_accepted=None) -> float:
+    def _observe(self, step, starts, logits, accepted=None, num_accepted=None, on_path=None) -> float:
         """The step's accepted paths to the drafter (metrics, learning); returns its seconds
         (the drafter times them as the harvest)."""
         t = time.perf_counter()
         num = step.trees.num_trees
         if accepted is None:
             accepted, num_accepted = np.full((num, 1), -1, np.int64), np.zeros(num, np.int64)
-        self.runner.drafter.observe_step(step, accepted, num_accepted, starts, logits)
+        self.runner.drafter.observe_step(step, accepted, num_accepted, starts, logits, on_path)
         return time.perf_counter() - t
 
     def _verify(self, step, walked, starts, logits, sampling_metadata):
@@ -355,6 +352,22 @@ class TreeRejectionSampler(nn.Module):
             return y.cpu().numpy()
 
         return walk_flat(sub, rows, sub.offsets[:-1].astype(np.int64), pick)
+
+
+def warm_up_emit() -> None:
+    """Compile the step's emit kernels (``kernels/emit.py``; or load them from numba's disk
+    cache) for the arrays a step passes them, at the worker's start rather than in the first
+    tree step: one tree of two nodes, its node accepted."""
+    from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource
+
+    trees = FlatTrees.from_trees([DraftTree([0, 1], [-1, 0])])
+    emit = _kernels.load("emit")
+    zero, one = np.zeros(1, np.int64), np.ones(1, np.int64)
+    on_path = np.zeros(2, bool)
+    emit.emit_rows(trees.tokens, trees.offsets, zero, zero, np.ones((1, 1), np.int64), one, one, one,
+                   np.zeros((1, 2), np.int32), on_path, np.empty(1, np.int64), np.empty(1, np.int64))
+    emit.count_step(trees.parents, trees.sources, trees.depths, trees.offsets, on_path, one, np.zeros(1, np.int8),
+                    0, len(NodeSource))
 
 
 def _row_pasts(tokens: np.ndarray, parents: np.ndarray, output: list[int]) -> list[list[int]]:

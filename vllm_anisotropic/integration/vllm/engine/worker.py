@@ -93,9 +93,12 @@ class TreeGPUWorker(_gpu_worker_base()):
 
 
 def _calibrate(runner) -> None:
-    """The compiled kernels' warm-up (``TreeDrafter.warm_up``), then the allocator's start-up
+    """The compiled kernels' warm-up (``TreeDrafter.warm_up``, ``sampler.warm_up_emit``), then the allocator's start-up
     sweep of real forwards (skipped when it is off or a cost-model file is given)."""
+    from vllm_anisotropic.integration.vllm.engine.sampler import warm_up_emit
+
     runner.drafter.warm_up(runner.input_batch.token_ids_cpu.dtype)
+    warm_up_emit()  # the sampler's bookkeeping after the walk
     engine = runner.drafter.config.engine
     if engine.allocator == "auto" and not engine.cost_model:
         runner.calibrate_step_cost()
