@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_anisotropic.integration.vllm.engine.drafter import (
-    OFFER_MEMORY, OFFER_MIN_DRAFTS, TreeDrafter, _not_prefixes)
+    OFFER_MEMORY, OFFER_MIN_DRAFTS, TreeDrafter, _scheduled_prefixes)
 from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
 from vllm_anisotropic.tree import DraftTree, FlatTrees
 
@@ -285,20 +285,30 @@ def test_labels_teach_the_acceptance_model_every_fourth_proposal():
     assert "label" in d.host_clock.seconds
 
 
-def test_not_prefixes_names_each_tree_whose_drafts_differ_or_run_short():
+def test_scheduled_prefixes_cut_each_tree_and_name_those_whose_drafts_differ_or_run_short():
     trees = FlatTrees.from_trees([DraftTree([1, 2, 3], [-1, 0, 1]), DraftTree([4, 5], [-1, 0]),
                                   DraftTree([6, 7, 8], [-1, 0, 0])])
     three = np.array([2, 1, 2])
-    assert _not_prefixes(trees, three, [[2, 3], [5], [7, 8]]) is None
-    assert _not_prefixes(trees, np.array([1, 0, 1]), [[2], [], [7]]) is None  # prefixes
-    assert _not_prefixes(trees, np.zeros(3, np.int64), [[], [], []]) is None
-    assert _not_prefixes(trees, three, [[2, 3], [5], [7, 9]]).tolist() == [False, False, True]
-    assert _not_prefixes(trees, three, [[2, 3], [0], [7, 8]]).tolist() == [False, True, False]
-    assert _not_prefixes(trees, three, [[9, 3], [5], [8, 7]]).tolist() == [True, False, True]
+
+    def bad(t, counts, lists):
+        b = _scheduled_prefixes(t, counts, lists)[1]
+        return None if b is None else b.tolist()
+
+    assert bad(trees, three, [[2, 3], [5], [7, 8]]) is None
+    assert bad(trees, np.array([1, 0, 1]), [[2], [], [7]]) is None  # prefixes
+    assert bad(trees, np.zeros(3, np.int64), [[], [], []]) is None
+    assert bad(trees, three, [[2, 3], [5], [7, 9]]) == [False, False, True]
+    assert bad(trees, three, [[2, 3], [0], [7, 8]]) == [False, True, False]
+    assert bad(trees, three, [[9, 3], [5], [8, 7]]) == [True, False, True]
     # more drafts than nodes (its first ones match)
-    assert _not_prefixes(trees, np.array([2, 2, 2]), [[2, 3], [5, 1], [7, 8]]).tolist() == [False, True, False]
+    assert bad(trees, np.array([2, 2, 2]), [[2, 3], [5, 1], [7, 8]]) == [False, True, False]
     root_only = FlatTrees.from_trees([DraftTree([1], [-1]), DraftTree([4, 5], [-1, 0])])
-    assert _not_prefixes(root_only, np.array([1, 0]), [[2], []]).tolist() == [True, False]
+    assert bad(root_only, np.array([1, 0]), [[2], []]) == [True, False]
+    # the cut: each tree's first counts[t] draft nodes (at most all of them), roots kept
+    cut = _scheduled_prefixes(trees, np.array([1, 0, 2]), [[2], [], [7, 8]])[0]
+    assert cut.offsets.tolist() == [0, 2, 3, 6] and cut.tokens.tolist() == [1, 2, 4, 6, 7, 8]
+    cut = _scheduled_prefixes(root_only, np.array([1, 1]), [[2], [5]])[0]
+    assert cut.tokens.tolist() == [1, 4, 5]
 
 
 def test_the_drafter_refuses_vllms_chain_propose():

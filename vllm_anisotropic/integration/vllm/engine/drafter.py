@@ -421,7 +421,7 @@ class TreeDrafter:
             return None
         counts = np.fromiter((len(d) for d in lists), np.int64, len(lists))
         trees, prev_roots, modes, offered, chains = _gather(entries)
-        bad = _not_prefixes(trees, counts, lists)
+        cut, bad = _scheduled_prefixes(trees, counts, lists)
         if bad is not None:
             t = int(np.flatnonzero(bad)[0])
             if self.tp_size == 1:
@@ -435,8 +435,9 @@ class TreeDrafter:
             for t in np.flatnonzero(bad).tolist():
                 entries[t] = _void(lists[t])
             trees, prev_roots, modes, offered, chains = _gather(entries)
+            cut = trees.prefix(counts + 1)
         void = np.fromiter((p.void for p, _ in entries), bool, len(entries))
-        trees = trees.prefix(counts + 1)
+        trees = cut
         if self.acceptance is not None:
             live = np.flatnonzero(~void)
             self._kept(req_ids, [rows[t] for t in live.tolist()], offered[live], counts[live].tolist())
@@ -640,22 +641,24 @@ def _gather(entries: list) -> tuple:
             np.array([p.chains for p, _ in entries], bool))
 
 
-def _not_prefixes(trees: FlatTrees, counts: np.ndarray, lists: list) -> np.ndarray | None:
-    """``[T]`` bool: tree t has fewer draft nodes than ``counts[t]``, or its first ``counts[t]``
-    draft tokens are not ``lists[t]``; None when every tree is fine (the common case)."""
+def _scheduled_prefixes(trees: FlatTrees, counts: np.ndarray, lists: list) -> tuple[FlatTrees, np.ndarray | None]:
+    """``(cut, bad)``: each tree cut to its first ``counts[t]`` draft nodes (at most all it has),
+    and ``[T]`` bool: tree t has fewer draft nodes than ``counts[t]``, or its first ``counts[t]``
+    draft tokens are not ``lists[t]``; ``bad`` None when every tree is fine (the common case)."""
     room = trees.sizes() - 1
     over = counts > room
-    flat = [x for drafts, n in zip(lists, np.minimum(counts, room).tolist()) for x in list(drafts)[:n]]
+    kept = np.minimum(counts, room)
+    cut = trees.prefix(kept + 1)
+    flat = [x for drafts, n in zip(lists, kept.tolist()) for x in list(drafts)[:n]]
     if not flat:
-        return over if over.any() else None
-    cut = trees.prefix(np.minimum(counts, room) + 1)
+        return cut, (over if over.any() else None)
     differ = cut.tokens[cut.parents >= 0] != np.asarray(flat, np.int64)
     if not differ.any() and not over.any():
-        return None
+        return cut, None
     owner = np.repeat(np.arange(trees.num_trees), cut.sizes() - 1)
     bad = over.copy()
     bad[owner[differ]] = True
-    return bad
+    return cut, bad
 
 
 def _void(drafts) -> tuple[_Proposal, int]:
