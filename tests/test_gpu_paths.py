@@ -66,7 +66,7 @@ def test_scatter_tree_positions_worked_example():
 
     positions = torch.tensor([9, 10, 11, 12, 13, 20, 21, 22], dtype=torch.int64)
     # request A: rows 2..4 under root row 1 with depths [1, 1, 2]; request B: rows 6..7 under row 5
-    scatter_tree_positions(positions, np.array([2, 3, 4, 6, 7]), np.array([1, 1, 1, 5, 5]), np.array([1, 1, 2, 1, 2]))
+    scatter_tree_positions(positions, np.array([[2, 3, 4, 6, 7], [1, 1, 1, 5, 5], [1, 1, 2, 1, 2]]))
     assert positions.tolist() == [9, 10, 11, 11, 12, 20, 21, 22]
 
 

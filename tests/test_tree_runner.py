@@ -469,7 +469,57 @@ def test_scatter_places_a_single_node_row():
     from vllm_anisotropic.integration.vllm.engine.runner import scatter_tree_positions
 
     positions = torch.tensor([9, 10, 11, 12])
-    scatter_tree_positions(positions, np.array([3]), np.array([1]), np.array([1]))
+    scatter_tree_positions(positions, np.array([[3], [1], [1]]))
     assert positions.tolist() == [9, 10, 11, 11]
-    scatter_tree_positions(positions, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    scatter_tree_positions(positions, np.zeros((3, 0), np.int64))
     assert positions.tolist() == [9, 10, 11, 11]
+
+
+def test_the_workers_step_rows_warm_up_compiles_what_a_step_passes():
+    """After ``warm_up_step_rows`` (the worker's start) the arrays ``_prepare_inputs`` passes
+    (a step's flat trees, vLLM's int32 query ends made int64) compile nothing more (a fresh
+    process: numba's signatures are its own)."""
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np
+from vllm_anisotropic.integration.vllm.engine.runner import warm_up_step_rows
+from vllm_anisotropic.kernels import load
+from vllm_anisotropic.tree import DraftTree, FlatTrees
+warm_up_step_rows()
+before = len(load("plan").step_rows.signatures)
+trees = FlatTrees.from_trees([DraftTree([1, 2, 3], [-1, 0, 0]), DraftTree([4], [-1])])
+n = trees.sizes() - 1
+ends = np.array([3, 4], np.int32)[np.array([0, 1])].astype(np.int64)
+load("plan").step_rows(trees.offsets, trees.parents, trees.depths, ends, np.empty_like(n),
+                       np.empty((3, int(n.sum())), np.int64), np.empty_like(n))
+print(before, len(load("plan").step_rows.signatures))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "1"]
+
+
+def test_step_rows_place_every_draft_node_and_find_each_leading_chain():
+    """``kernels.plan.step_rows`` against its definitions on random trees: node 1's query row is
+    the query's end minus the draft nodes, each node's row / root row / depth, and the leading
+    chain as ``FlatTrees.chain_prefix`` computes it."""
+    from vllm_anisotropic import kernels
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        trees = []
+        for _ in range(int(rng.integers(1, 6))):
+            n = int(rng.integers(1, 10))
+            parents = [-1] + [int(rng.integers(0, i)) if rng.random() < 0.4 else i - 1 for i in range(1, n)]
+            trees.append(DraftTree(tokens=rng.integers(0, 9, n), parents=parents))
+        flat = FlatTrees.from_trees(trees)
+        n = flat.sizes() - 1
+        ends = np.cumsum(n + rng.integers(1, 4, len(trees)))
+        node_rows, chain = np.empty_like(n), np.empty_like(n)
+        positions = np.empty((3, int(n.sum())), np.int64)
+        kernels.load("plan").step_rows(flat.offsets, flat.parents, flat.depths, ends, node_rows, positions, chain)
+        assert node_rows.tolist() == (ends - n).tolist()
+        assert chain.tolist() == flat.chain_prefix().tolist()
+        want = [(e - m + j - 1, e - m - 1, int(t.depths[j])) for t, e, m in zip(trees, ends, n) for j in range(1, m + 1)]
+        assert [tuple(c) for c in positions.T.tolist()] == want

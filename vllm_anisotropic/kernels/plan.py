@@ -1,5 +1,6 @@
 """Compiled per-step plans of the tree attention (``kernels.load("plan")``), each one call for the
-whole step: ``path_rounds``, the CPU path rounds (``integration/vllm/kernels/attention.py``,
+whole step: ``step_rows``, where the step's draft nodes sit in the query and at which positions,
+and each tree's leading chain (``integration/vllm/engine/runner.py``, ``_prepare_inputs``); ``path_rounds``, the CPU path rounds (``integration/vllm/kernels/attention.py``,
 ``_path_plan``: which root-to-leaf paths cover the tree nodes, and every index the rounds of
 vLLM's causal kernel read); ``split_plan``, the CUDA split's node rows, ancestor masks and
 context lengths (``attention/tree_attention.py``, ``TreeAttentionPlan``)."""
@@ -9,7 +10,33 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["path_rounds", "split_plan"]
+__all__ = ["path_rounds", "split_plan", "step_rows"]
+
+
+@numba.njit(cache=True, nogil=True)
+def step_rows(offsets, parents, depths, ends, node_rows, positions, chain):
+    """Tree t's ``n = size - 1`` draft nodes are the last n query rows of its request, which end
+    at ``ends[t]``: ``node_rows[t] = ends[t] - n`` (node 1's row; the root's is the row before).
+    Per draft node, tree after tree (``positions [3, num_nodes - T]``): its query row, its root's
+    query row and its depth (its position is the root's plus its depth). ``chain[t]``: nodes
+    ``1..c`` form a chain below the root (node j's parent is j - 1), as ``FlatTrees.chain_prefix``.
+    Example: parents ``[-1, 0, 1, 0]``, depths ``[0, 1, 2, 1]``, end 10 -> node rows 7; rows
+    ``[7, 8, 9]``, roots ``[6, 6, 6]``, depths ``[1, 2, 1]``; chain 2."""
+    k = 0
+    for t in range(offsets.shape[0] - 1):
+        a = offsets[t]
+        n = offsets[t + 1] - a - 1
+        first = ends[t] - n
+        node_rows[t] = first
+        c = n
+        for j in range(1, n + 1):
+            positions[0, k] = first + j - 1
+            positions[1, k] = first - 1
+            positions[2, k] = depths[a + j]
+            k += 1
+            if c == n and parents[a + j] != j - 1:
+                c = j - 1
+        chain[t] = c
 
 
 @numba.njit(cache=True, nogil=True)

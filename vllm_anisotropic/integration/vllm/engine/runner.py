@@ -41,6 +41,7 @@ import torch
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from vllm_anisotropic import kernels as _kernels
 from vllm_anisotropic.allocator import CHAIN, PLAIN, TREE
 from vllm_anisotropic.integration.vllm.frontdoor.config import DRAFT_MODEL_METHODS, request_tree_options
 from vllm_anisotropic.integration.vllm.engine.drafter import StepTrees, TreeDrafter
@@ -54,7 +55,7 @@ from vllm_anisotropic.verifiers.sampling import TargetSampling
 logger = logging.getLogger(__name__)
 
 __all__ = ["TreeRunnerMixin", "TreeCPUModelRunner", "TreePlan", "RowEdits", "node_masks", "ineligible_reason",
-           "scatter_tree_positions"]
+           "scatter_tree_positions", "warm_up_step_rows"]
 
 DRAFTER_CLS = f"{TreeDrafter.__module__}.{TreeDrafter.__qualname__}"
 _SAMPLING_EPS = 1e-5  # vLLM's greedy threshold (sampling_params._SAMPLING_EPS)
@@ -248,14 +249,22 @@ def request_law(req_id: str, sampling_params, engine_seed) -> tuple[TargetSampli
 _DRAFT_STREAM = 0xD8AF7  # the draft-sampling stream's tag in request_law
 
 
-def scatter_tree_positions(positions: torch.Tensor, rows: np.ndarray, roots: np.ndarray, depths: np.ndarray) -> None:
-    """``positions[rows] = positions[roots] + depths`` for every node row of the batch, from one
+def warm_up_step_rows() -> None:
+    """Compile ``kernels.plan.step_rows`` (or load it from numba's disk cache) for the arrays a
+    step passes it, at the worker's start rather than in the first tree step: one two-node tree."""
+    one = np.ones(1, np.int64)
+    _kernels.load("plan").step_rows(np.array([0, 2], np.int64), np.array([-1, 0], np.int64), np.array([0, 1], np.int64),
+                                    one, np.empty_like(one), np.empty((3, 1), np.int64), np.empty_like(one))
+
+
+def scatter_tree_positions(positions: torch.Tensor, nodes: np.ndarray) -> None:
+    """``positions[rows] = positions[roots] + depths`` for every node row of the batch, ``nodes``
+    ``[3, num_node_rows]`` int64 (rows, root rows, depths: ``kernels.plan.step_rows``), from one
     host-to-device copy. Example: positions ``[9, 10, 11, 12, 13]``, rows ``[2, 3, 4]``, roots
     ``[1, 1, 1]``, depths ``[1, 1, 2]`` -> ``[9, 10, 11, 11, 12]``."""
-    if rows.size == 0:
+    if nodes.shape[1] == 0:
         return
-    # [3, num_node_rows]: rows, root rows, depths
-    idx = torch.from_numpy(np.stack([rows, roots, depths]).astype(np.int64)).to(positions.device, non_blocking=True)
+    idx = torch.from_numpy(nodes).to(positions.device, non_blocking=True)
     positions[idx[0]] = positions[idx[1]] + idx[2].to(positions.dtype)
 
 
@@ -398,17 +407,18 @@ class TreeRunnerMixin:
             trees = step.trees
             n = trees.sizes() - 1  # [T] draft nodes of each tree
             ends = self.query_start_loc.np[1 : num_reqs + 1][step.rows].astype(np.int64)
-            step.node_rows = ends - n  # the node rows are the last n rows of each query
+            total = trees.num_nodes - trees.num_trees
+            # the node rows are the last n rows of each query, a node's position is its root's
+            # plus its depth; and each tree's leading chain: one compiled call (kernels/plan.py)
+            step.node_rows, chain = np.empty_like(n), np.empty_like(n)
+            node_positions = np.empty((3, total), np.int64)
+            _kernels.load("plan").step_rows(trees.offsets, trees.parents, trees.depths, ends, step.node_rows,
+                                            node_positions, chain)
             step.root_positions = (self.input_batch.num_computed_tokens_cpu[step.rows]
                                    + np.asarray(num_scheduled_tokens)[step.rows] - n - 1).astype(np.int64)
-            total = int(n.sum())
             if total:
-                # node rows: the last n rows of each query; positions = root position + depth
-                within = np.arange(total) - np.repeat(np.cumsum(n) - n, n)
-                rows = np.repeat(ends - n, n) + within
-                scatter_tree_positions(self.positions, rows, np.repeat(ends - n - 1, n), trees.depths[trees.parents >= 0])
+                scatter_tree_positions(self.positions, node_positions)
                 # trees whose draft nodes are not one chain below the root need the tree rows
-                chain = trees.chain_prefix()
                 planned = np.flatnonzero(chain < n)
                 if planned.size:
                     batch_rows = step.rows[planned]

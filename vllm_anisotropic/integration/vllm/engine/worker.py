@@ -93,11 +93,14 @@ class TreeGPUWorker(_gpu_worker_base()):
 
 
 def _calibrate(runner) -> None:
-    """The compiled kernels' warm-up (``TreeDrafter.warm_up``, ``sampler.warm_up_emit``), then the allocator's start-up
-    sweep of real forwards (skipped when it is off or a cost-model file is given)."""
+    """The compiled kernels' warm-up (``TreeDrafter.warm_up``, ``runner.warm_up_step_rows``,
+    ``sampler.warm_up_emit``), then the allocator's start-up sweep of real forwards (skipped
+    when it is off or a cost-model file is given)."""
+    from vllm_anisotropic.integration.vllm.engine.runner import warm_up_step_rows
     from vllm_anisotropic.integration.vllm.engine.sampler import warm_up_emit
 
     runner.drafter.warm_up(runner.input_batch.token_ids_cpu.dtype)
+    warm_up_step_rows()  # the step's node rows and positions
     warm_up_emit()  # the sampler's bookkeeping after the walk
     engine = runner.drafter.config.engine
     if engine.allocator == "auto" and not engine.cost_model:
