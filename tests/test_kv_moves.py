@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from random_trees import random_paths, random_trees
 from vllm_anisotropic import kernels
 from vllm_anisotropic.integration.vllm.engine.kv_moves import KVMover
 from vllm_anisotropic.tree import DraftTree, FlatTrees
@@ -51,12 +52,8 @@ def test_emitted_rows_paths_and_moves_worked_example_and_edges():
 def test_emitted_rows_paths_and_moves_follow_their_definitions_on_random_batches():
     rng = np.random.default_rng(0)
     for _ in range(300):
-        trees, paths = [], []
-        for _ in range(int(rng.integers(1, 6))):
-            n = int(rng.integers(1, 10))
-            parents = [-1] + [int(rng.integers(0, i)) if rng.random() < 0.5 else i - 1 for i in range(1, n)]
-            trees.append(DraftTree(tokens=rng.integers(0, 50, n), parents=parents))
-            paths.append(trees[-1].path_to(int(rng.integers(0, n))))
+        trees = random_trees(rng)
+        paths = random_paths(rng, trees)
         flat = FlatTrees.from_trees(trees)
         node_rows = rng.integers(0, 100, len(trees))
         bonus = rng.integers(0, 50, len(trees))

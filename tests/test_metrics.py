@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from random_trees import random_paths, random_trees
 
 from vllm_anisotropic.integration.vllm.engine.metrics import (
     STATS_ENV,
@@ -72,14 +73,8 @@ def test_the_steps_counts_follow_their_definitions_on_random_batches():
     count_step = kernels.load("emit").count_step
     rng = np.random.default_rng(0)
     for _ in range(300):
-        trees, paths = [], []
-        for _ in range(int(rng.integers(1, 6))):
-            n = int(rng.integers(1, 10))
-            parents = [-1] + [int(rng.integers(0, i)) if rng.random() < 0.5 else i - 1 for i in range(1, n)]
-            sources = [NodeSource.ROOT] + [NodeSource(int(rng.integers(1, len(NodeSource)))) for _ in range(n - 1)]
-            tree = DraftTree(tokens=rng.integers(0, 9, n), parents=parents, sources=sources)
-            trees.append(tree)
-            paths.append(tree.path_to(int(rng.integers(0, n))))
+        trees = random_trees(rng, sources=True)
+        paths = random_paths(rng, trees)
         flat = FlatTrees.from_trees(trees)
         num = np.array([len(p) for p in paths], np.int64)
         accepted = np.full((len(paths), 10), -1, np.int64)

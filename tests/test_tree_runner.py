@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from random_trees import random_trees
 from test_tree_drafter import V, _chain, _stubbed, _tokens
 from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
@@ -508,11 +509,7 @@ def test_step_rows_place_every_draft_node_and_find_each_leading_chain():
 
     rng = np.random.default_rng(0)
     for _ in range(200):
-        trees = []
-        for _ in range(int(rng.integers(1, 6))):
-            n = int(rng.integers(1, 10))
-            parents = [-1] + [int(rng.integers(0, i)) if rng.random() < 0.4 else i - 1 for i in range(1, n)]
-            trees.append(DraftTree(tokens=rng.integers(0, 9, n), parents=parents))
+        trees = random_trees(rng, chain=0.6)
         flat = FlatTrees.from_trees(trees)
         n = flat.sizes() - 1
         ends = np.cumsum(n + rng.integers(1, 4, len(trees)))
