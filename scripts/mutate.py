@@ -598,7 +598,7 @@ def main(argv=None) -> int:
         description=__doc__.split("\n")[0], usage="%(prog)s [options] (TARGET [-f NAMES] -- TESTS... | --preset core)"
     )
     ap.add_argument("target", nargs="?", help="module file to mutate (omit with --preset)")
-    ap.add_argument("-f", "--functions", help="comma-separated function / Class.method names (default: all top-level)")
+    ap.add_argument("-f", "--functions", help="comma-separated function / Class.method names (default: all top-level; with --preset: only its entries naming them)")
     ap.add_argument("--preset", choices=sorted(PRESETS), help="run a built-in target list")
     ap.add_argument("--only", help="comma-separated target file names of the preset to run (e.g. goose.py,tree.py)")
     ap.add_argument("--ids", help="comma-separated mutant ids to run (with one target)")
@@ -641,6 +641,14 @@ def main(argv=None) -> int:
         if args.only:
             keep = set(args.only.split(","))
             specs = [s for s in specs if Path(s["target"]).name in keep or s["target"] in keep]
+        if args.functions:  # the entries naming these functions, narrowed to them
+            wanted = args.functions.split(",")
+            named = sorted({f for s in specs for f in s.get("functions") or ()})
+            specs = [dict(s, functions=[f for f in s["functions"] if f in wanted])
+                     for s in specs if set(wanted) & set(s.get("functions") or ())]
+            if not specs:
+                ap.error(f"-f {args.functions}: no entry of the preset (after --only) names it; "
+                         f"its functions: {', '.join(named)}")
     else:
         if not args.target or not args.tests:
             ap.error("give a target module and its tests after '--' (or --preset)")

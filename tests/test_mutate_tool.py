@@ -63,3 +63,14 @@ def test_mutate_tool_kills_obvious_and_keeps_equivalent(tmp_path):
     assert status == {(3, "Add->Sub"): "killed", (4, "Gt->GtE"): "survived", (4, "Gt->Lt"): "killed"}
     assert target["summary"] == dict(mutants=3, killed=2, survived=1, timeouts=0, kill_rate=round(2 / 3, 4))
     assert (pkg / "mod.py").read_text() == MODULE  # the real source is never modified
+
+
+def test_functions_narrow_a_preset_to_the_entries_naming_them():
+    """``--preset core --only plan.py -f step_rows`` lists step_rows' mutants alone (plan.py has
+    three entries); a name no entry holds is refused with the ones it holds."""
+    base = [sys.executable, str(SCRIPT), "--preset", "core", "--only", "plan.py"]
+    listed = subprocess.run(base + ["-f", "step_rows", "--list"], capture_output=True, text=True, timeout=120,
+                            check=True).stdout.splitlines()
+    assert listed and all(re.match(r"^plan\.py:\d+ #\d+ step_rows ", line) for line in listed)
+    bad = subprocess.run(base + ["-f", "nope", "--list"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "path_rounds, split_plan, step_rows" in bad.stderr
