@@ -142,7 +142,6 @@ def test_the_workers_emit_warm_up_compiles_what_a_step_emits():
     code = """
 import sys; sys.path.insert(0, ".")
 from tests.test_tree_sampler import _Runner, _logits, _metadata, _sampler, _sampling, _step
-from vllm_anisotropic.integration.vllm.engine.drafter import TreeDrafter
 from vllm_anisotropic.integration.vllm.engine.metrics import TreeMetrics
 from vllm_anisotropic.integration.vllm.engine.sampler import warm_up_emit
 from vllm_anisotropic.kernels import load

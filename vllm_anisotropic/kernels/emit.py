@@ -13,13 +13,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["COUNTS", "count_step", "emit_rows"]
+__all__ = ["count_step", "emit_rows"]
 
 _jit = numba.njit(cache=True, nogil=True)
-
-# count_step's output, in order; then two bins per node source code s: 2 s (not on the path), 2 s + 1 (on it)
-COUNTS = ("plain_steps", "bypass_steps", "verified_trees", "branching_trees", "draft_nodes", "max_nodes",
-          "accepted_nodes", "accepted_off_chain", "moved_tokens")
 
 
 @_jit
@@ -56,11 +52,11 @@ def emit_rows(tokens, offsets, walked, rows, accepted, num_accepted, bonus, node
 
 @_jit
 def count_step(parents, sources, depths, offsets, on_path, num_accepted, modes, bypass, num_sources):
-    """The step's counters, ``COUNTS`` order then ``2 * num_sources`` source bins: root-only trees
-    (plain), trees of mode ``bypass``, trees with a draft node (verified), those with a node of
-    >= 2 children (branching), draft nodes, the largest tree, accepted nodes, trees whose accepted
-    path leaves the leading chain (off chain) and the accepted nodes after it (moved); each node
-    in bin ``2 * source + on_path``. The leading chain of tree t is the run of nodes k = 1, 2, ...
+    """The step's counters, in this order: root-only trees (plain), trees of mode ``bypass``, trees
+    with a draft node (verified), those with a node of >= 2 children (branching), draft nodes,
+    the largest tree, accepted nodes, trees whose accepted path leaves the leading chain (off
+    chain), the accepted nodes after it (moved); then ``2 * num_sources`` bins, each node in bin
+    ``2 * source + on_path``. The leading chain of tree t is the run of nodes k = 1, 2, ...
     on the path at depth k (``on_path`` marks the path; parents precede children)."""
     num = offsets.shape[0] - 1
     counts = np.zeros(9 + 2 * num_sources, np.int64)

@@ -12,16 +12,14 @@ bonus sampler excluded) over 300 steps after 20 warm-up steps; one thread.
     REPO=/tmp/before PYTHONPATH=/tmp/before python docs/measurements/cpu/sampler_stage_bench.py
     REPO=$PWD        PYTHONPATH=$PWD        python docs/measurements/cpu/sampler_stage_bench.py
 """
-import cProfile
 import json
 import os
-import pstats
 import sys
 import time
 
 sys.path.insert(0, os.environ.get("REPO", "."))  # the tree whose tests/ stand-ins to use
 import numpy as np, torch
-from tests.test_tree_sampler import _Runner, _sampler, _metadata, _sampling, _Drafter
+from tests.test_tree_sampler import _Runner, _sampler, _metadata, _sampling
 from vllm_anisotropic.integration.vllm.engine.drafter import StepTrees
 from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource
 torch.set_num_threads(1)
@@ -45,7 +43,7 @@ def case(num, rng):
         logits[6 * r + 1, t.tokens[5]] = 10
     return step, drafts, logits
 
-def run(num, steps, prof=False):
+def run(num, steps):
     rng = np.random.default_rng(0)
     step, drafts, logits = case(num, rng)
     md = _metadata(drafts)
@@ -53,22 +51,14 @@ def run(num, steps, prof=False):
     runner = _Runner(None, seeds={f"r{i}": None for i in range(num)}, outputs=[[1]] * num)
     s = _sampler(runner)
     ts = []
-    p = cProfile.Profile() if prof else None
     for it in range(steps + 20):
         runner._step = step
         runner.host_clock = type(runner.host_clock)()
-        if p and it >= 20: p.enable()
-        t0 = time.perf_counter()
-        out = s(md, None, logits, sm)
-        t1 = time.perf_counter()
-        if p and it >= 20: p.disable()
+        s(md, None, logits, sm)
         if it >= 20:
             ts.append((runner.host_clock.seconds.get("walk", 0) + runner.host_clock.seconds.get("kv", 0)) * 1e6)
-    if p:
-        pstats.Stats(p).sort_stats("tottime").print_stats(30)
     return {"requests": num, "walk_kv_us_median": round(float(np.median(ts)), 1), "p10": round(float(np.percentile(ts, 10)), 1)}
 
 if __name__ == "__main__":
-    prof = "--prof" in sys.argv
     for n in (1, 8, 64):
-        print(json.dumps(run(n, 300 if not prof else 100, prof)))
+        print(json.dumps(run(n, 300)))

@@ -466,11 +466,11 @@ class TreeDrafter:
         ``accepted`` ``[T, max_depth]`` local node indices of each tree's accepted path (-1
         padded; root-only trees: none), ``num_accepted`` ``[T]``; tree t's ``num_nodes`` logits
         rows start at ``row_starts[t]`` (row j after node j's path); ``on_path``: the accepted
-        paths' nodes when the caller marked them (``FlatTrees.path_mask``; None: marked here). The rows the harvesting
-        proposers read are kept (CUDA: copied on the device now, their memory back to vLLM's
-        allocator; CPU: the step's logits tensor is held and its rows read in place, nothing
-        writing it after the sampler); the top-k of them, the stats file, the table updates and
-        the EMA run later (``run_deferred``): right after the worker's reply,
+        paths' nodes when the caller marked them (``FlatTrees.path_mask``; None: marked here).
+        The rows the harvesting proposers read are kept (CUDA: copied on the device now, their
+        memory back to vLLM's allocator; CPU: the step's logits tensor is held and its rows read
+        in place, nothing writing it after the sampler); the top-k of them, the stats file, the
+        table updates and the EMA run later (``run_deferred``): right after the worker's reply,
         while the scheduler process cuts and schedules the next step (``patches.py`` patch 7,
         multiprocess executors), or else at the start of the next step
         (``runner.TreeRunnerMixin._update_states``), in both cases before anything else of the
