@@ -133,9 +133,9 @@ def test_greedy_trees_emit_the_walked_paths_and_move_the_off_chain_node():
 
 
 def test_the_workers_emit_warm_up_compiles_what_a_step_emits():
-    """After ``warm_up_emit`` (the worker's start) a tree step's emitted rows, moves and metrics
-    counts compile nothing more: the same signatures before and after the step above (a fresh
-    process: numba's signatures are its own)."""
+    """After ``warm_up_emit`` (the worker's start) a tree step's logits starts, emitted rows,
+    moves, metrics counts and harvested rows compile nothing more: the same signatures before
+    and after the step above (a fresh process: numba's signatures are its own)."""
     import subprocess
     import sys
 
@@ -147,15 +147,19 @@ from vllm_anisotropic.integration.vllm.engine.sampler import warm_up_emit
 from vllm_anisotropic.kernels import load
 warm_up_emit()
 emit = load("emit")
-before = (len(emit.emit_rows.signatures), len(emit.count_step.signatures))
+import numpy as np
+kernels = (emit.logits_starts, emit.emit_rows, emit.count_step, emit.harvest_rows)
+before = [len(k.signatures) for k in kernels]
 runner = _Runner(_step())
 _sampler(runner)(_metadata(), None, _logits(), _sampling())
-step, accepted, num_accepted, *_ = runner.drafter.observed[0]
+step, accepted, num_accepted, starts, *_ = runner.drafter.observed[0]
 TreeMetrics().record_step(step.trees, runner.drafter.on_paths[0], num_accepted, step.modes, step.req_ids, False)
-print(*before, len(emit.emit_rows.signatures), len(emit.count_step.signatures))
+# the arrays TreeDrafter.observe_step passes (this runner's drafter records instead)
+emit.harvest_rows(np.asarray(starts, np.int64), step.trees.offsets, ~step.chains, np.empty(step.trees.num_nodes, np.int64))
+print(*before, *(len(k.signatures) for k in kernels))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["1", "1", "1", "1"]
+    assert out.stdout.split() == ["1"] * 8
 
 
 def test_logprobs_come_from_the_row_that_predicted_each_token():
@@ -601,3 +605,54 @@ def test_a_tree_another_rank_lacks_draws_once_from_its_restored_generator(monkey
         assert out[0] == want_a + [-1] * (4 - len(want_a)), seed
         assert out[2] == want_c + [-1, -1, -1], seed
         assert runner.drafter.contained == [("ranks", ["c"])]
+
+
+def test_logits_starts_against_vllms_running_sum_on_random_batches():
+    """``kernels.emit.logits_starts`` against its definitions: tree t's root row is the first of
+    its batch row's ``num_draft + 1`` rows (vLLM's ``cu_num_sampled_tokens`` minus them), the walked
+    trees are those with a draft node, and ``bad`` is the first batch row whose draft count is not
+    its tree's (0 without a tree); a count off by one anywhere, a row without a tree holding
+    drafts, or a tree at another row is caught."""
+    from tests.random_trees import random_trees
+    from vllm_anisotropic.kernels import load
+
+    emit = load("emit")
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        trees = FlatTrees.from_trees(random_trees(rng))
+        num = trees.num_trees
+        batch = num + int(rng.integers(0, 4))
+        rows = np.sort(rng.choice(batch, num, replace=False)).astype(np.int64)
+        num_draft = np.zeros(batch, np.int64)
+        num_draft[rows] = trees.sizes() - 1
+        if rng.random() < 0.5:  # a wrong count somewhere
+            num_draft[int(rng.integers(0, batch))] += int(rng.choice([-1, 1, 2]))
+            num_draft = np.maximum(num_draft, 0)
+        starts, walked = np.full(num, -7, np.int64), np.full(num, -7, np.int64)
+        m, bad = emit.logits_starts(num_draft, rows, trees.offsets, starts, walked)
+        cu = np.cumsum(num_draft + 1)
+        assert starts.tolist() == (cu - num_draft - 1)[rows].tolist()
+        assert walked[:m].tolist() == np.flatnonzero(trees.sizes() > 1).tolist()
+        expected = np.zeros(batch, np.int64)
+        expected[rows] = trees.sizes() - 1
+        differ = np.flatnonzero(num_draft != expected)
+        assert bad == (int(differ[0]) if differ.size else -1)
+
+
+def test_harvest_rows_against_their_definition():
+    """``kernels.emit.harvest_rows``: the kept trees' logits rows, tree by tree (tree t's
+    ``num_nodes`` rows from its start), none of the others'."""
+    from tests.random_trees import random_trees
+    from vllm_anisotropic.kernels import load
+
+    emit = load("emit")
+    rng = np.random.default_rng(12)
+    for _ in range(300):
+        trees = FlatTrees.from_trees(random_trees(rng))
+        sizes = trees.sizes()
+        row_starts = np.cumsum(sizes + rng.integers(0, 3, trees.num_trees)) - sizes
+        keep = rng.random(trees.num_trees) < 0.7
+        out = np.full(trees.num_nodes, -7, np.int64)
+        m = emit.harvest_rows(row_starts, trees.offsets, keep, out)
+        want = [int(row_starts[t]) + j for t in range(trees.num_trees) if keep[t] for j in range(int(sizes[t]))]
+        assert out[:m].tolist() == want

@@ -1,5 +1,6 @@
-"""Compiled bookkeeping after the walk (``kernels.load("emit")``), one call each per step:
-``emit_rows`` turns the step's accepted paths into what the step emits (each walked tree's output
+"""Compiled bookkeeping around the walk (``kernels.load("emit")``), one call each per step:
+``logits_starts`` finds each tree's logits rows and the trees to walk (and checks vLLM's draft
+counts against the trees); ``emit_rows`` turns the step's accepted paths into what the step emits (each walked tree's output
 row, its nodes on the accepted path, the K/V moves of accepted nodes off the leading chain:
 ``integration/vllm/engine/sampler.py``, ``kv_moves.py``); ``count_step`` counts the step's trees
 for the metrics (``integration/vllm/engine/metrics.py``, ``TreeMetrics.record_step``).
@@ -13,9 +14,43 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["count_step", "emit_rows"]
+__all__ = ["count_step", "emit_rows", "harvest_rows", "logits_starts"]
 
 _jit = numba.njit(cache=True, nogil=True)
+
+
+@_jit
+def logits_starts(num_draft, rows, offsets, starts, walked):
+    """Where each tree's logits rows start, from vLLM's per-row draft counts ``num_draft``
+    ``[batch]`` (row i owns ``num_draft[i] + 1`` consecutive logits rows: vLLM's
+    ``cu_num_sampled_tokens`` is their running sum): ``starts[t]`` is the first row of batch row
+    ``rows[t]`` (tree t's root row); ``walked`` gets the trees with a draft node, ascending.
+    Returns ``(number walked, bad)``: ``bad`` the first batch row whose draft count is not its
+    tree's draft nodes (0 for a row without a tree), -1 when every row agrees.
+
+    Example: drafts ``[3, 0, 2]``, trees of 4 and 3 nodes at rows ``[0, 2]`` -> starts ``[0, 5]``,
+    walked ``[0, 1]``, bad -1."""
+    batch = num_draft.shape[0]
+    first = np.empty(batch, np.int64)  # each batch row's first logits row
+    expected = np.zeros(batch, np.int64)
+    at = 0
+    for i in range(batch):
+        first[i] = at
+        at += num_draft[i] + 1
+    m = 0
+    for t in range(rows.shape[0]):
+        n = offsets[t + 1] - offsets[t] - 1
+        starts[t] = first[rows[t]]
+        expected[rows[t]] = n
+        if n > 0:
+            walked[m] = t
+            m += 1
+    bad = -1
+    for i in range(batch):
+        if num_draft[i] != expected[i]:
+            bad = i
+            break
+    return m, bad
 
 
 @_jit
@@ -47,6 +82,21 @@ def emit_rows(tokens, offsets, walked, rows, accepted, num_accepted, bonus, node
         out[r, n] = bonus[t]
         for j in range(n + 1, width):
             out[r, j] = -1
+    return m
+
+
+@_jit
+def harvest_rows(row_starts, offsets, keep, out):
+    """The logits rows of the trees with ``keep[t]``, tree by tree: tree t's ``num_nodes`` rows
+    from ``row_starts[t]`` on, into ``out`` (>= the kept trees' nodes long). Returns their number.
+
+    Example: row starts ``[0, 5]``, trees of 3 and 2 nodes, both kept -> ``[0, 1, 2, 5, 6]``."""
+    m = 0
+    for t in range(row_starts.shape[0]):
+        if keep[t]:
+            for j in range(offsets[t + 1] - offsets[t]):
+                out[m] = row_starts[t] + j
+                m += 1
     return m
 
 

@@ -193,6 +193,9 @@ class GreedyVerifier(TopDownVerifier):
         return [VerifyResult(a, y) for a, y in zip(accepted, bonus)]
 
 
+_RANKS = PRIORITY_BY_CODE.astype(np.int8)  # the walk's child priority of each source code
+
+
 def warm_up_walk() -> None:
     """Compile the CPU walk's kernel (or load it from numba's disk cache) for the bf16 logits a
     step passes it, at the CPU worker's start rather than in the first tree step: a one-node
@@ -215,7 +218,7 @@ def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,
     holds the drawn token, and the first drawn token no child holds is the bonus. Without
     ``pick``, CPU bf16 logits walk every depth in one compiled call (``kernels.walk.walk_rows``)."""
     num = trees.num_trees
-    ranks = PRIORITY_BY_CODE[trees.sources].astype(np.int8)
+    ranks = _RANKS[trees.sources]
     max_depth = int(trees.depths.max(initial=0))
     accepted = np.full((num, max(max_depth, 1)), -1, np.int64)
     num_accepted = np.zeros(num, np.int64)

@@ -33,7 +33,7 @@ COST = CostModel.from_coefficients([0, 2, 4, 8, 16, 32, 64, 128], base=0.00728, 
                                    tree_switch=0.0017, tree_row=4.7e-05, tree_ctx=8.76e-07, spec_switch=0.0017)
 
 
-def bench(num: int, steps: int, cut_max: int) -> dict:
+def bench(num: int, steps: int, cut_max: int, flush_mb: int = 0) -> dict:
     spec = TreeSpecConfig.build("goose", {})
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(method="goose", num_speculative_tokens=59),
                           additional_config={"vllm_anisotropic": spec.to_additional_config()},
@@ -55,6 +55,9 @@ def bench(num: int, steps: int, cut_max: int) -> dict:
     lengths = np.array(lengths)
     req_ids = [f"r{i}" for i in range(num)]
     nodes = []
+    # --flush-mb: what a CPU forward does to the caches between the host stages (it streams the
+    # model's weights: SmolLM2-135M's 270 MB in bf16), imitated by a read of that many MB
+    flush = [0.0, np.ones(flush_mb << 18, np.float32)] if flush_mb else None
     times = {k: [] for k in ("propose", "take_step", "walk", "observe", "learn", "allocate", "total")}
     for it in range(steps + 5):
         t = [time.perf_counter()]
@@ -70,6 +73,8 @@ def bench(num: int, steps: int, cut_max: int) -> dict:
         nodes.append(step.trees.num_nodes / num)
         t.append(time.perf_counter())
         trees = step.trees
+        if flush:  # where the engine runs the forward (which then writes the logits): a read of flush_mb MB
+            flush[0] += float(np.add.reduce(flush[1]))
         logits = torch.zeros(trees.num_nodes, V, dtype=torch.bfloat16)
         starts = trees.offsets[:-1]
         for k in range(trees.num_trees):  # the target agrees with the first two draft tokens
@@ -77,7 +82,7 @@ def bench(num: int, steps: int, cut_max: int) -> dict:
             logits[a, int(trees.tokens[a + 1]) if b - a > 1 else 0] = 1.0
             if b - a > 2 and trees.parents[a + 2] == 1:
                 logits[a + 1, int(trees.tokens[a + 2])] = 1.0
-        t.append(time.perf_counter())  # (building the logits is not timed)
+        t.append(time.perf_counter())  # (building the logits and the flush are not timed)
         acc, n_acc, _bonus = walk_flat(trees, logits, starts)
         t.append(time.perf_counter())
         d.observe_step(step, acc, n_acc, starts, logits)
@@ -96,9 +101,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", default="1,8")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--flush-mb", type=int, default=0, help="read this many MB between take_step and the walk, "
+                    "where the engine's forward runs (0: warm caches)")
     ap.add_argument("--max-drafts", type=int, default=8, help="the allocator's per-request cap (a GOOSE tree's "
                     "kept drafts in the engine's tree steps are a few)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     for num in (int(x) for x in args.requests.split(",")):
-        print(json.dumps({"requests": num, "us": bench(num, args.steps, args.max_drafts)}))
+        print(json.dumps({"requests": num, "flush_mb": args.flush_mb, "us": bench(num, args.steps, args.max_drafts,
+                                                                              args.flush_mb)}))

@@ -38,6 +38,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from vllm_anisotropic import kernels as _kernels
 from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, rank_flat
 from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
 from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import use_vllm_cpu_gemm
@@ -485,11 +486,11 @@ class TreeDrafter:
         self._deferred.append(("stats", (), self.sink.tick))
         states = [self.states.get(r) for r in step.req_ids]
         harvest = ~step.chains
-        k = max((st.harvest_top_k or 0 for st, h in zip(states, harvest) if st is not None and h), default=0)
+        k = max((st.harvest_top_k or 0 for st, h in zip(states, harvest.tolist()) if st is not None and h), default=0)
         picked = index = None
         if k:  # every harvested tree's rows (root rows included), tree by tree
-            sizes = np.where(harvest, trees.sizes(), 0)
-            index = np.repeat(row_starts, sizes) + (np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes))
+            index = np.empty(trees.num_nodes, np.int64)
+            index = index[:_kernels.load("emit").harvest_rows(np.asarray(row_starts, np.int64), trees.offsets, harvest, index)]
             if logits.device.type == "cpu":
                 # read in place by the deferred top-k: after the sampler nothing writes a step's
                 # logits, and the next step's are a new tensor (a copy cost ~0.37 ms a step at

@@ -77,29 +77,33 @@ class TreeRejectionSampler(nn.Module):
     def forward(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata):
         t0 = time.perf_counter()
         step = self.runner.take_tree_step()
-        cu_sampled = np.asarray(metadata.cu_num_sampled_tokens.tolist(), np.int64)  # [batch_size] end of each row's rows
-        if step is None or not np.any(step.trees.sizes() > 1):
-            out = self.original(metadata, draft_probs, logits, sampling_metadata)
-            if step is not None:  # root-only trees: harvest the root rows
-                self._observe(step, cu_sampled[step.rows] - 1, logits)
-            return out
+        if step is None:
+            return self.original(metadata, draft_probs, logits, sampling_metadata)
         trees = step.trees
-        sizes = trees.sizes()
-        num_draft = np.asarray(list(metadata.num_draft_tokens), np.int64)
+        # each tree's logits rows and the trees with drafts, from vLLM's draft counts (a host
+        # list: nothing read back from the device), checked against the trees: one compiled call.
+        # Requests without a tree have no drafts: their token is vLLM's bonus sample, exactly as
+        # in plain decoding (temperature, penalties, generators, logprobs all apply).
+        num_draft = np.fromiter(metadata.num_draft_tokens, np.int64)
         batch_size = num_draft.shape[0]
-        # Requests without a tree have no drafts: their token is vLLM's bonus sample, exactly
-        # as in plain decoding (temperature, penalties, generators, logprobs all apply).
-        expected = np.zeros(batch_size, np.int64)
-        expected[step.rows] = sizes - 1
-        if not np.array_equal(num_draft, expected):
-            bad = int(np.flatnonzero(num_draft != expected)[0])
-            raise RuntimeError(f"batch row {bad} has {num_draft[bad]} drafts but its draft tree {expected[bad]}")
+        starts, walked = np.empty(trees.num_trees, np.int64), np.empty(trees.num_trees, np.int64)
+        emit = _kernels.load("emit")
+        num_walked, bad = emit.logits_starts(num_draft, step.rows, trees.offsets, starts, walked)
+        if not num_walked:  # root-only trees: vLLM's sampler, and each row's last (bonus) row harvested
+            out = self.original(metadata, draft_probs, logits, sampling_metadata)
+            self._observe(step, starts + num_draft[step.rows], logits)
+            return out
+        if bad >= 0:
+            tree = np.flatnonzero(step.rows == bad)
+            expected = int(trees.sizes()[tree[0]]) - 1 if tree.size else 0
+            raise RuntimeError(f"batch row {bad} has {num_draft[bad]} drafts but its draft tree {expected}")
+        walked = walked[:num_walked]
         t_vllm = time.perf_counter()
         num_logprobs = sampling_metadata.max_num_logprobs
         bonus_md = sampling_metadata if num_logprobs is None else replace(sampling_metadata, max_num_logprobs=None)
         snapshot = {}
         if sampling_metadata.generators:
-            mine = set(step.rows[sizes > 1].tolist())
+            mine = set(step.rows[walked].tolist())
             # the walked requests' own generators as the step found them (a verify fault restores them)
             snapshot = {i: g.get_state() for i, g in sampling_metadata.generators.items() if i in mine}
             if self.sampler_walk:
@@ -113,14 +117,12 @@ class TreeRejectionSampler(nn.Module):
             predict_bonus_token=True,
         )
         t_vllm = time.perf_counter() - t_vllm  # vLLM's sampler: not the plugin's host work
-        starts = cu_sampled[step.rows] - sizes  # [T] first logits row of each tree (its root)
-        walked = np.flatnonzero(sizes > 1)
-        void = step.void if step.void is not None else np.zeros(sizes.shape[0], bool)
+        void = step.void  # None: every tree is this rank's
         failed = False
         try:
             inject("verify")
-            accepted, num_accepted, bonus = self._verify(step, walked[~void[walked]], starts, logits,
-                                                         sampling_metadata)
+            accepted, num_accepted, bonus = self._verify(step, walked if void is None else walked[~void[walked]],
+                                                         starts, logits, sampling_metadata)
         except Exception:  # noqa: BLE001 - contained (faults.py): root samples, the walked requests lose trees
             report(logger, "verify", [step.req_ids[t] for t in walked.tolist()])
             failed = True
@@ -130,7 +132,8 @@ class TreeRejectionSampler(nn.Module):
             # tensor parallelism: the ranks agree on what none may verify (faults.py, "ranks"):
             # the trees any rank lacks, and every tree when any rank's verification raised
             flags = np.zeros(batch_size + 1, bool)
-            flags[step.rows[void]] = True
+            if void is not None:
+                flags[step.rows[void]] = True
             flags[-1] = failed
             agreed = agree(flags, group)
             if agreed[-1] and not failed:
@@ -141,7 +144,7 @@ class TreeRejectionSampler(nn.Module):
             self.runner.drafter.contain(stage, [step.req_ids[t] for t in walked.tolist()])
             accepted, num_accepted, bonus = self._root_samples(step, walked, starts, metadata, logits,
                                                                sampling_metadata, snapshot)
-        elif void.any():
+        elif void is not None and void.any():
             voided = np.flatnonzero(void)
             ids = [step.req_ids[t] for t in voided.tolist()]
             report(logger, "ranks", ids)
@@ -157,10 +160,10 @@ class TreeRejectionSampler(nn.Module):
         host = np.full((batch_size, width), PLACEHOLDER_TOKEN_ID, np.int32)
         host[:, 0] = bonus_out.sampled_token_ids[:, 0].cpu().numpy()
         on_path = np.zeros(trees.num_nodes, bool)
-        src = np.empty(int(num_accepted.sum()), np.int64)
+        src = np.empty(trees.num_nodes, np.int64)  # moves <= accepted nodes <= nodes
         dst = np.empty_like(src)
-        moves = _kernels.load("emit").emit_rows(trees.tokens, trees.offsets, walked, step.rows, accepted,
-                                                num_accepted, bonus, step.node_rows, host, on_path, src, dst)
+        moves = emit.emit_rows(trees.tokens, trees.offsets, walked, step.rows, accepted, num_accepted, bonus,
+                               step.node_rows, host, on_path, src, dst)
         out = torch.from_numpy(host).to(logits.device)
         # accepted nodes off the leading chain: their K/V to the slots the sequence needs
         t_kv = time.perf_counter()
@@ -168,7 +171,7 @@ class TreeRejectionSampler(nn.Module):
             self.runner.move_kv(src[:moves], dst[:moves])
         t_kv = time.perf_counter() - t_kv
         self.runner.host_clock.add("kv", t_kv)
-        if void.any():  # trees no rank verified are not observed (nor learned from)
+        if void is not None and void.any():  # trees no rank verified are not observed (nor learned from)
             keep = np.flatnonzero(~void)
             t_harvest = self._observe(step.select(keep), starts[keep], logits, accepted[keep], num_accepted[keep])
         else:
@@ -179,7 +182,7 @@ class TreeRejectionSampler(nn.Module):
             # the logits row that predicted each emitted token: the root's for column 0, accepted
             # node j's for column j + 1 (row j of a tree is node j); a request without a tree
             # emits its bonus row's token at column 0
-            source = (cu_sampled - 1)[:, None] + np.zeros((1, width), np.int64)
+            source = (np.cumsum(num_draft + 1) - 1)[:, None] + np.zeros((1, width), np.int64)
             tree_rows = step.rows[walked]
             source[tree_rows, 0] = starts[walked]
             source[tree_rows, 1 : accepted.shape[1] + 1] = starts[walked, None] + np.maximum(accepted[walked], 0)
@@ -230,11 +233,15 @@ class TreeRejectionSampler(nn.Module):
         batch mates, and every tensor-parallel rank draws the same."""
         trees, rows = step.trees, step.rows
         num = trees.num_trees
+        temperature = sampling_metadata.temperature
+        if temperature is None and not self.runner.row_edits and not logits.is_cuda and walked.shape[0] == num:
+            # the common CPU step: every tree walked, greedy (vLLM's metadata has no temperatures
+            # when the batch is all greedy), unedited: the walk alone, its arrays as they are
+            return walk_flat(trees, logits, starts)
         depth = max(int(trees.depths.max(initial=0)), 1)
         accepted = np.full((num, depth), -1, np.int64)
         num_accepted = np.zeros(num, np.int64)
         bonus = np.zeros(num, np.int64)
-        temperature = sampling_metadata.temperature
         temps = None if temperature is None else temperature.cpu().numpy()  # one device-to-host copy
         sampled_mask = np.zeros(num, bool) if temps is None else temps[rows] >= SAMPLING_EPS
         edits = self.runner.row_edits
@@ -355,17 +362,19 @@ class TreeRejectionSampler(nn.Module):
 
 
 def warm_up_emit() -> None:
-    """Compile the step's emit kernels (``kernels/emit.py``; or load them from numba's disk
-    cache) for the arrays a step passes them, at the worker's start rather than in the first
-    tree step: one tree of two nodes, its node accepted."""
+    """Compile the step's kernels of ``kernels/emit.py`` (or load them from numba's disk cache)
+    for the arrays a step passes them, at the worker's start rather than in the first tree step:
+    one tree of two nodes, its node accepted."""
     from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource
 
     trees = FlatTrees.from_trees([DraftTree([0, 1], [-1, 0])])
     emit = _kernels.load("emit")
     zero, one = np.zeros(1, np.int64), np.ones(1, np.int64)
     on_path = np.zeros(2, bool)
+    emit.logits_starts(one, zero, trees.offsets, np.empty(1, np.int64), np.empty(1, np.int64))
     emit.emit_rows(trees.tokens, trees.offsets, zero, zero, np.ones((1, 1), np.int64), one, one, one,
                    np.zeros((1, 2), np.int32), on_path, np.empty(1, np.int64), np.empty(1, np.int64))
+    emit.harvest_rows(zero, trees.offsets, np.ones(1, bool), np.empty(2, np.int64))
     emit.count_step(trees.parents, trees.sources, trees.depths, trees.offsets, on_path, one, np.zeros(1, np.int8),
                     0, len(NodeSource))
 
