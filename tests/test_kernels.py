@@ -37,8 +37,9 @@ def test_load_names_the_valid_modules():
 def test_the_drafters_warm_up_compiles_for_vllms_token_dtype_and_keeps_nothing():
     """``TreeDrafter.warm_up`` (the worker's start): the context matcher and the proposals' kernel
     (``spine_trees``, which reads the spines from the token array) get their machine code for
-    vLLM's int32 token array before any request, and the drafter's own state (request states,
-    shared adjacency table, pending trees) is untouched."""
+    vLLM's int32 token array before any request, the learning's keys (``learn_keys``, checked in
+    a fresh process: numba's signatures are per process) theirs, and the drafter's own state
+    (request states, shared adjacency table, pending trees) is untouched."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -58,5 +59,20 @@ def test_the_drafters_warm_up_compiles_for_vllms_token_dtype_and_keeps_nothing()
     match, goose = kernels.load("match").match_rows, kernels.load("goose").spine_trees
     assert any("int32" in str(sig[0]) for sig in match.signatures), match.signatures
     assert any("int32" in str(sig[9]) for sig in goose.signatures), goose.signatures  # arg 9: token_ids
+    code = """
+from types import SimpleNamespace
+import numpy as np
+from vllm_anisotropic import kernels
+from vllm_anisotropic.integration.vllm.engine.drafter import TreeDrafter
+from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
+spec = TreeSpecConfig.build("goose", {})
+cfg = SimpleNamespace(speculative_config=SimpleNamespace(method="goose", num_speculative_tokens=59),
+                      additional_config={"vllm_anisotropic": spec.to_additional_config()},
+                      model_config=SimpleNamespace(get_vocab_size=lambda: 64, max_model_len=512))
+TreeDrafter(cfg).warm_up(np.int32)
+print(len(kernels.load("goose").learn_keys.signatures))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1"]
     assert d.states == {} and d.pending == {} and d.proposer.table is table
     assert (before is None and table.unigram_ids is None) or np.array_equal(table.unigram_ids, before)

@@ -19,7 +19,7 @@ import torch
 from vllm_anisotropic.integration.vllm.engine.drafter import (
     OFFER_MEMORY, OFFER_MIN_DRAFTS, TreeDrafter, _scheduled_prefixes)
 from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
-from vllm_anisotropic.tree import DraftTree, FlatTrees
+from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource
 
 V = 64
 MAX_LEN = 96
@@ -670,8 +670,12 @@ def test_warm_up_runs_one_throwaway_proposal_and_keeps_nothing(monkeypatch):
     cls = type(d.proposer)
     seen = []
     real = cls.propose_batch
-    monkeypatch.setattr(cls, "propose_batch", lambda self, states, tokens, *a: seen.append(
-        (self, tokens.dtype, real(self, states, tokens, *a).trees.num_nodes)))
+    def propose_batch(self, states, tokens, *a):
+        out = real(self, states, tokens, *a)
+        seen.append((self, tokens.dtype, out.trees.num_nodes))
+        return out
+
+    monkeypatch.setattr(cls, "propose_batch", propose_batch)
     d.warm_up(np.int64)
     (proposer, dtype, nodes), = seen
     assert proposer is not d.proposer and dtype == np.int64 and nodes > 1  # the match path ran
@@ -711,3 +715,30 @@ def test_tp_rank_is_vllms_and_zero_outside_a_process_group(monkeypatch):
     assert rank == 0 and type(rank) is int
     monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 3)
     assert _tp_rank() == 3
+
+
+def test_learn_keys_against_their_definitions_on_random_batches():
+    """``kernels.goose.learn_keys`` (GOOSE's ``learn_batch``): each node's key token is its
+    parent's token (a root's: the token before it), and each tree's spine nodes and accepted
+    spine nodes are counted, against numpy over random trees, sources and paths."""
+    from tests.random_trees import random_paths, random_trees
+    from vllm_anisotropic import kernels
+
+    rng = np.random.default_rng(21)
+    for _ in range(300):
+        trees_list = random_trees(rng, sources=True)
+        flat = FlatTrees.from_trees(trees_list)
+        paths = random_paths(rng, trees_list)
+        depth = max(1, max(len(p) for p in paths))
+        accepted = np.array([p + [-1] * (depth - len(p)) for p in paths], np.int64)
+        on_path = flat.path_mask(accepted, np.array([len(p) for p in paths], np.int64))
+        prev_roots = rng.integers(-1, 50, flat.num_trees)
+        prev, counts = np.full(flat.num_nodes, -9, np.int64), np.full((flat.num_trees, 2), -9, np.int64)
+        kernels.load("goose").learn_keys(flat.tokens, flat.parents, flat.sources, flat.offsets, on_path,
+                                         prev_roots, prev, counts)
+        want = flat.tokens[np.maximum(flat.global_parents(), 0)]
+        want[flat.offsets[:-1]] = prev_roots
+        assert prev.tolist() == want.tolist()
+        spine = flat.sources == NodeSource.SPINE
+        assert counts[:, 0].tolist() == np.add.reduceat(spine, flat.offsets[:-1]).tolist()
+        assert counts[:, 1].tolist() == np.add.reduceat(spine & on_path, flat.offsets[:-1]).tolist()

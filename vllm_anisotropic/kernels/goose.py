@@ -29,7 +29,7 @@ import numpy as np
 
 from vllm_anisotropic.kernels import table as tk
 
-__all__ = ["build_trees", "harmonic_widths", "spine_trees", "TREE", "CHAIN"]
+__all__ = ["build_trees", "harmonic_widths", "learn_keys", "spine_trees", "TREE", "CHAIN"]
 
 TREE, CHAIN = 0, 1  # per-request mode of ``build_trees``: a spine tree, or the spine alone
 _ROOT, _SPINE, _BRANCH = 0, 1, 2  # NodeSource codes (tree.NodeSource)
@@ -347,3 +347,28 @@ def spine_trees(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, coun
         pos += n
         out_offsets[r + 1] = pos
     return pos
+
+
+@_jit
+def learn_keys(tokens, parents, sources, offsets, on_path, prev_roots, prev, spine_counts):
+    """What a step's verified trees teach (Algorithm 2 lines 15-16), in one pass: ``prev[k]`` the
+    first token of node k's table key (its parent's token; a root's: ``prev_roots[t]``, the token
+    before it), and ``spine_counts[t]`` tree t's (spine nodes, spine nodes on the accepted path)
+    for the spine-acceptance EMA.
+
+    Example: tokens ``[4, 5, 6]``, parents ``[-1, 0, 1]``, sources ``[ROOT, SPINE, BRANCH]``, node
+    1 on the path, prev root 3 -> prev ``[3, 4, 5]``, counts ``[1, 1]``."""
+    for t in range(offsets.shape[0] - 1):
+        a = offsets[t]
+        prev[a] = prev_roots[t]
+        n_spine = 0
+        n_acc = 0
+        for k in range(a, offsets[t + 1]):
+            if k > a:
+                prev[k] = tokens[a + parents[k]]
+            if sources[k] == _SPINE:
+                n_spine += 1
+                if on_path[k]:
+                    n_acc += 1
+        spine_counts[t, 0] = n_spine
+        spine_counts[t, 1] = n_acc

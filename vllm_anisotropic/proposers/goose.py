@@ -220,12 +220,9 @@ def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows,
         if s._prompt_len < 0:
             s._prompt_len = length - 1  # the first proposal follows the prefill's token
     match = np.zeros((num, 4), np.int64)
+    sizes, policy, tiers = _config_arrays(cfg)
     if cfg.context_spine:
-        sizes = np.asarray(sorted(set(cfg.ngram_sizes), reverse=True), np.int64)
         kernels.load("match").match_rows(token_ids, rows, lengths, sizes, max(32, max(cfg.ngram_sizes)), match)
-    policy = np.array([bool(cfg.bypass), bool(cfg.consensus_bypass), cfg.bypass_signal == "draft_length",
-                       cfg.bypass_min_length], np.int64)
-    tiers = np.array([*cfg.tier_thresholds, *cfg.tier_ratios], np.float64)
     ngrams, lens, starts, store_tokens = _store_spines(states, token_ids, rows, lengths, limits, match)
     per_request = (rows, lengths, roots, prevs, match, ngrams, lens, starts, limits, budgets, p_s)
     groups: dict[int, list[int]] = {}
@@ -246,6 +243,23 @@ def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows,
             stats[idx], ratios[idx] = st, ra
     return GooseBatch(trees, stats[:, 0].astype(np.int8), prevs, stats[:, 1], stats[:, 2], stats[:, 3],
                       stats[:, 4].astype(bool), ratios)
+
+
+_CONFIG_ARRAYS: dict[int, tuple] = {}  # id(config) -> (config, its kernel arrays): built once per config
+
+
+def _config_arrays(cfg: GooseConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The configuration as the kernels read it: n-gram sizes longest first, the bypass policy
+    (bypass, consensus bypass, bypass on the draft length, its minimum length) and the spine
+    ratio tiers (thresholds, then ratios); built once per configuration object."""
+    hit = _CONFIG_ARRAYS.get(id(cfg))
+    if hit is None or hit[0] is not cfg:
+        hit = _CONFIG_ARRAYS[id(cfg)] = (
+            cfg, np.asarray(sorted(set(cfg.ngram_sizes), reverse=True), np.int64),
+            np.array([bool(cfg.bypass), bool(cfg.consensus_bypass), cfg.bypass_signal == "draft_length",
+                      cfg.bypass_min_length], np.int64),
+            np.array([*cfg.tier_thresholds, *cfg.tier_ratios], np.float64))
+    return hit[1:]
 
 
 def _store_spines(states, token_ids, rows, lengths, limits, match) -> tuple:
@@ -407,18 +421,19 @@ class GooseProposer(Proposer):
         successors (``top``, rows in node order; None: learn the EMA only) into its request's
         table, keyed (parent token, token), the root (token before it, root); p_s updated from
         the accepted spine nodes (``on_path`` ``[num_nodes]``: the node is on the accepted path)."""
-        spine = trees.sources == NodeSource.SPINE
-        starts = trees.offsets[:-1]
-        num_spine = np.add.reduceat(spine, starts) if trees.num_nodes else np.zeros(0, np.int64)
-        acc_spine = np.add.reduceat(spine & on_path, starts) if trees.num_nodes else np.zeros(0, np.int64)
+        # each node's table key (its parent's token, a root's the token before it) and each
+        # tree's spine nodes and accepted spine nodes: one compiled pass (kernels.goose.learn_keys)
+        prev = np.empty(trees.num_nodes, np.int64)
+        counts = np.empty((trees.num_trees, 2), np.int64)
+        kernels.load("goose").learn_keys(trees.tokens, trees.parents, trees.sources, trees.offsets, on_path,
+                                         np.asarray(prev_roots, np.int64), prev, counts)
         c = self.config.ema_coef
-        for s, n, a in zip(states, num_spine.tolist(), acc_spine.tolist()):
+        for s, (n, a) in zip(states, counts.tolist()):
             if n and s is not None:
                 s.spine_acceptance = (1.0 - c) * s.spine_acceptance + c * a / n
         if top is None:
             return
-        prev = trees.tokens[np.maximum(trees.global_parents(), 0)]
-        prev[starts] = prev_roots
+        starts = trees.offsets[:-1]
         groups: dict[int, list[int]] = {}
         for k, s in enumerate(states):
             if s is not None:

@@ -46,7 +46,7 @@ from vllm_anisotropic.integration.vllm.engine.faults import inject, report, tp_s
 from vllm_anisotropic.integration.vllm.engine.faults import tp_rank as _tp_rank
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.engine.metrics import MetricsSink, TreeMetrics
-from vllm_anisotropic.proposers import DraftTreeProposer, get_proposer
+from vllm_anisotropic.proposers import DraftTreeProposer, GooseProposer, get_proposer
 from vllm_anisotropic.proposers.adjacency import TopKRows
 from vllm_anisotropic.proposers.base import MODE_CODES, ProposalMode, RequestState
 from vllm_anisotropic.tree import DraftTree, FlatTrees
@@ -115,6 +115,7 @@ class TreeDrafter:
     """Built by the tree runner through vLLM's ``custom_class`` path: ``cls(vllm_config)``."""
 
     tp_size = 1  # the tensor-parallel world size (set in __init__)
+    _tree_cap: int | None = None  # the most nodes a proposal's tree can have (set in __init__)
 
     def __init__(self, vllm_config) -> None:
         spec = vllm_config.speculative_config
@@ -128,6 +129,10 @@ class TreeDrafter:
         if isinstance(self.proposer, DraftTreeProposer):
             use_vllm_cpu_gemm(self.proposer.lm.model)  # q's linears take vLLM's CPU kernels (cpu_gemm.py)
         self.max_draft_tokens: int = int(spec.num_speculative_tokens)
+        # the most nodes a proposal's tree can have where the proposer guarantees it (GOOSE's
+        # kernel builds <= its budget B): while every request has room for B - 1 drafts no cut
+        # is needed; None: always cut to the room
+        self._tree_cap = int(self.proposer.config.budget) if isinstance(self.proposer, GooseProposer) else None
         self.max_model_len: int = int(vllm_config.model_config.max_model_len)
         self.tp_size = tp_size()  # > 1: take_step leaves another rank's drafts void rather than raise
         self.states: dict[str, RequestState] = {}
@@ -188,15 +193,19 @@ class TreeDrafter:
         """Load the batched proposer's compiled kernels now, at the worker's start (after vLLM's
         start-up scan, which must not meet numba: ``kernels``), not in the first request's
         steps: a first GOOSE proposal in a new process costs ~0.3 s of loading cached machine
-        code. One throwaway proposal with a throwaway proposer of the same configuration over a
-        token array of vLLM's dtype (``token_dtype``); nothing of it is kept."""
+        code. One throwaway proposal (and its learning, without rows) with a throwaway proposer
+        of the same configuration over a token array of vLLM's dtype (``token_dtype``); nothing
+        of it is kept."""
         if getattr(self.proposer, "propose_batch", None) is None or isinstance(self.proposer, DraftTreeProposer):
             return  # nothing compiled to load (draft_tree: q loaded with the proposer)
         t0 = time.perf_counter()
         proposer = type(self.proposer)(self.proposer.config, self.proposer.vocab_size)
         tokens = np.tile(np.arange(8, dtype=token_dtype), 8).reshape(1, -1)
-        proposer.propose_batch([proposer.new_request()], tokens, np.zeros(1, np.int64),
-                               np.array([tokens.shape[1]], np.int64))
+        state = proposer.new_request()
+        out = proposer.propose_batch([state], tokens, np.zeros(1, np.int64), np.array([tokens.shape[1]], np.int64))
+        learn = getattr(proposer, "learn_batch", None)
+        if learn is not None:  # its keys and spine counts (the top-k rows' table update is loaded with the table)
+            learn([state], out.trees, np.zeros(out.trees.num_nodes, bool), out.prev_roots, None)
         logger.debug("vllm-anisotropic: proposer kernels loaded in %.2f s", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ pending trees
@@ -271,7 +280,8 @@ class TreeDrafter:
         states = self._states_of(drafting, ids, laws)
         room = np.maximum(np.minimum(self.max_draft_tokens, self.max_model_len - lengths - 1), 0)
         trees, modes, prev_roots = self._propose(states, ids, token_ids_cpu, rows, lengths, room, chains)
-        trees = trees.prefix(room + 1)
+        if self._tree_cap is None or int(room.min()) + 1 < self._tree_cap:
+            trees = trees.prefix(room + 1)  # (GOOSE's trees never exceed its budget: cut only near the end)
         if trees.draft_probs is not None and self.acceptance is not None:
             # sampled draft-model trees: the allocator's probabilities (and any reordering by
             # them) depend on the tree's shape and the acceptance model alone, never on the
@@ -633,6 +643,10 @@ def _gather(entries: list) -> tuple:
     previous step's) in their order: ``(trees, prev_roots, modes, offered sizes, chains)``."""
     proposal = entries[0][0]
     if all(p is proposal for p, _ in entries):
+        if len(entries) == proposal.trees.num_trees and all(k == t for t, (_, k) in enumerate(entries)):
+            # every tree of the proposal, in its order (each request scheduled): as they are
+            return (proposal.trees, proposal.prev_roots, proposal.modes, proposal.trees.sizes(),
+                    np.full(len(entries), proposal.chains))
         index = np.fromiter((k for _, k in entries), np.int64, len(entries))
         return (proposal.trees.select(index), proposal.prev_roots[index], proposal.modes[index],
                 proposal.trees.sizes()[index], np.full(len(entries), proposal.chains))
