@@ -62,12 +62,14 @@ def test_dense_walk_is_chosen_on_cuda_logits_only():
 
 
 def test_scatter_tree_positions_worked_example():
-    from vllm_anisotropic.integration.vllm.engine.runner import scatter_tree_positions
+    """The CPU path (numpy, in place) and the device path (torch ops, run here on CPU tensors)."""
+    from vllm_anisotropic.integration.vllm.engine.runner import scatter_device_positions, scatter_tree_positions
 
-    positions = torch.tensor([9, 10, 11, 12, 13, 20, 21, 22], dtype=torch.int64)
-    # request A: rows 2..4 under root row 1 with depths [1, 1, 2]; request B: rows 6..7 under row 5
-    scatter_tree_positions(positions, np.array([[2, 3, 4, 6, 7], [1, 1, 1, 5, 5], [1, 1, 2, 1, 2]]))
-    assert positions.tolist() == [9, 10, 11, 11, 12, 20, 21, 22]
+    for scatter in (scatter_tree_positions, scatter_device_positions):
+        positions = torch.tensor([9, 10, 11, 12, 13, 20, 21, 22], dtype=torch.int64)
+        # request A: rows 2..4 under root row 1 with depths [1, 1, 2]; request B: rows 6..7 under row 5
+        scatter(positions, np.array([[2, 3, 4, 6, 7], [1, 1, 1, 5, 5], [1, 1, 2, 1, 2]]))
+        assert positions.tolist() == [9, 10, 11, 11, 12, 20, 21, 22], scatter
 
 
 def test_device_plan_from_the_runner_plan():

@@ -311,6 +311,34 @@ def test_scheduled_prefixes_cut_each_tree_and_name_those_whose_drafts_differ_or_
     assert cut.tokens.tolist() == [1, 4, 5]
 
 
+def test_scheduled_prefixes_against_their_definition_on_random_batches():
+    """``_scheduled_prefixes`` (one compiled pass, ``kernels.plan.scheduled_prefixes``) against
+    its definition: each tree cut to ``min(counts, its drafts)`` draft nodes (``FlatTrees.prefix``),
+    and a tree is bad when it has fewer drafts than scheduled or its first ones differ; random
+    trees, counts under, at and over each tree's drafts, lists that match or differ anywhere."""
+    from tests.random_trees import random_trees
+
+    rng = np.random.default_rng(31)
+    for _ in range(400):
+        flat = FlatTrees.from_trees(random_trees(rng))
+        room = flat.sizes() - 1
+        counts = np.maximum(room + rng.integers(-3, 2, flat.num_trees), 0)
+        lists = []
+        for t in range(flat.num_trees):
+            drafts = flat.tree(t).tokens[1:].tolist()[: counts[t]]
+            drafts += [int(x) for x in rng.integers(0, 50, counts[t] - len(drafts))]  # beyond its drafts
+            if drafts and rng.random() < 0.3:
+                drafts[int(rng.integers(0, len(drafts)))] += 1  # one that differs
+            lists.append(drafts)
+        cut, bad = _scheduled_prefixes(flat, counts, lists)
+        want = flat.prefix(np.minimum(counts, room) + 1)
+        assert cut.offsets.tolist() == want.offsets.tolist() and cut.tokens.tolist() == want.tokens.tolist()
+        assert cut.parents.tolist() == want.parents.tolist()
+        wrong = [counts[t] > room[t] or lists[t][: room[t]] != flat.tree(t).tokens[1: 1 + min(counts[t], room[t])].tolist()
+                 for t in range(flat.num_trees)]
+        assert (None if not any(wrong) else wrong) == (None if bad is None else bad.tolist())
+
+
 def test_the_drafter_refuses_vllms_chain_propose():
     with pytest.raises(RuntimeError, match="tree model runner"):
         _drafter(allocator="off").propose()

@@ -478,8 +478,8 @@ def test_scatter_places_a_single_node_row():
 
 def test_the_workers_step_rows_warm_up_compiles_what_a_step_passes():
     """After ``warm_up_step_rows`` (the worker's start) the arrays ``_prepare_inputs`` passes
-    (a step's flat trees, vLLM's int32 query ends made int64) compile nothing more (a fresh
-    process: numba's signatures are its own)."""
+    (a step's flat trees, vLLM's int32 query ends made int64; take_step's scheduled counts and
+    drafts) compile nothing more (a fresh process: numba's signatures are its own)."""
     import subprocess
     import sys
 
@@ -488,17 +488,20 @@ import numpy as np
 from vllm_anisotropic.integration.vllm.engine.runner import warm_up_step_rows
 from vllm_anisotropic.kernels import load
 from vllm_anisotropic.tree import DraftTree, FlatTrees
+from vllm_anisotropic.integration.vllm.engine.drafter import _scheduled_prefixes
 warm_up_step_rows()
-before = len(load("plan").step_rows.signatures)
+plan = load("plan")
+before = (len(plan.step_rows.signatures), len(plan.scheduled_prefixes.signatures))
 trees = FlatTrees.from_trees([DraftTree([1, 2, 3], [-1, 0, 0]), DraftTree([4], [-1])])
 n = trees.sizes() - 1
 ends = np.array([3, 4], np.int32)[np.array([0, 1])].astype(np.int64)
-load("plan").step_rows(trees.offsets, trees.parents, trees.depths, ends, np.empty_like(n),
-                       np.empty((3, int(n.sum())), np.int64), np.empty_like(n))
-print(before, len(load("plan").step_rows.signatures))
+plan.step_rows(trees.offsets, trees.parents, trees.depths, ends, np.empty_like(n),
+               np.empty((3, int(n.sum())), np.int64), np.empty_like(n))
+_scheduled_prefixes(trees, np.fromiter((len(d) for d in ([2], [])), np.int64, 2), [[2], []])
+print(*before, len(plan.step_rows.signatures), len(plan.scheduled_prefixes.signatures))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["1", "1"]
+    assert out.stdout.split() == ["1"] * 4
 
 
 def test_step_rows_place_every_draft_node_and_find_each_leading_chain():

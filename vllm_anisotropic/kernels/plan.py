@@ -1,5 +1,6 @@
 """Compiled per-step plans of the tree attention (``kernels.load("plan")``), each one call for the
-whole step: ``step_rows``, where the step's draft nodes sit in the query and at which positions,
+whole step: ``scheduled_prefixes``, each pending tree cut to the drafts vLLM scheduled, and
+checked against them (``integration/vllm/engine/drafter.py``, ``take_step``); ``step_rows``, where the step's draft nodes sit in the query and at which positions,
 and each tree's leading chain (``integration/vllm/engine/runner.py``, ``_prepare_inputs``);
 ``path_rounds``, the CPU path rounds (``integration/vllm/kernels/attention.py``, ``_path_plan``:
 which root-to-leaf paths cover the tree nodes, and every index the rounds of vLLM's causal kernel
@@ -11,7 +12,39 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["path_rounds", "split_plan", "step_rows"]
+__all__ = ["path_rounds", "scheduled_prefixes", "split_plan", "step_rows"]
+
+
+@numba.njit(cache=True, nogil=True)
+def scheduled_prefixes(offsets, tokens, counts, flat, keep, bad):
+    """vLLM scheduled ``counts[t]`` drafts of tree t, back to back in ``flat``: ``keep[t]`` is the
+    nodes of its cut (root included: ``min(counts[t], its draft nodes) + 1``), ``bad[t]`` whether
+    the drafts are not its first draft tokens (more drafts than it has, or one that differs).
+    Returns ``(number of bad trees, whether any tree is cut)``.
+
+    Example: trees ``[1, 2, 3 | 4, 5]`` (offsets ``[0, 3, 5]``), counts ``[1, 2]``, flat
+    ``[2, 5, 6]`` -> keep ``[2, 2]``, bad ``[False, True]`` (tree 1 has one draft), ``(1, True)``."""
+    pos = 0
+    num_bad = 0
+    cut = False
+    for t in range(offsets.shape[0] - 1):
+        a = offsets[t]
+        room = offsets[t + 1] - a - 1
+        c = counts[t]
+        k = min(c, room)
+        keep[t] = k + 1
+        if k < room:
+            cut = True
+        wrong = c > room
+        for j in range(k):
+            if tokens[a + 1 + j] != flat[pos + j]:
+                wrong = True
+                break
+        bad[t] = wrong
+        if wrong:
+            num_bad += 1
+        pos += c
+    return num_bad, cut
 
 
 @numba.njit(cache=True, nogil=True)

@@ -30,6 +30,7 @@ Example: pending tree tokens ``[r, 5, 9, 7]`` parents ``[-1, 0, 0, 1]`` -> vLLM 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -659,21 +660,14 @@ def _gather(entries: list) -> tuple:
 def _scheduled_prefixes(trees: FlatTrees, counts: np.ndarray, lists: list) -> tuple[FlatTrees, np.ndarray | None]:
     """``(cut, bad)``: each tree cut to its first ``counts[t]`` draft nodes (at most all it has),
     and ``[T]`` bool: tree t has fewer draft nodes than ``counts[t]``, or its first ``counts[t]``
-    draft tokens are not ``lists[t]``; ``bad`` None when every tree is fine (the common case)."""
-    room = trees.sizes() - 1
-    over = counts > room
-    kept = np.minimum(counts, room)
-    cut = trees.prefix(kept + 1)
-    flat = [x for drafts, n in zip(lists, kept.tolist()) for x in list(drafts)[:n]]
-    if not flat:
-        return cut, (over if over.any() else None)
-    differ = cut.tokens[cut.parents >= 0] != np.asarray(flat, np.int64)
-    if not differ.any() and not over.any():
-        return cut, None
-    owner = np.repeat(np.arange(trees.num_trees), cut.sizes() - 1)
-    bad = over.copy()
-    bad[owner[differ]] = True
-    return cut, bad
+    draft tokens are not ``lists[t]``; ``bad`` None when every tree is fine (the common case).
+    One compiled pass (``kernels.plan.scheduled_prefixes``); the trees are gathered only when a
+    tree is cut."""
+    flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64)
+    keep = np.empty(trees.num_trees, np.int64)
+    bad = np.empty(trees.num_trees, bool)
+    num_bad, cut = _kernels.load("plan").scheduled_prefixes(trees.offsets, trees.tokens, counts, flat, keep, bad)
+    return (trees.prefix(keep) if cut else trees), (bad if num_bad else None)
 
 
 def _void(drafts) -> tuple[_Proposal, int]:
