@@ -1,9 +1,11 @@
 """Compiled bookkeeping around the walk (``kernels.load("emit")``), one call each per step:
 ``logits_starts`` finds each tree's logits rows and the trees to walk (and checks vLLM's draft
-counts against the trees); ``emit_rows`` turns the step's accepted paths into what the step emits (each walked tree's output
-row, its nodes on the accepted path, the K/V moves of accepted nodes off the leading chain:
-``integration/vllm/engine/sampler.py``, ``kv_moves.py``); ``count_step`` counts the step's trees
-for the metrics (``integration/vllm/engine/metrics.py``, ``TreeMetrics.record_step``).
+counts against the trees); ``emit_rows`` turns the step's accepted paths into what the step
+emits (each walked tree's output row, its nodes on the accepted path, the K/V moves of accepted
+nodes off the leading chain: ``integration/vllm/engine/sampler.py``, ``kv_moves.py``);
+``count_step`` counts the step's trees for the metrics (``integration/vllm/engine/metrics.py``,
+``TreeMetrics.record_step``); ``harvest_rows`` lists the logits rows the harvest reads
+(``TreeDrafter.observe_step``).
 
 Terms: tree t's accepted path is ``accepted[t, :num_accepted[t]]`` (local node indices, node
 ``n_j`` at depth j + 1, increasing); its *leading chain* is the run of path entries with

@@ -1,11 +1,12 @@
 """Compiled per-step plans of the tree attention (``kernels.load("plan")``), each one call for the
-whole step: ``scheduled_prefixes``, each pending tree cut to the drafts vLLM scheduled, and
-checked against them (``integration/vllm/engine/drafter.py``, ``take_step``); ``step_rows``, where the step's draft nodes sit in the query and at which positions,
-and each tree's leading chain (``integration/vllm/engine/runner.py``, ``_prepare_inputs``);
-``path_rounds``, the CPU path rounds (``integration/vllm/kernels/attention.py``, ``_path_plan``:
-which root-to-leaf paths cover the tree nodes, and every index the rounds of vLLM's causal kernel
-read); ``split_plan``, the CUDA split's node rows, ancestor masks and context lengths
-(``attention/tree_attention.py``, ``TreeAttentionPlan``)."""
+whole step: ``scheduled_prefixes``, each pending tree cut to the drafts vLLM scheduled and
+checked against them (``integration/vllm/engine/drafter.py``, ``take_step``); ``step_rows``,
+where the step's draft nodes sit in the query and at which positions, and each tree's leading
+chain (``integration/vllm/engine/runner.py``, ``_prepare_inputs``); ``path_rounds``, the CPU path
+rounds (``integration/vllm/kernels/attention.py``, ``_path_plan``: which root-to-leaf paths cover
+the tree nodes, and every index the rounds of vLLM's causal kernel read); ``split_plan``, the
+CUDA split's node rows, ancestor masks and context lengths (``attention/tree_attention.py``,
+``TreeAttentionPlan``)."""
 
 from __future__ import annotations
 

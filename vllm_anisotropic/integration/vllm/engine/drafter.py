@@ -501,7 +501,9 @@ class TreeDrafter:
         picked = index = None
         if k:  # every harvested tree's rows (root rows included), tree by tree
             index = np.empty(trees.num_nodes, np.int64)
-            index = index[:_kernels.load("emit").harvest_rows(np.asarray(row_starts, np.int64), trees.offsets, harvest, index)]
+            num_rows = _kernels.load("emit").harvest_rows(np.asarray(row_starts, np.int64), trees.offsets, harvest,
+                                                          index)
+            index = index[:num_rows]
             if logits.device.type == "cpu":
                 # read in place by the deferred top-k: after the sampler nothing writes a step's
                 # logits, and the next step's are a new tensor (a copy cost ~0.37 ms a step at

@@ -234,9 +234,10 @@ class TreeRejectionSampler(nn.Module):
         trees, rows = step.trees, step.rows
         num = trees.num_trees
         temperature = sampling_metadata.temperature
-        if temperature is None and not self.runner.row_edits and not logits.is_cuda and walked.shape[0] == num:
-            # the common CPU step: every tree walked, greedy (vLLM's metadata has no temperatures
-            # when the batch is all greedy), unedited: the walk alone, its arrays as they are
+        if temperature is None and not self.runner.row_edits and not logits.is_cuda and step.void is None:
+            # the common CPU step: every tree greedy (vLLM's metadata has no temperatures when the
+            # batch is all greedy), unedited, this rank's: the walk alone over every tree, its
+            # arrays as they are (a root-only tree walks to no path: one argmax, no gather)
             return walk_flat(trees, logits, starts)
         depth = max(int(trees.depths.max(initial=0)), 1)
         accepted = np.full((num, depth), -1, np.int64)
