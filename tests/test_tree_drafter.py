@@ -316,7 +316,9 @@ def test_scheduled_prefixes_against_their_definition_on_random_batches():
     its definition: each tree cut to ``min(counts, its drafts)`` draft nodes (``FlatTrees.prefix``),
     and a tree is bad when it has fewer drafts than scheduled or its first ones differ; random
     trees, counts under, at and over each tree's drafts, lists that match or differ anywhere."""
-    from tests.random_trees import random_trees
+    from random_trees import random_trees
+
+    from vllm_anisotropic import kernels
 
     rng = np.random.default_rng(31)
     for _ in range(400):
@@ -337,6 +339,12 @@ def test_scheduled_prefixes_against_their_definition_on_random_batches():
         wrong = [counts[t] > room[t] or lists[t][: room[t]] != flat.tree(t).tokens[1: 1 + min(counts[t], room[t])].tolist()
                  for t in range(flat.num_trees)]
         assert (None if not any(wrong) else wrong) == (None if bad is None else bad.tolist())
+        # the kernel's own returns: the number of bad trees, and whether any tree is cut at all
+        # (without a cut the trees are taken as they are)
+        keep, flags = np.empty(flat.num_trees, np.int64), np.empty(flat.num_trees, bool)
+        got = kernels.load("plan").scheduled_prefixes(flat.offsets, flat.tokens, counts,
+                                                      np.asarray([x for d in lists for x in d], np.int64), keep, flags)
+        assert got == (sum(wrong), bool((counts < room).any()))
 
 
 def test_the_drafter_refuses_vllms_chain_propose():
@@ -749,7 +757,7 @@ def test_learn_keys_against_their_definitions_on_random_batches():
     """``kernels.goose.learn_keys`` (GOOSE's ``learn_batch``): each node's key token is its
     parent's token (a root's: the token before it), and each tree's spine nodes and accepted
     spine nodes are counted, against numpy over random trees, sources and paths."""
-    from tests.random_trees import random_paths, random_trees
+    from random_trees import random_paths, random_trees
     from vllm_anisotropic import kernels
 
     rng = np.random.default_rng(21)

@@ -613,7 +613,7 @@ def test_logits_starts_against_vllms_running_sum_on_random_batches():
     trees are those with a draft node, and ``bad`` is the first batch row whose draft count is not
     its tree's (0 without a tree); a count off by one anywhere, a row without a tree holding
     drafts, or a tree at another row is caught."""
-    from tests.random_trees import random_trees
+    from random_trees import random_trees
     from vllm_anisotropic.kernels import load
 
     emit = load("emit")
@@ -642,7 +642,7 @@ def test_logits_starts_against_vllms_running_sum_on_random_batches():
 def test_harvest_rows_against_their_definition():
     """``kernels.emit.harvest_rows``: the kept trees' logits rows, tree by tree (tree t's
     ``num_nodes`` rows from its start), none of the others'."""
-    from tests.random_trees import random_trees
+    from random_trees import random_trees
     from vllm_anisotropic.kernels import load
 
     emit = load("emit")
