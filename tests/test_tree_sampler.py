@@ -656,3 +656,31 @@ def test_harvest_rows_against_their_definition():
         m = emit.harvest_rows(row_starts, trees.offsets, keep, out)
         want = [int(row_starts[t]) + j for t in range(trees.num_trees) if keep[t] for j in range(int(sizes[t]))]
         assert out[:m].tolist() == want
+
+
+def test_a_wrong_draft_count_is_refused_at_any_batch_row():
+    """The draft-count check names the first disagreeing batch row wherever it is: the first
+    row (a tree with fewer drafts scheduled than it has), or a row without a tree that has
+    drafts (expected 0)."""
+    runner = _Runner(_step())
+    with pytest.raises(RuntimeError, match="batch row 0 has 2 drafts but its draft tree 3"):
+        _sampler(runner)(_metadata([[7, 8], [], [4, 5]]), None, _logits()[:7], _sampling())
+    runner = _Runner(_step())
+    with pytest.raises(RuntimeError, match="batch row 1 has 1 drafts but its draft tree 0"):
+        _sampler(runner)(_metadata([[7, 8, 9], [5], [4, 5]]), None, _logits(), _sampling())
+
+
+def test_an_all_greedy_cpu_step_walks_every_tree_in_one_call(monkeypatch):
+    """All greedy, no logits edits, every tree this rank's, CPU logits: the walk alone, once,
+    over every tree of the step (a root-only tree walks to no path; its row keeps vLLM's bonus
+    sample); the same tokens as the general path."""
+    walks = []
+    real = sampler_module.walk_flat
+    monkeypatch.setattr(sampler_module, "walk_flat", lambda trees, *a: walks.append(trees.num_trees) or real(trees, *a))
+    step = _step((TREE_A, DraftTree([11], [-1]), TREE_C), rows=(0, 1, 2), ids=("a", "b", "c"))
+    step.node_rows = np.array([1, 5, 6], np.int64)
+    step.root_positions = np.array([10, 15, 20], np.int64)
+    runner = _Runner(step)
+    out = _sampler(runner)(_metadata(), None, _logits(), _sampling())
+    assert walks == [3]
+    assert out.sampled_token_ids.tolist() == GREEDY_OUT
