@@ -68,6 +68,11 @@ def test_drafts_fit_the_speculative_cap_and_the_model_length():
     ranked = _drafter(num_speculative_tokens=5)
     ranked.propose_trees(["a", "b", "c"], [True] * 3, [[1]] * 3, lengths, tokens)
     assert set(ranked.unlabelled) == {"a", "b"}  # a root-only tree waits for no label
+    # GOOSE's budget within the speculative cap (no cut needed while every request has room):
+    # the request near the model length is still cut to its room, whatever the others have
+    fits = _drafter(allocator="off", num_speculative_tokens=5, budget=6)
+    drafts = fits.propose_trees(["a", "b", "c"], [True] * 3, [[1]] * 3, lengths, tokens)
+    assert [len(x) for x in drafts] == [5, 2, 0]
     assert d.pending["c"][0].trees.tree(d.pending["c"][1]).num_nodes == 1
 
 
