@@ -454,7 +454,7 @@ class TreeDrafter:
             live = np.flatnonzero(~void)
             self._kept(req_ids, [rows[t] for t in live.tolist()], offered[live], counts[live].tolist())
         return StepTrees([req_ids[i] for i in rows], np.asarray(rows, np.int64), trees, prev_roots, modes, chains,
-                         void=void)
+                         void=void if void.any() else None)
 
     def _kept(self, req_ids, rows, offered, counts) -> None:
         """The allocator's cut of each offered tree: the kept marks (the next offer) and the
