@@ -122,6 +122,10 @@ class Proposer(abc.ABC):
     """A configured drafting method; ``new_request()`` makes the per-request state."""
 
     name: ClassVar[str]
+    # the most nodes one of its trees can have, root included, when the proposer guarantees a
+    # bound (the engine's drafter then cuts a proposal to a request's room only when that room
+    # is smaller); None: no guarantee, every proposal is cut
+    max_tree_nodes: int | None = None
 
     @abc.abstractmethod
     def new_request(self, tenant: str | None = None) -> RequestState:

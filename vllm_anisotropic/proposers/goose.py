@@ -387,6 +387,7 @@ class GooseProposer(Proposer):
         self.config = config or GooseConfig()
         self.vocab_size = vocab_size
         c = self.config
+        self.max_tree_nodes = int(c.budget)  # the tree kernel builds at most B nodes
         stores = c.shared_table and c.cross_request_spine and c.context_spine
         # draft_state_bytes: a tenant is its table and its store; both kept or dropped together
         # (the same requests touch them in the same order, so their LRU orders agree)

@@ -47,7 +47,7 @@ from vllm_anisotropic.integration.vllm.engine.faults import inject, report, tp_s
 from vllm_anisotropic.integration.vllm.engine.faults import tp_rank as _tp_rank
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.engine.metrics import MetricsSink, TreeMetrics
-from vllm_anisotropic.proposers import DraftTreeProposer, GooseProposer, get_proposer
+from vllm_anisotropic.proposers import DraftTreeProposer, get_proposer
 from vllm_anisotropic.proposers.adjacency import TopKRows
 from vllm_anisotropic.proposers.base import MODE_CODES, ProposalMode, RequestState
 from vllm_anisotropic.tree import DraftTree, FlatTrees
@@ -116,7 +116,6 @@ class TreeDrafter:
     """Built by the tree runner through vLLM's ``custom_class`` path: ``cls(vllm_config)``."""
 
     tp_size = 1  # the tensor-parallel world size (set in __init__)
-    _tree_cap: int | None = None  # the most nodes a proposal's tree can have (set in __init__)
 
     def __init__(self, vllm_config) -> None:
         spec = vllm_config.speculative_config
@@ -130,10 +129,6 @@ class TreeDrafter:
         if isinstance(self.proposer, DraftTreeProposer):
             use_vllm_cpu_gemm(self.proposer.lm.model)  # q's linears take vLLM's CPU kernels (cpu_gemm.py)
         self.max_draft_tokens: int = int(spec.num_speculative_tokens)
-        # the most nodes a proposal's tree can have where the proposer guarantees it (GOOSE's
-        # kernel builds <= its budget B): while every request has room for B - 1 drafts no cut
-        # is needed; None: always cut to the room
-        self._tree_cap = int(self.proposer.config.budget) if isinstance(self.proposer, GooseProposer) else None
         self.max_model_len: int = int(vllm_config.model_config.max_model_len)
         self.tp_size = tp_size()  # > 1: take_step leaves another rank's drafts void rather than raise
         self.states: dict[str, RequestState] = {}
@@ -281,8 +276,9 @@ class TreeDrafter:
         states = self._states_of(drafting, ids, laws)
         room = np.maximum(np.minimum(self.max_draft_tokens, self.max_model_len - lengths - 1), 0)
         trees, modes, prev_roots = self._propose(states, ids, token_ids_cpu, rows, lengths, room, chains)
-        if self._tree_cap is None or int(room.min()) + 1 < self._tree_cap:
-            trees = trees.prefix(room + 1)  # (GOOSE's trees never exceed its budget: cut only near the end)
+        cap = getattr(self.proposer, "max_tree_nodes", None)  # a proposer's guaranteed bound: cut only near the end
+        if cap is None or int(room.min()) + 1 < cap:
+            trees = trees.prefix(room + 1)
         if trees.draft_probs is not None and self.acceptance is not None:
             # sampled draft-model trees: the allocator's probabilities (and any reordering by
             # them) depend on the tree's shape and the acceptance model alone, never on the

@@ -253,11 +253,11 @@ def warm_up_step_rows() -> None:
     """Compile ``kernels.plan.step_rows`` and ``scheduled_prefixes`` (take_step's cut; or load
     them from numba's disk cache) for the arrays a step passes them, at the worker's start
     rather than in the first tree step: one two-node tree."""
-    one = np.ones(1, np.int64)
-    _kernels.load("plan").scheduled_prefixes(np.array([0, 2], np.int64), one.repeat(2), one, one, np.empty_like(one),
-                                             np.empty(1, bool))
-    _kernels.load("plan").step_rows(np.array([0, 2], np.int64), np.array([-1, 0], np.int64), np.array([0, 1], np.int64),
-                                    one, np.empty_like(one), np.empty((3, 1), np.int64), np.empty_like(one))
+    one, offsets = np.ones(1, np.int64), np.array([0, 2], np.int64)
+    plan = _kernels.load("plan")
+    plan.scheduled_prefixes(offsets, one.repeat(2), one, one, np.empty_like(one), np.empty(1, bool))
+    plan.step_rows(offsets, np.array([-1, 0], np.int64), np.array([0, 1], np.int64), one, np.empty_like(one),
+                   np.empty((3, 1), np.int64), np.empty_like(one))
 
 
 def scatter_tree_positions(positions: torch.Tensor, nodes: np.ndarray) -> None:
