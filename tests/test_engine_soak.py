@@ -282,6 +282,15 @@ def _create_kwargs(model: str, prompt, max_tokens: int, params: dict, stream: bo
     return dict(model=model, prompt=prompt, max_tokens=max_tokens, stream=stream, extra_body=extra, **kw)
 
 
+def _chain(e: BaseException) -> str:
+    """``e`` and its causes: 'Connection error. <- RemoteProtocolError: Server disconnected ...'."""
+    parts, seen = [str(e)], {id(e)}
+    while (e := e.__cause__ or e.__context__) is not None and id(e) not in seen:
+        seen.add(id(e))
+        parts.append(f"{type(e).__name__}: {e}")
+    return " <- ".join(parts)
+
+
 async def _send(client, model: str, req: Req) -> Outcome:
     """One request as its mode says; never raises (except CancelledError, which abort uses)."""
     import openai
@@ -314,8 +323,8 @@ async def _send(client, model: str, req: Req) -> Outcome:
                 await stream.close()
     except openai.APIStatusError as e:
         out.status, out.detail = f"http_{e.status_code}", str(e)[:300]
-    except (openai.APIError, OSError) as e:
-        out.status, out.detail = f"error:{type(e).__name__}", str(e)[:300]
+    except (openai.APIError, OSError) as e:  # the detail names the cause chain (httpx's, the socket's)
+        out.status, out.detail = f"error:{type(e).__name__}", _chain(e)[:300]
     out.e2e = time.perf_counter() - t0
     return out
 
@@ -350,7 +359,11 @@ async def _storm(base: str, prompts: dict[str, list[int]]) -> tuple[list[Outcome
             return None
         return _draw(rng, next(counter), prompts)
 
-    limits = httpx.Limits(max_connections=NUM_CLIENTS * 2, max_keepalive_connections=NUM_CLIENTS)
+    # idle connections expire in the client well before the server's keep-alive (uvicorn's 5 s,
+    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE): with both at 5 s a request can go out on a socket the server
+    # is closing, an APIConnectionError that is no fault of the server (CI, 2026-12-02: one in 192
+    # requests; not reproduced here in 10 storms; a recurrence names its cause chain, _chain)
+    limits = httpx.Limits(max_connections=NUM_CLIENTS * 2, max_keepalive_connections=NUM_CLIENTS, keepalive_expiry=1.0)
     async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", timeout=REQUEST_TIMEOUT, max_retries=0,
                                   http_client=httpx.AsyncClient(limits=limits)) as client:  # fmt: skip
         model = (await client.models.list()).data[0].id
@@ -547,8 +560,9 @@ def test_server_survives_the_storm(storm, plain):
 def test_every_request_accounted_for(storm):
     r = storm["report"]
     assert r["requests_sent"] == (NUM_REQUESTS if SOAK_SECONDS <= 0 else r["requests_sent"]), r
-    assert not r["unexpected_failures"], (r["unexpected_failures"],
-                                          [o.detail for o in storm["outcomes"] if o.status.startswith(("http_", "error:"))][:5])
+    assert not r["unexpected_failures"], (r["unexpected_failures"], [
+        (o.req.index, o.req.kind, o.req.mode, round(o.e2e or 0, 2), o.detail) for o in storm["outcomes"]
+        if o.status.startswith(("http_", "error:")) and o.req.kind not in AS_PLAIN][:5])
     assert r["requests_served"] > 0 and r["outcomes"].get("disconnected") and r["outcomes"].get("aborted"), r
     for o in storm["outcomes"]:
         if o.status == "completed":
