@@ -105,11 +105,17 @@ def _reference_match(tokens, sizes, cap):
 
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 10**6), num=st.integers(1, 5), alphabet=st.integers(2, 6),
-       sizes=st.sampled_from([(3,), (4, 2), (5, 3, 1), (3, 2, 1), (6, 4, 2)]), cap=st.integers(1, 12))
-def test_match_rows_equals_the_definition(seed, num, alphabet, sizes, cap):
-    """``kernels.match.match_rows`` over a 2-D token array read in place (rows permuted, the
-    padding never read) gives, per request, the follow position, n, match length and consensus of the
-    definition."""
+       sizes=st.sampled_from([(3,), (4, 2), (5, 3, 1), (3, 2, 1), (6, 4, 2)]), cap=st.integers(1, 12),
+       budget=st.integers(1, 12), max_cont=st.integers(0, 8), given_budgets=st.booleans(), chains=st.booleans(),
+       context_spine=st.booleans())
+def test_proposal_inputs_equal_their_definitions(seed, num, alphabet, sizes, cap, budget, max_cont, given_budgets,
+                                                 chains, context_spine):
+    """``kernels.goose.proposal_inputs`` over a 2-D token array read in place (rows permuted, the
+    padding never read) gives, per request, the context match's follow position, n, match length
+    and consensus of the definition (zeros with the context spine off), the root and the token
+    before it, the node budget (the proposer's, or the one given when > 0, clamped to [1,
+    budget]), the draft limit (a chain step's, or the budget's) and the count of requests that ask
+    the store."""
     from vllm_anisotropic import kernels
 
     rng = np.random.default_rng(seed)
@@ -121,8 +127,16 @@ def test_match_rows_equals_the_definition(seed, num, alphabet, sizes, cap):
     rows = rng.permutation(num + 1)[:num]
     for r, c in zip(rows, contexts):
         token_ids[r, : len(c)] = c
-    out = np.empty((num, 4), np.int64)
-    kernels.load("match").match_rows(token_ids, rows.astype(np.int64), np.array([len(c) for c in contexts], np.int64),
-                                     np.array(sizes, np.int64), cap, out)
+    given = rng.integers(-2, budget + 4, num) if given_budgets else np.zeros(0, np.int64)
+    drafts = rng.integers(-2, 10, num) if chains else np.zeros(0, np.int64)
+    budgets, limits, roots, prevs, match, asking = kernels.load("goose").proposal_inputs(
+        token_ids, rows.astype(np.int64), np.array([len(c) for c in contexts], np.int64), given, drafts, budget,
+        max_cont, np.array(sizes, np.int64), cap, context_spine)
     for k, c in enumerate(contexts):
-        assert tuple(out[k].tolist()) == _reference_match(c.tolist(), sizes, cap), (k, c.tolist())
+        want = _reference_match(c.tolist(), sizes, cap) if context_spine else (0, 0, 0, 0)
+        assert tuple(match[k].tolist()) == want, (k, c.tolist())
+        assert (roots[k], prevs[k]) == (c[-1], c[-2] if len(c) >= 2 else -1), k
+        b = budget if not given_budgets or given[k] <= 0 else max(1, min(budget, given[k]))
+        assert budgets[k] == b, (k, given)
+        assert limits[k] == (min(max_cont, max(drafts[k], 0)) if chains else min(max_cont, b - 1)), k
+    assert asking == int(((match[:, 1] <= 0) & (limits > 0)).sum())

@@ -35,11 +35,12 @@ def test_load_names_the_valid_modules():
 
 
 def test_the_drafters_warm_up_compiles_for_vllms_token_dtype_and_keeps_nothing():
-    """``TreeDrafter.warm_up`` (the worker's start): the context matcher and the proposals' kernel
-    (``spine_trees``, which reads the spines from the token array) get their machine code for
-    vLLM's int32 token array before any request, the learning's keys (``learn_keys``, checked in
-    a fresh process: numba's signatures are per process) theirs, and the drafter's own state
-    (request states, shared adjacency table, pending trees) is untouched."""
+    """``TreeDrafter.warm_up`` (the worker's start): the proposals' kernels (``proposal_inputs``,
+    the context match among them, and ``spine_trees``, which reads the spines from the token
+    array) get their machine code for vLLM's int32 token array before any request, the
+    learning's keys (``learn_keys``) theirs, each once (checked in a fresh process: numba's
+    signatures are per process), and the drafter's own state (request states, shared adjacency
+    table, pending trees) is untouched."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -56,8 +57,8 @@ def test_the_drafters_warm_up_compiles_for_vllms_token_dtype_and_keeps_nothing()
     table = d.proposer.table
     before = None if table.unigram_ids is None else table.unigram_ids.copy()
     d.warm_up(np.int32)
-    match, goose = kernels.load("match").match_rows, kernels.load("goose").spine_trees
-    assert any("int32" in str(sig[0]) for sig in match.signatures), match.signatures
+    inputs, goose = kernels.load("goose").proposal_inputs, kernels.load("goose").spine_trees
+    assert any("int32" in str(sig[0]) for sig in inputs.signatures), inputs.signatures
     assert any("int32" in str(sig[9]) for sig in goose.signatures), goose.signatures  # arg 9: token_ids
     code = """
 from types import SimpleNamespace
@@ -70,9 +71,10 @@ cfg = SimpleNamespace(speculative_config=SimpleNamespace(method="goose", num_spe
                       additional_config={"vllm_anisotropic": spec.to_additional_config()},
                       model_config=SimpleNamespace(get_vocab_size=lambda: 64, max_model_len=512))
 TreeDrafter(cfg).warm_up(np.int32)
-print(len(kernels.load("goose").learn_keys.signatures))
+goose = kernels.load("goose")
+print(*(len(f.signatures) for f in (goose.proposal_inputs, goose.spine_trees, goose.learn_keys)))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["1"]
+    assert out.stdout.split() == ["1", "1", "1"]
     assert d.states == {} and d.pending == {} and d.proposer.table is table
     assert (before is None and table.unigram_ids is None) or np.array_equal(table.unigram_ids, before)

@@ -11,8 +11,8 @@ allocator's probabilities and order of a step's trees), ``allocate`` (the alloca
 and prefix scans). Callers fetch a module with ``load(name)`` at call time, never at import time.
 
 numba's disk cache (``cache=True``) checks a function's own source file only: a kernel that calls
-one of another module (``goose`` calls ``table``'s, ``walk`` calls ``vocab``'s) keeps its cached
-machine code when only that other module changes. After editing ``table.py`` or ``vocab.py``,
+one of another module (``goose`` calls ``table``'s and ``match``'s, ``walk`` calls ``vocab``'s) keeps its cached
+machine code when only that other module changes. After editing ``table.py``, ``match.py`` or ``vocab.py``,
 delete ``vllm_anisotropic/kernels/__pycache__``
 (``scripts/mutate.py`` drops every cache of its copy before each kernel mutant).
 

@@ -28,8 +28,9 @@ import numba
 import numpy as np
 
 from vllm_anisotropic.kernels import table as tk
+from vllm_anisotropic.kernels.match import match_tokens
 
-__all__ = ["build_trees", "harmonic_widths", "learn_keys", "spine_trees", "TREE", "CHAIN"]
+__all__ = ["build_trees", "harmonic_widths", "learn_keys", "proposal_inputs", "spine_trees", "TREE", "CHAIN"]
 
 TREE, CHAIN = 0, 1  # per-request mode of ``build_trees``: a spine tree, or the spine alone
 _ROOT, _SPINE, _BRANCH = 0, 1, 2  # NodeSource codes (tree.NodeSource)
@@ -276,15 +277,57 @@ def _scratch(cap):
 
 
 @_jit
+def proposal_inputs(token_ids, rows, lengths, given, chain_drafts, budget, max_continuation, sizes, max_match,
+                    context_spine):
+    """``spine_trees``' per-request inputs of a step's R requests, in one call.
+
+    Request r's context is ``token_ids[rows[r], :lengths[r]]``. Returns ``(budgets, limits,
+    roots, prevs, match, asking)``: node budgets (``budget``; ``given[r]`` clamped to [1,
+    budget] where > 0; ``given`` empty: none given), draft limits (``chain_drafts`` non-empty, a
+    chain step: ``min(max_continuation, max(chain_drafts[r], 0))``; else ``min(max_continuation,
+    budgets[r] - 1)``), roots (the last token), prevs (the token before it, -1: none), the
+    context match ``[R, 4]`` (``kernels.match.match_tokens``' ``(f, n, match_length,
+    consensus)``; zeros when ``context_spine`` is off) and how many requests have no match of their own but room to
+    draft (they ask the tenant store).
+
+    Example: budget 8, max_continuation 5, given ``[0, 3]``, no chain step -> budgets ``[8, 3]``,
+    limits ``[5, 2]``."""
+    num = rows.shape[0]
+    budgets = np.empty(num, np.int64)
+    limits = np.empty(num, np.int64)
+    roots = np.empty(num, np.int64)
+    prevs = np.empty(num, np.int64)
+    match = np.zeros((num, 4), np.int64)
+    asking = 0
+    for r in range(num):
+        b = budget
+        if given.shape[0] > 0 and given[r] > 0:
+            b = max(1, min(budget, given[r]))
+        budgets[r] = b
+        if chain_drafts.shape[0] > 0:
+            limits[r] = min(max_continuation, max(chain_drafts[r], 0))
+        else:
+            limits[r] = min(max_continuation, b - 1)
+        n = lengths[r]
+        roots[r] = token_ids[rows[r], n - 1]
+        prevs[r] = token_ids[rows[r], n - 2] if n >= 2 else -1
+        if context_spine:
+            f, ngram, m, c = match_tokens(token_ids[rows[r]], n, sizes, max_match)
+            match[r, 0], match[r, 1], match[r, 2], match[r, 3] = f, ngram, m, 1 if c else 0
+        if match[r, 1] <= 0 and limits[r] > 0:
+            asking += 1
+    return budgets, limits, roots, prevs, match, asking
+
+
+@_jit
 def spine_trees(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters, vocab, use_bigram,
                 token_ids, rows, lengths, roots, prevs, match, store_ngrams, store_lens, store_starts, store_tokens,
-                limits, budgets, p_s, chains, policy, tiers, codes, max_depth, rho, min_score, spine_branches,
-                out_tokens, out_parents, out_sources, out_values, out_depths, out_offsets, out_stats, out_ratios):
+                limits, budgets, p_s, chains, policy, tiers, codes, max_depth, rho, min_score, spine_branches):
     """GOOSE's proposals (Algorithm 2 routing + Algorithm 1) of R requests reading one table:
     spine, route, tree, in one call (``proposers.goose.propose_spine_trees``).
 
     Per request r, context ``token_ids[rows[r], :lengths[r]]``: its spine is its own context
-    match (``match[r]`` = ``kernels.match.match_rows``' ``(f, n, match_length, consensus)``,
+    match (``match[r]``, ``proposal_inputs``' ``(f, n, match_length, consensus)``,
     taken when ``n > 0`` and ``limits[r] > 0``: ``min(limits[r], lengths[r] - f)`` tokens from
     position f), else the tenant store's draft (``store_ngrams[r] > 0``: ``store_lens[r]``
     tokens at ``store_tokens[store_starts[r]:]``), else none. Routing (``chains``: every request
@@ -295,15 +338,23 @@ def spine_trees(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, coun
     ``build_trees``' (parents local, value order), ``out_stats [R, 5]`` int64: proposal mode
     (``codes`` = plain, tree, bypass; plain when the tree is the root alone), spine tokens
     drafted (a chain's size - 1; a tree's spine nodes, at most the spine), n-gram, match length,
-    consensus; ``out_ratios [R]`` the spine ratio (nan for chains). Returns the node total."""
+    consensus; ``out_ratios [R]`` the spine ratio (nan for chains). Returns ``(out_offsets,
+    out_tokens, out_parents, out_sources, out_values, out_depths, out_stats, out_ratios)``, the
+    node arrays cut to the node total."""
     table = (uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters)
     num = rows.shape[0]
     cap = 1
+    total_cap = 0
     for r in range(num):
         cap = max(cap, budgets[r], limits[r] + 1)
+        total_cap += max(budgets[r], limits[r] + 1)
     tok, par, src, val, dep, bdep = _scratch(cap)
+    out_tokens, out_parents, out_sources, out_values, out_depths, _ = _scratch(total_cap)
+    out_offsets = np.empty(num + 1, np.int64)
+    out_stats = np.empty((num, 5), np.int64)
+    out_ratios = np.empty(num, np.float64)
     spine = np.empty(cap, np.int64)
-    build = np.empty(out_tokens.shape[0], np.int64)  # build order: not an output here
+    build = np.empty(total_cap, np.int64)  # build order: not an output here
     pos = 0
     out_offsets[0] = 0
     for r in range(num):
@@ -346,7 +397,8 @@ def spine_trees(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, coun
         out_ratios[r] = np.nan if chains else ratio
         pos += n
         out_offsets[r + 1] = pos
-    return pos
+    return (out_offsets, out_tokens[:pos], out_parents[:pos], out_sources[:pos], out_values[:pos], out_depths[:pos],
+            out_stats, out_ratios)
 
 
 @_jit

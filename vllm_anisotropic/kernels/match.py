@@ -1,13 +1,14 @@
 """Compiled context matching (``kernels.load("match")``): the backward n-gram scan of
 ``proposers.context_match`` (its module docstring has the rule and a worked example), for one
-context or for every request of a step over vLLM's token array in place."""
+context; ``kernels.goose.proposal_inputs`` runs it for every request of a step over vLLM's token
+array in place."""
 
 from __future__ import annotations
 
 import numba
 import numpy as np
 
-__all__ = ["match_tokens", "match_rows"]
+__all__ = ["match_tokens"]
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -52,16 +53,3 @@ def match_tokens(tokens, length, sizes, max_match_length):
     while m < max_match_length and f - 1 - m >= 0 and tokens[f - 1 - m] == tokens[length - 1 - m]:
         m += 1
     return f, n, m, agree >= 2
-
-
-@_jit
-def match_rows(token_ids, rows, lengths, sizes, max_match_length, out):
-    """``match_tokens`` of ``token_ids[rows[r], :lengths[r]]`` for every r (vLLM's
-    ``[max_num_reqs, max_model_len]`` token array read in place); ``out [R, 4]`` int64 gets
-    ``(f, n, match_length, consensus)``."""
-    for r in range(rows.shape[0]):
-        f, n, m, c = match_tokens(token_ids[rows[r]], lengths[r], sizes, max_match_length)
-        out[r, 0] = f
-        out[r, 1] = n
-        out[r, 2] = m
-        out[r, 3] = 1 if c else 0

@@ -34,7 +34,7 @@ From the last follow position down, the scan measures how many tokens before ``f
 context's last tokens (up to the longest n); the first ``f`` where that count reaches ``n`` is
 n's latest occurrence, and the scan stops once the longest n is found (every shorter n is found
 at the same or a later ``f``). O(L) per lookup with no index to keep: ~1 ns a token compiled,
-and nothing to rebuild when a request's context is rolled back. ``kernels.match.match_rows`` runs it
+and nothing to rebuild when a request's context is rolled back. ``kernels.goose.proposal_inputs`` runs it
 for every request of an engine step over vLLM's token array in place (as vLLM's n-gram proposer
 does). Worked example, n = 2::
 

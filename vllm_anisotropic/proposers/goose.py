@@ -193,7 +193,8 @@ def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows,
     call's node budget below the proposer's own (<= 0: the proposer's). ``chain_drafts`` ``[R]``:
     a chain step (each request's spine alone, at most that many tokens) instead of trees.
 
-    Stages: one compiled context match for every request (``kernels.match.match_rows``); the
+    Stages: one compiled call for every request's budget, draft limit, root and context match
+    (``kernels.goose.proposal_inputs``, the match ``kernels.match.match_tokens``'); the
     tenant's cross-request store for requests without a match of their own (``_store_spines``);
     then, per adjacency table (one for every request of a tenant), one compiled call that takes
     each spine, routes (bypass on consensus or a long match, never from the store; the spine
@@ -203,27 +204,18 @@ def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows,
     rows = np.ascontiguousarray(rows, np.int64)
     lengths = np.ascontiguousarray(lengths, np.int64)
     num = rows.shape[0]
-    budgets = np.full(num, cfg.budget, np.int64)
-    if max_nodes is not None:
-        given = np.asarray(max_nodes, np.int64)
-        budgets = np.where(given > 0, np.maximum(1, np.minimum(budgets, given)), budgets)
     chains = chain_drafts is not None
-    if chains:
-        limits = np.minimum(cfg.max_continuation, np.maximum(np.asarray(chain_drafts, np.int64), 0))
-    else:
-        limits = np.minimum(cfg.max_continuation, budgets - 1)
-    roots = token_ids[rows, lengths - 1].astype(np.int64)
-    prevs = np.where(lengths >= 2, token_ids[rows, np.maximum(lengths - 2, 0)], -1).astype(np.int64)
+    sizes, policy, tiers = _config_arrays(cfg)
+    budgets, limits, roots, prevs, match, asking = kernels.load("goose").proposal_inputs(
+        token_ids, rows, lengths, _NONE if max_nodes is None else np.asarray(max_nodes, np.int64),
+        np.asarray(chain_drafts, np.int64) if chains else _NONE, int(cfg.budget), int(cfg.max_continuation), sizes,
+        max(32, int(sizes[0])), bool(cfg.context_spine))
     p_s = np.fromiter((s.spine_acceptance for s in states), np.float64, num)
     for s, prev, length in zip(states, prevs.tolist(), lengths.tolist()):
         s._prev_root = prev
         if s._prompt_len < 0:
             s._prompt_len = length - 1  # the first proposal follows the prefill's token
-    match = np.zeros((num, 4), np.int64)
-    sizes, policy, tiers = _config_arrays(cfg)
-    if cfg.context_spine:
-        kernels.load("match").match_rows(token_ids, rows, lengths, sizes, max(32, max(cfg.ngram_sizes)), match)
-    ngrams, lens, starts, store_tokens = _store_spines(states, token_ids, rows, lengths, limits, match)
+    ngrams, lens, starts, store_tokens = _store_spines(states, token_ids, rows, lengths, limits, match, asking)
     per_request = (rows, lengths, roots, prevs, match, ngrams, lens, starts, limits, budgets, p_s)
     groups: dict[int, list[int]] = {}
     for r, s in enumerate(states):
@@ -245,6 +237,7 @@ def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows,
                       stats[:, 4].astype(bool), ratios)
 
 
+_NONE = np.zeros(0, np.int64)  # proposal_inputs' "none given" (budgets, chain drafts)
 _CONFIG_ARRAYS: dict[int, tuple] = {}  # id(config) -> (config, its kernel arrays): built once per config
 
 
@@ -262,18 +255,17 @@ def _config_arrays(cfg: GooseConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return hit[1:]
 
 
-def _store_spines(states, token_ids, rows, lengths, limits, match) -> tuple:
-    """The tenant store's drafts of the requests without a context match of their own (and room
-    to draft): ``(ngrams [R], lens [R], starts [R], tokens)`` int64, ngrams 0 where the store had
-    none (or the request did not ask)."""
+def _store_spines(states, token_ids, rows, lengths, limits, match, asking: int) -> tuple:
+    """The tenant store's drafts of the ``asking`` requests, those without a context match of
+    their own (and room to draft): ``(ngrams [R], lens [R], starts [R], tokens)`` int64, ngrams
+    0 where the store had none (or the request did not ask)."""
     num = rows.shape[0]
     ngrams, lens, starts = np.zeros(num, np.int64), np.zeros(num, np.int64), np.zeros(num, np.int64)
     drafts = []
-    asking = (match[:, 1] <= 0) & (limits > 0)
-    if asking.any():
+    if asking:
         longest = max(states[0].config.ngram_sizes)
         at = 0
-        for r in np.flatnonzero(asking).tolist():
+        for r in np.flatnonzero((match[:, 1] <= 0) & (limits > 0)).tolist():
             store = states[r].store
             if store is None:
                 continue
@@ -293,20 +285,11 @@ def _spine_trees(table, cfg, token_ids, per_request: tuple, store_tokens, chains
     ``per_request``: rows, lengths, roots, prevs, match, store n-grams, lengths and starts,
     limits, budgets, p_s of the table's requests."""
     rows, lengths, roots, prevs, match, ngrams, lens, starts, limits, budgets, p_s = per_request
-    num = budgets.shape[0]
-    cap = int(np.maximum(budgets, limits + 1).sum())
-    tokens, parents, depths = (np.empty(cap, np.int64) for _ in range(3))
-    sources = np.empty(cap, np.int8)
-    values = np.empty(cap, np.float64)
-    offsets = np.empty(num + 1, np.int64)
-    stats = np.empty((num, 5), np.int64)
-    ratios = np.empty(num, np.float64)
-    total = kernels.load("goose").spine_trees(
+    offsets, tokens, parents, sources, values, depths, stats, ratios = kernels.load("goose").spine_trees(
         *_table_args(table), token_ids, rows, lengths, roots, prevs, match, ngrams, lens, starts, store_tokens,
         limits, budgets, p_s, bool(chains), policy, tiers, _MODE_CODES, int(cfg.max_depth),
-        float(cfg.spine_branch_ratio), float(cfg.min_branch_score), bool(cfg.spine_branches),
-        tokens, parents, sources, values, depths, offsets, stats, ratios)
-    return FlatTrees(offsets, tokens[:total], parents[:total], sources[:total], values[:total], depths[:total]), stats, ratios
+        float(cfg.spine_branch_ratio), float(cfg.min_branch_score), bool(cfg.spine_branches))
+    return FlatTrees(offsets, tokens, parents, sources, values, depths), stats, ratios
 
 
 # ``kernels.goose.spine_trees``' proposal codes: plain, tree, bypass (``base.MODE_CODES``)
