@@ -342,6 +342,21 @@ def test_src_variant_puts_the_source_tree_first_on_the_engine_path(monkeypatch, 
     assert sweep.src_record("goose-auto+src", tmp_path)["src"] == str(tmp_path)
 
 
+def test_src_tree_without_the_installed_plugin_module_is_named_before_any_engine(tmp_path):
+    """An older ``--src`` tree that lacks the module vLLM's entry point names (the plugin moved
+    since) is refused up front, naming the module; this repository's own tree passes."""
+    from importlib.metadata import entry_points
+
+    plugin = [e.value.split(":")[0] for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_anisotropic"]
+    assert plugin == ["vllm_anisotropic.integration.vllm.frontdoor.plugin"]
+    (tmp_path / "vllm_anisotropic").mkdir()
+    (tmp_path / "vllm_anisotropic" / "__init__.py").write_text("")
+    assert plugin[0] in sweep.src_missing_modules(tmp_path)
+    assert sweep.src_missing_modules(Path(sweep.__file__).parents[2]) == []
+    with pytest.raises(SystemExit, match="frontdoor.plugin"):
+        cli_main(["bench", "--methods", "plain,goose-auto+src", "--src", str(tmp_path)])
+
+
 def test_profile_host_counts_decode_steps_by_kind():
     """profile-host's step kinds: plain = steps without a kept draft, chains = chain steps that
     kept some, trees = the rest; the report prints each kind's share."""

@@ -392,6 +392,24 @@ def split_prompts(per_dataset: list[list[str]], sizes: list[int], warmup: int) -
     return cells, pool[start:start + warmup]
 
 
+def src_missing_modules(src: Path) -> list[str]:
+    """The ``vllm_anisotropic`` modules this environment imports at every start that the source
+    tree ``src`` lacks: vLLM's plugin entry point (``vllm.general_plugins``) and the module the
+    setup's ``.pth`` file imports (``scripts/setup.sh``). Both are named by the installed package;
+    an engine importing an older tree that moved them would start without the plugin."""
+    import re
+    import site
+    from importlib.metadata import entry_points
+
+    names = [e.value.split(":")[0] for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_anisotropic"]
+    for folder in site.getsitepackages():
+        pth = Path(folder, "vllm_anisotropic_dist_alias.pth")
+        if pth.is_file():
+            names += re.findall(r'__import__\("(vllm_anisotropic[\w.]*)"', pth.read_text())
+    return [n for n in names if not (Path(src, *n.split(".")).with_suffix(".py").is_file()
+                                     or Path(src, *n.split("."), "__init__.py").is_file())]
+
+
 def src_record(method: str, src: Path | None) -> dict[str, str]:
     """What a ``+src`` method's records say about the source tree it ran (its path and commit)."""
     if SRC not in modifiers(method) or src is None:
@@ -627,6 +645,11 @@ def run(args: argparse.Namespace) -> int:
                          f"(each also as NAME{IOMP}, NAME{SYNC}, NAME{RECOMPUTE}, NAME{ROWSGEMM} and NAME{SRC})")
     if args.src is not None and not Path(args.src, "vllm_anisotropic", "__init__.py").is_file():
         raise SystemExit(f"--src {args.src}: no vllm_anisotropic/__init__.py there")
+    if args.src is not None and any(SRC in modifiers(m) for m in methods) and (missing := src_missing_modules(args.src)):
+        raise SystemExit(f"--src {args.src} lacks {', '.join(missing)}, which this environment imports at every start "
+                         "(vLLM's plugin entry point, the setup's .pth file): its engines would start without the plugin. "
+                         "Add a module of that name there that imports the tree's own (e.g. "
+                         "`from vllm_anisotropic.integration.vllm.plugin import register`)")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     if args.temperature < 0:
