@@ -1,10 +1,12 @@
 """The tables of docs/measurements/cpu/allocator_measurements.md, "The batched host path": python docs/measurements/cpu/host_ab_table_2026_11_28.py
-(the records' date suffix as the argument: 2026_11_28 by default, 2026_11_28b for host_ab_2026_11_28b.sh, 2026_11_29 for host_ab_2026_11_29.sh)"""
-import json, statistics as st, sys
+(the records' date suffix as the argument: 2026_11_28 by default, 2026_11_28b for host_ab_2026_11_28b.sh, 2026_11_29 for host_ab_2026_11_29.sh;
+a run of one tree has its "after" file alone: 2026_12_02e, host_final_2026_12_02.sh)"""
+import json, os, statistics as st, sys
 run = sys.argv[1] if len(sys.argv) > 1 else "2026_11_28"
 rows={}
 for tag in ["after","before"]:
-    for l in open(f"docs/measurements/cpu/host_ab_{tag}_{run}.jsonl"):
+    path = f"docs/measurements/cpu/host_ab_{tag}_{run}.jsonl"
+    for l in (open(path) if os.path.exists(path) else []):
         r=json.loads(l)
         rows.setdefault((r["method"],tag,r["max_num_seqs"]),[]).append(r)
 print("| method | tree | requests | runs | tokens/s | wall ms/step | forward ms/step | outside forward ms/step | plugin host ms/step | without the vocabulary pass | decode steps trees / chains / plain |")
