@@ -397,7 +397,6 @@ def src_missing_modules(src: Path) -> list[str]:
     tree ``src`` lacks: vLLM's plugin entry point (``vllm.general_plugins``) and the module the
     setup's ``.pth`` file imports (``scripts/setup.sh``). Both are named by the installed package;
     an engine importing an older tree that moved them would start without the plugin."""
-    import re
     import site
     from importlib.metadata import entry_points
 

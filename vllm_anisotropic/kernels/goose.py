@@ -349,12 +349,12 @@ def spine_trees(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, coun
         cap = max(cap, budgets[r], limits[r] + 1)
         total_cap += max(budgets[r], limits[r] + 1)
     tok, par, src, val, dep, bdep = _scratch(cap)
-    out_tokens, out_parents, out_sources, out_values, out_depths, _ = _scratch(total_cap)
+    # the sixth array holds each node's build order, not an output here
+    out_tokens, out_parents, out_sources, out_values, out_depths, build = _scratch(total_cap)
     out_offsets = np.empty(num + 1, np.int64)
     out_stats = np.empty((num, 5), np.int64)
     out_ratios = np.empty(num, np.float64)
     spine = np.empty(cap, np.int64)
-    build = np.empty(total_cap, np.int64)  # build order: not an output here
     pos = 0
     out_offsets[0] = 0
     for r in range(num):
