@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_anisotropic.bench import sweep
+from vllm_anisotropic.bench import sweep, sweep_engine
 from vllm_anisotropic.cli import main as cli_main
 
 
@@ -45,7 +45,7 @@ class _Engine:
 def test_closed_loop_keeps_the_concurrency_and_the_prompt_order(concurrency):
     engine = _Engine()
     prompts = ["a" * (7 - i % 5) for i in range(10)]
-    outputs, seconds = sweep.closed_loop(engine, prompts, None, concurrency, "t")
+    outputs, seconds = sweep_engine.closed_loop(engine, prompts, None, concurrency, "t")
     assert engine.max_live == min(concurrency, len(prompts))  # never more, and filled up to c
     assert outputs == [[i, i] for i in range(10)]  # outputs[i] belongs to prompt i
     assert len(engine.added) == 10 and seconds >= 0
@@ -90,6 +90,37 @@ def test_summary_takes_medians_and_compares_with_plain_at_the_same_concurrency()
     assert "suffix: not run: no arctic_inference" in table
     # methods listed in registry order, plain first
     assert table.splitlines()[2].startswith("| plain | 1 |")
+
+
+def test_cells_record_the_gates_decode_steps_from_the_allocators_stats_file(tmp_path, monkeypatch):
+    """The engine process reads the allocator's counters from ``<stats>.budget`` (the name the
+    plugin gives it), splits a cell's decode steps by the gate's decision (tree = the rest of
+    plain and chain steps), and the table sums them over the repeats in a last column."""
+    from vllm_anisotropic.integration.vllm.engine import metrics
+
+    assert sweep_engine.STATS_ENV == metrics.STATS_ENV
+    stats = tmp_path / "tree_stats.json"
+    monkeypatch.setenv(metrics.STATS_ENV, str(stats))
+    assert metrics.budget_stats_path() == f"{stats}.budget"
+    assert sweep_engine.budget_counters() == {}  # no allocator: no file
+    fields = {"steps": 40, "steps_without_drafts": 15, "gate_plain_steps": 12, "chain_steps": 5, "chain_drafts": 9,
+              "tree_rows": 70, "cost_samples": 3}
+    Path(metrics.budget_stats_path()).write_text(json.dumps(fields))
+    got = sweep_engine.budget_counters()
+    assert got == {k: v for k, v in fields.items() if k in sweep_engine.BUDGET_FIELDS}
+    assert sweep_engine.step_kinds(got) == {"trees": 23, "chains": 5, "plain": 12}
+    assert sweep_engine.step_kinds({"steps": 0, "gate_plain_steps": 0, "chain_steps": 0}) == {}
+    records = [_rec("plain", 8, 0, 40.0), _rec("plain", 8, 1, 40.0),
+               {**_rec("goose-auto", 8, 0, 44.0), "decode_steps": {"trees": 23, "chains": 5, "plain": 12}},
+               {**_rec("goose-auto", 8, 1, 44.0), "decode_steps": {"trees": 7, "chains": 15, "plain": 38}}]
+    rows = {(r["method"], r["concurrency"]): r for r in sweep.summarize(records)}
+    assert rows[("goose-auto", 8)]["decode_steps"] == {"trees": 30, "chains": 20, "plain": 50}
+    assert rows[("plain", 8)]["decode_steps"] is None
+    table = sweep.format_table(sweep.summarize(records)).splitlines()
+    assert table[0].endswith("| decode steps tree / chain / plain |")
+    assert table[2].startswith("| plain | 8 |") and table[2].endswith("| — |")
+    assert table[3].endswith("| 30 / 20 / 50 % of 100 |")
+    assert "decode steps" not in sweep.format_table(sweep.summarize(records[:2]))  # no allocator: no column
 
 
 def test_speedup_pairs_each_repeat_with_plains_same_repeat():
@@ -211,15 +242,22 @@ def test_registry_is_what_the_issue_asks_for():
 @pytest.mark.engine
 def test_bench_runs_in_real_vllm_and_goose_outputs_equal_plain(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
+    repo = Path(sweep.__file__).parents[2]
     rc = cli_main(["bench", "--model", str(tiny_model_dir), "--dataset", "humaneval", "--num-prompts", "3",
-                   "--max-tokens", "24", "--methods", "plain,goose-b8", "--concurrency", "1,3",
-                   "--repeats", "1", "--dtype", "float32", "--out", str(out)])
+                   "--max-tokens", "24", "--methods", "plain,goose-b8,goose-auto+src", "--src", str(repo),
+                   "--concurrency", "1,3", "--repeats", "1", "--dtype", "float32", "--out", str(out)])
     assert rc == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["method"], r["concurrency"]) for r in records] == [
-        (m, c) for m in ("plain", "goose-b8") for c in (1, 3)]  # (goose-auto: test_engine_allocator.py)
+        (m, c) for m in ("plain", "goose-b8", "goose-auto+src") for c in (1, 3)]
     assert all(r["output_tokens"] > 0 and r["tokens_per_s"] > 0 for r in records)
     assert all(r["draft_tokens"] > 0 for r in records if r["method"] == "goose-b8")  # it did speculate
+    # the allocator's engine (+src: started through the harness run by path) records its decode
+    # steps by the gate's decision, one per step it counted; the others record none
+    auto = [r for r in records if r["method"] == "goose-auto+src"]
+    assert all(r["src"] == str(repo) and r["budget"]["steps"] > 0 for r in auto)
+    assert all(sum(r["decode_steps"].values()) == r["budget"]["steps"] for r in auto)
+    assert all("decode_steps" not in r for r in records if r["method"] != "goose-auto+src")
     plain = {r["concurrency"]: r["output_sha1"] for r in records if r["method"] == "plain"}
     for r in records:  # float32: every method, every concurrency, token-identical to plain
         assert r["output_sha1"] == plain[r["concurrency"]], r["method"]

@@ -27,6 +27,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllm_anisotropic.bench.sweep_engine import counters as _counters
+
 # ``run_offline_job(job, env=IN_PROCESS)``: vLLM's engine core in the job's own process instead
 # of a child process, and with one rank its worker too (vLLM's in-process executor; with
 # ``distributed_executor_backend="mp"`` or tensor parallelism the workers stay processes of their
@@ -189,15 +191,6 @@ def _spec_stats(llm, num_output_tokens: int, before: SpecStats | None = None) ->
         num_accepted_tokens=int(counters.get("num_accepted_tokens", 0)) - before.num_accepted_tokens,
         num_output_tokens=num_output_tokens,
     )
-
-
-def _counters(llm, kind: str = "Counter") -> dict[str, float]:
-    """vLLM's counters (or another ``kind`` of metric) of the run, summed over label sets."""
-    out: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if type(metric).__name__ == kind:
-            out[metric.name] = out.get(metric.name, 0.0) + float(metric.value)
-    return out
 
 
 def _json_params(over: dict[str, Any]) -> dict[str, Any]:

@@ -12,10 +12,13 @@ proposers still learn from the earlier cells' different prompts, as on a warm se
 
 Every cell appends one JSONL record (method,
 its ``speculative_config``, concurrency, repeat, output tokens, seconds, tokens/s, vLLM's
-speculative counters for the cell, a hash of each output, the environment). At the end the
-command prints a table (median tokens/s and min..max over repeats, speedup over plain at the
-same concurrency, tau, outputs identical to plain) and draws a PNG plot (tokens/s and speedup
-vs concurrency, one line per method, plain included).
+speculative counters for the cell, a hash of each output, the environment; with the budget
+allocator, its counters and the decode steps the measured gate made tree, chain or plain
+steps). At the end the command prints a table (median tokens/s and min..max over repeats,
+speedup over plain at the same concurrency, tau, outputs identical to plain, the step kinds)
+and draws a PNG plot (tokens/s and speedup vs concurrency, one line per method, plain
+included). The engine process runs ``sweep_engine.py`` by its path: the harness is this tree's
+for every method, ``+src`` ones included.
 
 Methods (``--methods``; default: all that can run here):
 
@@ -85,7 +88,6 @@ Each engine start is a fresh server: proposers and the allocator's gate warm up 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import itertools
 import json
@@ -102,11 +104,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from vllm_anisotropic.data import SPLITS, split_of
 
 from vllm_anisotropic.bench.machine import cpu_model
+from vllm_anisotropic.bench import sweep_engine
+from vllm_anisotropic.bench.sweep_engine import RUN_BY_PATH, SweepJob
 
 logger = logging.getLogger(__name__)
 
@@ -258,100 +260,6 @@ def method_env(method: str, src: Path | None = None) -> dict[str, str]:
     return {"PYTHONPATH": path, "VLLM_PLUGINS": "vllm_anisotropic"}
 
 
-class SweepJob(BaseModel):
-    """What one engine process runs: every (repeat, concurrency) cell of one method."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    method: str
-    speculative_config: dict[str, Any] | None
-    cell_prompts: list[list[str]]
-    """Prompts of each cell, in cell order (repeat-major, then concurrency)."""
-    warmup_prompts: list[str]
-    max_tokens: int = Field(ge=1)
-    concurrency: list[int]
-    repeats: list[int] = Field(min_length=1)
-    """Repeat indices this engine runs (all of them, or one with ``--order interleaved``)."""
-    temperature: float = Field(default=0.0, ge=0.0)
-    """Sampling temperature of the cells (0: greedy); sampled requests are seeded by their index."""
-    llm_kwargs: dict[str, Any] = Field(default_factory=dict)
-    record_base: dict[str, Any] = Field(default_factory=dict)
-    """Copied into every record (model name, datasets, dtype, environment)."""
-
-
-def _spec_counters(llm) -> dict[str, int]:
-    """vLLM's ``vllm:spec_decode_*`` counters so far (missing ones read 0)."""
-    from vllm_anisotropic.bench.offline import _counters
-
-    out: dict[str, int] = defaultdict(int)
-    for name, value in _counters(llm).items():
-        if name.startswith("vllm:spec_decode_"):
-            out[name.removeprefix("vllm:spec_decode_")] = int(value)
-    return out
-
-
-def closed_loop(engine, prompts: list[str], params, concurrency: int, tag: str) -> tuple[list[list[int]], float]:
-    """Generate every prompt with at most ``concurrency`` requests in flight; (outputs, seconds).
-    Sampled ``params`` get a seed per prompt (its index), the same for every method."""
-    outputs: list[list[int] | None] = [None] * len(prompts)
-    next_prompt, in_flight = 0, 0
-    started = time.perf_counter()
-    while next_prompt < len(prompts) or in_flight:
-        while next_prompt < len(prompts) and in_flight < concurrency:
-            own = params
-            if params is not None and params.temperature > 0:
-                own = params.clone()
-                own.seed = next_prompt
-            engine.add_request(f"{tag}-{next_prompt}", prompts[next_prompt], own)
-            next_prompt += 1
-            in_flight += 1
-        for out in engine.step():
-            if out.finished:
-                outputs[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
-                in_flight -= 1
-    return outputs, time.perf_counter() - started
-
-
-def run_job(job: SweepJob, out_file: Path) -> None:
-    """Start vLLM once for ``job.method`` and append one record per cell to ``out_file``."""
-    from vllm import LLM, SamplingParams
-
-    from vllm_anisotropic.bench.offline import CPU_LLM_DEFAULTS
-
-    started = time.perf_counter()
-    llm = LLM(model=job.model, speculative_config=job.speculative_config, disable_log_stats=False,
-              max_num_seqs=max(job.concurrency), **{**CPU_LLM_DEFAULTS, **job.llm_kwargs})
-    startup = time.perf_counter() - started
-    engine = llm.llm_engine
-    params = SamplingParams(max_tokens=job.max_tokens, temperature=job.temperature)
-    # warm-up on prompts of its own: short requests at the largest concurrency (first steps)
-    closed_loop(engine, job.warmup_prompts, SamplingParams(max_tokens=16, temperature=0.0), max(job.concurrency), "warm")
-    cells = cell_order(job.repeats, job.concurrency)
-    if len(job.cell_prompts) != len(cells):
-        raise ValueError(f"{len(cells)} cells but {len(job.cell_prompts)} prompt sets")
-    for i, ((repeat, conc), prompts) in enumerate(zip(cells, job.cell_prompts)):
-        before = _spec_counters(llm)
-        outputs, seconds = closed_loop(engine, prompts, params, conc, f"r{repeat}c{conc}")
-        after = _spec_counters(llm)
-        tokens = sum(len(o) for o in outputs)
-        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-        record = {
-            **job.record_base, "method": job.method, "speculative_config": job.speculative_config,
-            "concurrency": conc, "repeat": repeat, "temperature": job.temperature, "num_prompts": len(prompts), "max_tokens": job.max_tokens,
-            "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "tau": tokens / (tokens - accepted) if tokens > accepted else 1.0,
-            "num_drafts": after["num_drafts"] - before["num_drafts"],
-            "draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
-            "accepted_tokens": accepted, "startup_seconds": startup,
-            "output_sha1": [hashlib.sha1(json.dumps(o).encode()).hexdigest()[:12] for o in outputs],
-        }
-        with open(out_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-        print(f"[{job.method} {i + 1}/{len(cells)}] concurrency {conc} repeat {repeat}: {tokens} tokens in "
-              f"{seconds:.2f} s = {tokens / seconds:.1f} tokens/s, tau {record['tau']:.2f}", file=sys.stderr, flush=True)
-
-
 def cell_order(repeats: Iterable[int], concurrency: list[int]) -> list[tuple[int, int]]:
     """(repeat, concurrency) of every cell of these repeat indices, in the order they run."""
     return [(r, c) for r in repeats for c in concurrency]
@@ -470,7 +378,10 @@ def summarize(records: list[dict]) -> list[dict]:
         row = {"method": method, "concurrency": conc, "repeats": len(rs), "median": statistics.median(tps),
                "min": min(tps), "max": max(tps), "tau": statistics.median(r["tau"] for r in rs),
                "speedup": None, "speedup_min": None, "speedup_max": None, "speedup_low": None, "speedup_high": None,
-               "identical": None}
+               "identical": None, "decode_steps": None}
+        kinds = [r["decode_steps"] for r in rs if r.get("decode_steps")]
+        if kinds:  # the measured gate's decisions, summed over the repeats
+            row["decode_steps"] = {k: sum(d.get(k, 0) for d in kinds) for k in ("trees", "chains", "plain")}
         if conc in plain:
             by_repeat = {r.get("repeat"): r["tokens_per_s"] for r in plain[conc]}
             if all(r.get("repeat") in by_repeat for r in rs):
@@ -492,13 +403,25 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
+def format_steps(kinds: dict[str, int] | None) -> str:
+    """``trees / chains / plain`` shares of the decode steps, in percent ("—" without them)."""
+    total = sum(kinds.values()) if kinds else 0
+    if not total:
+        return "—"
+    return " / ".join(f"{100 * kinds[k] / total:.0f}" for k in ("trees", "chains", "plain")) + f" % of {total}"
+
+
 def format_table(rows: list[dict]) -> str:
     """The markdown table: speedup as ``**1.10x** [low, high] (min..max)``, ``~`` after an
-    interval that contains 1.00x (no difference from plain shown by these repeats)."""
+    interval that contains 1.00x (no difference from plain shown by these repeats); with an
+    allocator's method among the rows, a last column of its decode steps by the measured gate's
+    decision (tree / chain / plain steps, over the repeats)."""
     from vllm_anisotropic.bench.stats import format_interval
 
-    lines = ["| method | concurrency | tokens/s median (min..max) | speedup vs plain [95% CI] (min..max) | tau | identical to plain |",
-             "|---|---:|---:|---:|---:|---:|"]
+    steps = any(r.get("decode_steps") for r in rows)
+    lines = ["| method | concurrency | tokens/s median (min..max) | speedup vs plain [95% CI] (min..max) | tau | identical to plain |"
+             + (" decode steps tree / chain / plain |" if steps else ""),
+             "|---|---:|---:|---:|---:|---:|" + ("---:|" if steps else "")]
     notes = []
     for r in rows:
         if r.get("skipped"):
@@ -512,7 +435,7 @@ def format_table(rows: list[dict]) -> str:
             sp = f"**{r['speedup']:.2f}x**{ci} ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})"
         ident = "—" if r["identical"] is None else f"{r['identical'][0]}/{r['identical'][1]}"
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['median']:.1f} ({r['min']:.1f}..{r['max']:.1f}) | "
-                     f"{sp} | {r['tau']:.2f} | {ident} |")
+                     f"{sp} | {r['tau']:.2f} | {ident} |" + (f" {format_steps(r.get('decode_steps'))} |" if steps else ""))
     if any(r.get("speedup_low") is not None for r in rows if not r.get("skipped")):
         notes.append("speedup: geometric mean of per-repeat ratios to plain's same repeat, 95 % t-interval; "
                      "~ marks an interval containing 1.00x")
@@ -654,6 +577,7 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature < 0:
         raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
     from vllm_anisotropic.bench.demo import _resolve_model, build_prompts
+    from vllm_anisotropic.bench.offline import CPU_LLM_DEFAULTS
 
     model_dir = _resolve_model(args.model)
     draft_dir = str(_resolve_model(args.draft)) if args.draft else None
@@ -689,20 +613,21 @@ def run(args: argparse.Namespace) -> int:
             runnable.append(method)
     for method, repeats in job_plan(runnable, args.repeats, args.order):
         logger.info("%s: starting vLLM (repeat %s)", method, ",".join(map(str, repeats)))
-        prompts = [p for (r, _), p in zip(cells, cell_prompts) if r in repeats]
+        mine = [(cell, p) for cell, p in zip(cells, cell_prompts) if cell[0] in repeats]
         with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-bench-") as tmp:
             extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
             job = SweepJob(model=str(model_dir), method=method,
                            speculative_config=resolve_config(method, Path(tmp), draft_dir, args.dtype),
-                           cell_prompts=prompts, warmup_prompts=warmup,
-                           max_tokens=args.max_tokens, concurrency=args.concurrency, repeats=repeats,
-                           temperature=args.temperature, llm_kwargs={"dtype": args.dtype, **extra, **method_llm_kwargs(method)},
+                           cells=[c for c, _ in mine], cell_prompts=[p for _, p in mine], warmup_prompts=warmup,
+                           max_tokens=args.max_tokens, concurrency=args.concurrency,
+                           temperature=args.temperature,
+                           llm_kwargs={**CPU_LLM_DEFAULTS, "dtype": args.dtype, **extra, **method_llm_kwargs(method)},
                            record_base={**base, "order": args.order, **src_record(method, args.src)})
             job_file = Path(tmp, "job.json")
             job_file.write_text(job.model_dump_json())
             env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                    **method_env(method, args.src)}
-            proc = subprocess.run([sys.executable, "-m", __name__, str(job_file), str(args.out)], env=env)
+            proc = subprocess.run([sys.executable, "-c", RUN_BY_PATH, sweep_engine.__file__, str(job_file), str(args.out)], env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{method}: the engine process exited with {proc.returncode}")
     records = read_records([args.out])[first_line:]
@@ -710,13 +635,3 @@ def run(args: argparse.Namespace) -> int:
     print(report(records, plot_path))
     print(f"records: {args.out}  plot: {plot_path}")
     return 0
-
-
-def main(argv: list[str]) -> int:
-    job_file, out_file = argv
-    run_job(SweepJob.model_validate_json(Path(job_file).read_text()), Path(out_file))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

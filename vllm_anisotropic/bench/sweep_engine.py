@@ -1,0 +1,172 @@
+"""The engine process of ``vllm-anisotropic bench``: one method's vLLM engine runs every cell of
+its job (``SweepJob``) and appends one record per cell.
+
+``sweep.py`` starts it by file path (``python -c <runpy> this_file job.json out.jsonl``), so the
+harness is always this tree's while a ``NAME+src`` engine imports ``vllm_anisotropic`` from the
+tree under test: the module needs nothing of the package (standard library, pydantic and vLLM
+only), and an older tree, whose bench lacks what this one records, is measured the same way.
+
+Per cell, besides tokens and seconds: vLLM's ``vllm:spec_decode_*`` counters, and, for an engine
+with the budget allocator, its decode-step counts from the scheduler's stats file
+(``<VLLM_ANISOTROPIC_TREE_STATS>.budget``, written when the batch drains, so exact at a cell's
+end): how many steps the measured gate made tree steps, chain steps or plain steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# = integration.vllm.engine.metrics.STATS_ENV (tests/test_bench.py checks); the allocator's
+# file is that path + ".budget" (metrics.budget_stats_path)
+STATS_ENV = "VLLM_ANISOTROPIC_TREE_STATS"
+# the allocator's integer counters recorded per cell (BudgetMetrics fields, also in older trees)
+BUDGET_FIELDS = ("steps", "steps_without_drafts", "gate_plain_steps", "chain_steps", "chain_drafts", "tree_rows")
+
+
+class SweepJob(BaseModel):
+    """What one engine process runs: every (repeat, concurrency) cell of one method."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    method: str
+    speculative_config: dict[str, Any] | None
+    cell_prompts: list[list[str]]
+    """Prompts of each cell, in cell order (repeat-major, then concurrency)."""
+    cells: list[tuple[int, int]]
+    """(repeat, concurrency) of each cell, in order."""
+    warmup_prompts: list[str]
+    max_tokens: int = Field(ge=1)
+    concurrency: list[int]
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Sampling temperature of the cells (0: greedy); sampled requests are seeded by their index."""
+    llm_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """``LLM`` keyword arguments (the CPU defaults already merged in by the caller)."""
+    record_base: dict[str, Any] = Field(default_factory=dict)
+    """Copied into every record (model name, datasets, dtype, environment)."""
+
+
+def counters(llm, kind: str = "Counter") -> dict[str, float]:
+    """vLLM's counters (or another ``kind`` of metric) of the run, summed over label sets."""
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if type(metric).__name__ == kind:
+            out[metric.name] = out.get(metric.name, 0.0) + float(metric.value)
+    return out
+
+
+def spec_counters(llm) -> dict[str, int]:
+    """vLLM's ``vllm:spec_decode_*`` counters so far (missing ones read 0)."""
+    out: dict[str, int] = defaultdict(int)
+    for name, value in counters(llm).items():
+        if name.startswith("vllm:spec_decode_"):
+            out[name.removeprefix("vllm:spec_decode_")] = int(value)
+    return out
+
+
+def budget_counters() -> dict[str, int]:
+    """The allocator's counters so far (``BUDGET_FIELDS``), from its stats file; {} without one
+    (no tree method, or the allocator off)."""
+    path = os.environ.get(STATS_ENV)
+    try:
+        with open(f"{path}.budget", encoding="utf-8") as f:
+            data = json.load(f)
+    except (TypeError, OSError, ValueError):
+        return {}
+    return {k: int(data.get(k, 0)) for k in BUDGET_FIELDS}
+
+
+def step_kinds(budget: dict[str, int]) -> dict[str, int]:
+    """Decode steps by the measured gate's decision: ``plain`` (the gate kept drafting off),
+    ``chains`` (chain steps), ``trees`` (the rest: the allocator cut a drafted tree, to nothing
+    at times); {} without the allocator's counters."""
+    if not budget.get("steps"):
+        return {}
+    plain, chains = budget["gate_plain_steps"], budget["chain_steps"]
+    return {"trees": budget["steps"] - plain - chains, "chains": chains, "plain": plain}
+
+
+def closed_loop(engine, prompts: list[str], params, concurrency: int, tag: str) -> tuple[list[list[int]], float]:
+    """Generate every prompt with at most ``concurrency`` requests in flight; (outputs, seconds).
+    Sampled ``params`` get a seed per prompt (its index), the same for every method."""
+    outputs: list[list[int] | None] = [None] * len(prompts)
+    next_prompt, in_flight = 0, 0
+    started = time.perf_counter()
+    while next_prompt < len(prompts) or in_flight:
+        while next_prompt < len(prompts) and in_flight < concurrency:
+            own = params
+            if params is not None and params.temperature > 0:
+                own = params.clone()
+                own.seed = next_prompt
+            engine.add_request(f"{tag}-{next_prompt}", prompts[next_prompt], own)
+            next_prompt += 1
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                outputs[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
+                in_flight -= 1
+    return outputs, time.perf_counter() - started
+
+
+def run_job(job: SweepJob, out_file: Path) -> None:
+    """Start vLLM once for ``job.method`` and append one record per cell to ``out_file``."""
+    from vllm import LLM, SamplingParams
+
+    if len(job.cell_prompts) != len(job.cells):
+        raise ValueError(f"{len(job.cells)} cells but {len(job.cell_prompts)} prompt sets")
+    started = time.perf_counter()
+    llm = LLM(model=job.model, speculative_config=job.speculative_config, disable_log_stats=False,
+              max_num_seqs=max(job.concurrency), **job.llm_kwargs)
+    startup = time.perf_counter() - started
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=job.max_tokens, temperature=job.temperature)
+    # warm-up on prompts of its own: short requests at the largest concurrency (first steps)
+    closed_loop(engine, job.warmup_prompts, SamplingParams(max_tokens=16, temperature=0.0), max(job.concurrency), "warm")
+    for i, ((repeat, conc), prompts) in enumerate(zip(job.cells, job.cell_prompts)):
+        before, budget_before = spec_counters(llm), budget_counters()
+        outputs, seconds = closed_loop(engine, prompts, params, conc, f"r{repeat}c{conc}")
+        after, budget_after = spec_counters(llm), budget_counters()
+        tokens = sum(len(o) for o in outputs)
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        budget = {k: v - budget_before.get(k, 0) for k, v in budget_after.items()}
+        record = {
+            **job.record_base, "method": job.method, "speculative_config": job.speculative_config,
+            "concurrency": conc, "repeat": repeat, "temperature": job.temperature, "num_prompts": len(prompts), "max_tokens": job.max_tokens,
+            "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "tau": tokens / (tokens - accepted) if tokens > accepted else 1.0,
+            "num_drafts": after["num_drafts"] - before["num_drafts"],
+            "draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
+            "accepted_tokens": accepted, "startup_seconds": startup,
+            "output_sha1": [hashlib.sha1(json.dumps(o).encode()).hexdigest()[:12] for o in outputs],
+            **({"budget": budget, "decode_steps": step_kinds(budget)} if budget.get("steps") else {}),
+        }
+        with open(out_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        kinds = record.get("decode_steps")
+        print(f"[{job.method} {i + 1}/{len(job.cells)}] concurrency {conc} repeat {repeat}: {tokens} tokens in "
+              f"{seconds:.2f} s = {tokens / seconds:.1f} tokens/s, tau {record['tau']:.2f}"
+              + (f", decode steps {kinds}" if kinds else ""), file=sys.stderr, flush=True)
+
+
+# started by path: ``python -c RUN_BY_PATH <this file> job.json out.jsonl`` (sys.path[0] is the
+# working directory, as with ``-m``, not this file's folder)
+RUN_BY_PATH = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+def main(argv: list[str]) -> int:
+    job_file, out_file = argv
+    run_job(SweepJob.model_validate_json(Path(job_file).read_text()), Path(out_file))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
