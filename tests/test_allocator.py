@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import time
@@ -790,3 +791,48 @@ def test_compiled_scan_equals_the_cost_models_own_predict(rows, cost, data):
     for r, q, t, c, d in [(1, 1, 0, 0.0, 0), (b + 2, 40, 7, 900.0, 2), (64, 5000, 300, 1e5, 64)]:
         assert step(float(r), float(q), float(t), c, float(d), *cost.kernel_params()) == pytest.approx(
             float(cost.predict(r, q, t, c, d)), rel=1e-12)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(st.sampled_from([0.0, 0.05, 0.2, 0.2, 0.5, 0.5, 0.9, 1.0]), min_size=0, max_size=7),
+                min_size=2, max_size=7),
+       cost_models(spec_terms=True), st.booleans(), st.data())
+def test_compiled_batch_equals_its_numpy_definition(rows, cost, monotone, data):
+    """``kernels.allocate.allocate_batch`` (the engine's path: a cost model with compiled
+    parameters, two or more requests) returns exactly what ``_allocate_numpy`` computes with the
+    same parameters: the same cuts, totals and certificate, bit for bit. Gains from a small set
+    (ties between requests and within a hull block), rising lists, unequal contexts (the
+    context rounds), b_D (the bundling rounds), budgets, caps below the lists."""
+    module = importlib.import_module("vllm_anisotropic.allocator.allocate")  # (the package exports the function)
+
+    probs = [np.sort(np.array(r))[::-1] if monotone else np.array(r) for r in rows]
+    b = len(probs)
+    ctx = np.array(data.draw(st.lists(st.sampled_from([0.0, 10.0, 300.0, 3000.0]), min_size=b, max_size=b)), np.float64)
+    budget = data.draw(st.one_of(st.none(), st.integers(0, 14)))
+    caps = request_caps([len(p) for p in probs], data.draw(st.one_of(st.none(), st.integers(0, 6))),
+                        data.draw(st.one_of(st.none(), st.lists(st.integers(-1, 7), min_size=b, max_size=b))))
+    ctx_given = data.draw(st.booleans())
+    num_reqs, q0, base = b + data.draw(st.integers(0, 3)), b + data.draw(st.integers(0, 9)), float(b)
+    got = module._allocate_compiled(probs, np.array([len(p) for p in probs]), caps, cost, cost.kernel_params(),
+                                    num_reqs, q0, base, ctx, ctx_given, budget)
+    want = module._allocate_numpy(probs, caps, cost, cost.kernel_params(), num_reqs, q0, base, ctx, ctx_given, budget)
+    assert got.cuts.dtype == np.int64 and got.cuts.tolist() == want.cuts.tolist()
+    assert (got.tree_rows, got.expected_tokens, got.seconds, got.rate, got.plain_rate, got.rate_upper, got.hull_gap) == (
+        want.tree_rows, want.expected_tokens, want.seconds, want.rate, want.plain_rate, want.rate_upper, want.hull_gap)
+
+
+def test_compiled_batch_worked_examples_and_refusals():
+    """The compiled path on the module docstring's example (and step 6's bundling example), and
+    its refusals: a probability outside [0, 1] (NaN included) or a cost that is not positive."""
+    probs = [np.array([0.9, 0.5]), np.array([0.6])]
+    assert allocate(probs, CostModel.linear(1.0, 0.05), fixed_query_tokens=0).cuts.tolist() == [2, 1]
+    assert allocate(probs, CostModel.linear(1.0, 0.5), fixed_query_tokens=0).cuts.tolist() == [0, 0]
+    bundled = CostModel.from_coefficients([0.0], base=10e-3, slopes=[1e-4], spec_request=1e-3)
+    assert allocate([np.full(6, 0.55)] + [np.array([0.6])] * 7, bundled).cuts.tolist() == [6, 0, 0, 0, 0, 0, 0, 0]
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"probs must be probabilities in \[0, 1\]"):
+            allocate([np.array([0.5, bad]), np.array([0.6])], CostModel.linear(1.0, 0.05))
+    assert allocate([np.array([0.5, 1.5]), np.array([0.6])], CostModel.linear(1.0, 0.05),
+                    max_per_request=1).cuts.tolist() == [1, 1]  # beyond the caps: never read
+    with pytest.raises(ValueError, match="positive seconds"):
+        allocate(probs, CostModel.linear(0.0, 0.0), fixed_query_tokens=0)

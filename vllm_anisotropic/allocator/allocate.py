@@ -3,9 +3,11 @@
 Scope: one decision per engine step (the batch as ECHO's "super-tree"): given, per request, the
 calibrated probabilities of its draft nodes in the tree's value order, the step-cost model and
 the step's caps, return per-request cuts n_i (n_i = 0: plain decoding for that request) that
-maximise the expected tokens per second of the step. numpy, with the two inner loops compiled
-(``kernels.allocate``); no trees, no vLLM (the
-engine hook applies the cuts with ``DraftTree.truncate(1 + n_i)``).
+maximise the expected tokens per second of the step. With a compiled cost model
+(``CostModel.kernel_params``, the engine's) a batch's steps 2-6 run in one compiled call
+(``kernels.allocate.allocate_batch``); otherwise numpy (``_allocate_numpy``, also the
+definition that call is tested against). No trees, no vLLM (the engine hook applies the cuts
+with ``DraftTree.truncate(1 + n_i)``).
 
 Source: ECHO (arXiv 2604.09603): the super-tree under a verification cap (Sec. 3.1, Eq. 4),
 Theorem 2 (Sec. 4 / App. A.3, marginal utility exchange) and Alg. 1 (Sec. 3.3, elastic budget
@@ -235,6 +237,34 @@ def allocate(
     if batch == 1:
         return _allocate_one(np.asarray(probs[0], np.float64)[: int(caps[0])], cost, num_reqs, q0, base,
                              float(ctx[0]), token_budget)
+    params = getattr(cost, "kernel_params", None)
+    if params is not None:  # the cost model's arithmetic compiled: steps 2-6 in one call
+        return _allocate_compiled(probs, lengths, caps, cost, params(), num_reqs, q0, base, ctx, ctx_lens is not None,
+                                  token_budget)
+    return _allocate_numpy(probs, caps, cost, None, num_reqs, q0, base, ctx, ctx_lens is not None, token_budget)
+
+
+def _allocate_compiled(probs, lengths, caps, cost, params, num_reqs: int, q0: int, base: float, ctx: np.ndarray,
+                       ctx_given: bool, token_budget: int | None) -> Allocation:
+    """Steps 2-6 for a batch in one compiled call (``kernels.allocate.allocate_batch``): the
+    same arithmetic in the same order as ``_allocate_numpy`` with the same ``params``, so the
+    same cuts and numbers (tests/test_allocator.py compares the two)."""
+    cuts = np.empty(len(probs), np.int64)
+    t, expected, seconds, plain_rate, rate_upper, hull_gap = kernels.load("allocate").allocate_batch(
+        np.concatenate(probs, dtype=np.float64), lengths, caps, ctx, -1 if token_budget is None else max(int(token_budget), 0),
+        base, float(num_reqs), float(q0), *params, float(getattr(cost, "ctx_weight", 0.0) or 0.0), ctx_given,
+        float(getattr(cost, "spec_request_weight", 0.0) or 0.0), _DINKELBACH_ROUNDS, cuts)
+    return Allocation(cuts=cuts, tree_rows=int(t), expected_tokens=float(expected), seconds=float(seconds),
+                      rate=expected / seconds, plain_rate=float(plain_rate),
+                      rate_upper=float(max(rate_upper, expected / seconds)), hull_gap=float(hull_gap))
+
+
+def _allocate_numpy(probs, caps, cost, params, num_reqs: int, q0: int, base: float, ctx: np.ndarray, ctx_given: bool,
+                    token_budget: int | None) -> Allocation:
+    """Steps 2-6 for a batch in numpy: the path of a cost model without ``kernel_params``
+    (``params`` None: ``cost.predict`` at every prefix) and, with ``params``, the definition
+    the compiled path is tested against."""
+    batch = len(probs)
     p, valid = pad_probs(probs, caps)  # [batch_size, max_len]
     _check_probs(p)
     h = concave_slopes(p, valid)  # [batch_size, max_len]
@@ -249,8 +279,6 @@ def allocate(
     t_max = rows.size if token_budget is None else min(rows.size, max(int(token_budget), 0))
     totals = np.arange(t_max + 1)  # [t_max + 1] candidate T
 
-    params = getattr(cost, "kernel_params", None)
-    params = params() if params is not None else None
     first_i = first.astype(np.int64)
 
     def scan(order: np.ndarray):
@@ -282,7 +310,7 @@ def allocate(
     best = _best_prefix(order, num, sec, None)
     rate_upper = float(np.max(num_hull / sec_low))
     w = float(getattr(cost, "ctx_weight", 0.0) or 0.0)
-    if w > 0 and ctx_lens is not None and np.ptp(ctx) > 0 and t_max > 0:
+    if w > 0 and ctx_given and np.ptp(ctx) > 0 and t_max > 0:
         # Dinkelbach on the relaxed ratio: maximise N_H(n) - r D(n) by the greedy on
         # h - r w ctx_i (still non-increasing within a request), then r <- N_H / D, until the
         # maximum is 0 (r is then the relaxed optimum).

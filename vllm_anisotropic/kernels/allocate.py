@@ -1,8 +1,9 @@
 """Compiled inner loops of the budget allocator (``kernels.load("allocate")``): the concave
 envelopes of the requests' gain lists and the scan of every total T along a node order.
 
-Scope: the two loops ``allocator.allocate`` runs several times per step (once, then once per
-Dinkelbach round): ``concave_rows`` (the antitonic regression of each row, by pool-adjacent-
+Scope: ``allocate_batch``, the allocator's whole decision for a batch (``allocator.allocate``'s
+steps 2-6: envelopes, orders, scans and Dinkelbach rounds in one call), and its two loops:
+``concave_rows`` (the antitonic regression of each row, by pool-adjacent-
 violators: a stack of blocks, each new entry merged into the blocks before it while their mean
 is not larger) and ``scan_prefixes`` (cumulative gains and the step-cost model at every prefix
 of an order; the model is ``cost.CostModel.predict``, a piecewise-linear function of the query
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["concave_rows", "scan_prefixes", "step_seconds"]
+__all__ = ["allocate_batch", "concave_rows", "scan_prefixes", "step_seconds"]
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -95,3 +96,147 @@ def scan_prefixes(order, t_max, gain, slope, node_ctx, first, base, num_reqs, q0
         num_hull[t] = h
         sec[t] = step_seconds(num_reqs, q0 + t, t, c, d, knots, at_knots, tail)
         sec_low[t] = step_seconds(num_reqs, q0 + t, t, c, 0, knots, at_knots, tail)
+
+
+@_jit
+def _best_of(order, num, sec, best_order, best):
+    """``_best_prefix`` of ``allocator.allocate``: the first maximum of ``num / sec`` over T, taken
+    into ``best_order`` / ``best`` (= [T, tokens, seconds]) when its rate beats the kept one's
+    (``best[0] < 0``: none kept yet); True when taken."""
+    t = 0
+    top = num[0] / sec[0]
+    for j in range(1, num.shape[0]):
+        rate = num[j] / sec[j]
+        if rate > top:
+            t, top = j, rate
+    if best[0] >= 0 and not top > best[1] / best[2]:
+        return False
+    best_order[:] = order
+    best[0], best[1], best[2] = t, num[t], sec[t]
+    return True
+
+
+@_jit
+def _scan_checked(order, t_max, gain, slope, node_ctx, first, base, num_reqs, q0, knots, at_knots, tail,
+                  num, num_hull, sec, sec_low):
+    scan_prefixes(order, t_max, gain, slope, node_ctx, first, base, num_reqs, q0, knots, at_knots, tail,
+                  num, num_hull, sec, sec_low)
+    for j in range(t_max + 1):
+        if not (sec[j] > 0.0 and sec_low[j] > 0.0):
+            raise ValueError("cost.predict must return positive seconds for every total")
+
+
+@_jit
+def allocate_batch(probs, lengths, caps, ctx, token_budget, base, num_reqs, q0, knots, at_knots, tail, ctx_weight,
+                   ctx_given, spec_weight, rounds, cuts):
+    """``allocator.allocate`` for two or more requests with a compiled cost model, in one call
+    (its steps 2-6, the same arithmetic in the same order, so the same cuts): ``probs`` the
+    requests' lists one after another (``lengths`` [B]), ``caps`` [B] how many of each may be
+    kept, ``ctx`` [B] their contexts, ``token_budget`` the most tree rows (< 0: none);
+    Dinkelbach rounds on the context term when ``ctx_weight`` > 0, ``ctx_given`` and the contexts
+    differ, on b_D (``spec_weight``) when it is > 0; ``rounds``: the most rounds of each. Writes
+    ``cuts`` [B]; returns (T, expected tokens, seconds, plain rate, rate_upper before its last
+    max, hull gap)."""
+    batch = caps.shape[0]
+    width = 0
+    low_ctx, high_ctx = np.inf, -np.inf
+    for i in range(batch):
+        width = max(width, caps[i])
+        low_ctx, high_ctx = min(low_ctx, ctx[i]), max(high_ctx, ctx[i])
+    p = np.zeros((batch, width))
+    at = 0
+    for i in range(batch):
+        for k in range(caps[i]):
+            v = probs[at + k]
+            if not (v >= 0.0 and v <= 1.0):  # NaN fails too
+                raise ValueError("probs must be probabilities in [0, 1]")
+            p[i, k] = v
+        at += lengths[i]
+    h = np.empty((batch, width))
+    concave_rows(p, caps, h)
+    hull_gap = 0.0
+    for i in range(batch):
+        ch = 0.0
+        cp = 0.0
+        for k in range(width):
+            ch += h[i, k]
+            cp += p[i, k]
+            hull_gap = max(hull_gap, ch - cp)
+    n = 0
+    for i in range(batch):
+        n += caps[i]
+    t_max = n if token_budget < 0 else min(n, token_budget)
+    rows = np.empty(n, np.int64)
+    gain = np.empty(n)
+    slope = np.empty(n)
+    node_ctx = np.empty(n)
+    first = np.zeros(n, np.int64)
+    j = 0
+    for i in range(batch):
+        for k in range(caps[i]):
+            rows[j] = i
+            gain[j] = p[i, k]
+            slope[j] = h[i, k]
+            node_ctx[j] = ctx[i]
+            if k == 0:
+                first[j] = 1
+            j += 1
+    num = np.empty(t_max + 1)
+    num_hull = np.empty(t_max + 1)
+    sec = np.empty(t_max + 1)
+    low = np.empty(t_max + 1)
+    best_order = np.empty(n, np.int64)
+    best = np.array([-1.0, 0.0, 1.0])  # [T, tokens, seconds]
+    order = np.argsort(-slope, kind="mergesort")  # stable: ties in (request, k) order
+    _scan_checked(order, t_max, gain, slope, node_ctx, first, base, num_reqs, q0, knots, at_knots, tail,
+                  num, num_hull, sec, low)
+    _best_of(order, num, sec, best_order, best)
+    plain_rate = num[0] / sec[0]
+    rate_upper = num_hull[0] / low[0]
+    for t in range(1, t_max + 1):
+        rate_upper = max(rate_upper, num_hull[t] / low[t])
+    if ctx_weight > 0 and ctx_given and high_ctx - low_ctx > 0 and t_max > 0:
+        r = rate_upper
+        for _ in range(rounds):
+            rw = r * ctx_weight
+            order = np.argsort(-(slope - rw * node_ctx), kind="mergesort")
+            _scan_checked(order, t_max, gain, slope, node_ctx, first, base, num_reqs, q0, knots, at_knots, tail,
+                          num, num_hull, sec, low)
+            _best_of(order, num, sec, best_order, best)
+            t = 0
+            top = num_hull[0] - r * low[0]
+            least = low[0]
+            for u in range(1, t_max + 1):
+                g = num_hull[u] - r * low[u]
+                if g > top:
+                    t, top = u, g
+                least = min(least, low[u])
+            rate_upper = r + max(top, 0.0) / least
+            if top <= 1e-12 * r * low[t]:
+                break
+            r = num_hull[t] / low[t]
+    if spec_weight > 0 and t_max > 0:
+        adjusted = np.empty((batch, width))
+        hull = np.empty((batch, width))
+        keys = np.empty(n)
+        for _ in range(rounds):
+            r = best[1] / best[2]
+            adjusted[:, :] = p
+            adjusted[:, 0] -= r * spec_weight
+            concave_rows(adjusted, caps, hull)
+            rw = r * ctx_weight
+            j = 0
+            for i in range(batch):
+                for k in range(caps[i]):
+                    keys[j] = hull[i, k] - rw * node_ctx[j]
+                    j += 1
+            order = np.argsort(-keys, kind="mergesort")
+            _scan_checked(order, t_max, gain, slope, node_ctx, first, base, num_reqs, q0, knots, at_knots, tail,
+                          num, num_hull, sec, low)
+            if not _best_of(order, num, sec, best_order, best):
+                break
+    t = int(best[0])
+    cuts[:] = 0
+    for u in range(t):
+        cuts[rows[best_order[u]]] += 1
+    return t, best[1], best[2], plain_rate, rate_upper, hull_gap
