@@ -813,7 +813,7 @@ def test_compiled_batch_equals_its_numpy_definition(rows, cost, monotone, data):
                         data.draw(st.one_of(st.none(), st.lists(st.integers(-1, 7), min_size=b, max_size=b))))
     ctx_given = data.draw(st.booleans())
     num_reqs, q0, base = b + data.draw(st.integers(0, 3)), b + data.draw(st.integers(0, 9)), float(b)
-    got = module._allocate_compiled(probs, np.array([len(p) for p in probs]), caps, cost, cost.kernel_params(),
+    got = module._allocate_compiled(np.concatenate(probs), np.array([len(p) for p in probs]), caps, cost, cost.kernel_params(),
                                     num_reqs, q0, base, ctx, ctx_given, budget)
     want = module._allocate_numpy(probs, caps, cost, cost.kernel_params(), num_reqs, q0, base, ctx, ctx_given, budget)
     assert got.cuts.dtype == np.int64 and got.cuts.tolist() == want.cuts.tolist()
@@ -836,3 +836,25 @@ def test_compiled_batch_worked_examples_and_refusals():
                     max_per_request=1).cuts.tolist() == [1, 1]  # beyond the caps: never read
     with pytest.raises(ValueError, match="positive seconds"):
         allocate(probs, CostModel.linear(0.0, 0.0), fixed_query_tokens=0)
+
+
+@FAST
+@given(st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=6), min_size=1, max_size=5), cost_models(spec_terms=True),
+       st.booleans(), st.data())
+def test_allocate_flat_with_limits_is_allocate_of_the_cut_lists(rows, cost, predict_only, data):
+    """``allocate_flat`` (the engine's form: the step's lists in one array, the chains-only cut
+    as ``limits``) decides exactly as ``allocate`` on the lists cut to their limits: one
+    request, several, the compiled cost and a cost seen through ``predict`` alone."""
+    from vllm_anisotropic.allocator import allocate_flat
+
+    probs = [np.array(r, np.float64) for r in rows]
+    b = len(probs)
+    limits = np.array(data.draw(st.lists(st.integers(0, 7), min_size=b, max_size=b)), np.int64)
+    ctx = np.array(data.draw(st.lists(st.sampled_from([0.0, 40.0, 900.0]), min_size=b, max_size=b)), np.float64)
+    kw = dict(token_budget=data.draw(st.one_of(st.none(), st.integers(0, 12))), ctx_lens=ctx,
+              headroom=data.draw(st.one_of(st.none(), st.lists(st.integers(-1, 6), min_size=b, max_size=b))))
+    model = _PredictOnly(cost) if predict_only else cost
+    got = allocate_flat(np.concatenate(probs), np.array([len(p) for p in probs], np.int64), model, limits=limits, **kw)
+    want = allocate([p[:n] for p, n in zip(probs, limits)], model, **kw)
+    assert got.cuts.tolist() == want.cuts.tolist() and np.all(got.cuts <= limits)
+    assert (got.rate, got.plain_rate, got.rate_upper, got.hull_gap) == (want.rate, want.plain_rate, want.rate_upper, want.hull_gap)

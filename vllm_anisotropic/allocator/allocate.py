@@ -99,7 +99,7 @@ import numpy as np
 
 from vllm_anisotropic import kernels
 
-__all__ = ["Allocation", "StepCost", "allocate", "concave_slopes", "pad_probs", "request_caps"]
+__all__ = ["Allocation", "StepCost", "allocate", "allocate_flat", "concave_slopes", "pad_probs", "request_caps"]
 
 logger = logging.getLogger(__name__)
 
@@ -224,9 +224,23 @@ def allocate(
             the cost model's per-tree-row attention term; None = 0.
         base_tokens: tokens the step yields with no drafts (default: batch_size).
     """
-    batch = len(probs)
     lengths = np.array([len(p) for p in probs], np.int64)
-    caps = request_caps(lengths, max_per_request, headroom)
+    flat = np.concatenate([np.asarray(p, np.float64).reshape(-1) for p in probs]) if len(probs) else np.zeros(0)
+    return allocate_flat(flat, lengths, cost, num_reqs=num_reqs, fixed_query_tokens=fixed_query_tokens,
+                         token_budget=token_budget, max_per_request=max_per_request, headroom=headroom,
+                         ctx_lens=ctx_lens, base_tokens=base_tokens)
+
+
+def allocate_flat(flat: np.ndarray, lengths: np.ndarray, cost: StepCost, *, limits=None, num_reqs: int | None = None,
+                  fixed_query_tokens: int | None = None, token_budget: int | None = None,
+                  max_per_request: int | None = None, headroom=None, ctx_lens=None,
+                  base_tokens: float | None = None) -> Allocation:
+    """``allocate`` over the lists laid one after another: request i's list is the next
+    ``lengths[i]`` entries of ``flat`` [sum(lengths)] float64, of which only the first
+    ``limits[i]`` (default: all) may be kept; the other arguments as ``allocate``'s. What the
+    engine's cut passes: one array for the step, and its chains-only cut as ``limits``."""
+    batch = lengths.shape[0]
+    caps = request_caps(lengths if limits is None else np.minimum(lengths, limits), max_per_request, headroom)
     num_reqs = batch if num_reqs is None else int(num_reqs)
     q0 = batch if fixed_query_tokens is None else int(fixed_query_tokens)
     base = float(batch if base_tokens is None else base_tokens)
@@ -235,23 +249,23 @@ def allocate(
         raise ValueError(f"ctx_lens needs one entry per request, got shape {ctx.shape}")
 
     if batch == 1:
-        return _allocate_one(np.asarray(probs[0], np.float64)[: int(caps[0])], cost, num_reqs, q0, base,
-                             float(ctx[0]), token_budget)
+        return _allocate_one(flat[: int(caps[0])], cost, num_reqs, q0, base, float(ctx[0]), token_budget)
     params = getattr(cost, "kernel_params", None)
     if params is not None:  # the cost model's arithmetic compiled: steps 2-6 in one call
-        return _allocate_compiled(probs, lengths, caps, cost, params(), num_reqs, q0, base, ctx, ctx_lens is not None,
+        return _allocate_compiled(flat, lengths, caps, cost, params(), num_reqs, q0, base, ctx, ctx_lens is not None,
                                   token_budget)
+    probs = np.split(flat, np.cumsum(lengths)[:-1]) if batch else []
     return _allocate_numpy(probs, caps, cost, None, num_reqs, q0, base, ctx, ctx_lens is not None, token_budget)
 
 
-def _allocate_compiled(probs, lengths, caps, cost, params, num_reqs: int, q0: int, base: float, ctx: np.ndarray,
+def _allocate_compiled(flat, lengths, caps, cost, params, num_reqs: int, q0: int, base: float, ctx: np.ndarray,
                        ctx_given: bool, token_budget: int | None) -> Allocation:
     """Steps 2-6 for a batch in one compiled call (``kernels.allocate.allocate_batch``): the
     same arithmetic in the same order as ``_allocate_numpy`` with the same ``params``, so the
     same cuts and numbers (tests/test_allocator.py compares the two)."""
-    cuts = np.empty(len(probs), np.int64)
+    cuts = np.empty(lengths.shape[0], np.int64)
     t, expected, seconds, plain_rate, rate_upper, hull_gap = kernels.load("allocate").allocate_batch(
-        np.concatenate(probs, dtype=np.float64), lengths, caps, ctx, -1 if token_budget is None else max(int(token_budget), 0),
+        flat, lengths, caps, ctx, -1 if token_budget is None else max(int(token_budget), 0),
         base, float(num_reqs), float(q0), *params, float(getattr(cost, "ctx_weight", 0.0) or 0.0), ctx_given,
         float(getattr(cost, "spec_request_weight", 0.0) or 0.0), _DINKELBACH_ROUNDS, cuts)
     return Allocation(cuts=cuts, tree_rows=int(t), expected_tokens=float(expected), seconds=float(seconds),

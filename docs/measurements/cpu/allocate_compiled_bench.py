@@ -43,7 +43,7 @@ def step(path, cost, chain_cost, probs, chains, ctx, num):
         caps = request_caps([len(p) for p in lists], 24, [4000] * num)
         args = (num, num, float(num), c, True, 256 - num)
         if path == "compiled":
-            out.append(module._allocate_compiled(lists, np.array([len(p) for p in lists]), caps, model,
+            out.append(module._allocate_compiled(np.concatenate(lists), np.array([len(p) for p in lists]), caps, model,
                                                  model.kernel_params(), *args))
         else:
             out.append(module._allocate_numpy(lists, caps, model, model.kernel_params(), *args))

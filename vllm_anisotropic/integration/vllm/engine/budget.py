@@ -55,8 +55,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from vllm_anisotropic.allocator import (CHAIN, PLAIN, TREE, CostModel, CostSample, GateConfig, SpeculationGate, allocate,
-                                       request_caps)
+from vllm_anisotropic.allocator import (CHAIN, PLAIN, TREE, CostModel, CostSample, GateConfig, SpeculationGate,
+                                       allocate_flat, request_caps)
 from vllm_anisotropic.integration.vllm.engine.faults import inject
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 
@@ -241,48 +241,57 @@ class BatchBudget:
                 p = self.probs[r.request_id][: len(r.spec_token_ids)]
                 if len(p) == len(r.spec_token_ids):
                     reqs.append(r)
-                    probs.append(np.clip(p, 0.0, 1.0))
+                    probs.append(p)
         if mode == PLAIN:
             self._gate_plain(running, probs)
             return
         if not reqs:
             return
         self._refresh_cost()
-        ctx = np.array([r.num_computed_tokens for r in reqs], np.float64)
+        # the step's lists in one array: one allocation over it, its chains-only cut as limits
+        lengths = np.fromiter((len(p) for p in probs), np.int64, len(probs))
+        flat = np.clip(np.concatenate(probs), 0.0, 1.0)
+        ctx = np.fromiter((r.num_computed_tokens for r in reqs), np.float64, len(reqs))
         caps = dict(num_reqs=len(running), fixed_query_tokens=max(owed, len(running)),
                     token_budget=max(self.max_batched - owed, 0), max_per_request=self.max_per_request,
                     headroom=[self.max_model_len - r.num_tokens - 1 for r in reqs], base_tokens=len(running))
-        alloc = allocate(probs, self.cost, ctx_lens=ctx, **caps)
+        alloc = allocate_flat(flat, lengths, self.cost, ctx_lens=ctx, **caps)
         # Chains only: cut every list inside its leading chain. A chain is verified by vLLM's own
         # causal attention (no masked recompute of tree rows), so its rows cost query tokens only:
         # the cost model's tree terms do not apply. Kept when it predicts the higher rate.
-        chains = [p[: self.chains.get(r.request_id, 0)] for r, p in zip(reqs, probs)]
-        if any(len(c) for c in chains):
+        chains = np.fromiter((self.chains.get(r.request_id, 0) for r in reqs), np.int64, len(reqs))
+        if chains.any():
             if self._chain_cost is None or self._chain_cost.cost is not self.cost:
                 self._chain_cost = _ChainCost(self.cost)
-            chain_alloc = allocate(chains, self._chain_cost, **caps)
+            chain_alloc = allocate_flat(flat, lengths, self._chain_cost, limits=chains, **caps)
             if chain_alloc.rate > alloc.rate:
                 alloc = chain_alloc
         cuts = alloc.cuts.copy()
         m = self.metrics
         m.steps += 1
-        m.tree_rows_offered += int(sum(len(p) for p in probs))
-        request_cap = request_caps([len(p) for p in probs], caps["max_per_request"], caps["headroom"])
+        m.tree_rows_offered += int(flat.size)
+        request_cap = request_caps(lengths, caps["max_per_request"], caps["headroom"])
         m.tree_rows_within_caps += min(int(request_cap.sum()), caps["token_budget"])
-        m.given_up_accepted += float(sum(p[n:c].sum() for p, n, c in zip(probs, alloc.cuts, request_cap)))
+        # E_i(n), the expected accepted drafts of request i's first n nodes: prefix sums
+        sums = np.zeros(flat.size + 1)
+        np.cumsum(flat, out=sums[1:])
+        starts = np.zeros(len(reqs), np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        m.given_up_accepted += float(np.sum(sums[starts + request_cap] - sums[starts + alloc.cuts]))
         if cuts.sum() == 0:
             m.steps_without_drafts += 1
             if self.probe_every and m.steps_without_drafts % self.probe_every == 0:
-                best = int(np.argmax([p[0] for p in probs]))
+                best = int(np.argmax(flat[starts]))
                 cuts[best] = 1
                 m.probe_steps += 1
         m.last_budget = int(cuts.sum())
         m.tree_rows += m.last_budget
         m.last_predicted_speedup = float(alloc.speedup)
-        for r, p, n, c in zip(reqs, probs, cuts, ctx):
-            r.spec_token_ids = r.spec_token_ids[: int(n)]
+        kept = (sums[starts + cuts] - sums[starts]).tolist()
+        for r, n, e, c in zip(reqs, cuts.tolist(), kept, ctx.tolist()):
+            r.spec_token_ids = r.spec_token_ids[:n]
             if n:
-                self._kept[r.request_id] = float(p[: int(n)].sum())
+                self._kept[r.request_id] = e
                 self._ctx[r.request_id] = int(c)
 
     def _refresh_cost(self) -> None:
