@@ -836,6 +836,13 @@ def test_compiled_batch_worked_examples_and_refusals():
                     max_per_request=1).cuts.tolist() == [1, 1]  # beyond the caps: never read
     with pytest.raises(ValueError, match="positive seconds"):
         allocate(probs, CostModel.linear(0.0, 0.0), fixed_query_tokens=0)
+    # found by a random search: the bundling round's best prefix ties the first order's (one node
+    # of 0.9 either way); the one kept first stays (the earlier request), as in the definition
+    tie = CostModel(np.zeros(1), np.array([0.4952707957686664, 0.0, 0.010338370753992287, 0.0, 0.0, 0.04778281187604129,
+                                           4.615523140595479e-05, 0.0, 0.1040211371845493, 0.0]))
+    lists = [np.array([0.9, 0.9, 0.5, 0.05]), np.array([0.9, 0.9, 0.9, 0.5, 0.5, 0.05])]
+    assert allocate(lists, tie, ctx_lens=np.zeros(2), token_budget=1).cuts.tolist() == [1, 0]
+    assert allocate(lists, _PredictOnly(tie), ctx_lens=np.zeros(2), token_budget=1).cuts.tolist() == [1, 0]
 
 
 @FAST
