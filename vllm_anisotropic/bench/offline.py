@@ -15,7 +15,6 @@ Usage (what the demo and the engine tests do)::
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
