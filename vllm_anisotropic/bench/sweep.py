@@ -108,7 +108,6 @@ from vllm_anisotropic.data import SPLITS, split_of
 
 from vllm_anisotropic.bench.machine import cpu_model
 from vllm_anisotropic.bench import sweep_engine
-from vllm_anisotropic.bench.sweep_engine import RUN_BY_PATH, SweepJob
 
 logger = logging.getLogger(__name__)
 
@@ -616,7 +615,7 @@ def run(args: argparse.Namespace) -> int:
         mine = [(cell, p) for cell, p in zip(cells, cell_prompts) if cell[0] in repeats]
         with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-bench-") as tmp:
             extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-            job = SweepJob(model=str(model_dir), method=method,
+            job = sweep_engine.SweepJob(model=str(model_dir), method=method,
                            speculative_config=resolve_config(method, Path(tmp), draft_dir, args.dtype),
                            cells=[c for c, _ in mine], cell_prompts=[p for _, p in mine], warmup_prompts=warmup,
                            max_tokens=args.max_tokens, concurrency=args.concurrency,
@@ -627,7 +626,8 @@ def run(args: argparse.Namespace) -> int:
             job_file.write_text(job.model_dump_json())
             env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                    **method_env(method, args.src)}
-            proc = subprocess.run([sys.executable, "-c", RUN_BY_PATH, sweep_engine.__file__, str(job_file), str(args.out)], env=env)
+            proc = subprocess.run([sys.executable, "-c", sweep_engine.RUN_BY_PATH, sweep_engine.__file__, str(job_file),
+                                   str(args.out)], env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{method}: the engine process exited with {proc.returncode}")
     records = read_records([args.out])[first_line:]
