@@ -255,17 +255,8 @@ class BatchBudget:
         caps = dict(num_reqs=len(running), fixed_query_tokens=max(owed, len(running)),
                     token_budget=max(self.max_batched - owed, 0), max_per_request=self.max_per_request,
                     headroom=[self.max_model_len - r.num_tokens - 1 for r in reqs], base_tokens=len(running))
-        alloc = allocate_flat(flat, lengths, self.cost, ctx_lens=ctx, **caps)
-        # Chains only: cut every list inside its leading chain. A chain is verified by vLLM's own
-        # causal attention (no masked recompute of tree rows), so its rows cost query tokens only:
-        # the cost model's tree terms do not apply. Kept when it predicts the higher rate.
         chains = np.fromiter((self.chains.get(r.request_id, 0) for r in reqs), np.int64, len(reqs))
-        if chains.any():
-            if self._chain_cost is None or self._chain_cost.cost is not self.cost:
-                self._chain_cost = _ChainCost(self.cost)
-            chain_alloc = allocate_flat(flat, lengths, self._chain_cost, limits=chains, **caps)
-            if chain_alloc.rate > alloc.rate:
-                alloc = chain_alloc
+        alloc = self._allocate(flat, lengths, ctx, chains, caps)
         cuts = alloc.cuts.copy()
         m = self.metrics
         m.steps += 1
@@ -293,6 +284,36 @@ class BatchBudget:
             if n:
                 self._kept[r.request_id] = e
                 self._ctx[r.request_id] = int(c)
+
+    def _allocate(self, flat: np.ndarray, lengths: np.ndarray, ctx: np.ndarray, chains: np.ndarray, caps: dict):
+        """The step's allocation: over the whole lists, and over their leading chains alone.
+        A chain is verified by vLLM's own causal attention (no masked recompute of tree rows),
+        so its rows cost query tokens only: the cost model's tree terms do not apply. The
+        chains-only cut is kept when it predicts the higher rate."""
+        alloc = allocate_flat(flat, lengths, self.cost, ctx_lens=ctx, **caps)
+        if chains.any():
+            if self._chain_cost is None or self._chain_cost.cost is not self.cost:
+                self._chain_cost = _ChainCost(self.cost)
+            chain_alloc = allocate_flat(flat, lengths, self._chain_cost, limits=chains, **caps)
+            if chain_alloc.rate > alloc.rate:
+                alloc = chain_alloc
+        return alloc
+
+    def warm_up(self) -> None:
+        """Compile the cut's kernels (``kernels.allocate``), or load them from numba's disk
+        cache, at the scheduler's start rather than in the first tree step, where the whole
+        batch waits for them (the workers' kernels: ``TreeDrafter.warm_up``). One allocation of
+        one request and one of two, each with its chains-only cut, through ``_allocate``
+        itself; nothing of it is kept (``_chain_cost`` is made again for the fitted model)."""
+        if not self.enabled:
+            return
+        for batch in (1, 2):
+            lengths = np.full(batch, 2, np.int64)
+            flat = np.tile(np.array([0.9, 0.6]), batch)
+            caps = dict(num_reqs=batch, fixed_query_tokens=batch, token_budget=max(self.max_batched - batch, 0),
+                        max_per_request=self.max_per_request, headroom=[self.max_model_len - 2] * batch,
+                        base_tokens=batch)
+            self._allocate(flat, lengths, np.ones(batch), np.ones(batch, np.int64), caps)
 
     def _refresh_cost(self) -> None:
         """Refit the cost model on the steps measured since its last fit (every

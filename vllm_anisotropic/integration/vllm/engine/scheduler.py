@@ -54,6 +54,7 @@ class TreeScheduler(Scheduler):
         self.budget = BatchBudget(vllm_config.scheduler_config, vllm_config.model_config,
                                   spec.num_speculative_tokens, tree.engine, stats_path=budget_stats_path(),
                                   chains=tree.chain_steps)
+        self.budget.warm_up()  # the cut's compiled kernels (after the workers' start: kernels/__init__.py)
 
     def add_request(self, request, *args, **kwargs):
         # a request's own cap on its draft nodes (extra_args "tree_max_nodes", validated in the
