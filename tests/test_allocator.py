@@ -845,6 +845,23 @@ def test_compiled_batch_worked_examples_and_refusals():
     assert allocate(lists, _PredictOnly(tie), ctx_lens=np.zeros(2), token_budget=1).cuts.tolist() == [1, 0]
 
 
+def test_a_second_context_round_moves_the_cut(monkeypatch):
+    """Dinkelbach's context rounds (step 5) after the first: found by a random search
+    (docs/measurements/cpu/allocate_rounds_search_2026_12_02b.py, one batch in 20,000), the
+    second round's order finds a better prefix than the first's, on both paths alike; with one
+    round both keep the first round's cut."""
+    module = importlib.import_module("vllm_anisotropic.allocator.allocate")
+    cost = CostModel(np.zeros(1), np.array([0.15550206807296488, 0.0, 0.04904060722111265, 0.0, 0.0,
+                                            0.002565753445397707, 5.037429315476676e-05, 0.0, 0.0, 0.0]))
+    lists = [np.array([0.5, 0.5, 0.3, 0.3, 0.3]), np.array([0.9]), np.array([0.9, 0.7, 0.5, 0.05, 0.05]),
+             np.array([0.9, 0.9, 0.7, 0.3, 0.05]), np.array([0.9, 0.7, 0.5, 0.3])]
+    ctx = np.array([10.0, 0.0, 300.0, 3000.0, 0.0])
+    for rounds, want in ((30, [0, 1, 0, 0, 2]), (1, [0, 1, 1, 0, 2])):
+        monkeypatch.setattr(module, "_DINKELBACH_ROUNDS", rounds)
+        assert allocate(lists, cost, ctx_lens=ctx).cuts.tolist() == want  # compiled
+        assert allocate(lists, _PredictOnly(cost), ctx_lens=ctx).cuts.tolist() == want  # numpy, cost.predict
+
+
 @FAST
 @given(st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=6), min_size=1, max_size=5), cost_models(spec_terms=True),
        st.booleans(), st.data())
