@@ -15,7 +15,7 @@ import pytest
 from vllm_anisotropic.allocator import CostModel
 from vllm_anisotropic.bench.sweep import resolve_config
 from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
-from vllm_anisotropic.bench.offline import IN_PROCESS, OfflineJob, run_offline_job
+from vllm_anisotropic.bench.offline import CPU_LLM_DEFAULTS, IN_PROCESS, OfflineJob, run_offline_job
 
 pytestmark = pytest.mark.engine
 
@@ -126,7 +126,8 @@ def signatures():
             if hasattr(v, "signatures") and getattr(getattr(v, "py_func", None), "__module__", None) == m.__name__:
                 out[name + "." + k] = len(v.signatures)
     return out
-llm = LLM(sys.argv[1], speculative_config={"method": "goose"}, enforce_eager=True, max_model_len=1024, max_num_seqs=8)
+llm = LLM(sys.argv[1], speculative_config={"method": "goose"}, enforce_eager=True, max_model_len=1024, max_num_seqs=8,
+          **json.loads(sys.argv[3]))
 before = signatures()
 llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=48, temperature=0.0))
 print("SIGNATURES", json.dumps({"before": before, "after": signatures()}))
@@ -145,8 +146,9 @@ def test_no_kernel_compiles_while_serving(model_dir, prompts):
     import sys
 
     env = {**os.environ, **IN_PROCESS}
-    out = subprocess.run([sys.executable, "-c", _COMPILES_WHILE_SERVING, model_dir, json.dumps(prompts)],
-                         capture_output=True, text=True, timeout=600, env=env)
+    args = [model_dir, json.dumps(prompts), json.dumps(CPU_LLM_DEFAULTS)]  # an explicit KV cache size, bf16
+    out = subprocess.run([sys.executable, "-c", _COMPILES_WHILE_SERVING, *args], capture_output=True, text=True,
+                         timeout=600, env=env)
     line = [x for x in out.stdout.splitlines() if x.startswith("SIGNATURES ")]
     assert out.returncode == 0 and line, out.stderr[-3000:]
     sig = json.loads(line[0].split(" ", 1)[1])
