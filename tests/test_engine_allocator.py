@@ -117,10 +117,10 @@ _STEP_KERNELS = (
 _COMPILES_WHILE_SERVING = """
 import importlib, json, sys
 from vllm import LLM, SamplingParams
-NAMES = ("allocate", "emit", "goose", "kv", "match", "plan", "rank", "table", "vocab", "walk")
+from vllm_anisotropic.kernels import _NAMES  # every kernel module of the package
 def signatures():
     out = {}
-    for name in NAMES:
+    for name in _NAMES:
         m = importlib.import_module("vllm_anisotropic.kernels." + name)
         for k, v in vars(m).items():
             if hasattr(v, "signatures") and getattr(getattr(v, "py_func", None), "__module__", None) == m.__name__:
