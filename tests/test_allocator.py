@@ -862,6 +862,58 @@ def test_a_second_context_round_moves_the_cut(monkeypatch):
         assert allocate(lists, _PredictOnly(cost), ctx_lens=ctx).cuts.tolist() == want  # numpy, cost.predict
 
 
+# Batches where a mutant of kernels/allocate.py decides or reports otherwise than the code, found
+# by docs/measurements/cpu/allocate_mutant_search_2026_12_02.py: (lists, cost weights, contexts,
+# token budget, the cut). Contexts one token apart (#110: context rounds only when they differ by
+# more than 1; it cuts [2, 0, 0, 1], 4.5e-6 s slower), one node of budget (#113: rounds only when
+# T_max > 1; a certificate of 14.77 instead of 14.95), equal contexts (#107: rounds run anyway; the
+# certificate one ulp off), a bundling round after the first improvement (#28, #29, #165: the
+# same cut summed in another order, expected tokens one ulp off), the context rounds' stopping
+# test (#141: the certificate one ulp off).
+_SEARCHED_BATCHES = [
+    ([[0.9, 0.9, 0.7, 0.3, 0.05, 0.05], [0.7], [0.7, 0.7, 0.5, 0.5, 0.3, 0.05], [0.9, 0.9, 0.3, 0.05]],
+     [0.10940641040499606, 0.0, 0.03555273666621322, 0.0, 0.0, 0.010342460109547971, 4.525829229874574e-06, 0.0, 0.0, 0.0],
+     [301.0, 300.0, 300.0, 300.0], 3, [1, 0, 0, 2]),
+    ([[0.7], [0.9, 0.9, 0.3, 0.3, 0.3], [0.9, 0.7, 0.05], [0.7, 0.5, 0.5, 0.3], [0.9, 0.9, 0.7, 0.3, 0.3],
+      [0.9, 0.7, 0.5, 0.5, 0.3, 0.05]],
+     [0.12207169719749374, 0.0, 0.047337219336757816, 0.0, 0.0, 0.008039229202571652, 0.0005556443048159009, 0.0,
+      0.008427502388998143, 0.0],
+     [3000.0, 300.0, 10.0, 300.0, 0.0, 10.0], 1, [0, 0, 0, 0, 0, 0]),
+    ([[0.3], [0.9, 0.9], [0.9, 0.9, 0.5, 0.05], [0.9, 0.9, 0.5, 0.05]],
+     [0.057225958509776576, 0.0, 0.04671430191289311, 0.0, 0.0, 0.008793988999310626, 0.0012422955033431942, 0.0,
+      0.009167812155256378, 0.0],
+     [300.0, 300.0, 300.0, 300.0], None, [0, 0, 0, 0]),
+    ([[0.9656487433531062, 0.8567346889529015, 0.7512225422351911, 0.6897945556127552, 0.6418143289284834],
+      [0.7658485088647592], [0.9363294382315697, 0.9149532205068391, 0.340368617160677], [0.8607218770582931, 0.2177100916443423]],
+     [0.11379741238054944, 0.0, 0.001954141158606232, 0.0, 0.0, 0.013821827184742102, 0.0, 0.0, 0.015553329787071447, 0.0],
+     [3000.0, 300.0, 0.0, 3000.0], None, [5, 0, 2, 0]),
+    ([[0.4197951857311121, 0.3191851845144723, 0.25879123657825853, 0.06691791777747913], [0.6544074202176958, 0.24110330963417093],
+      [0.8315982297937273, 0.6332640590426051, 0.6046609918971766, 0.6024230482768723, 0.5335448296795117, 0.30577418884841245]],
+     [0.07807449402845631, 0.0, 0.0019169610671723237, 0.0, 0.0, 2.8264471036174576e-05, 3.5940004772301733e-06, 0.0,
+      0.04545133597235612, 0.0],
+     [300.0, 300.0, 10.0], None, [0, 0, 6]),
+]
+
+
+@pytest.mark.parametrize("lists, weights, ctx, budget, cut", _SEARCHED_BATCHES)
+def test_compiled_batch_equals_its_definition_on_searched_batches(lists, weights, ctx, budget, cut):
+    """On batches where a plausible slip in the Dinkelbach rounds shows (above): the compiled batch
+    runs the context rounds when the numpy definition does (unequal contexts, even one token
+    apart; any T_max >= 1) and no others, and the bundling rounds while they improve: the same cut,
+    totals and certificate, bit for bit."""
+    module = importlib.import_module("vllm_anisotropic.allocator.allocate")
+    cost = CostModel(np.zeros(1), np.array(weights))
+    probs = [np.array(p) for p in lists]
+    b, ctx = len(probs), np.array(ctx)
+    caps = request_caps([len(p) for p in probs])
+    got = module._allocate_compiled(np.concatenate(probs), np.array([len(p) for p in probs]), caps, cost,
+                                    cost.kernel_params(), b, b, float(b), ctx, True, budget)
+    want = module._allocate_numpy(probs, caps, cost, cost.kernel_params(), b, b, float(b), ctx, True, budget)
+    assert got.cuts.tolist() == want.cuts.tolist() == cut
+    assert (got.expected_tokens, got.seconds, got.rate, got.rate_upper) == (
+        want.expected_tokens, want.seconds, want.rate, want.rate_upper)
+
+
 @FAST
 @given(st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=6), min_size=1, max_size=5), cost_models(spec_terms=True),
        st.booleans(), st.data())
