@@ -127,7 +127,10 @@ class GateConfig(AllocatorModelConfig):
     against plain vLLM's 32, 5.51 s). Where speculation pays on the AMX Xeon (1 to 8 requests) the arms
     differ by 25-56 %. Measured side by side (bench, 8-64 requests, 3 repeats): 10 % against
     3 % gave 1.07x / 1.07x / 1.08x / 1.01x against 1.09x / 0.98x / 0.96x / 0.97x of plain
-    decoding at 8 / 16 / 32 / 64 requests (docs/allocator.md)."""
+    decoding at 8 / 16 / 32 / 64 requests (docs/allocator.md). A margin of its own at 3 % for
+    trees over chains measured no better (0.97-0.99x of this one at 1 / 8 / 16 requests, tune
+    split; docs/measurements/cpu/allocator_measurements.md): at one request what sends an engine
+    to chains is its arms' noise, not the margin."""
     explore_every: int = Field(default=32, ge=2)
     """A closed gate lets every this-many-th decision at a batch size speculate (one step), so
     it re-opens when speculation starts paying: costs ~1/this of the difference."""
