@@ -23,6 +23,14 @@
 #   smolwall     (after smol0; carry .gpu/s1) greedy vs GOOSE at B = $WALL_BUDGETS (4 16 64), bf16, one
 #                process at a time, prompts alternating: wall-clock tokens/s with the proposer's host time
 #                -> $OUT/wall_smollm2_bf16.txt and .jsonl.gz
+#   llvm0        keep .gpu/l0, the first half of llvmlite 0.47.0's cp312 wheel (56 MB: with the
+#                working tree it does not travel in one call; `head -c 28200000`), in /root
+#   hoststages   (after setup and llvm0; carry .gpu/l1 = `tail -c +28200001` of that wheel and
+#                .gpu/nb = numba 0.65.0's cp312 wheel) installs both into /tmp/site, then the worker's
+#                per-step host stages on fixed inputs (docs/measurements/cpu/host_stages_bench.py,
+#                1 / 8 / 64 requests, $HOST_STEPS steps) on this machine's CPU, with nothing between
+#                them (a GPU server's setting: no CPU forward evicts the caches) and with a 300 MB read
+#                -> $OUT/host_stages_gpu_machine.txt
 #   e.g. call 1 (carry .gpu/whl .gpu/site .gpu/s0): setup smolcost smol0; call 2 at once (carry .gpu/s1): smoltau
 #
 # Prepare the carried files on the development machine (see docs/gpu.md).
@@ -49,6 +57,20 @@ for step in "$@"; do
       ;;
     chunk[0-7])
       cp ".gpu/q${step#chunk}" /root/q/ && ls -la /root/q | tail -n +2 | wc -l
+      ;;
+    llvm0)
+      cp .gpu/l0 /root/l0 && ls -la /root/l0
+      ;;
+    hoststages)  # issue 43's host stages without a CPU forward between them (header)
+      if ! python3 -c 'import numba' 2>/dev/null; then
+        w=/tmp/llvmlite-0.47.0-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl
+        cat /root/l0 .gpu/l1 > "$w" && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+          --target /tmp/site "$w" .gpu/nb/*.whl || exit 1
+      fi
+      python3 -c 'import numba; print("numba", numba.__version__)' || exit 1
+      { lscpu | grep -E "Model name|^CPU\(s\)"; for fl in 0 300; do
+          python3 docs/measurements/cpu/host_stages_bench.py --requests 1,8,64 --steps "${HOST_STEPS:-200}" --flush-mb $fl
+        done; } 2>&1 | tee "$OUT/host_stages_gpu_machine.txt"
       ;;
     smoke)  # the tau harness on CUDA with this machine's transformers: random small Qwen2, goose vs greedy
       python3 - <<'EOF2' 2>&1 | tee "$OUT/smoke.txt"
