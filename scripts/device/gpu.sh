@@ -31,6 +31,9 @@
 #                1 / 8 / 64 requests, $HOST_STEPS steps) on this machine's CPU, with nothing between
 #                them (a GPU server's setting: no CPU forward evicts the caches) and with a 300 MB read
 #                -> $OUT/host_stages_gpu_machine.txt
+#   kvmove       (after setup) the K/V slot moves on CUDA (scripts/kv_move_cost.py: KVMover.move over
+#                every layer, 8 / 64 / 512 moved tokens, SmolLM2 / Qwen2.5-1.5B / Llama-8B shapes,
+#                each result checked) -> $OUT/kv_move_cost_gpu.jsonl
 #   e.g. call 1 (carry .gpu/whl .gpu/site .gpu/s0): setup smolcost smol0; call 2 at once (carry .gpu/s1): smoltau
 #
 # Prepare the carried files on the development machine (see docs/gpu.md).
@@ -57,6 +60,9 @@ for step in "$@"; do
       ;;
     chunk[0-7])
       cp ".gpu/q${step#chunk}" /root/q/ && ls -la /root/q | tail -n +2 | wc -l
+      ;;
+    kvmove)
+      python3 scripts/kv_move_cost.py --device cuda 2>&1 | tee "$OUT/kv_move_cost_gpu.jsonl"
       ;;
     llvm0)
       cp .gpu/l0 /root/l0 && ls -la /root/l0
