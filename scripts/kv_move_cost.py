@@ -46,7 +46,7 @@ def main() -> None:
             slots = torch.randperm(args.blocks * block, generator=gen)[: 2 * m]
             src, dst = slots[:m].to(dev), slots[m:].to(dev)
             # check once: every moved token's K and V (all heads) equal its source's
-            want = [c.view(args.blocks, heads, block, 2 * hs)[src // block, :, src % block].clone() for c in caches]
+            want = [c[src // block, :, src % block] for c in caches]  # (advanced indexing: copies)
             mover.move(src, dst)
             sync()
             ok = all(torch.equal(c[dst // block, :, dst % block], w) for c, w in zip(caches, want))

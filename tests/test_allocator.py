@@ -793,6 +793,15 @@ def test_compiled_scan_equals_the_cost_models_own_predict(rows, cost, data):
             float(cost.predict(r, q, t, c, d)), rel=1e-12)
 
 
+def _compiled_and_definition(probs, caps, cost, num_reqs, q0, base, ctx, ctx_given, budget):
+    """The batch's allocation by the compiled path (``kernels.allocate.allocate_batch``) and by
+    its numpy definition with the same compiled cost parameters."""
+    module = importlib.import_module("vllm_anisotropic.allocator.allocate")  # (the package exports the function)
+    got = module._allocate_compiled(np.concatenate(probs), np.array([len(p) for p in probs]), caps, cost, cost.kernel_params(),
+                                    num_reqs, q0, base, ctx, ctx_given, budget)
+    return got, module._allocate_numpy(probs, caps, cost, cost.kernel_params(), num_reqs, q0, base, ctx, ctx_given, budget)
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.lists(st.sampled_from([0.0, 0.05, 0.2, 0.2, 0.5, 0.5, 0.9, 1.0]), min_size=0, max_size=7),
                 min_size=2, max_size=7),
@@ -803,8 +812,6 @@ def test_compiled_batch_equals_its_numpy_definition(rows, cost, monotone, data):
     same parameters: the same cuts, totals and certificate, bit for bit. Gains from a small set
     (ties between requests and within a hull block), rising lists, unequal contexts (the
     context rounds), b_D (the bundling rounds), budgets, caps below the lists."""
-    module = importlib.import_module("vllm_anisotropic.allocator.allocate")  # (the package exports the function)
-
     probs = [np.sort(np.array(r))[::-1] if monotone else np.array(r) for r in rows]
     b = len(probs)
     ctx = np.array(data.draw(st.lists(st.sampled_from([0.0, 10.0, 300.0, 3000.0]), min_size=b, max_size=b)), np.float64)
@@ -813,9 +820,7 @@ def test_compiled_batch_equals_its_numpy_definition(rows, cost, monotone, data):
                         data.draw(st.one_of(st.none(), st.lists(st.integers(-1, 7), min_size=b, max_size=b))))
     ctx_given = data.draw(st.booleans())
     num_reqs, q0, base = b + data.draw(st.integers(0, 3)), b + data.draw(st.integers(0, 9)), float(b)
-    got = module._allocate_compiled(np.concatenate(probs), np.array([len(p) for p in probs]), caps, cost, cost.kernel_params(),
-                                    num_reqs, q0, base, ctx, ctx_given, budget)
-    want = module._allocate_numpy(probs, caps, cost, cost.kernel_params(), num_reqs, q0, base, ctx, ctx_given, budget)
+    got, want = _compiled_and_definition(probs, caps, cost, num_reqs, q0, base, ctx, ctx_given, budget)
     assert got.cuts.dtype == np.int64 and got.cuts.tolist() == want.cuts.tolist()
     assert (got.tree_rows, got.expected_tokens, got.seconds, got.rate, got.plain_rate, got.rate_upper, got.hull_gap) == (
         want.tree_rows, want.expected_tokens, want.seconds, want.rate, want.plain_rate, want.rate_upper, want.hull_gap)
@@ -901,14 +906,10 @@ def test_compiled_batch_equals_its_definition_on_searched_batches(lists, weights
     runs the context rounds when the numpy definition does (unequal contexts, even one token
     apart; any T_max >= 1) and no others, and the bundling rounds while they improve: the same cut,
     totals and certificate, bit for bit."""
-    module = importlib.import_module("vllm_anisotropic.allocator.allocate")
-    cost = CostModel(np.zeros(1), np.array(weights))
     probs = [np.array(p) for p in lists]
-    b, ctx = len(probs), np.array(ctx)
-    caps = request_caps([len(p) for p in probs])
-    got = module._allocate_compiled(np.concatenate(probs), np.array([len(p) for p in probs]), caps, cost,
-                                    cost.kernel_params(), b, b, float(b), ctx, True, budget)
-    want = module._allocate_numpy(probs, caps, cost, cost.kernel_params(), b, b, float(b), ctx, True, budget)
+    b = len(probs)
+    got, want = _compiled_and_definition(probs, request_caps([len(p) for p in probs]), CostModel(np.zeros(1), np.array(weights)),
+                                         b, b, float(b), np.array(ctx), True, budget)
     assert got.cuts.tolist() == want.cuts.tolist() == cut
     assert (got.expected_tokens, got.seconds, got.rate, got.rate_upper) == (
         want.expected_tokens, want.seconds, want.rate, want.rate_upper)
