@@ -329,10 +329,26 @@ async def _send(client, model: str, req: Req) -> Outcome:
     return out
 
 
-async def _references(base: str, refs: dict) -> dict[str, Outcome]:
+def _client(base: str):
+    """The OpenAI client the soak drives the servers with; it keeps no idle connection.
+
+    httpcore 1.0.9's pool closes an idle connection it finds expired while another task has
+    just been given that connection and is sending on it; that request then fails with
+    ``ReadError <- ClosedResourceError <- IndexError: pop from an empty deque`` (the socket was
+    closed on the client's side). CI met it on 2026-12-02, once and then three times in 192
+    requests; ``docs/measurements/cpu/soak_client_pool_race_2026_12_02.py`` reproduces the
+    chain against a bare uvicorn app, and with no idle connection kept (each request on a new
+    loopback connection) it never comes."""
+    import httpx
     import openai
 
-    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", timeout=REQUEST_TIMEOUT, max_retries=0) as client:
+    limits = httpx.Limits(max_connections=NUM_CLIENTS * 2, max_keepalive_connections=0)
+    return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", timeout=REQUEST_TIMEOUT, max_retries=0,
+                              http_client=httpx.AsyncClient(limits=limits))  # fmt: skip
+
+
+async def _references(base: str, refs: dict) -> dict[str, Outcome]:
+    async with _client(base) as client:
         model = (await client.models.list()).data[0].id
         reqs = [Req(-1, key, "whole", p, m, params, key, 0.0) for key, (p, m, params) in refs.items()]
         outs = await asyncio.gather(*(_send(client, model, r) for r in reqs))
@@ -342,9 +358,6 @@ async def _references(base: str, refs: dict) -> dict[str, Outcome]:
 async def _storm(base: str, prompts: dict[str, list[int]]) -> tuple[list[Outcome], float]:
     """NUM_CLIENTS workers take the next request of one seeded sequence until NUM_REQUESTS
     are done (or SOAK_SECONDS are up). Returns the outcomes and the storm's wall time."""
-    import httpx
-    import openai
-
     rng = random.Random(SEED)
     outcomes: list[Outcome] = []
     in_flight: dict[int, Req] = {}
@@ -359,13 +372,7 @@ async def _storm(base: str, prompts: dict[str, list[int]]) -> tuple[list[Outcome
             return None
         return _draw(rng, next(counter), prompts)
 
-    # idle connections expire in the client well before the server's keep-alive (uvicorn's 5 s,
-    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE): with both at 5 s a request can go out on a socket the server
-    # is closing, an APIConnectionError that is no fault of the server (CI, 2026-12-02: one in 192
-    # requests; not reproduced here in 10 storms; a recurrence names its cause chain, _chain)
-    limits = httpx.Limits(max_connections=NUM_CLIENTS * 2, max_keepalive_connections=NUM_CLIENTS, keepalive_expiry=1.0)
-    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", timeout=REQUEST_TIMEOUT, max_retries=0,
-                                  http_client=httpx.AsyncClient(limits=limits)) as client:  # fmt: skip
+    async with _client(base) as client:
         model = (await client.models.list()).data[0].id
 
         async def worker() -> None:
