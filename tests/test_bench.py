@@ -356,14 +356,13 @@ def test_draft_model_methods_name_their_shape_and_need_a_draft(tmp_path):
     assert not sweep.valid_method("draft_model-k0")
     assert sweep.resolve_config("draft_model-k4", tmp_path, "/d") == {
         "method": "draft_model", "model": "/d", "num_speculative_tokens": 4}
-    assert sweep.resolve_config("dtree-3.1.2", tmp_path, "/d", "bfloat16") == {
-        "method": "draft_tree", "model": "/d", "branches": 3, "trunk": 1, "branch_length": 2, "allocator": "off",
-        "draft_dtype": "bfloat16"}
+    assert sweep.resolve_config("dtree-3.1.2", tmp_path, "/d") == {
+        "method": "draft_tree", "model": "/d", "branches": 3, "trunk": 1, "branch_length": 2, "allocator": "off"}
     assert "--draft" in sweep.unavailable_reason("dtree-2.2.2")
     assert sweep.unavailable_reason("dtree-2.2.2", "/d") is None and sweep.unavailable_reason("plain") is None
-    # dtree-auto: no shape key, so the front door's "auto" selector applies
-    assert sweep.resolve_config("dtree-auto", tmp_path, "/d", "bfloat16") == {
-        "method": "draft_tree", "model": "/d", "allocator": "off", "draft_dtype": "bfloat16"}
+    # dtree-auto: no shape key, so the front door's "auto" selector applies; dtree-default: a user's config
+    assert sweep.resolve_config("dtree-auto", tmp_path, "/d") == {"method": "draft_tree", "model": "/d", "allocator": "off"}
+    assert sweep.resolve_config("dtree-default+sync", tmp_path, "/d") == {"method": "draft_tree", "model": "/d"}
     assert "--draft" in sweep.unavailable_reason("dtree-auto") and not sweep.valid_method("dtree-autox")
 
 

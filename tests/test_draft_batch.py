@@ -216,3 +216,66 @@ def test_branches_of_different_widths_and_lengths_share_each_depths_forward(draf
             tokens[i, lengths[i] : lengths[i] + len(add)] = add
             lengths[i] += len(add)
     assert [s.session.tokens for s in sa] == [s.session.tokens for s in sb]
+
+
+def test_kv_bytes_per_token_is_what_the_cache_holds(draft_dir):
+    """``DraftLM.kv_bytes_per_token`` (the draft KV reserve's unit) against the bytes of the K/V
+    tensors a session's cache holds after a context: off by a factor (K only, one layer, the
+    query heads instead of the KV heads) and the reserve would be wrong by it."""
+    proposer = get_proposer("draft_tree", model=draft_dir, selector="off")
+    session = proposer.lm.new_session()
+    session.root_logits(list(range(100, 137)))
+    held = sum(t.numel() * t.element_size() for layer in session.cache.layers for t in (layer.keys, layer.values))
+    assert session.kv_bytes() == held == 37 * proposer.lm.kv_bytes_per_token
+
+
+def test_the_kv_bound_drops_the_least_recently_drafted_sessions_and_the_trees_stay_the_same(draft_dir):
+    """Six requests, of which steps draft three or four at a time, under a bound of ~2.5
+    contexts of q's KV: after every step what the sessions hold is within the bound, the
+    sessions dropped are the ones that drafted longest ago (the oldest first), and every tree
+    is the tree of a twin with no bound (a dropped session is rebuilt from the context; greedy
+    and seeded sampled alike). Fails on an unbounded store, a most-recent-first order, or a
+    rebuilt session that drafts differently."""
+    (pa, sa), (pb, sb) = _twins(draft_dir, 6, branches=2, trunk=1, branch_length=2, selector="off")
+    per_token = pa.lm.kv_bytes_per_token
+    pa.kv_bound = int(2.5 * 40 * per_token)
+    tokens, lengths = _contexts([30, 36, 33, 40, 28, 35], seed=6)
+    rng = np.random.default_rng(7)
+    evicted = 0
+    for step, active in enumerate([[0, 1, 2], [3, 4, 5], [0, 2, 4, 5], [1, 3], [0, 1, 2, 3]]):
+        rows = np.asarray(active)
+        for p in (pa, pb):
+            p.begin_step(len(rows))
+        out = pa.propose_batch([sa[i] for i in active], tokens, rows, lengths[rows])
+        for k, i in enumerate(active):
+            _same(out.trees.tree(k), sb[i].propose(tokens[i, : lengths[i]]))
+        before = {i: len(sa[i].session.tokens) for i in range(6)}
+        held = pa.fit_kv(sa)
+        assert held == sum(s.session.kv_bytes() for s in sa) <= pa.kv_bound, (step, held)
+        dropped = [i for i in range(6) if before[i] and not sa[i].session.tokens]
+        kept = [i for i in range(6) if sa[i].session.tokens]
+        if dropped and kept:  # never a more recent session dropped while an older one is kept
+            assert max(sa[i].session.last_step for i in dropped) <= min(sa[i].session.last_step for i in kept), step
+        evicted += len(dropped)
+        for i in active:
+            add = out.trees.tree(active.index(i)).tokens[1:2].tolist() + [int(rng.integers(100, 5000))]
+            tokens[i, lengths[i] : lengths[i] + len(add)] = add
+            lengths[i] += len(add)
+    assert evicted == pa.kv_evictions >= 4, evicted
+    assert pb.fit_kv(sb) > pa.kv_bound  # the twin, unbounded, holds more than the bound
+
+
+def test_the_draft_device_and_dtype_follow_the_engine_unless_named(draft_dir):
+    """``draft_device`` / ``draft_dtype`` "auto" take what the engine passes (its worker's device,
+    the target's dtype), CPU / float32 without an engine; a named dtype wins; an unknown device
+    is refused by name."""
+    assert get_proposer("draft_tree", model=draft_dir).lm.dtype == torch.float32
+    from vllm_anisotropic.proposers import DraftTreeProposer, proposer_config
+
+    auto = DraftTreeProposer(proposer_config("draft_tree", model=draft_dir), device="cpu", dtype=torch.bfloat16)
+    assert auto.lm.dtype == torch.bfloat16 and next(auto.lm.model.parameters()).dtype == torch.bfloat16
+    assert auto.lm.kv_bytes_per_token * 2 == get_proposer("draft_tree", model=draft_dir).lm.kv_bytes_per_token
+    named = DraftTreeProposer(proposer_config("draft_tree", model=draft_dir, draft_dtype="float32"), dtype=torch.bfloat16)
+    assert named.lm.dtype == torch.float32 and named.lm.device.type == "cpu"
+    with pytest.raises(ValueError, match=r"draft_device 'gpu0'.*'auto', 'cpu', 'cuda', 'cuda:N'"):
+        proposer_config("draft_tree", model=draft_dir, draft_device="gpu0")

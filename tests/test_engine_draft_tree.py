@@ -36,6 +36,8 @@ pytestmark = pytest.mark.engine
 
 ENGINE = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 32, "max_num_batched_tokens": 8192,
           "dtype": "float32"}
+ENGINE_KV_BYTES = 512 << 20  # offline.CPU_LLM_DEFAULTS' kv_cache_memory_bytes
+DRAFT_KV = 600_000  # draft_kv_bytes: ~600 tokens of the tiny q (1 KiB a token in float32)
 SHAPE = {"trunk": 2, "branches": 2, "branch_length": 2}
 SAMPLED_SHAPE = {"trunk": 1, "branches": 2, "branch_length": 1}  # a trunk node and a two-way fork below it
 
@@ -66,11 +68,17 @@ def test_greedy_output_is_plain_vllm_s(pair, greedy_plain):
     assert spec.spec.num_accepted_tokens > 50, spec.spec  # the draft's trees were accepted
     for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)):
         assert a == b, f"prompt {i}: plain {a} vs draft_tree {b}"
+    # q's KV reserved out of vLLM's (worker.py): by default the share in which q holds as many
+    # tokens as the target's cache; q has the target's architecture and dtype here, so half
+    assert abs(spec.kv_cache_blocks - plain.kv_cache_blocks / 2) <= 1, (spec.kv_cache_blocks, plain.kv_cache_blocks)
 
 
 def test_greedy_with_a_selector_drafts_its_shape_and_stays_plain_vllm_s(pair, greedy_plain, tmp_path):
     """A selector (``"selector": PATH``) that always picks a chain of 3: every verified tree has
-    at most 3 drafts (the default shape, (2, 2, 2), would draft 6), output still plain vLLM's."""
+    at most 3 drafts (the default shape, (2, 2, 2), would draft 6), output still plain vLLM's.
+    And ``draft_kv_bytes`` of ~600 tokens of q against 12 requests of ~150-300: vLLM's KV is
+    that much smaller, q's sessions are dropped to stay within it after every step (rebuilt
+    when they draft again), and the output does not change."""
     from test_selector_runtime import constant_selector
 
     from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
@@ -79,8 +87,12 @@ def test_greedy_with_a_selector_drafts_its_shape_and_stays_plain_vllm_s(pair, gr
     stats = tmp_path / "stats.json"
     spec = run_offline_job(job.model_copy(update={"speculative_config": {
         "method": "draft_tree", "model": pair[1], "selector": str(constant_selector(tmp_path, (1, 3, 0))),
-        "allocator": "off"}}), env={**IN_PROCESS, STATS_ENV: str(stats)})
+        "allocator": "off", "draft_kv_bytes": DRAFT_KV}}), env={**IN_PROCESS, STATS_ENV: str(stats)})
     tree = json.loads(stats.read_text())
+    kv = ENGINE_KV_BYTES
+    assert abs(spec.kv_cache_blocks - plain.kv_cache_blocks * (kv - DRAFT_KV) / kv) <= 1, spec.kv_cache_blocks
+    assert tree["draft_kv_bound_bytes"] == DRAFT_KV and tree["draft_kv_evictions"] > 20, tree
+    assert tree["draft_kv_bytes"] == 0, tree  # every request finished: every session dropped
     assert tree["verified_trees"] > 20 and tree["max_nodes"] == 4, tree  # root + the chain of 3
     assert list(tree["selector_shapes"]) == ["1,3,0"] and tree["selector_shapes"]["1,3,0"] >= tree["verified_trees"]
     assert tree["draft_nodes"] > 2.5 * tree["verified_trees"], tree

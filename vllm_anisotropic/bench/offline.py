@@ -155,6 +155,8 @@ class OfflineResult(BaseModel):
     """Every ``vllm:*`` gauge at the end of the run (e.g. ``vllm:kv_cache_usage_perc``: 0 when
     every KV block went back to the free pool)."""
     pid: int
+    kv_cache_blocks: int | None = None
+    """KV-cache blocks vLLM made for the target (``cache_config.num_gpu_blocks``)."""
     prompt_token_ids: list[list[int]] = []
     """The prompts as vLLM tokenized them."""
     logprobs: list[list[dict[int, float]]] | None = None
@@ -341,6 +343,7 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
         counters=_counters(llm),
         gauges=_counters(llm, "Gauge"),
         pid=os.getpid(),
+        kv_cache_blocks=llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
         prompt_token_ids=[list(o.prompt_token_ids or []) for o in outputs],
         logprobs=None if all(o.outputs[0].logprobs is None for o in outputs) else [
             [{int(t): float(lp.logprob) for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])]

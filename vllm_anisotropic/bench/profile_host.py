@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     spec_dir = tempfile.mkdtemp(prefix="vllm-anisotropic-profile-")
     draft = str(_resolve_model(args.draft)) if args.draft else None
     extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    llm = LLM(model=str(model_dir), speculative_config=resolve_config(args.method, Path(spec_dir), draft, args.dtype),
+    llm = LLM(model=str(model_dir), speculative_config=resolve_config(args.method, Path(spec_dir), draft),
               max_num_seqs=args.max_num_seqs,
               **{**CPU_LLM_DEFAULTS, "dtype": args.dtype, **extra, **method_llm_kwargs(args.method)})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

@@ -45,6 +45,9 @@ dtree-K.L1.L2   this package's ``draft_tree`` with the ``--draft`` model: K bran
              after a trunk of L1 (allocator off: the fixed shape), e.g. ``dtree-2.2.2``
 dtree-auto   ``draft_tree`` with its default selector (``"selector": "auto"``: the shipped
              (K, L1, L2) selector of the pair, or the default shape), allocator off
+dtree-default  ``draft_tree`` as a user gets it: ``{"method": "draft_tree", "model": DRAFT}``
+             (the default selector and the budget allocator with its gate)
+             (q runs in the engine's dtype in every dtree method: ``draft_dtype`` "auto")
 NAME+iomp    any of the above with Intel's OpenMP runtime preloaded into its engine processes
              (``LD_PRELOAD`` = the ``libiomp5.so`` of this environment, vLLM's documented CPU
              set-up; without it vLLM warns that speculative decoding on CPU loses throughput)
@@ -146,22 +149,25 @@ SRC = "+src"
 MODIFIERS = (IOMP, SYNC, RECOMPUTE, ROWSGEMM, SRC)
 
 
-_DRAFT_METHOD = re.compile(r"^(?:draft_model-k(?P<k>[1-9]\d*)|dtree-(?P<b>[1-9])\.(?P<t>\d)\.(?P<l>\d)|dtree-(?P<auto>auto))$")
+_DRAFT_METHOD = re.compile(r"^(?:draft_model-k(?P<k>[1-9]\d*)|dtree-(?P<b>[1-9])\.(?P<t>\d)\.(?P<l>\d)|dtree-(?P<auto>auto)"
+                           r"|dtree-(?P<default>default))$")
 
 
-def draft_method_config(method: str, draft: str | None, dtype: str = "float32") -> dict[str, Any] | None:
+def draft_method_config(method: str, draft: str | None) -> dict[str, Any] | None:
     """The speculative config of a draft-model method name (``draft_model-k4``, ``dtree-2.2.2``),
-    or None if ``method`` is not one. ``draft``: the draft model's directory; ``dtype``: the
-    engine's, which q of ``dtree`` runs in too (vLLM's ``draft_model`` runs q in the target's)."""
+    or None if ``method`` is not one. ``draft``: the draft model's directory. q runs in the
+    engine's dtype in both (``draft_tree``'s ``draft_dtype`` "auto"; vLLM's ``draft_model``)."""
     m = _DRAFT_METHOD.match(base_method(method))
     if m is None:
         return None
     if m["k"]:
         return {"method": "draft_model", "model": draft, "num_speculative_tokens": int(m["k"])}
+    if m["default"]:
+        return {"method": "draft_tree", "model": draft}
     if m["auto"]:
-        return {"method": "draft_tree", "model": draft, "allocator": "off", "draft_dtype": dtype}
+        return {"method": "draft_tree", "model": draft, "allocator": "off"}
     return {"method": "draft_tree", "model": draft, "branches": int(m["b"]), "trunk": int(m["t"]),
-            "branch_length": int(m["l"]), "allocator": "off", "draft_dtype": dtype}
+            "branch_length": int(m["l"]), "allocator": "off"}
 
 
 def base_method(method: str) -> str:
@@ -198,13 +204,12 @@ def iomp_library() -> Path | None:
     return Path(found) if found and Path(found).is_file() else None
 
 
-def resolve_config(method: str, tmp_dir: Path, draft: str | None = None,
-                   dtype: str = "float32") -> dict[str, Any] | None:
+def resolve_config(method: str, tmp_dir: Path, draft: str | None = None) -> dict[str, Any] | None:
     """``METHODS[method]`` with its ``"<steep>"`` cost model written to ``tmp_dir``: every query
     token and tree row costs 1 s, so the allocator keeps no draft in any step. A draft-model
     method's config names ``draft``."""
     if base_method(method) not in METHODS:
-        return draft_method_config(method, draft, dtype)
+        return draft_method_config(method, draft)
     spec = METHODS[base_method(method)]
     if spec is None or spec.get("cost_model") != "<steep>":
         return spec
@@ -542,7 +547,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (0: greedy, outputs compared with plain's; > 0: seeded per prompt)")
     p.add_argument("--draft", default=None,
-                   help="draft model (registry name or directory) of the draft_model-kN, dtree-K.L1.L2 and dtree-auto methods")
+                   help="draft model (registry name or directory) of the draft_model-kN, dtree-K.L1.L2, dtree-auto and dtree-default methods")
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
     p.add_argument("--out", type=Path, default=Path("results/bench.jsonl"), help="JSONL records (appended)")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot path (default: the --out path with .png)")
@@ -562,7 +567,7 @@ def run(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if not valid_method(m)]
     if bad:
-        raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}, draft_model-kN, dtree-K.L1.L2, dtree-auto "
+        raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}, draft_model-kN, dtree-K.L1.L2, dtree-auto, dtree-default "
                          f"(each also as NAME{IOMP}, NAME{SYNC}, NAME{RECOMPUTE}, NAME{ROWSGEMM} and NAME{SRC})")
     if args.src is not None and not Path(args.src, "vllm_anisotropic", "__init__.py").is_file():
         raise SystemExit(f"--src {args.src}: no vllm_anisotropic/__init__.py there")
@@ -616,7 +621,7 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-bench-") as tmp:
             extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
             job = sweep_engine.SweepJob(model=str(model_dir), method=method,
-                           speculative_config=resolve_config(method, Path(tmp), draft_dir, args.dtype),
+                           speculative_config=resolve_config(method, Path(tmp), draft_dir),
                            cells=[c for c, _ in mine], cell_prompts=[p for _, p in mine], warmup_prompts=warmup,
                            max_tokens=args.max_tokens, concurrency=args.concurrency,
                            temperature=args.temperature,

@@ -23,7 +23,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import time

@@ -111,7 +111,7 @@ class DraftBatch:
         for row, owner, t in zip(self.tokens, self.owner, tokens):
             row.extend(int(x) for x in t)
             self.sessions[owner].forwarded += len(t)
-        return model.get_output_embeddings()(last).float()
+        return model.get_output_embeddings()(last).float().cpu()  # the laws and draws on the host (DraftLM)
 
     def repeat(self, counts) -> None:
         """Row b becomes ``counts[b]`` consecutive rows (the branches of its trunk's end; 0 drops
@@ -178,6 +178,8 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
         r = drafting[0]
         trees[r] = states[r].draft(contexts[r], budgets[r])
     elif drafting:
+        for r in drafting:
+            states[r].session.last_step = proposer.step
         batch, logits = _catch_up(proposer.lm, [states[r].session for r in drafting], [contexts[r] for r in drafting])
         root_laws = _laws(logits, [states[r].sampling for r in drafting])
         shapes = [states[r].shape_for(contexts[r], root_laws[j]) for j, r in enumerate(drafting)]

@@ -68,11 +68,15 @@ __all__ = ["DelayedShape", "DraftLM", "DraftSession", "delayed_tree", "shape_par
            "DraftTreeState", "check_same_vocabulary"]
 
 GREEDY = TargetSampling(temperature=0.0)
+DRAFT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 logger = logging.getLogger(__name__)
 
 
 class DraftLM:
-    """The draft model q: a transformers causal LM, run on the CPU (or ``device``), no grad."""
+    """The draft model q: a transformers causal LM on ``device`` (its weights and KV there), no
+    grad. Its logits come back to the host as float32 (``forward``, ``DraftBatch.forward``): the
+    laws and draws stay on the host, as the requests' generators and every TP rank's same tree
+    need, one [rows, vocab] copy per forward."""
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
@@ -80,7 +84,9 @@ class DraftLM:
         self.model_dir = str(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(device).eval()
         self.device = torch.device(device)
+        self.dtype = dtype
         self.vocab_size = int(self.model.config.vocab_size)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model.config, dtype)
 
     def new_session(self) -> "DraftSession":
         return DraftSession(self)
@@ -90,7 +96,16 @@ class DraftLM:
         """q's logits after the last of ``input_ids`` [batch, 1, vocab_size] (float32); ``cache``
         extended in place. Only the last position goes through the output head."""
         out = self.model(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1:].float()
+        return out.logits[:, -1:].float().cpu()
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token holds in a causal LM of transformers ``config`` in ``dtype``:
+    layers x 2 x KV heads x head dim x element size."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return int(config.num_hidden_layers) * 2 * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 class DraftSession:
@@ -104,6 +119,11 @@ class DraftSession:
         self.cache = DynamicCache()
         self.tokens: list[int] = []
         self.forwarded = 0  # tokens run through q (for the incremental-cache tests and stats)
+        self.last_step = 0  # the proposer's step in which it last drafted (the KV bound's LRU order)
+
+    def kv_bytes(self) -> int:
+        """Bytes of K/V the session holds (its tokens in q's cache)."""
+        return len(self.tokens) * self.lm.kv_bytes_per_token
 
     def root_logits(self, context: Sequence[int]) -> torch.Tensor:
         """q's logits after ``context`` [vocab_size]; the cache then holds exactly ``context``."""
@@ -294,6 +314,7 @@ class DraftTreeState(RequestState):
 
     def draft(self, context_tokens: np.ndarray, max_nodes: int | None = None) -> DraftTree:
         """``propose``'s tree once ``wants_q`` said yes."""
+        self.session.last_step = self.proposer.step
         root_law = None
         if self.proposer.selector is not None:
             root_law = root_law_of(self.session, context_tokens, self.sampling)
@@ -327,11 +348,21 @@ class DraftTreeProposer(Proposer):
 
     name = "draft_tree"
 
-    def __init__(self, config, vocab_size: int | None = None) -> None:
+    def __init__(self, config, vocab_size: int | None = None, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        """``device`` / ``dtype``: what ``draft_device`` / ``draft_dtype`` "auto" mean (the
+        engine passes its worker's device and the target's dtype); without them, the CPU and
+        float32."""
         self.config = config
         self.shape = DelayedShape(config.branches, config.trunk, config.branch_length)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.draft_dtype]
-        self.lm = DraftLM(config.model, dtype=dtype)
+        device = str(device or "cpu") if config.draft_device == "auto" else config.draft_device
+        dtype = (dtype or torch.float32) if config.draft_dtype == "auto" else DRAFT_DTYPES[config.draft_dtype]
+        self.lm = DraftLM(config.model, dtype=dtype, device=device)
+        # bytes of K/V the requests' q sessions may hold between steps (``fit_kv``); None: no
+        # bound (offline use); the engine sets it from what it reserves out of vLLM's KV memory
+        self.kv_bound: int | None = None
+        self.kv_evictions = 0  # sessions dropped to stay within kv_bound
+        self.step = 0  # drafting steps (begin_step), the sessions' LRU clock
         # the learned (K, L1, L2) selector; "auto" is resolved by the engine's front door (it knows
         # the target): left unresolved here, it means the fixed shape
         self.selector = None
@@ -364,6 +395,26 @@ class DraftTreeProposer(Proposer):
 
     def begin_step(self, num_requests: int) -> None:
         self.step_requests = max(1, int(num_requests))
+        self.step += 1
+
+    def fit_kv(self, states) -> int:
+        """Drop whole q sessions of ``states`` (every live request's), least recently drafted
+        first (the longest first within a step), until what they hold is within ``kv_bound``;
+        returns the bytes they hold then. A dropped session is rebuilt from the context when
+        its request drafts again (a prefill of q; the trees, and so the output, do not depend on
+        it). Called after each drafting step."""
+        sessions = [s.session for s in states]
+        held = sum(s.kv_bytes() for s in sessions)
+        if self.kv_bound is None or held <= self.kv_bound:
+            return held
+        for session in sorted(sessions, key=lambda s: (s.last_step, -len(s.tokens))):
+            if held <= self.kv_bound:
+                break
+            if session.tokens:
+                held -= session.kv_bytes()
+                session.crop(0)
+                self.kv_evictions += 1
+        return held
 
     def count_shape(self, shape: "DelayedShape") -> None:
         """One request-step the selector chose ``shape`` (the ``selector_shapes`` metric)."""

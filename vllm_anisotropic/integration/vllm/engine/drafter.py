@@ -47,7 +47,7 @@ from vllm_anisotropic.integration.vllm.engine.faults import inject, report, tp_s
 from vllm_anisotropic.integration.vllm.engine.faults import tp_rank as _tp_rank
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.engine.metrics import MetricsSink, TreeMetrics
-from vllm_anisotropic.proposers import DraftTreeProposer, get_proposer
+from vllm_anisotropic.proposers import DraftTreeProposer, get_proposer, proposer_config
 from vllm_anisotropic.proposers.adjacency import TopKRows
 from vllm_anisotropic.proposers.base import MODE_CODES, ProposalMode, RequestState
 from vllm_anisotropic.tree import DraftTree, FlatTrees
@@ -125,7 +125,13 @@ class TreeDrafter:
         method = stored.get("method") or spec.method
         self.config = TreeSpecConfig.from_additional_config(method, vllm_config.additional_config)
         vocab_size = vllm_config.model_config.get_vocab_size()
-        self.proposer = get_proposer(self.config.proposer_name, vocab_size=vocab_size, **self.config.proposer_options)
+        name, options = self.config.proposer_name, self.config.proposer_options
+        if name == "draft_tree":  # q on the worker's device, in the target's dtype, unless the config names them
+            self.proposer = DraftTreeProposer(proposer_config(name, **options), vocab_size,
+                                              device=vllm_config.device_config.device,
+                                              dtype=vllm_config.model_config.dtype)
+        else:
+            self.proposer = get_proposer(name, vocab_size=vocab_size, **options)
         if isinstance(self.proposer, DraftTreeProposer):
             use_vllm_cpu_gemm(self.proposer.lm.model)  # q's linears take vLLM's CPU kernels (cpu_gemm.py)
         self.max_draft_tokens: int = int(spec.num_speculative_tokens)
@@ -289,6 +295,9 @@ class TreeDrafter:
         states = self._states_of(drafting, ids, laws)
         room = np.maximum(np.minimum(self.max_draft_tokens, self.max_model_len - lengths - 1), 0)
         trees, modes, prev_roots = self._propose(states, ids, token_ids_cpu, rows, lengths, room, chains)
+        if isinstance(self.proposer, DraftTreeProposer):
+            self.proposer.fit_kv(self.states.values())
+            self._count_draft_kv()
         cap = getattr(self.proposer, "max_tree_nodes", None)  # a proposer's guaranteed bound: cut only near the end
         if cap is None or int(room.min()) + 1 < cap:
             trees = trees.prefix(room + 1)
@@ -313,6 +322,26 @@ class TreeDrafter:
         for k, i in enumerate(drafting):
             out[i] = tokens[offsets[k] + 1:offsets[k + 1]]
         return out
+
+    def reserve_draft_kv(self, available: int, target_bytes_per_token: float) -> int:
+        """What vLLM may give the target's KV cache out of ``available`` bytes once q's KV is
+        reserved (draft_tree; other methods reserve nothing): ``draft_kv_bytes``, or by default
+        the share in which q holds as many tokens as the target's cache. The reserve becomes the
+        bound of the requests' q sessions (``DraftTreeProposer.fit_kv``)."""
+        if not isinstance(self.proposer, DraftTreeProposer):
+            return available
+        q_per_token = self.proposer.lm.kv_bytes_per_token
+        reserve = self.proposer.config.draft_kv_bytes
+        if reserve is None:
+            reserve = int(available * q_per_token / (q_per_token + target_bytes_per_token))
+        if reserve >= available:
+            raise ValueError(f"draft_tree: draft_kv_bytes {reserve} leaves nothing of the {available} bytes vLLM "
+                             f"has for the KV cache; give a smaller draft_kv_bytes, or more KV memory")
+        self.proposer.kv_bound = self.metrics.draft_kv_bound_bytes = int(reserve)
+        logger.info("draft_tree: %.1f MiB of the %.1f MiB of KV memory reserved for the draft model's KV "
+                    "(%d bytes a token; the target's %.0f)", reserve / 2**20, available / 2**20, q_per_token,
+                    target_bytes_per_token)
+        return available - reserve
 
     def _drafting_rows(self, req_ids, eligible, sampled_token_ids, chains: bool) -> list[int]:
         """Batch rows that draft this step; every row's old pending tree is dropped. Not
@@ -599,11 +628,18 @@ class TreeDrafter:
         self.unlabelled.pop(req_id, None)
         self.disabled.discard(req_id)
         self.metrics.live_requests = len(self.states)
+        self._count_draft_kv()
         if state is not None and not getattr(getattr(self.proposer, "config", None), "shared_table", True):
             self._count_tables()  # its own table is gone
         # at most once a second (~1 ms a write in the engine): the runner forces one when the
         # batch drains (``TreeRunnerMixin._update_states``)
         self.sink.tick()
+
+    def _count_draft_kv(self) -> None:
+        """draft_tree's KV gauges: what q's sessions hold, and the sessions dropped to the bound."""
+        if isinstance(self.proposer, DraftTreeProposer):
+            self.metrics.draft_kv_bytes = sum(state.session.kv_bytes() for state in self.states.values())
+            self.metrics.draft_kv_evictions = self.proposer.kv_evictions
 
     def _count_tables(self) -> None:
         """The table gauges (at admission and finish, not per step): salted tenant tables held,
@@ -628,6 +664,7 @@ class TreeDrafter:
         release = getattr(self.states.get(req_id), "release", None)
         if release is not None:
             release()
+            self._count_draft_kv()
 
     def _forget_pending(self, req_id: str) -> None:
         self.pending.pop(req_id, None)

@@ -8,6 +8,11 @@ runner subclass (``gpu_runner.TreeGPUModelRunner``); ``FLASH_ATTN`` is overridde
 attention of the model's first attention layer is checked on the device against float64
 (``gpu_attention.self_test``): a mismatch refuses to start.
 
+Both: ``determine_available_memory`` gives the target's KV cache what vLLM found less what
+``draft_tree`` reserves for its draft model's KV (``TreeDrafter.reserve_draft_kv``; nothing for
+the other methods). On a GPU, q's weights are loaded with the runner, before vLLM's memory
+profile, which counts them.
+
 CPU (``TreeCPUWorker``): vLLM's ``CPUWorker`` builds its model runner inline from the module
 global ``cpu_worker.CPUModelRunner`` (``init_device``), so the global is swapped for
 ``runner.TreeCPUModelRunner`` around the call; the CPU attention backend is overridden with
@@ -41,6 +46,9 @@ class TreeCPUWorker(CPUWorker):
             return super().init_device()
         finally:
             cpu_worker.CPUModelRunner = original
+
+    def determine_available_memory(self) -> int:
+        return _reserve_draft_kv(self.model_runner, super().determine_available_memory())
 
     def compile_or_warm_up_model(self, *args, **kwargs):
         from vllm_anisotropic.integration.vllm.kernels.attention import warm_up_paths
@@ -78,6 +86,9 @@ class TreeGPUWorker(_gpu_worker_base()):
             raise ValueError(_V2_REFUSAL)
         return TreeGPUModelRunner(self.vllm_config, self.device)
 
+    def determine_available_memory(self) -> int:
+        return _reserve_draft_kv(self.model_runner, super().determine_available_memory())
+
     def load_model(self, *args, **kwargs):
         out = super().load_model(*args, **kwargs)
         tree_attention_self_test(self.model_runner.model, self.vllm_config, self.device)
@@ -90,6 +101,15 @@ class TreeGPUWorker(_gpu_worker_base()):
         warm_up_device_plan()  # the CUDA split's plan kernel (after vLLM's start-up scan: kernels/__init__.py)
         _calibrate(self.model_runner)
         return out
+
+
+def _reserve_draft_kv(runner, available: int) -> int:
+    """vLLM's KV memory less what draft_tree reserves for q's KV (``TreeDrafter.reserve_draft_kv``),
+    given the target's KV bytes per token on this worker (every layer's page / block size)."""
+    if runner.drafter.config.proposer_name != "draft_tree":
+        return available
+    per_token = sum(spec.page_size_bytes / spec.block_size for spec in runner.get_kv_cache_spec().values())
+    return runner.drafter.reserve_draft_kv(int(available), per_token)
 
 
 def _calibrate(runner) -> None:
