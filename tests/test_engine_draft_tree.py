@@ -93,6 +93,7 @@ def test_greedy_with_a_selector_drafts_its_shape_and_stays_plain_vllm_s(pair, gr
     assert abs(spec.kv_cache_blocks - plain.kv_cache_blocks * (kv - DRAFT_KV) / kv) <= 1, spec.kv_cache_blocks
     assert tree["draft_kv_bound_bytes"] == DRAFT_KV and tree["draft_kv_evictions"] > 20, tree
     assert tree["draft_kv_bytes"] == 0, tree  # every request finished: every session dropped
+    assert 0 < tree["draft_kv_peak_bytes"] <= DRAFT_KV, tree  # held within the bound after every step
     assert tree["verified_trees"] > 20 and tree["max_nodes"] == 4, tree  # root + the chain of 3
     assert list(tree["selector_shapes"]) == ["1,3,0"] and tree["selector_shapes"]["1,3,0"] >= tree["verified_trees"]
     assert tree["draft_nodes"] > 2.5 * tree["verified_trees"], tree

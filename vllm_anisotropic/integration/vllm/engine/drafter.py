@@ -298,6 +298,7 @@ class TreeDrafter:
         if isinstance(self.proposer, DraftTreeProposer):
             self.proposer.fit_kv(self.states.values())
             self._count_draft_kv()
+            self.metrics.draft_kv_peak_bytes = max(self.metrics.draft_kv_peak_bytes, self.metrics.draft_kv_bytes)
         cap = getattr(self.proposer, "max_tree_nodes", None)  # a proposer's guaranteed bound: cut only near the end
         if cap is None or int(room.min()) + 1 < cap:
             trees = trees.prefix(room + 1)
