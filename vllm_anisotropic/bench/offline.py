@@ -157,6 +157,8 @@ class OfflineResult(BaseModel):
     pid: int
     kv_cache_blocks: int | None = None
     """KV-cache blocks vLLM made for the target (``cache_config.num_gpu_blocks``)."""
+    kv_cache_block_size: int | None = None
+    """Tokens per KV-cache block (``cache_config.block_size``; 128 on vLLM's CPU build)."""
     prompt_token_ids: list[list[int]] = []
     """The prompts as vLLM tokenized them."""
     logprobs: list[list[dict[int, float]]] | None = None
@@ -344,6 +346,7 @@ def run_in_this_process(job: OfflineJob) -> OfflineResult:
         gauges=_counters(llm, "Gauge"),
         pid=os.getpid(),
         kv_cache_blocks=llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+        kv_cache_block_size=llm.llm_engine.vllm_config.cache_config.block_size,
         prompt_token_ids=[list(o.prompt_token_ids or []) for o in outputs],
         logprobs=None if all(o.outputs[0].logprobs is None for o in outputs) else [
             [{int(t): float(lp.logprob) for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])]
