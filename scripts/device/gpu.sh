@@ -34,6 +34,10 @@
 #   kvmove       (after setup) the K/V slot moves on CUDA (scripts/kv_move_cost.py: KVMover.move over
 #                every layer, 8 / 64 / 512 moved tokens, SmolLM2 / Qwen2.5-1.5B / Llama-8B shapes,
 #                each result checked) -> $OUT/kv_move_cost_gpu.jsonl
+#   draftq       (after setup) draft_tree's q on CUDA (scripts/draft_batch_cost.py): the batched step's
+#                trees checked against one request at a time (float32), q's weights and KV on the
+#                device, then ms per drafting step batched vs one at a time, B = 1..16, bf16, a random
+#                q of Qwen2.5-Coder-0.5B's shape -> $OUT/draft_batch_gpu.txt and .jsonl
 #   e.g. call 1 (carry .gpu/whl .gpu/site .gpu/s0): setup smolcost smol0; call 2 at once (carry .gpu/s1): smoltau
 #
 # Prepare the carried files on the development machine (see docs/gpu.md).
@@ -50,6 +54,11 @@ smol_model() {
 
 for step in "$@"; do
   case "$step" in
+    draftq)
+      python3 scripts/draft_batch_cost.py --device cuda --dtype bfloat16 --out "$OUT/draft_batch_gpu.jsonl" \
+        > "$OUT/draft_batch_gpu.txt" 2>&1
+      grep -v "Loading weights" "$OUT/draft_batch_gpu.txt" | tail -14
+      ;;
     setup)
       if [ ! -f /tmp/site/.ok ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
