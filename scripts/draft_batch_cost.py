@@ -115,10 +115,11 @@ def main() -> None:
     assert weight.device.type == torch.device(args.device).type, weight.device
     run(pair, 4, 3, min(args.context, 128), args.device, check=True)
     cache = pair[0].new_request().session
-    cache.root_logits(list(range(100, 120)))  # token ids any vocabulary has
+    logits = cache.root_logits(list(range(100, 120)))  # token ids any vocabulary has
     assert cache.cache.layers[0].keys.device.type == torch.device(args.device).type
+    assert logits.device.type == "cpu" and logits.dtype == torch.float32, (logits.device, logits.dtype)
     print("check: batched trees == one-at-a-time trees (float32, B = 4, 3 steps); q's weights and KV on "
-          f"{weight.device}", flush=True)
+          f"{weight.device}, the logits on the host", flush=True)
     del pair, cache
 
     out = open(args.out, "w") if args.out else None

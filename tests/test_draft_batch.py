@@ -20,7 +20,7 @@ from test_selector_runtime import threshold_selector
 
 from vllm_anisotropic.models.tiny import build_tiny_model
 from vllm_anisotropic.proposers import get_proposer
-from vllm_anisotropic.proposers.draft_batch import PREFILL_ALONE
+from vllm_anisotropic.proposers.draft_batch import PREFILL_ALONE, copy_groups
 from vllm_anisotropic.selector.shape import DelayedShape
 from vllm_anisotropic.verifiers import TargetSampling
 
@@ -230,28 +230,35 @@ def test_kv_bytes_per_token_is_what_the_cache_holds(draft_dir):
 
 
 def test_the_kv_bound_drops_the_least_recently_drafted_sessions_and_the_trees_stay_the_same(draft_dir):
-    """Six requests, of which steps draft three or four at a time, under a bound of ~2.5
-    contexts of q's KV: after every step what the sessions hold is within the bound, the
+    """Six requests, of which steps draft two to four at a time, under a bound whose half (the
+    sessions' share) is ~4 contexts of q's KV and whose other half lets a step join two rows
+    (shape K = 2): after every step what the sessions hold is within half the bound, the
     sessions dropped are the ones that drafted longest ago (the oldest first), and every tree
-    is the tree of a twin with no bound (a dropped session is rebuilt from the context; greedy
-    and seeded sampled alike). Fails on an unbounded store, a most-recent-first order, or a
-    rebuilt session that drafts differently."""
+    is the tree of a twin with no bound (a dropped session is rebuilt from the context; the
+    requests drafted in groups; greedy and seeded sampled alike, float32). Fails on an
+    unbounded store, a most-recent-first order, a rebuilt session or a group that drafts
+    differently."""
     (pa, sa), (pb, sb) = _twins(draft_dir, 6, branches=2, trunk=1, branch_length=2, selector="off")
     per_token = pa.lm.kv_bytes_per_token
-    pa.kv_bound = int(2.5 * 40 * per_token)
+    pa.kv_bound = 2 * 2 * 40 * 2 * per_token
     tokens, lengths = _contexts([30, 36, 33, 40, 28, 35], seed=6)
     rng = np.random.default_rng(7)
+    calls = _forwards(pa)
     evicted = 0
     for step, active in enumerate([[0, 1, 2], [3, 4, 5], [0, 2, 4, 5], [1, 3], [0, 1, 2, 3]]):
         rows = np.asarray(active)
         for p in (pa, pb):
             p.begin_step(len(rows))
+        calls.clear()
         out = pa.propose_batch([sa[i] for i in active], tokens, rows, lengths[rows])
+        groups = copy_groups(pa, active, lengths[rows].tolist())
+        assert 1 < len(groups) < len(active) or len(active) <= 2, (step, groups)
+        assert len(calls) <= len(groups) * 3 + len(active), (step, len(calls))  # catch-up, trunk, branch (+ a prefill)
         for k, i in enumerate(active):
             _same(out.trees.tree(k), sb[i].propose(tokens[i, : lengths[i]]))
         before = {i: len(sa[i].session.tokens) for i in range(6)}
         held = pa.fit_kv(sa)
-        assert held == sum(s.session.kv_bytes() for s in sa) <= pa.kv_bound, (step, held)
+        assert held == sum(s.session.kv_bytes() for s in sa) <= pa.kv_bound // 2, (step, held)
         dropped = [i for i in range(6) if before[i] and not sa[i].session.tokens]
         kept = [i for i in range(6) if sa[i].session.tokens]
         if dropped and kept:  # never a more recent session dropped while an older one is kept
@@ -262,7 +269,25 @@ def test_the_kv_bound_drops_the_least_recently_drafted_sessions_and_the_trees_st
             tokens[i, lengths[i] : lengths[i] + len(add)] = add
             lengths[i] += len(add)
     assert evicted == pa.kv_evictions >= 4, evicted
-    assert pb.fit_kv(sb) > pa.kv_bound  # the twin, unbounded, holds more than the bound
+    assert pb.fit_kv(sb) > pa.kv_bound // 2  # the twin, unbounded, holds more
+
+
+def test_copy_groups_fit_half_the_bound_and_go_by_length(draft_dir):
+    """Each group's joined copy (rows x its widest context x the most branches x bytes a token)
+    within half the bound, the requests by context length, a request over it alone, every
+    request in exactly one group; no bound: one group."""
+    proposer = get_proposer("draft_tree", model=draft_dir, branches=3, trunk=1, branch_length=1, selector="off")
+    per_row = proposer.lm.kv_bytes_per_token * 3
+    drafting, widths = [10, 11, 12, 13, 14, 15], [50, 20, 400, 25, 60, 30]
+    assert copy_groups(proposer, drafting, widths) == [drafting]
+    proposer.kv_bound = 2 * 100 * per_row
+    groups = copy_groups(proposer, drafting, widths)
+    assert sorted(r for g in groups for r in g) == drafting
+    width = dict(zip(drafting, widths))
+    assert [r for g in groups for r in g] == sorted(drafting, key=width.get)
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(width[r] for r in g) * per_row <= proposer.kv_bound // 2, g
+    assert groups == [[11, 13, 15], [10], [14], [12]], groups  # 3 x 30 fits 100; 50 + 60 do not pair
 
 
 def test_the_draft_device_and_dtype_follow_the_engine_unless_named(draft_dir):
@@ -277,5 +302,5 @@ def test_the_draft_device_and_dtype_follow_the_engine_unless_named(draft_dir):
     assert auto.lm.kv_bytes_per_token * 2 == get_proposer("draft_tree", model=draft_dir).lm.kv_bytes_per_token
     named = DraftTreeProposer(proposer_config("draft_tree", model=draft_dir, draft_dtype="float32"), dtype=torch.bfloat16)
     assert named.lm.dtype == torch.float32 and named.lm.device.type == "cpu"
-    with pytest.raises(ValueError, match=r"draft_device 'gpu0'.*'auto', 'cpu', 'cuda', 'cuda:N'"):
-        proposer_config("draft_tree", model=draft_dir, draft_device="gpu0")
+    with pytest.raises(ValueError, match=r"draft_device[\s\S]*'auto' or 'cpu'"):
+        proposer_config("draft_tree", model=draft_dir, draft_device="cuda:1")

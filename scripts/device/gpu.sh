@@ -56,8 +56,9 @@ for step in "$@"; do
   case "$step" in
     draftq)
       python3 scripts/draft_batch_cost.py --device cuda --dtype bfloat16 --out "$OUT/draft_batch_gpu.jsonl" \
-        > "$OUT/draft_batch_gpu.txt" 2>&1
+        > "$OUT/draft_batch_gpu.txt" 2>&1; rc=$?
       grep -v "Loading weights" "$OUT/draft_batch_gpu.txt" | tail -14
+      [ "$rc" = 0 ] || { echo "draftq failed (exit $rc)"; exit "$rc"; }
       ;;
     setup)
       if [ ! -f /tmp/site/.ok ]; then

@@ -13,7 +13,6 @@ ratio tiers p_s < 0.2 -> 0.15, < 0.4 -> 0.30, else 0.50, linear bypass threshold
 from __future__ import annotations
 
 import os
-import re
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -171,26 +170,21 @@ class DraftTreeConfig(ProposerConfig):
     draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype q runs in; ``"auto"``: the target's (vLLM's ``--dtype``), float32 outside the engine.
     On a CPU without native bf16 (AVX2 only) a bf16 q is emulated: ``"float32"`` is faster there."""
-    draft_device: str = "auto"
-    """Device of q's weights and KV: ``"auto"``, the worker's (the GPU on a GPU worker, the CPU
-    on vLLM's CPU build); ``"cpu"``; or ``"cuda"`` / ``"cuda:N"``."""
+    draft_device: Literal["auto", "cpu"] = "auto"
+    """Device of q's weights and KV: ``"auto"``, the worker's (its GPU on a GPU worker, the CPU
+    on vLLM's CPU build); ``"cpu"``: the host (on a GPU worker nothing is then reserved out of
+    vLLM's KV memory; ``draft_kv_bytes``, if given, still bounds q's KV in host memory)."""
     draft_kv_bytes: int | None = Field(default=None, ge=1)
     """Bytes of q's KV the engine reserves out of the memory vLLM would give the target's KV
-    cache (per worker); the requests' q sessions stay within it (least recently drafted dropped
-    first, rebuilt when they draft again). None: the share in which q holds as many tokens as
-    the target's cache, memory x q's bytes per token / (q's + the target's)."""
+    cache (per worker): half for the requests' q sessions between steps (least recently drafted
+    dropped first, rebuilt when they draft again), half for a step's joined copies (requests
+    drafted in groups that fit it). None: the share in which q holds as many tokens as the
+    target's cache, memory x q's bytes per token / (q's + the target's)."""
     selector: str = "auto"
     """(K, L1, L2) chosen per request-step by a learned selector (``vllm_anisotropic.selector``):
     ``"auto"`` takes the selector shipped for this target and draft pair, if there is one and no
     shape key (``trunk``, ``branches``, ``branch_length``) is given, else the fixed shape;
     ``"off"`` the fixed shape; or the directory of a selector (``vllm-anisotropic selector train``)."""
-
-    @field_validator("draft_device")
-    @classmethod
-    def _device_is_known(cls, value: str) -> str:
-        if value in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", value):
-            return value
-        raise ValueError(f"draft_device {value!r} is not a device; valid: 'auto', 'cpu', 'cuda', 'cuda:N'")
 
     @field_validator("selector")
     @classmethod

@@ -40,7 +40,7 @@ from vllm_anisotropic.proposers.draft_common import _draw, _law, _tree, shape_pa
 from vllm_anisotropic.tree import FlatTrees
 from vllm_anisotropic.verifiers.sampling import target_probs
 
-__all__ = ["DraftBatch", "DraftProposals", "propose_draft_trees", "PREFILL_ALONE"]
+__all__ = ["DraftBatch", "DraftProposals", "copy_groups", "propose_draft_trees", "PREFILL_ALONE"]
 
 # a request with more new tokens than this (a new prompt, a resumed preemption) runs them alone
 # first: padding every row of the catch-up to a prompt's length would cost a prompt per row
@@ -172,24 +172,48 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
             drafting.append(r)
         else:
             trees[r] = root_only(contexts[r])
-    if len(drafting) == 1:
-        # one request: its own cache in place (joining one row would copy its KV twice a step;
-        # 0.91x of this path at one request on a 2-core EPYC, docs/measurements/cpu/draft_batch_2026_11_29.txt)
-        r = drafting[0]
-        trees[r] = states[r].draft(contexts[r], budgets[r])
-    elif drafting:
-        for r in drafting:
+    for group in copy_groups(proposer, drafting, [len(contexts[r]) for r in drafting]):
+        if len(group) == 1:
+            # one request: its own cache in place (joining one row would copy its KV twice a step;
+            # 0.91x of this path at one request on a 2-core EPYC, docs/measurements/cpu/draft_batch_2026_11_29.txt)
+            r = group[0]
+            trees[r] = states[r].draft(contexts[r], budgets[r])
+            continue
+        for r in group:
             states[r].session.last_step = proposer.step
-        batch, logits = _catch_up(proposer.lm, [states[r].session for r in drafting], [contexts[r] for r in drafting])
-        root_laws = _laws(logits, [states[r].sampling for r in drafting])
-        shapes = [states[r].shape_for(contexts[r], root_laws[j]) for j, r in enumerate(drafting)]
-        drawn = _delayed_trees(batch, shapes, [states[r] for r in drafting], root_laws,
-                               [int(contexts[r][-1]) for r in drafting])
-        for r, shape, tree in zip(drafting, shapes, drawn):
+        batch, logits = _catch_up(proposer.lm, [states[r].session for r in group], [contexts[r] for r in group])
+        root_laws = _laws(logits, [states[r].sampling for r in group])
+        shapes = [states[r].shape_for(contexts[r], root_laws[j]) for j, r in enumerate(group)]
+        drawn = _delayed_trees(batch, shapes, [states[r] for r in group], root_laws,
+                               [int(contexts[r][-1]) for r in group])
+        del batch
+        for r, shape, tree in zip(group, shapes, drawn):
             trees[r] = states[r].cut(tree, shape, budgets[r])
     modes = np.array([MODE_CODES[s.last_info.mode] for s in states], np.int8)
     prev_roots = np.where(lengths >= 2, token_ids[rows, np.maximum(lengths - 2, 0)], -1).astype(np.int64)
     return DraftProposals(FlatTrees.from_trees(trees), modes, prev_roots)
+
+
+def copy_groups(proposer, drafting: list, widths: list) -> list[list]:
+    """The drafting requests in the groups one step drafts together: all of them at once, unless
+    the proposer has a KV bound (``kv_bound``), in which case each group's joined copy, every
+    row as wide as the group's longest context and repeated for up to the most branches a
+    shape can have, fits half of it (the sessions held between steps have the other half,
+    ``DraftTreeProposer.fit_kv``). The requests go by context length, so a group's rows are
+    alike in width; a request whose copy alone is over drafts alone on its own cache."""
+    if proposer.kv_bound is None or len(drafting) <= 1:
+        return [list(drafting)] if drafting else []
+    per_row = proposer.lm.kv_bytes_per_token * max(1, proposer.max_branches)
+    budget = proposer.kv_bound // 2
+    groups, group, widest = [], [], 0
+    for j in sorted(range(len(drafting)), key=lambda j: widths[j]):
+        width = max(widest, widths[j])
+        if group and (len(group) + 1) * width * per_row > budget:
+            groups.append(group)
+            group, width = [], widths[j]
+        group.append(drafting[j])
+        widest = width
+    return groups + [group]
 
 
 def _catch_up(lm, sessions: list, contexts: list) -> tuple[DraftBatch, torch.Tensor]:

@@ -397,18 +397,27 @@ class DraftTreeProposer(Proposer):
         self.step_requests = max(1, int(num_requests))
         self.step += 1
 
+    @property
+    def max_branches(self) -> int:
+        """The most branch rows one request's tree can take (its shape's K, or the selector's
+        largest; 1 for chains): how often a step's joined copy repeats a row."""
+        if self.selector is None:
+            return self.shape.branches if self.shape.branch_length else 1
+        actions = getattr(self.selector, "actions", None)
+        return max((k for k, _, l2 in actions if l2), default=1) if actions else 4
+
     def fit_kv(self, states) -> int:
         """Drop whole q sessions of ``states`` (every live request's), least recently drafted
-        first (the longest first within a step), until what they hold is within ``kv_bound``;
-        returns the bytes they hold then. A dropped session is rebuilt from the context when
-        its request drafts again (a prefill of q; the trees, and so the output, do not depend on
-        it). Called after each drafting step."""
+        first (the longest first within a step), until what they hold is within half of
+        ``kv_bound`` (a step's joined copies have the other half: ``draft_batch.copy_groups``);
+        returns the bytes they hold then. A dropped session is rebuilt from the context when its
+        request drafts again (a prefill of q). Called after each drafting step."""
         sessions = [s.session for s in states]
         held = sum(s.kv_bytes() for s in sessions)
-        if self.kv_bound is None or held <= self.kv_bound:
+        if self.kv_bound is None or held <= self.kv_bound // 2:
             return held
         for session in sorted(sessions, key=lambda s: (s.last_step, -len(s.tokens))):
-            if held <= self.kv_bound:
+            if held <= self.kv_bound // 2:
                 break
             if session.tokens:
                 held -= session.kv_bytes()

@@ -14,7 +14,7 @@ def main() -> None:
 
     model_dir = _resolve_model("smollm2-135m")
     prompts = build_prompts(model_dir, "humaneval,gsm8k,mtbench", nprompt)
-    spec = resolve_config(method, Path(tempfile.mkdtemp()), None, "bfloat16") if method != "plain" else None
+    spec = resolve_config(method, Path(tempfile.mkdtemp()), None) if method != "plain" else None
     kw = {} if spec is None else {"speculative_config": spec}
     llm = LLM(model=str(model_dir), max_num_seqs=seqs, **kw,
               **{**CPU_LLM_DEFAULTS, "dtype": "bfloat16", **method_llm_kwargs(method)})

@@ -104,7 +104,7 @@ def update_from_output(self, so, mro):
 S.schedule, S.update_from_output = schedule, update_from_output
 model_dir = _resolve_model("smollm2-135m")
 prompts = build_prompts(model_dir, "humaneval,gsm8k,mtbench", nprompt)
-spec = resolve_config(method, Path(tempfile.mkdtemp()), None, "bfloat16") if method != "plain" else None
+spec = resolve_config(method, Path(tempfile.mkdtemp()), None) if method != "plain" else None
 kw = {} if spec is None else {"speculative_config": spec}
 llm = LLM(model=str(model_dir), max_num_seqs=seqs, **kw, **{**CPU_LLM_DEFAULTS, "dtype": "bfloat16", **method_llm_kwargs(method)})
 llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)

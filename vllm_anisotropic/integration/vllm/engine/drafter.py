@@ -296,9 +296,10 @@ class TreeDrafter:
         room = np.maximum(np.minimum(self.max_draft_tokens, self.max_model_len - lengths - 1), 0)
         trees, modes, prev_roots = self._propose(states, ids, token_ids_cpu, rows, lengths, room, chains)
         if isinstance(self.proposer, DraftTreeProposer):
+            reached = sum(state.session.kv_bytes() for state in self.states.values())
+            self.metrics.draft_kv_peak_bytes = max(self.metrics.draft_kv_peak_bytes, reached)
             self.proposer.fit_kv(self.states.values())
             self._count_draft_kv()
-            self.metrics.draft_kv_peak_bytes = max(self.metrics.draft_kv_peak_bytes, self.metrics.draft_kv_bytes)
         cap = getattr(self.proposer, "max_tree_nodes", None)  # a proposer's guaranteed bound: cut only near the end
         if cap is None or int(room.min()) + 1 < cap:
             trees = trees.prefix(room + 1)
@@ -324,24 +325,32 @@ class TreeDrafter:
             out[i] = tokens[offsets[k] + 1:offsets[k + 1]]
         return out
 
-    def reserve_draft_kv(self, available: int, target_bytes_per_token: float) -> int:
-        """What vLLM may give the target's KV cache out of ``available`` bytes once q's KV is
-        reserved (draft_tree; other methods reserve nothing): ``draft_kv_bytes``, or by default
-        the share in which q holds as many tokens as the target's cache. The reserve becomes the
-        bound of the requests' q sessions (``DraftTreeProposer.fit_kv``)."""
+    def reserve_draft_kv(self, available: int, target_bytes_per_token: float, device) -> int:
+        """What vLLM may give the target's KV cache out of ``available`` bytes of ``device`` (the
+        worker's) once q's KV is reserved (draft_tree; other methods reserve nothing):
+        ``draft_kv_bytes``, or by default the share in which q holds as many tokens as the
+        target's cache. The reserve becomes q's KV bound (``DraftTreeProposer.fit_kv``,
+        ``draft_batch.copy_groups``). q on the host beside a GPU worker (``draft_device`` "cpu")
+        takes nothing from the device; ``draft_kv_bytes``, if given, still bounds it."""
         if not isinstance(self.proposer, DraftTreeProposer):
             return available
-        q_per_token = self.proposer.lm.kv_bytes_per_token
+        lm = self.proposer.lm
         reserve = self.proposer.config.draft_kv_bytes
+        if lm.device.type != torch.device(device).type:
+            self.proposer.kv_bound = reserve
+            self.metrics.draft_kv_bound_bytes = int(reserve or 0)
+            logger.info("draft_tree: the draft model's KV is on %s, nothing reserved out of %s's KV memory "
+                        "(bound: %s)", lm.device, device, reserve)
+            return available
         if reserve is None:
-            reserve = int(available * q_per_token / (q_per_token + target_bytes_per_token))
+            reserve = int(available * lm.kv_bytes_per_token / (lm.kv_bytes_per_token + target_bytes_per_token))
         if reserve >= available:
             raise ValueError(f"draft_tree: draft_kv_bytes {reserve} leaves nothing of the {available} bytes vLLM "
                              f"has for the KV cache; give a smaller draft_kv_bytes, or more KV memory")
         self.proposer.kv_bound = self.metrics.draft_kv_bound_bytes = int(reserve)
         logger.info("draft_tree: %.1f MiB of the %.1f MiB of KV memory reserved for the draft model's KV "
-                    "(%d bytes a token; the target's %.0f)", reserve / 2**20, available / 2**20, q_per_token,
-                    target_bytes_per_token)
+                    "(%d bytes a token; the target's %.0f)", reserve / 2**20, available / 2**20,
+                    lm.kv_bytes_per_token, target_bytes_per_token)
         return available - reserve
 
     def _drafting_rows(self, req_ids, eligible, sampled_token_ids, chains: bool) -> list[int]:

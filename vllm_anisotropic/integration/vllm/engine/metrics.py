@@ -85,7 +85,7 @@ class TreeMetrics:
     store_bytes: int = 0  # gauge: bound of the bytes GOOSE's cross-request stores hold (OutputStore.memory_bytes)
     state_budget_bytes: int = 0  # gauge: the proposer's draft_state_bytes (0: no vocabulary to size it)
     draft_kv_bytes: int = 0  # gauge: bytes of K/V the draft model's sessions hold (draft_tree, after a step's drafting)
-    draft_kv_peak_bytes: int = 0  # gauge: the most draft_kv_bytes has been after a step's drafting (fit to the bound)
+    draft_kv_peak_bytes: int = 0  # gauge: the most q's sessions held after a step's drafting, before the fit to the bound
     draft_kv_bound_bytes: int = 0  # gauge: their bound, reserved out of vLLM's KV memory (draft_kv_bytes)
     draft_kv_evictions: int = 0  # draft-model sessions dropped to stay within the bound
     disabled_requests: int = 0  # requests whose trees were turned off after a fault (drafter.disabled)
@@ -202,7 +202,8 @@ _GAUGES = {
     "tree_state_budget_bytes": ("state_budget_bytes",
                                 "draft_state_bytes: the bound of the tenants' tables and stores in the worker"),
     "draft_kv_bytes": ("draft_kv_bytes", "bytes of K/V the draft model's sessions hold in the worker (draft_tree)"),
-    "draft_kv_peak_bytes": ("draft_kv_peak_bytes", "draft_tree: the most draft_kv_bytes has been after a step's drafting"),
+    "draft_kv_peak_bytes": ("draft_kv_peak_bytes", "draft_tree: the most the draft model's sessions held after a "
+                            "step's drafting, before the fit to the bound"),
     "draft_kv_bound_bytes": ("draft_kv_bound_bytes",
                              "draft_tree: the bound of the draft model's K/V, reserved out of vLLM's KV memory"),
 }

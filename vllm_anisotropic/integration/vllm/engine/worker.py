@@ -109,7 +109,7 @@ def _reserve_draft_kv(runner, available: int) -> int:
     if runner.drafter.config.proposer_name != "draft_tree":
         return available
     per_token = sum(spec.page_size_bytes / spec.block_size for spec in runner.get_kv_cache_spec().values())
-    return runner.drafter.reserve_draft_kv(int(available), per_token)
+    return runner.drafter.reserve_draft_kv(int(available), per_token, runner.device)
 
 
 def _calibrate(runner) -> None:
