@@ -783,3 +783,36 @@ def test_learn_keys_against_their_definitions_on_random_batches():
         spine = flat.sources == NodeSource.SPINE
         assert counts[:, 0].tolist() == np.add.reduceat(spine, flat.offsets[:-1]).tolist()
         assert counts[:, 1].tolist() == np.add.reduceat(spine & on_path, flat.offsets[:-1]).tolist()
+
+
+def test_the_draft_kv_reserve_comes_out_of_the_workers_kv_memory_where_q_lives():
+    """``reserve_draft_kv`` (the workers' ``determine_available_memory``): by default q's share of
+    the KV bytes a token (q's / (q's + the target's)) of the worker's KV memory, or
+    ``draft_kv_bytes``; a reserve that leaves nothing is refused by name; q on the host beside a
+    GPU worker takes nothing from the device and keeps ``draft_kv_bytes`` as its bound; GOOSE
+    reserves nothing."""
+    from vllm_anisotropic.models import build_tiny_model
+
+    q = str(build_tiny_model(block_std=0.12, lm_head_alpha=0.25))
+
+    def drafter(**options):
+        spec = TreeSpecConfig.build("draft_tree", {"model": q, **options})
+        cfg = SimpleNamespace(
+            speculative_config=SimpleNamespace(method="draft_tree", num_speculative_tokens=8),
+            additional_config={"vllm_anisotropic": spec.to_additional_config()},
+            model_config=SimpleNamespace(get_vocab_size=lambda: None, max_model_len=MAX_LEN, dtype=torch.float32),
+            device_config=SimpleNamespace(device=torch.device("cpu")))
+        return TreeDrafter(cfg)
+
+    d = drafter()
+    per_token = d.proposer.lm.kv_bytes_per_token  # the tiny q in float32: 1 KiB
+    assert d.reserve_draft_kv(1 << 30, 3 * per_token, "cpu") == (1 << 30) - (1 << 28)  # a quarter for q
+    assert d.proposer.kv_bound == d.metrics.draft_kv_bound_bytes == 1 << 28
+    d = drafter(draft_kv_bytes=5 << 20)
+    assert d.reserve_draft_kv(1 << 30, per_token, "cpu") == (1 << 30) - (5 << 20) and d.proposer.kv_bound == 5 << 20
+    with pytest.raises(ValueError, match=r"draft_kv_bytes 5242880 leaves nothing of the 4194304 bytes"):
+        d.reserve_draft_kv(4 << 20, per_token, "cpu")
+    d = drafter(draft_kv_bytes=5 << 20, draft_device="cpu")
+    assert d.reserve_draft_kv(1 << 30, per_token, "cuda") == 1 << 30 and d.proposer.kv_bound == 5 << 20
+    assert drafter(draft_device="cpu").reserve_draft_kv(1 << 30, per_token, "cuda:0") == 1 << 30
+    assert _drafter().reserve_draft_kv(1 << 30, 1.0, "cpu") == 1 << 30
