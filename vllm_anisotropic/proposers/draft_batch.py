@@ -172,6 +172,8 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
             drafting.append(r)
         else:
             trees[r] = root_only(contexts[r])
+    for r in drafting:
+        states[r].session.last_step = proposer.step  # the KV bound's LRU clock (fit_kv)
     for group in copy_groups(proposer, drafting, [len(contexts[r]) for r in drafting]):
         if len(group) == 1:
             # one request: its own cache in place (joining one row would copy its KV twice a step;
@@ -179,8 +181,6 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
             r = group[0]
             trees[r] = states[r].draft(contexts[r], budgets[r])
             continue
-        for r in group:
-            states[r].session.last_step = proposer.step
         batch, logits = _catch_up(proposer.lm, [states[r].session for r in group], [contexts[r] for r in group])
         root_laws = _laws(logits, [states[r].sampling for r in group])
         shapes = [states[r].shape_for(contexts[r], root_laws[j]) for j, r in enumerate(group)]
@@ -205,14 +205,12 @@ def copy_groups(proposer, drafting: list, widths: list) -> list[list]:
         return [list(drafting)] if drafting else []
     per_row = proposer.lm.kv_bytes_per_token * max(1, proposer.max_branches)
     budget = proposer.kv_bound // 2
-    groups, group, widest = [], [], 0
-    for j in sorted(range(len(drafting)), key=lambda j: widths[j]):
-        width = max(widest, widths[j])
-        if group and (len(group) + 1) * width * per_row > budget:
+    groups, group = [], []
+    for j in sorted(range(len(drafting)), key=lambda j: widths[j]):  # each row the widest of its group so far
+        if group and (len(group) + 1) * widths[j] * per_row > budget:
             groups.append(group)
-            group, width = [], widths[j]
+            group = []
         group.append(drafting[j])
-        widest = width
     return groups + [group]
 
 

@@ -314,7 +314,6 @@ class DraftTreeState(RequestState):
 
     def draft(self, context_tokens: np.ndarray, max_nodes: int | None = None) -> DraftTree:
         """``propose``'s tree once ``wants_q`` said yes."""
-        self.session.last_step = self.proposer.step
         root_law = None
         if self.proposer.selector is not None:
             root_law = root_law_of(self.session, context_tokens, self.sampling)
@@ -362,6 +361,7 @@ class DraftTreeProposer(Proposer):
         # bound (offline use); the engine sets it from what it reserves out of vLLM's KV memory
         self.kv_bound: int | None = None
         self.kv_evictions = 0  # sessions dropped to stay within kv_bound
+        self.kv_peak = 0  # the most the sessions held at a fit_kv, before it dropped any
         self.step = 0  # drafting steps (begin_step), the sessions' LRU clock
         # the learned (K, L1, L2) selector; "auto" is resolved by the engine's front door (it knows
         # the target): left unresolved here, it means the fixed shape
@@ -410,10 +410,12 @@ class DraftTreeProposer(Proposer):
         """Drop whole q sessions of ``states`` (every live request's), least recently drafted
         first (the longest first within a step), until what they hold is within half of
         ``kv_bound`` (a step's joined copies have the other half: ``draft_batch.copy_groups``);
-        returns the bytes they hold then. A dropped session is rebuilt from the context when its
-        request drafts again (a prefill of q). Called after each drafting step."""
+        returns the bytes they hold then (``kv_peak``: the most they held before). A dropped
+        session is rebuilt from the context when its request drafts again (a prefill of q).
+        Called after each drafting step; ``propose_draft_trees`` stamps ``last_step``."""
         sessions = [s.session for s in states]
         held = sum(s.kv_bytes() for s in sessions)
+        self.kv_peak = max(self.kv_peak, held)
         if self.kv_bound is None or held <= self.kv_bound // 2:
             return held
         for session in sorted(sessions, key=lambda s: (s.last_step, -len(s.tokens))):

@@ -296,10 +296,9 @@ class TreeDrafter:
         room = np.maximum(np.minimum(self.max_draft_tokens, self.max_model_len - lengths - 1), 0)
         trees, modes, prev_roots = self._propose(states, ids, token_ids_cpu, rows, lengths, room, chains)
         if isinstance(self.proposer, DraftTreeProposer):
-            reached = sum(state.session.kv_bytes() for state in self.states.values())
-            self.metrics.draft_kv_peak_bytes = max(self.metrics.draft_kv_peak_bytes, reached)
-            self.proposer.fit_kv(self.states.values())
-            self._count_draft_kv()
+            self.metrics.draft_kv_bytes = self.proposer.fit_kv(self.states.values())
+            self.metrics.draft_kv_peak_bytes = self.proposer.kv_peak
+            self.metrics.draft_kv_evictions = self.proposer.kv_evictions
         cap = getattr(self.proposer, "max_tree_nodes", None)  # a proposer's guaranteed bound: cut only near the end
         if cap is None or int(room.min()) + 1 < cap:
             trees = trees.prefix(room + 1)

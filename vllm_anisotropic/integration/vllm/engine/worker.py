@@ -106,8 +106,6 @@ class TreeGPUWorker(_gpu_worker_base()):
 def _reserve_draft_kv(runner, available: int) -> int:
     """vLLM's KV memory less what draft_tree reserves for q's KV (``TreeDrafter.reserve_draft_kv``),
     given the target's KV bytes per token on this worker (every layer's page / block size)."""
-    if runner.drafter.config.proposer_name != "draft_tree":
-        return available
     per_token = sum(spec.page_size_bytes / spec.block_size for spec in runner.get_kv_cache_spec().values())
     return runner.drafter.reserve_draft_kv(int(available), per_token, runner.device)
 
