@@ -4,8 +4,8 @@ The reference is ``DraftTreeState.propose`` on a twin proposer (same q, same see
 request: every tree of a batched step must be the very tree it drafts (tokens, parents, q rows,
 path values), step after step while the contexts grow by accepted tokens, and the sessions must
 have run the same tokens through q. What this catches: a row reading another row's KV (the
-joined cache's padding or mask wrong), positions off by the padding, a session left holding
-the branches or missing the trunk after the split, draws taken from another request's generator
+rows of q's KV wrong, or a branch seeing another lane), positions off, a session left holding
+the branches or missing the trunk, draws taken from another request's generator
 or in another order, the wrong row's law recorded in ``draft_probs``, a selector's shape groups
 mixed up. The batched step must also be one q forward per depth for all requests, whatever
 shape the selector gives each.
@@ -20,7 +20,7 @@ from test_selector_runtime import threshold_selector
 
 from vllm_anisotropic.models.tiny import build_tiny_model
 from vllm_anisotropic.proposers import get_proposer
-from vllm_anisotropic.proposers.draft_batch import PREFILL_ALONE, copy_groups
+from vllm_anisotropic.proposers.draft_kv import DraftKV
 from vllm_anisotropic.selector.shape import DelayedShape
 from vllm_anisotropic.verifiers import TargetSampling
 
@@ -82,8 +82,9 @@ def test_a_batched_step_drafts_each_requests_own_tree(draft_dir, shape):
         calls.clear()
         out = pa.propose_batch(sa, tokens, np.arange(4), lengths)
         depth_forwards = 1 + shape[1] - (shape[2] == 0) + max(shape[2] - 1, 0)
-        alone = int(step == 0)  # request 1's prompt of 40 (> PREFILL_ALONE new tokens) ran alone first
-        assert len(calls) == alone + depth_forwards, (step, len(calls))  # one per depth, all requests at once
+        # one per depth, all requests at once: the new prompts run in the catch-up forward with
+        # the others' accepted tokens
+        assert len(calls) == depth_forwards, (step, len(calls))
         assert out.modes.tolist() == [1] * 4
         assert out.prev_roots.tolist() == tokens[np.arange(4), lengths - 2].tolist()
         for i, state in enumerate(sb):
@@ -104,11 +105,11 @@ def test_selector_shapes_share_each_depths_forward_and_budgets_cut_after_drawing
     different shapes in one step still run one q forward per depth together (the catch-up, the
     chains' two trunk depths, of which the delayed trees share the first; the latter's branches
     of length 1 need none); request 0's budget of 3 nodes cuts its tree after the draws, request
-    3's budget of 1 node drafts nothing (no q forward for it); a new request with a long prompt
-    runs it alone first (``PREFILL_ALONE``)."""
+    3's budget of 1 node drafts nothing (no q forward for it); new prompts of every length run
+    in the catch-up forward."""
     path = str(threshold_selector(tmp_path, {0.0: 6.7, 0.8: 4.0}))
     (pa, sa), (pb, sb) = _twins(draft_dir, 5, selector=path)
-    tokens, lengths = _contexts([12, 40, 7, 25, PREFILL_ALONE + 30], seed=3)
+    tokens, lengths = _contexts([12, 40, 7, 25, 62], seed=3)
     budgets = np.array([3, 0, 0, 1, 0])
     rng = np.random.default_rng(2)
     calls = _forwards(pa)
@@ -121,8 +122,7 @@ def test_selector_shapes_share_each_depths_forward_and_budgets_cut_after_drawing
         out = pa.propose_batch(sa, tokens, np.arange(5), lengths, budgets)
         chosen = {key for key, count in pa.shape_counts.items() if count > before.get(key, 0)}
         trunk_forwards = 2 if "1,3,0" in chosen else 1  # (1, 3, 0): after nodes 1 and 2; (2, 1, 1): after node 1
-        alone = 2 * int(step == 0)  # the prompts of 40 and PREFILL_ALONE + 30 ran alone first
-        assert len(calls) == alone + 1 + trunk_forwards, (step, chosen, len(calls))
+        assert len(calls) == 1 + trunk_forwards, (step, chosen, len(calls))
         mixed += len(chosen) == 2
         for i, state in enumerate(sb):
             ref = state.propose(tokens[i, : lengths[i]], None if budgets[i] <= 0 else int(budgets[i]))
@@ -161,10 +161,9 @@ def test_a_released_session_is_rebuilt_from_the_context(draft_dir):
 MODES = {0: "plain", 1: "tree", 2: "bypass", 3: "chain"}
 
 
-def test_a_step_with_one_drafting_request_drafts_on_its_cache_in_place(draft_dir):
-    """One request drafting (the others plain by their budgets): its tree is drafted on its own
-    cache, no joined batch (a copy of its KV for nothing): q runs exactly the forwards of
-    ``DraftTreeState.propose``."""
+def test_a_step_with_one_drafting_request_runs_the_forwards_of_one_request(draft_dir):
+    """One request drafting (the others plain by their budgets): q runs exactly the forwards of
+    ``DraftTreeState.propose``, and only that request takes a slot of q's KV."""
     (pa, sa), (pb, sb) = _twins(draft_dir, 3, branches=2, trunk=1, branch_length=2, selector="off")
     tokens, lengths = _contexts([14, 9, 11], seed=5)
     budgets = np.array([1, 0, 1])
@@ -175,6 +174,7 @@ def test_a_step_with_one_drafting_request_drafts_on_its_cache_in_place(draft_dir
     assert out.trees.sizes().tolist() == [1, ref.num_nodes, 1] and out.modes.tolist() == [0, 1, 0]
     assert len(calls_a) == len(calls_b) == 1 + 1 + 1  # the context, the trunk's end, one branch depth
     assert sa[1].session.forwarded == sb[1].session.forwarded and sa[0].session.forwarded == 0
+    assert pa.kv.slots == [sa[1].session] and sa[0].session.slot is None
 
 
 class _ByContextLength:
@@ -229,65 +229,102 @@ def test_kv_bytes_per_token_is_what_the_cache_holds(draft_dir):
     assert session.kv_bytes() == held == 37 * proposer.lm.kv_bytes_per_token
 
 
+def _pool_bytes(kv: DraftKV) -> int:
+    return sum(t.numel() * t.element_size() for t in kv.keys + kv.values)
+
+
+def test_q_kv_rows_stay_in_place_while_the_steps_requests_do(draft_dir):
+    """Steps with the same requests reuse q's KV tensors as they are (no copy: the same storage),
+    in whatever order the engine lists the requests; a new request takes a free row below the
+    step's count without a copy; a step that needs more columns copies once, by doubling; the
+    bytes counted are the bytes held; a finished request's row is free, and the tensors go
+    when no request holds one. Trees equal the one-at-a-time twin's throughout."""
+    (pa, sa), (pb, sb) = _twins(draft_dir, 4, branches=2, trunk=1, branch_length=2, selector="off")
+    tokens, lengths = _contexts([20, 30, 25, 10], seed=8)
+    tokens = np.pad(tokens, ((0, 0), (0, 400)))
+    rng = np.random.default_rng(9)
+
+    def step(active):
+        rows = np.asarray(active)
+        out = pa.propose_batch([sa[i] for i in active], tokens, rows, lengths[rows])
+        for k, i in enumerate(active):
+            _same(out.trees.tree(k), sb[i].propose(tokens[i, : lengths[i]]))
+            add = out.trees.tree(k).tokens[1:2].tolist() + [int(rng.integers(100, 5000))]
+            tokens[i, lengths[i] : lengths[i] + len(add)] = add
+            lengths[i] += len(add)
+
+    step([0, 1, 2])
+    kv = pa.kv
+    storage = kv.keys[0].data_ptr()
+    assert sorted(s.session.slot for s in sa[:3]) == [0, 1, 2] and kv.columns == 256
+    assert kv.bytes() == _pool_bytes(kv) == 3 * 256 * pa.lm.kv_bytes_per_token
+    step([2, 0, 1])  # another order: the rows stay
+    assert kv.keys[0].data_ptr() == storage
+    sa[1].finish()
+    sb[1].finish()
+    step([3, 0, 2])  # request 3 takes request 1's free row
+    assert kv.keys[0].data_ptr() == storage and sa[3].session.slot == 1, sa[3].session.slot
+    tokens[0, lengths[0] : lengths[0] + 300] = rng.integers(100, 5000, 300)  # past 256 columns
+    lengths[0] += 300
+    step([0, 2, 3])
+    assert kv.columns == 512 and kv.keys[0].data_ptr() != storage and kv.bytes() == _pool_bytes(kv)
+    for state in sa:
+        state.finish()
+    assert kv.keys == [] and kv.bytes() == 0 and kv.peak == 3 * 512 * pa.lm.kv_bytes_per_token
+
+
 def test_the_kv_bound_drops_the_least_recently_drafted_sessions_and_the_trees_stay_the_same(draft_dir):
-    """Six requests, of which steps draft two to four at a time, under a bound whose half (the
-    sessions' share) is ~4 contexts of q's KV and whose other half lets a step join two rows
-    (shape K = 2): after every step what the sessions hold is within half the bound, the
-    sessions dropped are the ones that drafted longest ago (the oldest first), and every tree
-    is the tree of a twin with no bound (a dropped session is rebuilt from the context; the
-    requests drafted in groups; greedy and seeded sampled alike, float32). Fails on an
-    unbounded store, a most-recent-first order, a rebuilt session or a group that drafts
-    differently."""
+    """Six requests, of which steps draft one to four at a time, under a bound of four rows of
+    256 columns: q's KV never takes more than the bound; the requests not drafting in a step are
+    dropped when the step needs their rows, the ones that drafted longest ago first; every tree
+    is the tree of a twin with no bound (a dropped session is rebuilt from the context; greedy
+    and seeded sampled alike, float32). Fails on an unbounded pool, a most-recent-first order,
+    or a rebuilt session that drafts differently."""
     (pa, sa), (pb, sb) = _twins(draft_dir, 6, branches=2, trunk=1, branch_length=2, selector="off")
     per_token = pa.lm.kv_bytes_per_token
-    pa.kv_bound = 2 * 2 * 40 * 2 * per_token
+    pa.kv_bound = 4 * 256 * per_token
     tokens, lengths = _contexts([30, 36, 33, 40, 28, 35], seed=6)
     rng = np.random.default_rng(7)
-    calls = _forwards(pa)
     evicted = 0
-    for step, active in enumerate([[0, 1, 2], [3, 4, 5], [0, 2, 4, 5], [1, 3], [0, 1, 2, 3]]):
+    for step, active in enumerate([[0, 1], [2], [3], [4, 5], [0, 2, 4, 5], [1, 3], [0, 1, 2, 3], [5, 4]]):
         rows = np.asarray(active)
         for p in (pa, pb):
             p.begin_step(len(rows))
-        calls.clear()
+        before = {i: (sa[i].session.slot, sa[i].session.last_step) for i in range(6)}
         out = pa.propose_batch([sa[i] for i in active], tokens, rows, lengths[rows])
-        groups = copy_groups(pa, active, lengths[rows].tolist())
-        assert 1 < len(groups) < len(active) or len(active) <= 2, (step, groups)
-        assert len(calls) <= len(groups) * 3 + len(active), (step, len(calls))  # catch-up, trunk, branch (+ a prefill)
         for k, i in enumerate(active):
             _same(out.trees.tree(k), sb[i].propose(tokens[i, : lengths[i]]))
-        before = {i: len(sa[i].session.tokens) for i in range(6)}
-        held = pa.fit_kv(sa)
-        assert held == sum(s.session.kv_bytes() for s in sa) <= pa.kv_bound // 2, (step, held)
-        dropped = [i for i in range(6) if before[i] and not sa[i].session.tokens]
-        kept = [i for i in range(6) if sa[i].session.tokens]
+        held, _, drops = pa.kv_stats()
+        assert held == _pool_bytes(pa.kv) <= pa.kv_bound, (step, held)
+        dropped = [i for i in range(6) if before[i][0] is not None and sa[i].session.slot is None]
+        kept = [i for i in range(6) if i not in active and sa[i].session.slot is not None]
         if dropped and kept:  # never a more recent session dropped while an older one is kept
-            assert max(sa[i].session.last_step for i in dropped) <= min(sa[i].session.last_step for i in kept), step
+            assert max(before[i][1] for i in dropped) <= min(before[i][1] for i in kept), step
         evicted += len(dropped)
+        assert drops == evicted, (step, drops, evicted)
         for i in active:
             add = out.trees.tree(active.index(i)).tokens[1:2].tolist() + [int(rng.integers(100, 5000))]
             tokens[i, lengths[i] : lengths[i] + len(add)] = add
             lengths[i] += len(add)
-    assert evicted == pa.kv_evictions >= 4, evicted
-    assert pb.fit_kv(sb) > pa.kv_bound // 2  # the twin, unbounded, holds more
+    assert evicted >= 6, evicted
+    assert pb.kv_stats() == (0, 0, 0)  # the twin drafted one at a time: no pool
 
 
-def test_copy_groups_fit_half_the_bound_and_go_by_length(draft_dir):
-    """Each group's joined copy (rows x its widest context x the most branches x bytes a token)
-    within half the bound, the requests by context length, a request over it alone, every
-    request in exactly one group; no bound: one group."""
-    proposer = get_proposer("draft_tree", model=draft_dir, branches=3, trunk=1, branch_length=1, selector="off")
-    per_row = proposer.lm.kv_bytes_per_token * 3
-    drafting, widths = [10, 11, 12, 13, 14, 15], [50, 20, 400, 25, 60, 30]
-    assert copy_groups(proposer, drafting, widths) == [drafting]
-    proposer.kv_bound = 2 * 100 * per_row
-    groups = copy_groups(proposer, drafting, widths)
-    assert sorted(r for g in groups for r in g) == drafting
-    width = dict(zip(drafting, widths))
-    assert [r for g in groups for r in g] == sorted(drafting, key=width.get)
-    for g in groups:
-        assert len(g) == 1 or len(g) * max(width[r] for r in g) * per_row <= proposer.kv_bound // 2, g
-    assert groups == [[11, 13, 15], [10], [14], [12]], groups  # 3 x 30 fits 100; 50 + 60 do not pair
+def test_requests_past_the_kv_bound_decode_plainly_that_step(draft_dir):
+    """A bound of two rows of 256 columns and three drafting requests: the two shortest draft
+    (their trees are the twin's), the longest gets the root alone and a plain mode, its session
+    dropped; with the bound lifted it drafts again from a rebuilt cache."""
+    (pa, sa), (pb, sb) = _twins(draft_dir, 3, branches=2, trunk=1, branch_length=1, selector="off")
+    pa.kv_bound = 2 * 256 * pa.lm.kv_bytes_per_token
+    tokens, lengths = _contexts([30, 60, 20], seed=10)
+    out = pa.propose_batch(sa, tokens, np.arange(3), lengths)
+    assert out.trees.sizes().tolist() == [4, 1, 4] and out.modes.tolist() == [1, 0, 1]
+    for i in (0, 2):
+        _same(out.trees.tree(i), sb[i].propose(tokens[i, : lengths[i]]))
+    assert sa[1].session.slot is None and pa.kv_stats()[0] <= pa.kv_bound
+    pa.kv_bound = None
+    out = pa.propose_batch(sa, tokens, np.arange(3), lengths)
+    _same(out.trees.tree(1), sb[1].propose(tokens[1, : lengths[1]]))
 
 
 def test_the_draft_device_and_dtype_follow_the_engine_unless_named(draft_dir):

@@ -77,9 +77,9 @@ def test_greedy_with_a_selector_drafts_its_shape_and_stays_plain_vllm_s(pair, gr
     """A selector (``"selector": PATH``) that always picks a chain of 3: every verified tree has
     at most 3 drafts (the default shape, (2, 2, 2), would draft 6), output still plain vLLM's.
     And ``draft_kv_bytes`` of ~600 tokens of q against 12 requests of ~150-300: vLLM's KV is
-    that much smaller, q's sessions are dropped to stay within half of it after every step
-    (rebuilt when they draft again; the requests drafted in groups whose copies fit the other
-    half), and the output does not change."""
+    that much smaller, q's KV never takes more (the requests whose rows do not fit decode plainly
+    that step, their sessions dropped and rebuilt when they draft again), and the output does
+    not change."""
     from test_selector_runtime import constant_selector
 
     from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
@@ -94,11 +94,11 @@ def test_greedy_with_a_selector_drafts_its_shape_and_stays_plain_vllm_s(pair, gr
     assert abs(spec.kv_cache_blocks - plain.kv_cache_blocks * (kv - DRAFT_KV) / kv) <= 1, spec.kv_cache_blocks
     assert tree["draft_kv_bound_bytes"] == DRAFT_KV and tree["draft_kv_evictions"] > 20, tree
     assert tree["draft_kv_bytes"] == 0, tree  # every request finished: every session dropped
-    assert tree["draft_kv_peak_bytes"] > DRAFT_KV // 2, tree  # the sessions outgrew their half: fit_kv had work
+    assert DRAFT_KV // 2 < tree["draft_kv_peak_bytes"] <= DRAFT_KV, tree  # q's KV filled its bound, never more
     assert tree["verified_trees"] > 20 and tree["max_nodes"] == 4, tree  # root + the chain of 3
     assert list(tree["selector_shapes"]) == ["1,3,0"] and tree["selector_shapes"]["1,3,0"] >= tree["verified_trees"]
     assert tree["draft_nodes"] > 2.5 * tree["verified_trees"], tree
-    assert spec.spec.num_accepted_tokens > 50, spec.spec
+    assert spec.spec.num_accepted_tokens > 20, spec.spec  # ~2 rows of q's KV fit: most steps are plain
     assert spec.token_ids == plain.token_ids
 
 

@@ -47,7 +47,7 @@ import torch
 
 from vllm_anisotropic.bench.harness import load_model, tree_attention_mask
 from vllm_anisotropic.bench.machine import cpu_model
-from vllm_anisotropic.proposers.draft_batch import DraftBatch
+from vllm_anisotropic.proposers.draft_kv import DraftKV
 from vllm_anisotropic.proposers.draft_model import DelayedShape, DraftLM, delayed_tree
 from vllm_anisotropic.selector.features import entropy
 from vllm_anisotropic.selector.train import read_records, step_time
@@ -247,8 +247,8 @@ def draft_root_q(session, context) -> torch.Tensor:
 def time_passes(target: Target, draft: DraftLM, context: list[int], k_max: int, l1_max: int, l2_max: int,
                 repeats: int = 3, batch_sizes: tuple[int, ...] = (1,), max_drafts: int | None = None) -> dict:
     """Eq. 11's t_p(n) (a tree forward of n nodes) and t_q(m) (q's forward of one token in each
-    of m rows, each row after its own cached copy of the context, batched as the engine's
-    ``DraftBatch`` runs it): median of ``repeats`` rounds over all sizes, seconds. t_p is timed at every tree
+    of m rows, each row after its own copy of the context in q's KV, batched as the engine's
+    ``DraftKV`` runs it): median of ``repeats`` rounds over all sizes, seconds. t_p is timed at every tree
     size of the grid (trees of at most ``max_drafts`` drafts) times every one of ``batch_sizes``:
     b requests' trees verified in one forward cost about one forward of b times the nodes (the
     linears dominate; the b contexts' attention is left out). t_q is timed at m = b and b K for
@@ -258,8 +258,13 @@ def time_passes(target: Target, draft: DraftLM, context: list[int], k_max: int, 
                     for l2 in range(l2_max + 1) for b in batch_sizes
                     if max_drafts is None or l1 + k * l2 <= max_drafts})
     rows = sorted({b * k for b in batch_sizes for k in range(1, k_max + 1)} | set(batch_sizes))
-    session = draft.new_session()
-    session.root_logits(context)
+    kv = DraftKV(draft)  # the engine's rows of q's KV, each a copy of the context's first row
+    sessions = [draft.new_session() for _ in range(max(rows))]
+    kv.place(sessions, [len(context) + 1] * len(sessions))
+    kv.forward(len(sessions), [context] + [[]] * (len(sessions) - 1), [0] * len(sessions),
+               [None] * len(sessions), [0] * len(sessions))
+    for tensor in kv.keys + kv.values:
+        tensor[1:] = tensor[:1]
 
     def target_pass(n: int) -> float:
         tree = DraftTree(tokens=[context[-1]] * n, parents=[-1] + list(range(n - 1)))
@@ -268,10 +273,8 @@ def time_passes(target: Target, draft: DraftLM, context: list[int], k_max: int, 
         return time.perf_counter() - t0
 
     def draft_pass(m: int) -> float:
-        batch = DraftBatch(draft, [session])  # the engine's joined cache, each row a copy of the context's
-        batch.repeat(m)
         t0 = time.perf_counter()
-        batch.forward([[int(context[-1])]] * m)
+        kv.forward(m, [[int(context[-1])]] * m, [len(context)] * m, [None] * m, [0] * m)  # column len: rewritten each pass
         return time.perf_counter() - t0
 
     # every size once per round, so that a slow spell of the machine spreads over the sizes

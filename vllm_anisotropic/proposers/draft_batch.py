@@ -35,17 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_anisotropic.proposers.base import MODE_CODES, root_only
+from vllm_anisotropic.proposers.base import MODE_CODES, ProposalInfo, ProposalMode, root_only
 from vllm_anisotropic.proposers.draft_common import _draw, _law, _tree, shape_parents
 from vllm_anisotropic.tree import FlatTrees
 from vllm_anisotropic.verifiers.sampling import target_probs
 
-__all__ = ["DraftBatch", "DraftProposals", "copy_groups", "propose_draft_trees", "PREFILL_ALONE"]
-
-# a request with more new tokens than this (a new prompt, a resumed preemption) runs them alone
-# first: padding every row of the catch-up to a prompt's length would cost a prompt per row
-PREFILL_ALONE = 32
-
+__all__ = ["DraftProposals", "propose_draft_trees"]
 
 @dataclass
 class DraftProposals:
@@ -54,89 +49,6 @@ class DraftProposals:
     trees: FlatTrees
     modes: np.ndarray  # [R] int8 ``base.MODE_CODES``
     prev_roots: np.ndarray  # [R] int64 the token before each root, -1: none
-
-
-class DraftBatch:
-    """Several requests' q caches as one padded batch (module docstring)."""
-
-    def __init__(self, lm, sessions: list) -> None:
-        from transformers import DynamicCache
-
-        self.lm, self.sessions = lm, sessions
-        lengths = [len(s.tokens) for s in sessions]
-        width = max(lengths, default=0)
-        rows = len(sessions)
-        self.mask = torch.zeros(rows, width, dtype=torch.long)
-        for b, n in enumerate(lengths):
-            self.mask[b, :n] = 1
-        self.next_position = torch.tensor(lengths, dtype=torch.long)  # [rows]
-        self.tokens = [list(s.tokens) for s in sessions]  # what each row holds
-        self.owner = list(range(rows))  # the session of each row (branch rows share their trunk's)
-        self.cache = DynamicCache()
-        if width:
-            widest = sessions[int(np.argmax(lengths))].cache.layers
-            for i, layer in enumerate(widest):
-                heads, dim = layer.keys.shape[1], layer.keys.shape[3]
-                keys = layer.keys.new_zeros(rows, heads, width, dim)
-                values = layer.values.new_zeros(rows, heads, width, dim)
-                for b, (s, n) in enumerate(zip(sessions, lengths)):
-                    if n:
-                        keys[b, :, :n] = s.cache.layers[i].keys[0]
-                        values[b, :, :n] = s.cache.layers[i].values[0]
-                self.cache.update(keys, values, i)
-
-    @property
-    def rows(self) -> int:
-        return len(self.tokens)
-
-    @torch.inference_mode()
-    def forward(self, tokens: list[list[int]]) -> torch.Tensor:
-        """Append row b's ``tokens[b]`` and run them: q's logits after each row's last token,
-        ``[rows, vocab]`` float32. A row given no token (its tree needs nothing more at this depth)
-        gets a masked column, like the padding, and a meaningless logits row."""
-        counts = torch.tensor([len(t) for t in tokens], dtype=torch.long)
-        width = int(counts.max())
-        ids = torch.zeros(self.rows, width, dtype=torch.long)
-        for b, t in enumerate(tokens):
-            ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-        new = (torch.arange(width)[None, :] < counts[:, None]).long()
-        mask = torch.cat([self.mask, new], dim=1)
-        positions = self.next_position[:, None] + torch.arange(width)[None, :]
-        model, device = self.lm.model, self.lm.device
-        hidden = model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                     position_ids=positions.to(device), past_key_values=self.cache,
-                                     use_cache=True).last_hidden_state
-        last = hidden[torch.arange(self.rows, device=device), (counts - 1).clamp(min=0).to(device)]
-        self.mask, self.next_position = mask, self.next_position + counts
-        for row, owner, t in zip(self.tokens, self.owner, tokens):
-            row.extend(int(x) for x in t)
-            self.sessions[owner].forwarded += len(t)
-        return model.get_output_embeddings()(last).float().cpu()  # the laws and draws on the host (DraftLM)
-
-    def repeat(self, counts) -> None:
-        """Row b becomes ``counts[b]`` consecutive rows (the branches of its trunk's end; 0 drops
-        it); an int repeats every row that often."""
-        counts = [counts] * self.rows if isinstance(counts, int) else [int(c) for c in counts]
-        if all(c == 1 for c in counts):
-            return
-        index = torch.repeat_interleave(torch.arange(self.rows), torch.tensor(counts, dtype=torch.long))
-        self.cache.batch_select_indices(index.to(self.lm.device))
-        self.mask, self.next_position = self.mask[index], self.next_position[index]
-        self.tokens = [list(self.tokens[b]) for b in index.tolist()]
-        self.owner = [self.owner[b] for b in index.tolist()]
-
-    def split(self) -> None:
-        """Each row's valid entries back into its session (one cache per request again)."""
-        from transformers import DynamicCache
-
-        assert self.rows == len(self.sessions), "split before the branch rows are made"
-        for b, session in enumerate(self.sessions):
-            valid = torch.nonzero(self.mask[b]).flatten().to(self.lm.device)
-            cache = DynamicCache()
-            for i, layer in enumerate(self.cache.layers):
-                cache.update(layer.keys[b : b + 1].index_select(2, valid).contiguous(),
-                             layer.values[b : b + 1].index_select(2, valid).contiguous(), i)
-            session.cache, session.tokens = cache, list(self.tokens[b])
 
 
 def _laws(logits: torch.Tensor, samplings: list) -> torch.Tensor:
@@ -173,70 +85,58 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
         else:
             trees[r] = root_only(contexts[r])
     for r in drafting:
-        states[r].session.last_step = proposer.step  # the KV bound's LRU clock (fit_kv)
-    for group in copy_groups(proposer, drafting, [len(contexts[r]) for r in drafting]):
-        if len(group) == 1:
-            # one request: its own cache in place (joining one row would copy its KV twice a step;
-            # 0.91x of this path at one request on a 2-core EPYC, docs/measurements/cpu/draft_batch_2026_11_29.txt)
-            r = group[0]
-            trees[r] = states[r].draft(contexts[r], budgets[r])
-            continue
-        batch, logits = _catch_up(proposer.lm, [states[r].session for r in group], [contexts[r] for r in group])
-        root_laws = _laws(logits, [states[r].sampling for r in group])
-        shapes = [states[r].shape_for(contexts[r], root_laws[j]) for j, r in enumerate(group)]
-        drawn = _delayed_trees(batch, shapes, [states[r] for r in group], root_laws,
-                               [int(contexts[r][-1]) for r in group])
-        del batch
-        for r, shape, tree in zip(group, shapes, drawn):
+        states[r].session.last_step = proposer.step  # the KV bound's LRU clock (DraftKV.place)
+    kv = proposer.kv
+    needs = [len(contexts[r]) + proposer.max_drafts for r in drafting]
+    kept = kv.fit([states[r].session for r in drafting], needs)
+    for j in sorted(set(range(len(drafting))) - set(kept)):  # over the bound: a plain step
+        r = drafting[j]
+        trees[r] = root_only(contexts[r])
+        states[r].last_info = ProposalInfo(ProposalMode.PLAIN)
+    drafting = [drafting[j] for j in kept]
+    if drafting:
+        kv.place([states[r].session for r in drafting], [needs[j] for j in kept])
+        order = sorted(drafting, key=lambda r: states[r].session.slot)  # row b: slot b
+        group = [states[r] for r in order]
+        logits = _catch_up(kv, [s.session for s in group], [contexts[r] for r in order])
+        root_laws = _laws(logits, [s.sampling for s in group])
+        shapes = [s.shape_for(contexts[r], root_laws[b]) for b, (r, s) in enumerate(zip(order, group))]
+        drawn = _delayed_trees(kv, shapes, group, root_laws, [int(contexts[r][-1]) for r in order])
+        for r, shape, tree in zip(order, shapes, drawn):
             trees[r] = states[r].cut(tree, shape, budgets[r])
     modes = np.array([MODE_CODES[s.last_info.mode] for s in states], np.int8)
     prev_roots = np.where(lengths >= 2, token_ids[rows, np.maximum(lengths - 2, 0)], -1).astype(np.int64)
     return DraftProposals(FlatTrees.from_trees(trees), modes, prev_roots)
 
 
-def copy_groups(proposer, drafting: list, widths: list) -> list[list]:
-    """The drafting requests in the groups one step drafts together: all of them at once, unless
-    the proposer has a KV bound (``kv_bound``), in which case each group's joined copy, every
-    row as wide as the group's longest context and repeated for up to the most branches a
-    shape can have, fits half of it (the sessions held between steps have the other half,
-    ``DraftTreeProposer.fit_kv``). The requests go by context length, so a group's rows are
-    alike in width; a request whose copy alone is over drafts alone on its own cache."""
-    if proposer.kv_bound is None or len(drafting) <= 1:
-        return [list(drafting)] if drafting else []
-    per_row = proposer.lm.kv_bytes_per_token * max(1, proposer.max_branches)
-    budget = proposer.kv_bound // 2
-    groups, group = [], []
-    for j in sorted(range(len(drafting)), key=lambda j: widths[j]):  # each row the widest of its group so far
-        if group and (len(group) + 1) * widths[j] * per_row > budget:
-            groups.append(group)
-            group = []
-        group.append(drafting[j])
-    return groups + [group]
+def _run(kv, sessions: list, tokens: list[list[int]]) -> torch.Tensor:
+    """Chain tokens ``tokens[b]`` after session b's (row b's) tokens: logits after each row's last."""
+    starts = [len(s.tokens) for s in sessions]
+    logits = kv.forward(len(sessions), tokens, starts, [None] * len(sessions), starts)
+    for session, t in zip(sessions, tokens):
+        session.tokens.extend(int(x) for x in t)
+        session.forwarded += len(t)
+    return logits
 
 
-def _catch_up(lm, sessions: list, contexts: list) -> tuple[DraftBatch, torch.Tensor]:
-    """Each session cropped to its common prefix with its context (the root always runs again),
-    a long remainder run alone (``PREFILL_ALONE``), then the rows joined and the rest of every
-    context (accepted tokens, then the root) run in one forward: ``(batch, root logits [rows,
-    vocab])``, each session's context all cached."""
+def _catch_up(kv, sessions: list, contexts: list) -> torch.Tensor:
+    """Each session (row b) cropped to its common prefix with its context (the root always runs
+    again), then the rest of every context (a new prompt, accepted tokens, the root) in one packed
+    forward: the root logits [rows, vocab]."""
     contexts = [[int(t) for t in c] for c in contexts]
     for session, context in zip(sessions, contexts):
         session.keep_common(context)
-        if len(context) - 1 - len(session.tokens) > PREFILL_ALONE:
-            session.extend(context[len(session.tokens) : -1])
-    batch = DraftBatch(lm, sessions)
-    logits = batch.forward([context[len(held):] for held, context in zip(batch.tokens, contexts)])
-    return batch, logits
+    return _run(kv, sessions, [context[len(s.tokens):] for s, context in zip(sessions, contexts)])
 
 
-def _delayed_trees(batch: DraftBatch, shapes: list, states: list, laws: torch.Tensor, roots: list) -> list:
-    """``draft_model.delayed_tree`` for every row of ``batch`` (one request each, its context
-    cached, ``laws`` ``[rows, vocab]`` the root laws, ``shapes[b]`` row b's (K, L1, L2)): one
-    forward per trunk depth for all rows whose trunk goes that deep, then one per branch depth
-    for all branches of all rows (rows that need nothing at a depth ride along masked); each
-    request's draws from its own generator in ``delayed_tree``'s order. The sessions end holding
-    their context and trunk."""
-    rows = batch.rows
+def _delayed_trees(kv, shapes: list, states: list, laws: torch.Tensor, roots: list) -> list:
+    """``draft_model.delayed_tree`` for every row b (request ``states[b]``, its context in row b,
+    ``laws`` ``[rows, vocab]`` the root laws, ``shapes[b]`` its (K, L1, L2)): one forward per
+    trunk depth for all rows whose trunk goes that deep, then one per branch depth for all
+    branches of all rows (``DraftKV``'s lanes); each request's draws from its own generator in
+    ``delayed_tree``'s order. The sessions end holding their context and trunk."""
+    rows = len(states)
+    sessions = [s.session for s in states]
     parents = [shape_parents(shape) for shape in shapes]
     size = [p.size for p in parents]
     samplings = [s.sampling for s in states]
@@ -259,7 +159,7 @@ def _delayed_trees(batch: DraftBatch, shapes: list, states: list, laws: torch.Te
                 step[b] = [token]
         if any(step):
             ran = [b for b in range(rows) if step[b]]
-            logits = batch.forward(step)
+            logits = _run(kv, sessions, step)
             laws[ran] = _laws(logits[ran], [samplings[b] for b in ran])
     ks = [shape.branches if shape.branch_length else 0 for shape in shapes]
     current, current_values = {}, {}
@@ -271,32 +171,31 @@ def _delayed_trees(batch: DraftBatch, shapes: list, states: list, laws: torch.Te
             current[b] = (torch.topk(laws[b], ks[b]).indices if samplings[b].greedy
                           else _draw(laws[b].expand(ks[b], -1), samplings[b], state.generator))
             current_values[b] = values[b][end] * laws[b][current[b]].double().numpy()
-    batch.split()  # the sessions keep context + trunk; the branches run on the joined copy
-    if current:
-        batch.repeat(ks)
-        first_row = np.cumsum([0] + ks[:-1])  # request b's branches are rows first_row[b] ..
-        for depth in range(max(shape.branch_length for shape in shapes)):
-            step = [[] for _ in range(sum(ks))]
-            for b in current:
-                shape = shapes[b]
-                if shape.branch_length <= depth:
-                    continue
-                ids = 1 + shape.trunk + depth * shape.branches + np.arange(shape.branches)  # this depth's K nodes
-                tokens[b][ids], values[b][ids] = current[b].numpy(), current_values[b]
-                if depth < shape.branch_length - 1:
-                    for i, t in enumerate(current[b].tolist()):
-                        step[first_row[b] + i] = [int(t)]
-            if not any(step):
-                break
-            logits = batch.forward(step)
-            for b, state in enumerate(states):
-                first = first_row[b]
-                if b not in current or not step[first]:
-                    continue
-                law = _law(logits[first : first + ks[b]], samplings[b])
-                ids = 1 + shapes[b].trunk + depth * ks[b] + np.arange(ks[b])
-                if q_rows[b] is not None:
-                    q_rows[b][ids] = law
-                current[b] = _draw(law, samplings[b], state.generator)
-                current_values[b] = current_values[b] * law.gather(1, current[b][:, None])[:, 0].double().numpy()
+    bases = [len(s.tokens) for s in sessions]  # the trunk's end: the branches' lanes start here
+    for depth in range(max((shape.branch_length for shape in shapes), default=0)):
+        step = [[] for _ in range(rows)]
+        for b in current:
+            shape = shapes[b]
+            if shape.branch_length <= depth:
+                continue
+            ids = 1 + shape.trunk + depth * shape.branches + np.arange(shape.branches)  # this depth's K nodes
+            tokens[b][ids], values[b][ids] = current[b].numpy(), current_values[b]
+            if depth < shape.branch_length - 1:
+                step[b] = [int(t) for t in current[b].tolist()]
+        if not any(step):
+            break
+        logits = kv.forward(rows, step, [bases[b] + depth * ks[b] for b in range(rows)],
+                            [ks[b] or None for b in range(rows)], bases, want="all")
+        first = 0
+        for b, state in enumerate(states):
+            if not step[b]:
+                continue
+            sessions[b].forwarded += ks[b]
+            law = _law(logits[first : first + ks[b]], samplings[b])
+            first += ks[b]
+            ids = 1 + shapes[b].trunk + depth * ks[b] + np.arange(ks[b])
+            if q_rows[b] is not None:
+                q_rows[b][ids] = law
+            current[b] = _draw(law, samplings[b], state.generator)
+            current_values[b] = current_values[b] * law.gather(1, current[b][:, None])[:, 0].double().numpy()
     return [_tree(tokens[b], parents[b], values[b], q_rows[b]) for b in range(rows)]

@@ -120,6 +120,7 @@ class DraftSession:
         self.tokens: list[int] = []
         self.forwarded = 0  # tokens run through q (for the incremental-cache tests and stats)
         self.last_step = 0  # the proposer's step in which it last drafted (the KV bound's LRU order)
+        self.slot: int | None = None  # its row in the engine's ``draft_kv.DraftKV`` (None: none)
 
     def kv_bytes(self) -> int:
         """Bytes of K/V the session holds (its tokens in q's cache)."""
@@ -282,7 +283,12 @@ class DraftTreeState(RequestState):
 
     def release(self) -> None:
         """Free q's KV cache (the request was preempted); the next proposal rebuilds it."""
+        self.proposer.free_kv(self.session)
         self.session = self.proposer.lm.new_session()
+
+    def finish(self, context_tokens=None) -> None:
+        """The request finished or was aborted: its slot of q's KV is free."""
+        self.proposer.free_kv(self.session)
 
     def propose(self, context_tokens: np.ndarray, max_nodes: int | None = None) -> DraftTree:
         """The shape's tree (the selector's choice for this context, if there is a selector), cut
@@ -357,11 +363,11 @@ class DraftTreeProposer(Proposer):
         device = str(device or "cpu") if config.draft_device == "auto" else config.draft_device
         dtype = (dtype or torch.float32) if config.draft_dtype == "auto" else DRAFT_DTYPES[config.draft_dtype]
         self.lm = DraftLM(config.model, dtype=dtype, device=device)
-        # bytes of K/V the requests' q sessions may hold between steps (``fit_kv``); None: no
-        # bound (offline use); the engine sets it from what it reserves out of vLLM's KV memory
+        # q's KV for the batched path (``draft_kv.DraftKV``, made at the first batched step);
+        # ``kv_bound``: its bytes at most (None: no bound, offline use; the engine sets it from
+        # what it reserves out of vLLM's KV memory)
+        self._kv = None
         self.kv_bound: int | None = None
-        self.kv_evictions = 0  # sessions dropped to stay within kv_bound
-        self.kv_peak = 0  # the most the sessions held at a fit_kv, before it dropped any
         self.step = 0  # drafting steps (begin_step), the sessions' LRU clock
         # the learned (K, L1, L2) selector; "auto" is resolved by the engine's front door (it knows
         # the target): left unresolved here, it means the fixed shape
@@ -398,34 +404,30 @@ class DraftTreeProposer(Proposer):
         self.step += 1
 
     @property
-    def max_branches(self) -> int:
-        """The most branch rows one request's tree can take (its shape's K, or the selector's
-        largest; 1 for chains): how often a step's joined copy repeats a row."""
-        if self.selector is None:
-            return self.shape.branches if self.shape.branch_length else 1
-        actions = getattr(self.selector, "actions", None)
-        return max((k for k, _, l2 in actions if l2), default=1) if actions else 4
+    def kv(self):
+        """q's KV of the engine's requests (``draft_kv.DraftKV``), bounded by ``kv_bound``."""
+        from vllm_anisotropic.proposers.draft_kv import DraftKV
 
-    def fit_kv(self, states) -> int:
-        """Drop whole q sessions of ``states`` (every live request's), least recently drafted
-        first (the longest first within a step), until what they hold is within half of
-        ``kv_bound`` (a step's joined copies have the other half: ``draft_batch.copy_groups``);
-        returns the bytes they hold then (``kv_peak``: the most they held before). A dropped
-        session is rebuilt from the context when its request drafts again (a prefill of q).
-        Called after each drafting step; ``propose_draft_trees`` stamps ``last_step``."""
-        sessions = [s.session for s in states]
-        held = sum(s.kv_bytes() for s in sessions)
-        self.kv_peak = max(self.kv_peak, held)
-        if self.kv_bound is None or held <= self.kv_bound // 2:
-            return held
-        for session in sorted(sessions, key=lambda s: (s.last_step, -len(s.tokens))):
-            if held <= self.kv_bound // 2:
-                break
-            if session.tokens:
-                held -= session.kv_bytes()
-                session.crop(0)
-                self.kv_evictions += 1
-        return held
+        if self._kv is None:
+            self._kv = DraftKV(self.lm)
+        self._kv.bound = self.kv_bound
+        return self._kv
+
+    def free_kv(self, session: DraftSession) -> None:
+        """``session``'s slot of q's KV is free (its request finished or was preempted)."""
+        if self._kv is not None:
+            self._kv.free(session)
+
+    def kv_stats(self) -> tuple[int, int, int]:
+        """(bytes q's KV takes now, the most it took, sessions dropped to the bound)."""
+        kv = self._kv
+        return (0, 0, 0) if kv is None else (kv.bytes(), kv.peak, kv.evictions)
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts one request's tree can take (its shape's, or the selector's largest):
+        the columns of q's KV a step may add after a context."""
+        return self.shape.num_drafts if self.selector is None else int(self.selector.max_drafts)
 
     def count_shape(self, shape: "DelayedShape") -> None:
         """One request-step the selector chose ``shape`` (the ``selector_shapes`` metric)."""

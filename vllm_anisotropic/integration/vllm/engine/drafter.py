@@ -295,10 +295,7 @@ class TreeDrafter:
         states = self._states_of(drafting, ids, laws)
         room = np.maximum(np.minimum(self.max_draft_tokens, self.max_model_len - lengths - 1), 0)
         trees, modes, prev_roots = self._propose(states, ids, token_ids_cpu, rows, lengths, room, chains)
-        if isinstance(self.proposer, DraftTreeProposer):
-            self.metrics.draft_kv_bytes = self.proposer.fit_kv(self.states.values())
-            self.metrics.draft_kv_peak_bytes = self.proposer.kv_peak
-            self.metrics.draft_kv_evictions = self.proposer.kv_evictions
+        self._count_draft_kv()
         cap = getattr(self.proposer, "max_tree_nodes", None)  # a proposer's guaranteed bound: cut only near the end
         if cap is None or int(room.min()) + 1 < cap:
             trees = trees.prefix(room + 1)
@@ -328,8 +325,7 @@ class TreeDrafter:
         """What vLLM may give the target's KV cache out of ``available`` bytes of ``device`` (the
         worker's) once q's KV is reserved (draft_tree; other methods reserve nothing):
         ``draft_kv_bytes``, or by default the share in which q holds as many tokens as the
-        target's cache. The reserve becomes q's KV bound (``DraftTreeProposer.fit_kv``,
-        ``draft_batch.copy_groups``). q on the host beside a GPU worker (``draft_device`` "cpu")
+        target's cache. The reserve becomes q's KV bound (``draft_kv.DraftKV``). q on the host beside a GPU worker (``draft_device`` "cpu")
         takes nothing from the device; ``draft_kv_bytes``, if given, still bounds it."""
         if not isinstance(self.proposer, DraftTreeProposer):
             return available
@@ -637,6 +633,8 @@ class TreeDrafter:
         self.unlabelled.pop(req_id, None)
         self.disabled.discard(req_id)
         self.metrics.live_requests = len(self.states)
+        if state is not None and isinstance(self.proposer, DraftTreeProposer):
+            self.proposer.free_kv(state.session)  # its slot now (the deferred finish frees it again)
         self._count_draft_kv()
         if state is not None and not getattr(getattr(self.proposer, "config", None), "shared_table", True):
             self._count_tables()  # its own table is gone
@@ -647,8 +645,8 @@ class TreeDrafter:
     def _count_draft_kv(self) -> None:
         """draft_tree's KV gauges: what q's sessions hold, and the sessions dropped to the bound."""
         if isinstance(self.proposer, DraftTreeProposer):
-            self.metrics.draft_kv_bytes = sum(state.session.kv_bytes() for state in self.states.values())
-            self.metrics.draft_kv_evictions = self.proposer.kv_evictions
+            (self.metrics.draft_kv_bytes, self.metrics.draft_kv_peak_bytes,
+             self.metrics.draft_kv_evictions) = self.proposer.kv_stats()
 
     def _count_tables(self) -> None:
         """The table gauges (at admission and finish, not per step): salted tenant tables held,

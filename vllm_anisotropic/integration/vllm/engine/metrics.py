@@ -84,10 +84,10 @@ class TreeMetrics:
     table_bytes: int = 0  # gauge: bytes of every adjacency table in use (AdjacencyTable.memory_bytes)
     store_bytes: int = 0  # gauge: bound of the bytes GOOSE's cross-request stores hold (OutputStore.memory_bytes)
     state_budget_bytes: int = 0  # gauge: the proposer's draft_state_bytes (0: no vocabulary to size it)
-    draft_kv_bytes: int = 0  # gauge: bytes of K/V the draft model's sessions hold (draft_tree, after a step's drafting)
-    draft_kv_peak_bytes: int = 0  # gauge: the most q's sessions held after a step's drafting, before the fit to the bound
+    draft_kv_bytes: int = 0  # gauge: bytes the draft model's KV takes (draft_tree: its rows of every request)
+    draft_kv_peak_bytes: int = 0  # gauge: the most bytes q's KV took (``draft_kv.DraftKV``)
     draft_kv_bound_bytes: int = 0  # gauge: their bound, reserved out of vLLM's KV memory (draft_kv_bytes)
-    draft_kv_evictions: int = 0  # draft-model sessions dropped to stay within the bound
+    draft_kv_evictions: int = 0  # q sessions dropped, or request-steps left without drafts, to stay within the bound
     disabled_requests: int = 0  # requests whose trees were turned off after a fault (drafter.disabled)
     faults: dict[str, int] = field(default_factory=dict)  # stage -> contained exceptions
     without_trees: dict[str, int] = field(default_factory=dict)  # reason -> requests decoded without trees (runner.ineligible_reason)
@@ -202,8 +202,7 @@ _GAUGES = {
     "tree_state_budget_bytes": ("state_budget_bytes",
                                 "draft_state_bytes: the bound of the tenants' tables and stores in the worker"),
     "draft_kv_bytes": ("draft_kv_bytes", "bytes of K/V the draft model's sessions hold in the worker (draft_tree)"),
-    "draft_kv_peak_bytes": ("draft_kv_peak_bytes", "draft_tree: the most the draft model's sessions held after a "
-                            "step's drafting, before the fit to the bound"),
+    "draft_kv_peak_bytes": ("draft_kv_peak_bytes", "draft_tree: the most bytes the draft model's KV took"),
     "draft_kv_bound_bytes": ("draft_kv_bound_bytes",
                              "draft_tree: the bound of the draft model's K/V, reserved out of vLLM's KV memory"),
 }
@@ -217,7 +216,8 @@ _COUNTERS = {
     "tree_accepted_nodes": ("accepted_nodes", "draft nodes accepted; tau = (steps + accepted) / steps"),
     "tree_moved_tokens": ("moved_tokens", "accepted tokens whose K/V was moved to the sequence's slots (off the first chain)"),
     "tree_disabled_requests": ("disabled_requests", "requests whose trees were turned off after a contained fault"),
-    "draft_kv_evictions": ("draft_kv_evictions", "draft_tree: draft-model sessions dropped to stay within draft_kv_bound_bytes"),
+    "draft_kv_evictions": ("draft_kv_evictions", "draft_tree: draft-model sessions dropped, or request-steps left "
+                           "without drafts, to stay within draft_kv_bound_bytes"),
 }
 _BY_SOURCE = {
     "tree_source_draft_nodes": ({"spine": "spine_nodes", "branch": "branch_nodes", "draft": "draft_model_nodes"}, "draft nodes verified, by source"),

@@ -1,0 +1,266 @@
+"""q's KV cache for all of an engine's requests: one slot per request, tree tokens masked in place.
+
+Scope: the draft model q of ``draft_tree`` as the engine runs it (``draft_batch.py``). Per
+layer, one K and one V tensor ``[slots, kv_heads, columns, head_dim]`` on q's device and in its
+dtype (``DraftKV``). A request's session (``DraftSession.slot``) owns one slot: its tokens from
+column 0 on, contiguous, column = position. A step's drafting requests sit in slots 0..R-1
+(``DraftKV.place`` moves rows only when the set of drafting requests changes), so a forward's
+keys and values are views of the first R slots, never a copy.
+
+A forward (``DraftKV.forward``) packs the step's new tokens of every row into one sequence: the
+linear layers see only real tokens (a new prompt runs in the same forward as the others'
+accepted tokens, no padding), and only the attention pads the queries to ``[R, n_max]``. Each
+token's K/V is written into its row at its column before the attention reads the row. Tokens
+are of two kinds:
+
+* **chain** tokens (a request's context, the trunk): column = position, and each sees every
+  column before it and itself;
+* **lane** tokens (the branches of a delayed tree): branch k at depth j sits at column
+  ``base + j K + k`` after the trunk (``base``, the trunk's end) and position ``base + j``; it
+  sees the chain before ``base`` and the tokens of its own lane up to itself (tree attention).
+
+After the step a session keeps its chain (context + trunk); the lane columns are overwritten by
+the next step. Cropping a session (a rejected trunk) is setting its length.
+
+Memory: slots x columns x ``DraftLM.kv_bytes_per_token``. Columns grow by doubling to what the
+longest row of a step needs; slots grow by one per new request and are reused when requests
+finish. ``bound`` (bytes; the engine's reserve out of vLLM's KV memory) caps it: a growth that
+would pass it first drops the sessions that are not drafting in this step, least recently
+drafted first, and rows of the step that still do not fit draft nothing this step (``DraftKV.fit``;
+both counted in ``evictions``). A dropped session is rebuilt from the context when its request drafts again.
+
+The attention runs through transformers' attention interface (``ATTENTION``, registered once):
+a forward runs q without a transformers cache and passes its ``_Forward`` down to the attention
+(``draft_forward``), which writes the tokens' K/V (after RoPE) and attends over the rows; every
+other call of q (the one-request reference path, ``draft_model.py``) goes to transformers' SDPA
+as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["ATTENTION", "DraftKV"]
+
+ATTENTION = "vllm_anisotropic_draft"
+MIN_COLUMNS = 256
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, draft_forward=None, **kwargs):
+    """transformers' attention interface: a ``_Forward``'s rows (this module's docstring), else SDPA."""
+    if draft_forward is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    draft_forward.write(module.layer_idx, key, value)
+    return draft_forward.attend(module.layer_idx, query, scaling)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, _attention)
+
+
+@dataclass
+class _Forward:
+    """One packed forward's plan (``DraftKV.forward``): where each token goes and what it sees."""
+
+    kv: "DraftKV"
+    rows: torch.Tensor  # [T] row of each packed token
+    columns: torch.Tensor  # [T] its column
+    pad: torch.Tensor  # [T] its index in the [R * n_max] padded queries
+    shape: tuple  # (R, n_max, W)
+    mask: torch.Tensor  # [R, 1, n_max, W] bool: query i of row b sees column c
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The packed tokens' K/V ([1, kv_heads, T, dim], after RoPE) into their rows and columns."""
+        self.kv.keys[layer][self.rows, :, self.columns] = key[0].transpose(0, 1)
+        self.kv.values[layer][self.rows, :, self.columns] = value[0].transpose(0, 1)
+
+    def attend(self, layer: int, query: torch.Tensor, scaling) -> tuple[torch.Tensor, None]:
+        rows, n_max, width = self.shape
+        heads, dim = query.shape[1], query.shape[3]
+        packed = query[0].transpose(0, 1)  # [T, heads, dim]
+        padded = packed.new_zeros(rows * n_max, heads, dim)
+        padded[self.pad] = packed
+        padded = padded.view(rows, n_max, heads, dim).transpose(1, 2)
+        keys = self.kv.keys[layer][:rows, :, :width]
+        values = self.kv.values[layer][:rows, :, :width]
+        out = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=self.mask,
+                                                               scale=scaling, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(rows * n_max, heads, dim)[self.pad]  # padding rows dropped
+        return out[None], None
+
+
+class DraftKV:
+    """q's KV for every request of the engine (module docstring)."""
+
+    def __init__(self, lm, bound: int | None = None) -> None:
+        _register()
+        self.lm = lm
+        config = lm.model.config
+        heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        self.num_layers = int(config.num_hidden_layers)
+        self.bound = bound
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.slots: list = []  # the session in each slot, None: free
+        self.columns = 0
+        self.evictions = 0  # sessions dropped, or request-steps left without drafts, to stay within the bound
+        self.peak = 0  # the most bytes the slots took
+        if lm.model.config._attn_implementation != ATTENTION:
+            lm.model.set_attn_implementation(ATTENTION)
+
+    def bytes(self) -> int:
+        return len(self.slots) * self.columns * self.lm.kv_bytes_per_token
+
+    def free(self, session) -> None:
+        """The session's request finished, was preempted or was dropped: its slot is free (the
+        tensors go when no session holds one)."""
+        if session.slot is not None and session.slot < len(self.slots) and self.slots[session.slot] is session:
+            self.slots[session.slot] = None
+        session.slot = None
+        if all(s is None for s in self.slots):
+            self.keys, self.values, self.slots, self.columns = [], [], [], 0
+
+    def drop(self, session) -> None:
+        """Evict ``session`` (its request drafts again from a rebuilt cache)."""
+        self.free(session)
+        if session.tokens:
+            self.evictions += 1
+        session.tokens = []
+
+    def fit(self, sessions: list, needs: list[int]) -> list[int]:
+        """The indices of ``sessions`` (this step's drafting requests, ``needs[i]`` columns each)
+        that draft this step: every one, unless the bound is reached, then those that fit,
+        shortest need first; the others are dropped (module docstring)."""
+        if self.bound is None:
+            return list(range(len(sessions)))
+        per_token = self.lm.kv_bytes_per_token
+        kept, widest = [], 0
+        for i in sorted(range(len(sessions)), key=lambda i: needs[i]):
+            columns = _columns(max(widest, needs[i]))
+            if (len(kept) + 1) * columns * per_token > self.bound:
+                self.free(sessions[i])
+                sessions[i].tokens = []
+                self.evictions += 1  # a request-step without drafts (and its session, if any, gone)
+                continue
+            kept.append(i)
+            widest = max(widest, needs[i])
+        return sorted(kept)
+
+    def place(self, sessions: list, needs: list[int]) -> None:
+        """Sessions ``sessions`` (this step's, already ``fit``) in slots 0..R-1 with at least
+        ``needs[i]`` columns each. Rows are copied only when the columns grow or a session has to
+        move (the step's set changed); the other requests' sessions are kept after the step's,
+        or dropped, least recently drafted first, when keeping them would pass the bound."""
+        rows = len(sessions)
+        columns = max(self.columns, _columns(max(needs, default=0)))
+        step = {id(s) for s in sessions}
+        outsiders = [s for s in self.slots if s is not None and id(s) not in step]
+        if self.bound is not None:
+            room = max(0, self.bound // (columns * self.lm.kv_bytes_per_token) - rows)  # outsiders kept
+            for s in sorted(outsiders, key=lambda s: (s.last_step, -len(s.tokens)))[: max(0, len(outsiders) - room)]:
+                self.drop(s)
+            outsiders = [s for s in outsiders if s.slot is not None]
+        for s in sessions:
+            if s.slot is None:
+                s.tokens = []  # nothing of it in the slots (a new or dropped session)
+        free = [j for j in range(min(rows, len(self.slots))) if self.slots[j] is None]
+        homeless = [s for s in sessions if s.slot is None]
+        if (columns == self.columns and len(self.slots) >= rows and len(homeless) <= len(free)
+                and all(s.slot is None or s.slot < rows for s in sessions)):
+            for s, j in zip(homeless, free):  # free rows below R: no copy
+                s.slot, self.slots[j] = j, s
+            return
+        self._relayout([s.slot for s in sessions] + [s.slot for s in outsiders], sessions + outsiders, columns)
+
+    def _relayout(self, order: list, sessions: list, columns: int) -> None:
+        """New tensors: row j holds old slot ``order[j]``'s entries (None: an empty row) and
+        belongs to ``sessions[j]``; ``columns`` columns."""
+        shape = (len(order), self.kv_heads, columns, self.head_dim)
+        width = min(columns, self.columns)
+        moved = [j for j, old in enumerate(order) if old is not None]
+        into = torch.tensor(moved, dtype=torch.long, device=self.lm.device)
+        source = torch.tensor([order[j] for j in moved], dtype=torch.long, device=self.lm.device)
+        def moved_copy(tensor):
+            out = torch.zeros(shape, dtype=self.lm.dtype, device=self.lm.device)
+            if moved and width:
+                out[into, :, :width] = tensor.index_select(0, source)[:, :, :width]
+            return out
+
+        if self.keys:
+            self.keys = [moved_copy(t) for t in self.keys]
+            self.values = [moved_copy(t) for t in self.values]
+        else:  # the first placement
+            self.keys = [moved_copy(None) for _ in range(self.num_layers)]
+            self.values = [moved_copy(None) for _ in range(self.num_layers)]
+        for j, s in enumerate(sessions):
+            s.slot = j
+        self.slots, self.columns = list(sessions), columns
+        self.peak = max(self.peak, self.bytes())
+
+    @torch.inference_mode()
+    def forward(self, rows: int, tokens: list[list[int]], starts: list[int], lanes: list[int | None],
+                bases: list[int], want: str = "last") -> torch.Tensor:
+        """Run row b's ``tokens[b]`` at columns ``starts[b]``.. (row b of slots 0..R-1): chain
+        tokens when ``lanes[b]`` is None (positions = columns), else ``lanes[b]`` lanes of a
+        delayed tree's branches after the trunk's end ``bases[b]`` (one token per lane, the
+        tokens at columns ``starts[b]`` + k for lane k, depth (starts[b] - bases[b]) / lanes[b]).
+        Returns q's logits (float32, on the host) after the last token of each row (``want``
+        "last": [R, vocab]) or after every token ([T, vocab] in row order)."""
+        counts = [len(t) for t in tokens]
+        total = sum(counts)
+        n_max = max(counts)
+        device = self.lm.device
+        row_of = np.repeat(np.arange(rows), counts)
+        offset = np.arange(total) - np.repeat(np.cumsum([0] + counts[:-1]), counts)  # index within its row
+        start = np.asarray(starts, np.int64)[row_of]
+        columns = start + offset
+        lane_count = np.asarray([k or 0 for k in lanes], np.int64)
+        is_lane = lane_count[row_of] > 0
+        base = np.asarray(bases, np.int64)[row_of]
+        depth = np.where(is_lane, (start - base) // np.maximum(lane_count[row_of], 1), 0)
+        positions = np.where(is_lane, base + depth, columns)
+        width = int(columns.max()) + 1 if total else 0
+        if width > self.columns:
+            raise ValueError(f"draft KV: column {width - 1} past the {self.columns} placed")
+        # what each query sees: chain queries, the columns up to their own; lane k at depth j,
+        # the chain before the base and columns base + j' K + k for j' <= j
+        col = np.arange(width)[None, :]
+        chain_end = np.where(is_lane, base, columns + 1)[:, None]
+        sees = col < chain_end
+        if is_lane.any():
+            k = np.maximum(lane_count[row_of], 1)[:, None]
+            rel = col - base[:, None]
+            lane_of_query = ((columns - base) % np.maximum(lane_count[row_of], 1))[:, None]
+            same_lane = (rel >= 0) & (rel % k == lane_of_query) & (col <= columns[:, None])
+            sees |= is_lane[:, None] & same_lane
+        mask = np.zeros((rows * n_max, width), bool)
+        pad = row_of * n_max + offset
+        mask[pad] = sees
+        plan = _Forward(self, torch.from_numpy(row_of).to(device), torch.from_numpy(columns).to(device),
+                        torch.from_numpy(pad).to(device), (rows, n_max, width),
+                        torch.from_numpy(mask).view(rows, 1, n_max, width).to(device))
+        ids = torch.tensor(np.concatenate([np.asarray(t, np.int64) for t in tokens if len(t)]), dtype=torch.long)
+        model = self.lm.model
+        hidden = model.get_decoder()(input_ids=ids[None].to(device), position_ids=torch.from_numpy(positions)[None].to(device),
+                                     use_cache=False, draft_forward=plan).last_hidden_state[0]
+        if want == "last":
+            last = np.cumsum(counts) - 1
+            hidden = hidden[torch.from_numpy(np.where(np.asarray(counts) > 0, last, 0)).to(device)]
+        return model.get_output_embeddings()(hidden).float().cpu()  # the laws and draws on the host
+
+
+def _columns(need: int) -> int:
+    """Columns for ``need``: the next power of two from ``MIN_COLUMNS``."""
+    columns = MIN_COLUMNS
+    while columns < need:
+        columns *= 2
+    return columns
