@@ -176,10 +176,11 @@ class DraftTreeConfig(ProposerConfig):
     vLLM's KV memory; ``draft_kv_bytes``, if given, still bounds q's KV in host memory)."""
     draft_kv_bytes: int | None = Field(default=None, ge=1)
     """Bytes of q's KV the engine reserves out of the memory vLLM would give the target's KV
-    cache (per worker): half for the requests' q sessions between steps (least recently drafted
-    dropped first, rebuilt when they draft again), half for a step's joined copies (requests
-    drafted in groups that fit it). None: the share in which q holds as many tokens as the
-    target's cache, memory x q's bytes per token / (q's + the target's)."""
+    cache (per worker), and the most q's KV takes (``draft_kv.DraftKV``: the rows of requests not
+    drafting are dropped first, least recently drafted first, rebuilt when they draft again;
+    a step's requests that still do not fit decode plainly that step). None: the share in which
+    q holds as many tokens as the target's cache, memory x q's bytes per token / (q's + the
+    target's)."""
     selector: str = "auto"
     """(K, L1, L2) chosen per request-step by a learned selector (``vllm_anisotropic.selector``):
     ``"auto"`` takes the selector shipped for this target and draft pair, if there is one and no

@@ -3,29 +3,20 @@
 Scope: ``DraftTreeProposer.propose_batch`` (the engine's drafter calls it once per step). The
 trees are the ones ``draft_model.delayed_tree`` drafts one request at a time (same node order,
 same draws from each request's generator in the same order, ``draft_probs`` the law each draw
-came from); what changes is that each depth is one forward of q for every request of the step:
+came from); what changes is that each depth is one forward of q for every request of the step,
+on q's KV of all requests (``draft_kv.DraftKV``: request b in row b for the step):
 
-1. **catch-up**: each request's tokens q has not run yet (its accepted tokens and the root;
-   a new request's prompt runs alone first, ``PREFILL_ALONE``) in one forward of all rows,
-   which gives every root law at once;
+1. **catch-up**: each request's tokens q has not run yet (a new prompt, the accepted tokens,
+   the root) in one packed forward of all rows, which gives every root law at once;
 2. **shapes**: the selector's (K, L1, L2) per request from its root law, or the fixed shape;
 3. **trunk**: one forward per depth of one token per row, for every request whose trunk goes
-   that deep; **branches**: each row repeated its request's K times, one forward per depth of
-   one token per branch of every request. Whatever the shapes, the catch-up is followed by at
-   most max(L1) + max(L2) - 1 forwards; a row with nothing to run at a depth rides along
-   masked, like padding.
+   that deep; **branches**: one forward per depth of the K tokens of every request's branches,
+   as K lanes in the request's own row after its trunk. Whatever the shapes, the catch-up is
+   followed by at most max(L1) + max(L2) - 1 forwards; a row with nothing to run at a depth
+   adds no token.
 
-KV: ``DraftBatch`` joins the requests' caches (``DraftSession.cache``, one per request) into one
-batch cache, each row's tokens from position 0 and zero padding after them, an attention mask of
-the valid entries, and each row's own positions (RoPE): tokens appended in a step land after the
-widest row, with masked holes before them in the narrower ones. ``split`` copies each row's valid
-entries back into its session (the context plus the trunk, as ``delayed_tree`` leaves it); the
-branch rows are dropped. Cost: the joined cache is a copy of the rows' KV, made once per step,
-against one weight pass of q per depth for the whole batch instead of one per request.
-
-q's head runs on the rows' last valid positions only (the decoder's hidden states, then the
-output embedding): causal LMs whose logits are a linear map of the last hidden state (Llama,
-Qwen2, Mistral families).
+The rows keep each request's context and trunk; the lanes are overwritten by the next step.
+A request whose row does not fit q's KV bound drafts nothing this step (``DraftKV.fit``).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Scope: drafting only. A small causal LM q (``DraftLM``, loaded with transformers, one KV cache
 per request in a ``DraftSession``) drafts one ``DraftTree`` per step from a request's context
-(one request here; the engine drafts a step's requests together, q batched over them:
-``draft_batch.py``, the same trees):
+(one request here; the engine drafts a step's requests together, q batched over them on one
+KV of all requests: ``draft_batch.py``, ``draft_kv.py``, the same trees):
 
 1. the **trunk**: L1 tokens, each drawn from q given the context and the trunk so far;
 2. the **branches**: K paths of L2 tokens from the trunk's end, each token drawn from q given
@@ -32,13 +32,12 @@ The tree (``DraftTree``; sources ``DRAFT``):
   input for greedy trees; for sampled trees they depend on the samples, so nothing may cut a
   sampled tree by them.
 
-KV cache: a session keeps the KV of the tokens it has run (``DraftSession.tokens``): the
-context it last drafted from plus that step's trunk. The next step keeps the longest common
-prefix with the new context (an accepted trunk is not recomputed) and runs only the rest; the
-branches run on K copies of the cache, dropped afterwards. Memory per session: (context + trunk)
-tokens x layers x 2 (K and V) x KV heads x head dim x dtype bytes, plus K x L2 tokens while
-branching; the engine holds one session per running request and drops it on finish, abort and
-preemption.
+KV cache (one request, ``DraftSession``): a session keeps the KV of the tokens it has run
+(``DraftSession.tokens``): the context it last drafted from plus that step's trunk. The next
+step keeps the longest common prefix with the new context (an accepted trunk is not
+recomputed) and runs only the rest; the branches run on K copies of the cache, dropped
+afterwards. The engine's batched path keeps the same tokens per request in one slot of
+``draft_kv.DraftKV`` instead (``DraftSession.slot``; its ``cache`` stays empty there).
 
 Example (greedy, K = 2, L1 = 1, L2 = 2; q's greedy path after the root r is a, b, c; at a the
 top two tokens are b and x, and x continues with y)::
@@ -74,7 +73,7 @@ logger = logging.getLogger(__name__)
 
 class DraftLM:
     """The draft model q: a transformers causal LM on ``device`` (its weights and KV there), no
-    grad. Its logits come back to the host as float32 (``forward``, ``DraftBatch.forward``): the
+    grad. Its logits come back to the host as float32 (``forward``, ``DraftKV.forward``): the
     laws and draws stay on the host, as the requests' generators and every TP rank's same tree
     need, one [rows, vocab] copy per forward."""
 
