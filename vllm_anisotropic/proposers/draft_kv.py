@@ -129,10 +129,11 @@ class DraftKV:
         if all(s is None for s in self.slots):
             self.keys, self.values, self.slots, self.columns = [], [], [], 0
 
-    def drop(self, session) -> None:
-        """Evict ``session`` (its request drafts again from a rebuilt cache)."""
+    def drop(self, session, refused: bool = False) -> None:
+        """Evict ``session`` (its request drafts again from a rebuilt cache), counted if it held
+        tokens or its request-step is ``refused`` drafts."""
         self.free(session)
-        if session.tokens:
+        if session.tokens or refused:
             self.evictions += 1
         session.tokens = []
 
@@ -147,9 +148,7 @@ class DraftKV:
         for i in sorted(range(len(sessions)), key=lambda i: needs[i]):
             columns = _columns(max(widest, needs[i]))
             if (len(kept) + 1) * columns * per_token > self.bound:
-                self.free(sessions[i])
-                sessions[i].tokens = []
-                self.evictions += 1  # a request-step without drafts (and its session, if any, gone)
+                self.drop(sessions[i], refused=True)
                 continue
             kept.append(i)
             widest = max(widest, needs[i])
@@ -189,18 +188,16 @@ class DraftKV:
         moved = [j for j, old in enumerate(order) if old is not None]
         into = torch.tensor(moved, dtype=torch.long, device=self.lm.device)
         source = torch.tensor([order[j] for j in moved], dtype=torch.long, device=self.lm.device)
+
         def moved_copy(tensor):
             out = torch.zeros(shape, dtype=self.lm.dtype, device=self.lm.device)
             if moved and width:
                 out[into, :, :width] = tensor.index_select(0, source)[:, :, :width]
             return out
 
-        if self.keys:
-            self.keys = [moved_copy(t) for t in self.keys]
-            self.values = [moved_copy(t) for t in self.values]
-        else:  # the first placement
-            self.keys = [moved_copy(None) for _ in range(self.num_layers)]
-            self.values = [moved_copy(None) for _ in range(self.num_layers)]
+        empty = [None] * self.num_layers  # the first placement: nothing to move
+        self.keys = [moved_copy(t) for t in self.keys or empty]
+        self.values = [moved_copy(t) for t in self.values or empty]
         for j, s in enumerate(sessions):
             s.slot = j
         self.slots, self.columns = list(sessions), columns
@@ -223,10 +220,11 @@ class DraftKV:
         offset = np.arange(total) - np.repeat(np.cumsum([0] + counts[:-1]), counts)  # index within its row
         start = np.asarray(starts, np.int64)[row_of]
         columns = start + offset
-        lane_count = np.asarray([k or 0 for k in lanes], np.int64)
-        is_lane = lane_count[row_of] > 0
+        lane_count = np.asarray([k or 0 for k in lanes], np.int64)[row_of]  # K of each token's row, 0: chain
+        is_lane = lane_count > 0
+        k = np.maximum(lane_count, 1)
         base = np.asarray(bases, np.int64)[row_of]
-        depth = np.where(is_lane, (start - base) // np.maximum(lane_count[row_of], 1), 0)
+        depth = np.where(is_lane, (start - base) // k, 0)
         positions = np.where(is_lane, base + depth, columns)
         width = int(columns.max()) + 1 if total else 0
         if width > self.columns:
@@ -237,10 +235,8 @@ class DraftKV:
         chain_end = np.where(is_lane, base, columns + 1)[:, None]
         sees = col < chain_end
         if is_lane.any():
-            k = np.maximum(lane_count[row_of], 1)[:, None]
             rel = col - base[:, None]
-            lane_of_query = ((columns - base) % np.maximum(lane_count[row_of], 1))[:, None]
-            same_lane = (rel >= 0) & (rel % k == lane_of_query) & (col <= columns[:, None])
+            same_lane = (rel >= 0) & (rel % k[:, None] == ((columns - base) % k)[:, None]) & (col <= columns[:, None])
             sees |= is_lane[:, None] & same_lane
         mask = np.zeros((rows * n_max, width), bool)
         pad = row_of * n_max + offset
