@@ -379,7 +379,8 @@ def main(argv=None) -> None:
                     help="time only trees of at most this many drafts (with large --time-batch-sizes)")
     ap.add_argument("--linears", default="torch", choices=["torch", "vllm"],
                     help="the target's and q's linear layers on torch's GEMM, or on vLLM's CPU GEMM as the "
-                         "engine runs them (integration/vllm/kernels/cpu_gemm.py; the CPU platform only)")
+                         "engine runs them (integration/vllm/kernels/cpu_gemm.py; the CPU platform only; with "
+                         "--time-only q's decoder also as the engine runs it, kernels/cpu_draft.py)")
     ap.add_argument("--out", help="JSONL, appended")
     ap.add_argument("--summarize", metavar="JSONL", help="print the tables of a finished run (.jsonl or .jsonl.gz) and exit")
     args = ap.parse_args(argv)
@@ -397,8 +398,11 @@ def main(argv=None) -> None:
     target = Target(args.target, dtype)
     draft = DraftLM(args.draft, dtype=dtype)
     if args.linears == "vllm":
+        from vllm_anisotropic.integration.vllm.kernels.cpu_draft import use_vllm_cpu_layers
         from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import use_vllm_cpu_gemm
 
+        if args.time_only:  # q's forwards as the engine runs them (the roots' sessions need transformers' layers)
+            use_vllm_cpu_layers(draft)
         if not (use_vllm_cpu_gemm(target.model) and use_vllm_cpu_gemm(draft.model)):
             ap.error("--linears vllm: vLLM's platform is not the CPU")
     gen = torch.Generator().manual_seed(args.seed)

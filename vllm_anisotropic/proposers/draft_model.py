@@ -86,6 +86,10 @@ class DraftLM:
         self.dtype = dtype
         self.vocab_size = int(self.model.config.vocab_size)
         self.kv_bytes_per_token = kv_bytes_per_token(self.model.config, dtype)
+        # q's decoder for ``DraftKV.forward`` as one callable (ids [T], positions [T], plan) ->
+        # hidden [T, hidden], set by the engine on the CPU (integration/vllm/kernels/cpu_draft.py);
+        # None: transformers' decoder
+        self.layers_forward = None
 
     def new_session(self) -> "DraftSession":
         return DraftSession(self)

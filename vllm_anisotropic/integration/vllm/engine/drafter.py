@@ -42,7 +42,8 @@ import torch
 from vllm_anisotropic import kernels as _kernels
 from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, rank_flat
 from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
-from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import use_vllm_cpu_gemm
+from vllm_anisotropic.integration.vllm.kernels.cpu_draft import use_vllm_cpu_layers, warm_up
+from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import BUCKETS, use_vllm_cpu_gemm
 from vllm_anisotropic.integration.vllm.engine.faults import inject, report, tp_size
 from vllm_anisotropic.integration.vllm.engine.faults import tp_rank as _tp_rank
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
@@ -133,7 +134,13 @@ class TreeDrafter:
         else:
             self.proposer = get_proposer(name, vocab_size=vocab_size, **options)
         if isinstance(self.proposer, DraftTreeProposer):
-            use_vllm_cpu_gemm(self.proposer.lm.model)  # q's linears take vLLM's CPU kernels (cpu_gemm.py)
+            # q's decoder layers on vLLM's CPU kernels where it can (cpu_draft.py), its other
+            # linears (the output head; all of them otherwise) through vLLM's CPU GEMM (cpu_gemm.py)
+            fused = use_vllm_cpu_layers(self.proposer.lm)
+            use_vllm_cpu_gemm(self.proposer.lm.model)
+            if fused:
+                logger.info("draft model: GEMMs warmed up at %d row counts in %.1f s", len(BUCKETS),
+                            warm_up(self.proposer.lm))
         self.max_draft_tokens: int = int(spec.num_speculative_tokens)
         self.max_model_len: int = int(vllm_config.model_config.max_model_len)
         self.tp_size = tp_size()  # > 1: take_step leaves another rank's drafts void rather than raise

@@ -98,6 +98,10 @@ METHODS: dict[str, tuple[str, ...]] = {
     # cpu_gemm.use_vllm_cpu_gemm: draft_tree's q takes vLLM's CPU GEMM per linear layer (it then
     # calls the ``cpu_linear(x, weight, bias)`` the dispatch sets on the layer)
     "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm": ("layer", "remove_weight"),
+    # cpu_draft.FusedLayers: q's decoder layers on vLLM's CPU ops
+    "vllm._custom_ops:rms_norm": ("out", "input", "weight", "epsilon"),
+    "vllm._custom_ops:fused_add_rms_norm": ("input", "residual", "weight", "epsilon"),
+    "vllm._custom_ops:rotary_embedding": ("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox"),
     # patches.py patch 9: min_p / logit_bias requests and the request's tree options
     "vllm.sampling_params:SamplingParams._validate_spec_decode": ("self", "speculative_config"),
     # runner.TreeRunnerMixin._builtin_logits_processors builds what plain decoding has
