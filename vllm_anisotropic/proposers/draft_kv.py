@@ -9,7 +9,9 @@ keys and values are views of the first R slots, never a copy.
 
 A forward (``DraftKV.forward``) packs the step's new tokens of every row into one sequence: the
 linear layers see only real tokens (a new prompt runs in the same forward as the others'
-accepted tokens, no padding), and only the attention pads the queries to ``[R, n_max]``. Each
+accepted tokens, no padding), and only the attention pads the queries: the rows of at most
+``LONG_ROW`` new tokens in one call, ``[R, n]`` for the longest n of them, and each longer row
+(a prompt) in a call of its own (``_groups``). Each
 token's K/V is written into its row at its column before the attention reads the row. Tokens
 are of two kinds:
 

@@ -4,7 +4,7 @@ Why: the engine runs q's batched forwards (``proposers.draft_kv.DraftKV.forward`
 transformers' decoder, about 45 small torch ops and a dozen module calls per layer (RMSNorm
 in float32 by hand, RoPE by ``rotate_half`` and ``cat``, separate q / k / v and gate / up
 GEMMs). vLLM's own ``draft_model`` runs the same q as an inductor-compiled graph. Here a layer
-is six GEMMs' worth of work in four calls plus vLLM's fused ops:
+is its seven linear layers in four GEMM calls plus vLLM's fused ops:
 
 * ``fused_add_rms_norm`` (the residual add and the norm in one pass) and ``rms_norm``;
 * one GEMM for q, k and v (weights and biases concatenated), one for gate and up, each through
