@@ -3,7 +3,8 @@ GEMM calls of ``cpu_gemm``), on the tiny Llama and Qwen2 models in float32.
 
 What this would catch: a dropped q / k / v bias (Qwen2 has them), q, k and v taken from the
 wrong slices of the fused output, RoPE of the wrong style (GPT-J instead of NeoX) or at the
-wrong positions (a lane at its column instead of its depth), the residual added twice or not
+wrong positions (a lane at its column instead of its depth), a RoPE cache read past its end
+(positions beyond the config's ``max_position_embeddings``), the residual added twice or not
 at all, gate and up swapped, a chunked MLP that writes a chunk at the wrong rows, padded rows
 left in a GEMM's output, a GEMM call at a row count outside the buckets, and a model the fused
 loop does not handle taken anyway.
@@ -44,6 +45,7 @@ def test_fused_layers_give_transformers_logits(arch):
     ref, lm = DraftLM(path), DraftLM(path)
     assert use_vllm_cpu_layers(lm) and use_vllm_cpu_gemm(lm.model) == 1  # the output head is all that is left
     assert warm_up(lm) > 0
+    lm.layers_forward.cos_sin = lm.layers_forward.cos_sin[:8].clone()  # positions past the cache: it must grow
     with pytest.raises(RuntimeError, match="cpu_draft"):  # the weights live in the fused layers only
         lm.model.model.layers[0].mlp.up_proj(torch.zeros(1, lm.model.config.hidden_size))
     g = torch.Generator().manual_seed(2)

@@ -122,19 +122,29 @@ class FusedLayers:
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
-        rotary = decoder.rotary_emb
-        positions = torch.arange(int(config.max_position_embeddings), dtype=torch.float32)
-        freqs = positions[:, None] * rotary.inv_freq.float()[None, :]
-        scale = float(getattr(rotary, "attention_scaling", 1.0))
-        # vLLM's layout: [positions, rotary_dim] = cos half then sin half, in the model's dtype (as
-        # transformers casts its cos / sin before applying them)
-        self.cos_sin = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(model.dtype)
+        self.inv_freq = decoder.rotary_emb.inv_freq.float().cpu()
+        self.rope_scale = float(getattr(decoder.rotary_emb, "attention_scaling", 1.0))
+        self.dtype = model.dtype
+        self.cos_sin = self._rope(int(config.max_position_embeddings))
         self.layers = [_Layer(layer) for layer in decoder.layers]
+
+    def _rope(self, positions: int) -> torch.Tensor:
+        """vLLM's cos / sin cache for positions 0..``positions`` - 1: ``[positions, rotary_dim]``,
+        the cos half then the sin half, in the model's dtype (as transformers casts its cos / sin
+        before applying them)."""
+        freqs = torch.arange(positions, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        rope = torch.cat([freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale], dim=-1)
+        return rope.to(dtype=self.dtype, device=self.embed.weight.device)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan) -> torch.Tensor:
         from vllm import _custom_ops as ops
 
         tokens = ids.shape[0]
+        if tokens and int(positions.max()) >= self.cos_sin.shape[0]:
+            # past the config's max_position_embeddings (the target's max_model_len can be longer):
+            # vLLM's op reads its cache without a bound check, so the cache grows, as transformers'
+            # RoPE computes any position
+            self.cos_sin = self._rope(2 * (int(positions.max()) + 1))
         hidden = self.embed(ids)
         residual = hidden
         hidden = torch.empty_like(residual)
