@@ -46,6 +46,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_anisotropic.proposers.draft_model import attention_dims
+
 __all__ = ["ATTENTION", "DraftKV"]
 
 ATTENTION = "vllm_anisotropic_draft"
@@ -78,7 +80,7 @@ class _Group:
     stop: int
     n: int
     width: int
-    tokens: torch.Tensor  # [t] the group's packed tokens
+    tokens: torch.Tensor | None  # [t] the group's packed tokens, None: all of the forward's, in order
     pad: torch.Tensor  # [t] their indices in the group's [(stop - start) * n] padded queries
     mask: torch.Tensor  # [stop - start, 1, n, width] bool: query i of a row sees column c
 
@@ -100,17 +102,22 @@ class _Forward:
     def attend(self, layer: int, query: torch.Tensor, scaling) -> tuple[torch.Tensor, None]:
         heads, dim = query.shape[1], query.shape[3]
         packed = query[0].transpose(0, 1)  # [T, heads, dim]
-        out = packed.new_empty(packed.shape)
+        out = None
         for g in self.groups:
             rows = g.stop - g.start
             padded = packed.new_zeros(rows * g.n, heads, dim)
-            padded[g.pad] = packed[g.tokens]
+            padded[g.pad] = packed if g.tokens is None else packed[g.tokens]
             padded = padded.view(rows, g.n, heads, dim).transpose(1, 2)
             keys = self.kv.keys[layer][g.start : g.stop, :, : g.width]  # views: no copy
             values = self.kv.values[layer][g.start : g.stop, :, : g.width]
             got = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=g.mask,
                                                                    scale=scaling, enable_gqa=True)
-            out[g.tokens] = got.transpose(1, 2).reshape(rows * g.n, heads, dim)[g.pad]  # padding dropped
+            got = got.transpose(1, 2).reshape(rows * g.n, heads, dim)[g.pad]  # padding dropped
+            if g.tokens is None:  # the forward's only call: every token, in order
+                return got[None], None
+            if out is None:
+                out = packed.new_empty(packed.shape)
+            out[g.tokens] = got
         return out[None], None
 
 
@@ -121,9 +128,7 @@ class DraftKV:
         _register()
         self.lm = lm
         config = lm.model.config
-        heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        _, self.kv_heads, self.head_dim = attention_dims(config)
         self.num_layers = int(config.num_hidden_layers)
         self.bound = bound
         self.keys: list[torch.Tensor] = []
@@ -289,7 +294,8 @@ def _groups(counts: list[int], row_of: np.ndarray, offset: np.ndarray, columns: 
         pad = (row_of[chosen] - start) * n + offset[chosen]
         mask = np.zeros(((stop - start) * n, width), bool)
         mask[pad] = sees[chosen, :width]
-        groups.append(_Group(start, stop, n, width, torch.from_numpy(chosen).to(device), torch.from_numpy(pad).to(device),
+        tokens = None if len(chosen) == len(row_of) else torch.from_numpy(chosen).to(device)
+        groups.append(_Group(start, stop, n, width, tokens, torch.from_numpy(pad).to(device),
                              torch.from_numpy(mask).view(stop - start, 1, n, width).to(device)))
     return groups
 

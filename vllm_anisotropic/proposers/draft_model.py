@@ -102,12 +102,18 @@ class DraftLM:
         return out.logits[:, -1:].float().cpu()
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token holds in a causal LM of transformers ``config`` in ``dtype``:
-    layers x 2 x KV heads x head dim x element size."""
+def attention_dims(config) -> tuple[int, int, int]:
+    """(heads, KV heads, head dim) of a causal LM of transformers ``config``."""
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return heads, kv_heads, head_dim
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token holds in a causal LM of transformers ``config`` in ``dtype``:
+    layers x 2 x KV heads x head dim x element size."""
+    _, kv_heads, head_dim = attention_dims(config)
     return int(config.num_hidden_layers) * 2 * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 

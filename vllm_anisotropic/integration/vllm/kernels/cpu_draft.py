@@ -34,6 +34,7 @@ import logging
 import torch
 
 from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import BUCKETS, CHUNK_ROWS, padded_linear
+from vllm_anisotropic.proposers.draft_model import attention_dims
 
 __all__ = ["use_vllm_cpu_layers", "warm_up"]
 
@@ -118,9 +119,7 @@ class FusedLayers:
         config = model.config
         decoder = model.model
         self.embed = decoder.embed_tokens
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.heads, self.kv_heads, self.head_dim = attention_dims(config)
         self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
         self.inv_freq = decoder.rotary_emb.inv_freq.float().cpu()
         self.rope_scale = float(getattr(decoder.rotary_emb, "attention_scaling", 1.0))
