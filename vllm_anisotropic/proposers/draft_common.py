@@ -1,6 +1,7 @@
 """What one draft-model tree is made of, shared by ``draft_model.py`` (one request) and
 ``draft_batch.py`` (a step's requests batched): the node order of a (K, L1, L2) shape, the law a
-draw comes from, a draw, and the tree of drawn nodes (``draft_model``'s module docstring)."""
+draw comes from, a draw, the tree of drawn nodes (``draft_model``'s module docstring), and q's attention
+dimensions (``attention_dims``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from vllm_anisotropic.selector.shape import DelayedShape
 from vllm_anisotropic.tree import DraftTree, NodeSource
 from vllm_anisotropic.verifiers.sampling import TargetSampling, sample_inverse_cdf, target_probs
 
-__all__ = ["NO_DRAFTS", "shape_parents"]
+__all__ = ["NO_DRAFTS", "attention_dims", "shape_parents"]
 
 NO_DRAFTS = DelayedShape(1, 0, 0)  # the root alone: a plain step
 
@@ -49,3 +50,11 @@ def _tree(tokens, parents, values, rows) -> DraftTree:
     sources = np.full(tokens.size, NodeSource.DRAFT, np.int8)
     sources[0] = NodeSource.ROOT
     return DraftTree(tokens=tokens, parents=parents, sources=sources, values=values, draft_probs=rows)
+
+
+def attention_dims(config) -> tuple[int, int, int]:
+    """(heads, KV heads, head dim) of a causal LM of transformers ``config``."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return heads, kv_heads, head_dim

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_anisotropic.proposers.draft_model import attention_dims
+from vllm_anisotropic.proposers.draft_common import attention_dims
 
 __all__ = ["ATTENTION", "DraftKV"]
 

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from vllm_anisotropic.proposers.base import ProposalInfo, ProposalMode, Proposer, RequestState, node_budget, root_only
-from vllm_anisotropic.proposers.draft_common import NO_DRAFTS, _draw, _law, _tree, shape_parents
+from vllm_anisotropic.proposers.draft_common import NO_DRAFTS, _draw, _law, _tree, attention_dims, shape_parents
 from vllm_anisotropic.selector.features import root_features
 from vllm_anisotropic.selector.policy import ShapeSelector
 from vllm_anisotropic.selector.shape import DelayedShape
@@ -100,14 +100,6 @@ class DraftLM:
         extended in place. Only the last position goes through the output head."""
         out = self.model(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1:].float().cpu()
-
-
-def attention_dims(config) -> tuple[int, int, int]:
-    """(heads, KV heads, head dim) of a causal LM of transformers ``config``."""
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return heads, kv_heads, head_dim
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

@@ -34,7 +34,7 @@ import logging
 import torch
 
 from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import BUCKETS, CHUNK_ROWS, padded_linear
-from vllm_anisotropic.proposers.draft_model import attention_dims
+from vllm_anisotropic.proposers.draft_common import attention_dims
 
 __all__ = ["use_vllm_cpu_layers", "warm_up"]
 
