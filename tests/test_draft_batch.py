@@ -8,7 +8,8 @@ rows of q's KV wrong, or a branch seeing another lane), positions off, a session
 the branches or missing the trunk, draws taken from another request's generator
 or in another order, the wrong row's law recorded in ``draft_probs``, a selector's shape groups
 mixed up. The batched step must also be one q forward per depth for all requests, whatever
-shape the selector gives each.
+shape each has (a stand-in selector gives requests different shapes; the shipped kind gives a
+step one).
 """
 
 from __future__ import annotations
@@ -100,30 +101,56 @@ def test_a_batched_step_drafts_each_requests_own_tree(draft_dir, shape):
     assert [s.session.tokens for s in sa] == [s.session.tokens for s in sb]
 
 
-def test_selector_shapes_share_each_depths_forward_and_budgets_cut_after_drawing(draft_dir, tmp_path):
-    """The threshold selector picks (1, 3, 0) or (2, 1, 1) per root (its entropy): rows of
-    different shapes in one step still run one q forward per depth together (the catch-up, the
-    chains' two trunk depths, of which the delayed trees share the first; the latter's branches
-    of length 1 need none); request 0's budget of 3 nodes cuts its tree after the draws, request
-    3's budget of 1 node drafts nothing (no q forward for it); new prompts of every length run
-    in the catch-up forward."""
+class _Forced:
+    """The twin's selector: the shape the batched step chose (``shape``), for every request."""
+
+    def __init__(self, real) -> None:
+        self.real, self.max_drafts, self.shape = real, real.max_drafts, None
+
+    def may_draft(self, *args) -> bool:
+        return self.real.may_draft(*args)
+
+    def choose_shapes(self, features) -> list:
+        return [self.shape] * len(features)
+
+
+def test_the_selector_gives_a_step_one_shape_and_budgets_cut_after_drawing(draft_dir, tmp_path):
+    """The threshold selector prefers (1, 3, 0) or (2, 1, 1) per root (its entropy). A batched
+    step drafts every request in one shape, the highest summed log-policy over the drafting
+    requests' features (in steps where their own choices differ, too), in 1 + its trunk forwards
+    of q; each tree is the one drafted alone in that shape. Request 0's budget of 3 nodes cuts its
+    tree after the draws, request 3's budget of 1 node drafts nothing (no q forward for it, and
+    not one of the rows the shape is chosen from); new prompts of every length run in the
+    catch-up forward. Fails if the step takes one request's choice, a vote or the summed
+    probabilities, or per-request shapes."""
     path = str(threshold_selector(tmp_path, {0.0: 6.7, 0.8: 4.0}))
     (pa, sa), (pb, sb) = _twins(draft_dir, 5, selector=path)
+    pb.selector = _Forced(pb.selector)
+    seen = []
+    choose = pa.selector.choose_shapes
+    pa.selector.choose_shapes = lambda f: seen.append(f) or choose(f)
     tokens, lengths = _contexts([12, 40, 7, 25, 62], seed=3)
     budgets = np.array([3, 0, 0, 1, 0])
     rng = np.random.default_rng(2)
     calls = _forwards(pa)
-    mixed = 0
-    for step in range(4):
+    split = 0
+    for step in range(5):
         pa.begin_step(5)
         pb.begin_step(5)
         calls.clear()
+        seen.clear()
         before = dict(pa.shape_counts)
         out = pa.propose_batch(sa, tokens, np.arange(5), lengths, budgets)
-        chosen = {key for key, count in pa.shape_counts.items() if count > before.get(key, 0)}
-        trunk_forwards = 2 if "1,3,0" in chosen else 1  # (1, 3, 0): after nodes 1 and 2; (2, 1, 1): after node 1
-        assert len(calls) == 1 + trunk_forwards, (step, chosen, len(calls))
-        mixed += len(chosen) == 2
+        chosen = {key: count - before.get(key, 0) for key, count in pa.shape_counts.items()
+                  if count > before.get(key, 0)}
+        (features,) = seen
+        assert len(features) == 4 and list(chosen.values()) == [4], chosen  # one shape, request 3 not drafting
+        own = pa.selector.choose_index(features)
+        split += len(set(own.tolist())) == 2
+        step_action = pa.selector.actions[int(torch.log_softmax(pa.selector.logits(features), -1).sum(0).argmax())]
+        assert list(chosen) == [",".join(map(str, step_action))], (chosen, step_action)
+        pb.selector.shape = DelayedShape(*step_action)
+        assert len(calls) == 1 + (2 if step_action == (1, 3, 0) else 1), (step, chosen, len(calls))
         for i, state in enumerate(sb):
             ref = state.propose(tokens[i, : lengths[i]], None if budgets[i] <= 0 else int(budgets[i]))
             _same(out.trees.tree(i), ref)
@@ -134,8 +161,7 @@ def test_selector_shapes_share_each_depths_forward_and_budgets_cut_after_drawing
             tokens[i, lengths[i] : lengths[i] + len(add)] = add
             lengths[i] += len(add)
     assert {"1,3,0", "2,1,1"} <= set(pa.shape_counts), pa.shape_counts  # both shapes ran
-    assert mixed >= 2, mixed  # in one step together, more than once
-    assert pa.shape_counts == pb.shape_counts
+    assert split >= 2, split  # the requests' own choices differed, and the step still took one
     assert sa[3].session.forwarded == 0  # never drafted: q never ran for it
     assert [s.session.tokens for s in sa] == [s.session.tokens for s in sb]
 
@@ -187,8 +213,8 @@ class _ByContextLength:
     def may_draft(self, *args, **kwargs) -> bool:
         return True
 
-    def choose(self, features) -> DelayedShape:
-        return self.SHAPES[int(round(np.expm1(features[1]))) % len(self.SHAPES)]
+    def choose_shapes(self, features) -> list:
+        return [self.SHAPES[int(round(np.expm1(f[1]))) % len(self.SHAPES)] for f in features]
 
 
 def test_branches_of_different_widths_and_lengths_share_each_depths_forward(draft_dir):

@@ -20,7 +20,8 @@ import torch
 from vllm_anisotropic.proposers.draft_model import DelayedShape
 from vllm_anisotropic.selector.features import FEATURES
 from vllm_anisotropic.selector.policy import JSON_NAME, WEIGHTS_NAME, SelectorFileError, ShapeSelector, action_grid
-from vllm_anisotropic.selector.train import Examples, cross_validate, fit, format_report, load_examples, step_time
+from vllm_anisotropic.selector.train import (Examples, batch_step_time, cross_validate, fit, format_report, load_examples,
+                                             step_scores, step_time)
 
 TIMING = {"kind": "timing", "t_q": {"1": 0.1, "2": 0.12, "3": 0.14, "4": 0.2},
           "t_p": {str(n): 0.3 + 0.01 * n for n in range(1, 42)}}
@@ -46,6 +47,42 @@ def test_step_time_is_eq_11():
         step_time((2, 3, 4), {**TIMING, "t_q": timing["t_q"]}, 4)
     with pytest.raises(ValueError, match="no draft forward of 8 rows"):
         step_time((2, 3, 4), {**timing, "t_q": TIMING["t_q"]}, 4)
+
+
+def test_a_batched_step_pays_the_deepest_shape_of_its_requests():
+    """``batch_step_time`` counts q's forwards as the engine runs them (``draft_batch``): the
+    catch-up of the drafting rows, a trunk depth's rows, the branch lanes past each depth, one
+    target pass of all trees. Fails if a shallow request is charged the deep one's rows, the
+    step is priced as the sum or the mean of its requests, or a missing count is not interpolated."""
+    # (2, 1, 2) twice: catch-up of 2 rows, trunk depth 0 of 2 rows, branch depth 0 of 4 lanes, 12 nodes
+    assert batch_step_time([(2, 1, 2)] * 2, TIMING) == pytest.approx(0.12 + 0.12 + 0.2 + 0.3 + 0.12)
+    # a chain of 3 (forwards after its nodes 1 and 2), branches of 1 from the root (none) and a plain row
+    assert batch_step_time([(1, 3, 0), (2, 0, 1), (1, 0, 0)], TIMING) == pytest.approx(0.12 + 0.1 + 0.1 + 0.3 + 0.08)
+    assert batch_step_time([(1, 0, 0)] * 3, TIMING) == pytest.approx(0.33)  # plain: the target alone
+    # 3 rows where only 2 and 4 were timed: halfway
+    gap = {**TIMING, "t_q": {"1": 0.1, "2": 0.12, "4": 0.2}}
+    assert batch_step_time([(1, 2, 0)] * 3, gap) == pytest.approx(0.16 + 0.16 + 0.3 + 0.09)
+
+
+def test_step_scores_price_whole_steps():
+    """Two steps of two requests, (1, 0, 0) against a chain (1, 3, 0). Each request's own choice
+    mixes plain and chain rows in a step, which pays the chain's forwards for one request; the
+    summed log-policy gives each step one shape; the step oracle takes the best single shape."""
+    actions = [(1, 0, 0), (1, 3, 0)]
+    e = np.array([[1.0, 3.5], [1.0, 1.1], [1.0, 3.0], [1.0, 3.0]])
+    pi = np.log(np.array([[0.1, 0.9], [0.6, 0.4], [0.2, 0.8], [0.3, 0.7]]))
+    ex = Examples(np.zeros((4, len(FEATURES))), {"traversal": e}, np.ones((4, 2)), np.array(list("abcd")), actions,
+                  np.full(4, 2), [TIMING], np.zeros(4, np.int64))
+    got = step_scores(ex, np.arange(4), 2, "traversal", pi.argmax(1), pi, np.zeros(4, np.int64), seed=0)
+    chain, plain, mixed = (batch_step_time(a, TIMING) for a in ([(1, 3, 0)] * 2, [(1, 0, 0)] * 2,
+                                                                [(1, 3, 0), (1, 0, 0)]))
+    assert got["steps"] == 2
+    # every step's rows are {0, 1} or {2, 3} or a mix; summed log-policy picks the chain in each
+    assert got["selector_step"]["tokens_per_s"] == pytest.approx(e[:, 1].sum() / (2 * chain))
+    assert got["static_per_batch"]["tokens_per_s"] == pytest.approx(4.0 / (2 * plain))
+    assert got["oracle_step"]["tokens_per_s"] >= max(got[k]["tokens_per_s"] for k in ("selector", "selector_step"))
+    # request 1 alone chooses plain: whichever step holds it is mixed
+    assert got["selector"]["step_s"] == pytest.approx((mixed + chain) / 2)
 
 
 def test_batch_labels_price_q_batched():
@@ -135,6 +172,22 @@ def test_choices_are_shapes_of_the_grid(tmp_path):
     shape = sel.choose(feats[0])
     assert isinstance(shape, DelayedShape) and (shape.branches, shape.trunk, shape.branch_length) in ex.actions
     assert sel.max_drafts == 6
+
+
+def test_a_steps_shape_is_the_highest_summed_log_policy():
+    """Three requests of one step: two prefer (1, 2, 0) mildly (pi 0.9 / 0.1), one (2, 1, 1)
+    strongly (0.001 / 0.999). The product of their policies picks (2, 1, 1) for all three; the
+    first request's choice, a vote of the choices and the summed probabilities would pick
+    (1, 2, 0). One request alone gets its own argmax."""
+    sel = ShapeSelector(net=torch.nn.Identity(), mean=np.zeros(len(FEATURES)), std=np.ones(len(FEATURES)),
+                        actions=[(1, 2, 0), (2, 1, 1)], verifier="traversal")
+    pi = {0: [0.9, 0.1], 1: [0.9, 0.1], 2: [0.001, 0.999]}
+    sel.logits = lambda f: torch.tensor([pi[int(row[0])] for row in np.atleast_2d(f)]).log() + 3.0 * torch.arange(
+        len(np.atleast_2d(f)))[:, None]  # a constant per row: the logits are not normalized
+    step = np.array([[r, 0, 0, 1, 0] for r in range(3)], np.float64)
+    assert sel.choose_shapes(step) == [DelayedShape(2, 1, 1)] * 3
+    assert sel.choose_shapes(step[:2]) == [DelayedShape(1, 2, 0)] * 2
+    assert sel.choose(step[0]) == DelayedShape(1, 2, 0) and sel.choose(step[2]) == DelayedShape(2, 1, 1)
 
 
 def test_file_round_trip_and_refusals(tmp_path):

@@ -84,8 +84,8 @@ def test_proposer_drafts_the_selectors_shape_from_the_roots_features(draft_dir, 
     proposer = get_proposer("draft_tree", model=draft_dir, selector=str(path))
     assert proposer.selector is not None and proposer.selector.max_drafts == 6
     seen = []
-    choose = proposer.selector.choose
-    proposer.selector.choose = lambda f: seen.append(f) or choose(f)
+    choose = proposer.selector.choose_shapes
+    proposer.selector.choose_shapes = lambda f: seen.append(f[0]) or choose(f)
     state = proposer.new_request()
     state.set_sampling(SAMPLED, seed=5)
     tree = state.propose(np.array(CONTEXT))
@@ -116,8 +116,8 @@ def test_proposer_drafts_the_selectors_shape_from_the_roots_features(draft_dir, 
 def test_greedy_requests_take_temperature_zero_features(draft_dir, tmp_path):
     proposer = get_proposer("draft_tree", model=draft_dir, selector=str(constant_selector(tmp_path, (1, 3, 0))))
     seen = []
-    choose = proposer.selector.choose
-    proposer.selector.choose = lambda f: seen.append(f) or choose(f)
+    choose = proposer.selector.choose_shapes
+    proposer.selector.choose_shapes = lambda f: seen.append(f[0]) or choose(f)
     proposer.new_request().propose(np.array(CONTEXT))
     assert seen[0][2:].tolist() == [0.0, 1.0, 0.0]
     proposer.begin_step(4)  # the engine's drafter: four requests draft in this step

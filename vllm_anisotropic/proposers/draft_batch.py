@@ -8,7 +8,8 @@ on q's KV of all requests (``draft_kv.DraftKV``: request b in row b for the step
 
 1. **catch-up**: each request's tokens q has not run yet (a new prompt, the accepted tokens,
    the root) in one packed forward of all rows, which gives every root law at once;
-2. **shapes**: the selector's (K, L1, L2) per request from its root law, or the fixed shape;
+2. **shapes**: the selector's (K, L1, L2) from the root laws (one shape for the step's drafting
+   requests, ``ShapeSelector.choose_shapes``), or the fixed shape;
 3. **trunk**: one forward per depth of one token per row, for every request whose trunk goes
    that deep; **branches**: one forward per depth of the K tokens of every request's branches,
    as K lanes in the request's own row after its trunk. Whatever the shapes, the catch-up is
@@ -91,7 +92,7 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
         group = [states[r] for r in order]
         logits = _catch_up(kv, [s.session for s in group], [contexts[r] for r in order])
         root_laws = _laws(logits, [s.sampling for s in group])
-        shapes = [s.shape_for(contexts[r], root_laws[b]) for b, (r, s) in enumerate(zip(order, group))]
+        shapes = proposer.step_shapes(group, [contexts[r] for r in order], root_laws)
         drawn = _delayed_trees(kv, shapes, group, root_laws, [int(contexts[r][-1]) for r in order])
         for r, shape, tree in zip(order, shapes, drawn):
             trees[r] = states[r].cut(tree, shape, budgets[r])

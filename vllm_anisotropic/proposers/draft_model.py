@@ -329,17 +329,12 @@ class DraftTreeState(RequestState):
         return self.cut(tree, shape, max_nodes)
 
     def shape_for(self, context_tokens: np.ndarray, root_law: torch.Tensor | None) -> DelayedShape:
-        """The selector's shape for this root, from what is known before any draft is drawn (the
-        i.i.d. branches stay i.i.d.; ``root_law``: q's processed law at the root), counted; the
-        fixed shape without a selector."""
-        selector = self.proposer.selector
-        if selector is None:
-            return self.proposer.shape
-        temperature, top_p = self.selector_sampling()
-        shape = selector.choose(root_features(root_law, len(context_tokens), temperature, top_p,
-                                              self.proposer.step_requests))
-        self.proposer.count_shape(shape)
-        return shape
+        """The shape of this request drafting alone (``DraftTreeProposer.step_shapes`` of one row)."""
+        return self.proposer.step_shapes([self], [context_tokens], None if root_law is None else root_law[None])[0]
+
+    def features(self, context_tokens: np.ndarray, root_law: torch.Tensor) -> np.ndarray:
+        """The selector's features of this request-step (``root_law``: q's processed law at the root)."""
+        return root_features(root_law, len(context_tokens), *self.selector_sampling(), self.proposer.step_requests)
 
     def cut(self, tree: DraftTree, shape: DelayedShape, max_nodes: int | None) -> DraftTree:
         """``tree`` (drafted in ``shape``) cut to the node budget after drawing, ``last_info`` set
@@ -429,6 +424,19 @@ class DraftTreeProposer(Proposer):
         """The most drafts one request's tree can take (its shape's, or the selector's largest):
         the columns of q's KV a step may add after a context."""
         return self.shape.num_drafts if self.selector is None else int(self.selector.max_drafts)
+
+    def step_shapes(self, states: list, contexts: list, root_laws: torch.Tensor | None) -> list:
+        """The shapes of the drafting requests of one step (``states[r]`` with its context and its
+        root law ``root_laws[r]``), from what is known before any draft is drawn (the i.i.d.
+        branches stay i.i.d.), counted: the selector's ``choose_shapes`` (one shape for the step),
+        or the fixed shape without a selector."""
+        if self.selector is None:
+            return [self.shape] * len(states)
+        shapes = self.selector.choose_shapes(np.stack([s.features(c, law) for s, c, law
+                                                       in zip(states, contexts, root_laws)]))
+        for shape in shapes:
+            self.count_shape(shape)
+        return shapes
 
     def count_shape(self, shape: "DelayedShape") -> None:
         """One request-step the selector chose ``shape`` (the ``selector_shapes`` metric)."""

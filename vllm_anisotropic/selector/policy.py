@@ -1,7 +1,8 @@
 """The (K, L1, L2) selector: root features -> one delayed-tree shape (arXiv 2602.16994 Sec. 6, App. E).
 
 A small MLP (standardized scalar features -> GELU 64 -> GELU 32 -> one logit per action) over a
-fixed grid of actions; at run time the action with the highest logit (``ShapeSelector.choose``).
+fixed grid of actions; at run time one action per engine step, the one with the highest summed
+log-policy over the step's requests (``ShapeSelector.choose_shapes``; one request: its argmax).
 Only the paper's scalar features (``selector.features``): its hidden-state projections are left
 out (they need the target's hidden state at the preceding token, which this engine's drafter
 does not see).
@@ -97,8 +98,20 @@ class ShapeSelector:
         return self.logits(features).argmax(-1).numpy()
 
     def choose(self, features: np.ndarray) -> DelayedShape:
-        k, l1, l2 = self.actions[int(self.choose_index(features)[0])]
-        return DelayedShape(branches=k, trunk=l1, branch_length=l2)
+        """The shape of one request-step (``features`` [F] or [1, F])."""
+        return self.choose_shapes(np.atleast_2d(features)[:1])[0]
+
+    def choose_shapes(self, features: np.ndarray) -> list[DelayedShape]:
+        """The shapes of the requests of one engine step (``features`` [n, F], row r request r's):
+        one shape for all of them, the action with the highest sum over the rows of log pi(a | c_r)
+        (ties to the lower index; one row: ``choose_index``'s). Why one: the engine's batched step
+        runs max L1 + max L2 forwards of q for all its requests (``proposers/draft_batch.py``), and
+        the labels price a request of a b-request step as if all b drafted its shape
+        (``train.step_time``); per-request choices mix shapes that the step then pays at the deepest
+        (held out, ``train.step_scores``: docs/selector.md)."""
+        index = int(self.logits(features).log_softmax(-1).sum(0).argmax())
+        k, l1, l2 = self.actions[index]
+        return [DelayedShape(branches=k, trunk=l1, branch_length=l2)] * len(features)
 
     def may_draft(self, context_len: int, temperature: float, top_p: float, batch_size: int) -> bool:
         """Whether some root entropy of q makes the selector draft here. Everything but the entropy

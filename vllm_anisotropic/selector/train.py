@@ -68,6 +68,36 @@ def step_time(action: tuple[int, int, int], timing: dict, batch_size: int = 1) -
     return (drafting + t_p[n]) / b
 
 
+def _at(table: dict, n: int) -> float:
+    """``table[n]`` of a timing record's t_q / t_p (keys may be strings); a count it lacks is
+    interpolated linearly between the nearest measured ones (the end values beyond them)."""
+    xs = sorted(int(k) for k in table)
+    return float(np.interp(n, xs, [float(table[str(x)] if str(x) in table else table[x]) for x in xs]))
+
+
+def batch_step_time(actions: list[tuple[int, int, int]], timing: dict) -> float:
+    """Seconds of one engine step in which request r drafts ``actions[r]`` (a ``draft_tree_grid
+    --time`` record's pass times, ``_at``), counted as ``proposers/draft_batch.py`` runs it: one q
+    forward of the drafting rows (the catch-up, ending at the roots); per trunk depth d one forward
+    of the rows whose tree has a node below trunk node d + 1; per branch depth d one of the K lanes
+    of every request whose branches go past depth d + 1; and one target forward of every tree's
+    nodes (a plain request's root included). The step pays max L1 and max L2 forwards of q whatever
+    the other shapes are. For b requests of one shape this is ``b step_time(a, timing, b)`` up to
+    Eq. 11's count of q's forwards (L1 + L2 there; here 1 + L1 + L2 - 1, a chain's last trunk node
+    and the branches' last depth running none)."""
+    drafting = [(k, l1, l2) for k, l1, l2 in actions if l1 + k * l2 > 0]
+    if not drafting:
+        return _at(timing["t_p"], len(actions))
+    q = _at(timing["t_q"], len(drafting))
+    for d in range(max(l1 for _, l1, _ in drafting)):
+        rows = sum(1 for k, l1, l2 in drafting if l1 > d and d + 1 < l1 + k * l2)
+        q += _at(timing["t_q"], rows) if rows else 0.0
+    for d in range(max(l2 for _, _, l2 in drafting)):
+        rows = sum(k for k, _, l2 in drafting if d < l2 - 1)
+        q += _at(timing["t_q"], rows) if rows else 0.0
+    return q + _at(timing["t_p"], sum(1 + l1 + k * l2 for k, l1, l2 in actions))
+
+
 @dataclass
 class Examples:
     """One row per (root, batch size): features [n, F], E[tau + 1] per verifier [n, A], Eq. 11
@@ -80,6 +110,8 @@ class Examples:
     groups: np.ndarray  # "dataset/prompt"
     actions: list[tuple[int, int, int]]
     batch: np.ndarray | None = None  # [n] batch size of the row
+    timings: list[dict] = dataclasses.field(default_factory=list)  # the timing records the times came from
+    timing_of: np.ndarray | None = None  # [n] index into ``timings`` of the row's
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -101,7 +133,7 @@ def load_examples(paths: list[str], verifiers=VERIFIERS, max_drafts: int | None 
     ``block`` only has K = 1 actions, so its missing values are 0 (never chosen). Raises
     ValueError for a file without a timing record when ``timing`` is None."""
     actions = action_grid(max_drafts)
-    feats, times, groups, batch = [], [], [], []
+    feats, times, groups, batch, timings, timing_of = [], [], [], [], [], []
     values: dict[str, list] = {v: [] for v in verifiers}
     for path in paths:
         recs = read_records(path)
@@ -110,6 +142,7 @@ def load_examples(paths: list[str], verifiers=VERIFIERS, max_drafts: int | None 
             raise ValueError(f"{path}: no timing record (run `python -m vllm_anisotropic.bench.draft_tree_grid` "
                              f"with --time, or --time-only and append its record)")
         t = {b: np.array([step_time(a, file_timing, b) for a in actions]) for b in batch_sizes}
+        timings.append(file_timing)
         for r in (r for r in recs if r.get("kind") == "root"):
             row = [[r["values"].get(f"{k},{l1},{l2}", {}).get("greedy" if float(r["temperature"]) == 0.0 else v, 0.0)
                     for k, l1, l2 in actions] for v in verifiers]
@@ -118,12 +151,13 @@ def load_examples(paths: list[str], verifiers=VERIFIERS, max_drafts: int | None 
                 times.append(t[b])
                 groups.append(f"{r['dataset']}/{r['prompt']}")
                 batch.append(b)
+                timing_of.append(len(timings) - 1)
                 for v, vals in zip(verifiers, row):
                     values[v].append(vals)
     if not groups:
         raise ValueError(f"no root records in {paths}")
     return Examples(np.array(feats), {v: np.array(x) for v, x in values.items()}, np.array(times),
-                    np.array(groups), actions, np.array(batch))
+                    np.array(groups), actions, np.array(batch), timings, np.array(timing_of))
 
 
 def _loss(logits: torch.Tensor, e: torch.Tensor, t: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -195,12 +229,14 @@ def cross_validate(ex: Examples, verifier: str, folds: int = 5, seed: int = 0, *
         blind = dataclasses.replace(ex, features=ex.features.copy())
         blind.features[:, col] = 0.0
     statics = []
+    log_pi = np.zeros((len(ex), len(ex.actions)))
     for f in range(folds):
         train, test = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
         if test.size == 0:
             continue
         sel = fit(ex, train, verifier, seed=seed, **fit_kwargs)
         picks["selector"][test] = sel.choose_index(ex.features[test])
+        log_pi[test] = sel.logits(ex.features[test]).log_softmax(-1).numpy()
         picks["static"][test] = best_static(ex.values[verifier][train], ex.time[train])
         picks["static_traversal"][test] = best_static(ex.values["traversal"][train], ex.time[train])
         statics.append(ex.actions[picks["static"][test[0]]])
@@ -225,10 +261,45 @@ def cross_validate(ex: Examples, verifier: str, folds: int = 5, seed: int = 0, *
             rows = np.flatnonzero(batch == b)
             out["by_batch_size"][str(b)] = {**scores(rows), "selector_actions": _counts(ex, picks["selector"][rows]),
                                             "static_per_batch_actions": _counts(ex, picks["static_per_batch"][rows])}
+            if b > 1 and ex.timings:
+                out["by_batch_size"][str(b)]["steps"] = step_scores(ex, rows, b, verifier, picks["selector"], log_pi,
+                                                                    picks["static_per_batch"], seed)
     out["static_actions"] = [list(a) for a in statics]
     out["selector_actions"] = _counts(ex, picks["selector"])
     out["folds"], out["roots"], out["prompts"] = folds, len(ex), len(prompts)
     return out
+
+
+def step_scores(ex: Examples, rows: np.ndarray, b: int, verifier: str, chosen: np.ndarray, log_pi: np.ndarray,
+                static: np.ndarray, seed: int = 0) -> dict:
+    """Scores of whole engine steps: ``rows`` (held-out rows of batch size ``b``) shuffled into steps of
+    ``b`` requests, each step priced by ``batch_step_time``. Policies: ``selector`` (each request its
+    own choice ``chosen[r]``, the step paying the deepest), ``selector_step`` (one shape for the step,
+    ``ShapeSelector.choose_step``'s rule on the rows' log-policies ``log_pi``), ``static_per_batch``
+    (``static[r]``) and ``oracle_step`` (the one shape with the most tokens per second for the step,
+    known only afterwards)."""
+    order = np.random.default_rng(seed).permutation(rows)
+    steps = [order[i : i + b] for i in range(0, len(order) - b + 1, b)]
+    e = ex.values[verifier]
+    timing_of = ex.timing_of if ex.timing_of is not None else np.zeros(len(ex), np.int64)
+    totals = {name: [0.0, 0.0] for name in ("selector", "selector_step", "static_per_batch", "oracle_step")}
+    uniform_time: dict = {}
+
+    def uniform(a: int, t: int) -> float:
+        if (a, t) not in uniform_time:
+            uniform_time[(a, t)] = batch_step_time([ex.actions[a]] * b, ex.timings[t])
+        return uniform_time[(a, t)]
+
+    for step in steps:
+        t = int(timing_of[step[0]])
+        joint = int(log_pi[step].sum(0).argmax())
+        best = max(range(len(ex.actions)), key=lambda a: e[step, a].sum() / uniform(a, t))
+        for name, picks in (("selector", chosen[step]), ("selector_step", [joint] * b),
+                            ("static_per_batch", static[step]), ("oracle_step", [best] * b)):
+            totals[name][0] += float(e[step, picks].sum())
+            totals[name][1] += batch_step_time([ex.actions[a] for a in picks], ex.timings[t])
+    return {name: {"block_efficiency": v / (len(steps) * b), "step_s": s_ / len(steps), "tokens_per_s": v / s_}
+            for name, (v, s_) in totals.items()} | {"steps": len(steps)}
 
 
 def _counts(ex: Examples, chosen: np.ndarray) -> dict:
@@ -256,6 +327,14 @@ def format_report(verifier: str, cv: dict) -> str:
             s = part[name]
             lines.append(f"| {name} | {s['block_efficiency']:.3f} | {1e3 * s['step_s']:.0f} | {s['tokens_per_s']:.3f} | "
                          f"{s['tokens_per_s'] / ref:.3f}x |")
+        if "steps" in part:
+            st = part["steps"]
+            lines += [f"as {st['steps']} engine steps of {title.split()[-1]} requests (batch_step_time):",
+                      "| policy | block efficiency | step (ms) | tokens/s | vs static_per_batch |", "|---|---:|---:|---:|---:|"]
+            for name in ("selector", "selector_step", "static_per_batch", "oracle_step"):
+                s = st[name]
+                lines.append(f"| {name} | {s['block_efficiency']:.3f} | {1e3 * s['step_s']:.0f} | {s['tokens_per_s']:.3f} | "
+                             f"{s['tokens_per_s'] / st['static_per_batch']['tokens_per_s']:.3f}x |")
         if "static_per_batch_actions" in part:
             lines.append(f"selector's choices: {part['selector_actions']}; best static of this batch size: "
                          f"{part['static_per_batch_actions']}")
