@@ -364,6 +364,11 @@ def test_draft_model_methods_name_their_shape_and_need_a_draft(tmp_path):
     assert sweep.resolve_config("dtree-auto", tmp_path, "/d") == {"method": "draft_tree", "model": "/d", "allocator": "off"}
     assert sweep.resolve_config("dtree-default+sync", tmp_path, "/d") == {"method": "draft_tree", "model": "/d"}
     assert "--draft" in sweep.unavailable_reason("dtree-auto") and not sweep.valid_method("dtree-autox")
+    # dtree-sel: dtree-default with the --selector directory
+    assert sweep.resolve_config("dtree-sel+src", tmp_path, "/d", "/s") == {"method": "draft_tree", "model": "/d",
+                                                                           "selector": "/s"}
+    assert "--selector" in sweep.unavailable_reason("dtree-sel", "/d") and sweep.unavailable_reason("dtree-sel", "/d",
+                                                                                                     None, "/s") is None
 
 
 def test_src_variant_puts_the_source_tree_first_on_the_engine_path(monkeypatch, tmp_path):

@@ -47,6 +47,8 @@ dtree-auto   ``draft_tree`` with its default selector (``"selector": "auto"``: t
              (K, L1, L2) selector of the pair, or the default shape), allocator off
 dtree-default  ``draft_tree`` as a user gets it: ``{"method": "draft_tree", "model": DRAFT}``
              (the default selector and the budget allocator with its gate)
+dtree-sel    ``dtree-default`` with the selector directory ``--selector`` names instead of the
+             shipped one (a selector fresh from ``vllm-anisotropic selector train``)
              (q runs in the engine's dtype in every dtree method: ``draft_dtype`` "auto")
 NAME+iomp    any of the above with Intel's OpenMP runtime preloaded into its engine processes
              (``LD_PRELOAD`` = the ``libiomp5.so`` of this environment, vLLM's documented CPU
@@ -150,16 +152,19 @@ MODIFIERS = (IOMP, SYNC, RECOMPUTE, ROWSGEMM, SRC)
 
 
 _DRAFT_METHOD = re.compile(r"^(?:draft_model-k(?P<k>[1-9]\d*)|dtree-(?P<b>[1-9])\.(?P<t>\d)\.(?P<l>\d)|dtree-(?P<auto>auto)"
-                           r"|dtree-(?P<default>default))$")
+                           r"|dtree-(?P<default>default)|dtree-(?P<sel>sel))$")
 
 
-def draft_method_config(method: str, draft: str | None) -> dict[str, Any] | None:
+def draft_method_config(method: str, draft: str | None, selector: str | None = None) -> dict[str, Any] | None:
     """The speculative config of a draft-model method name (``draft_model-k4``, ``dtree-2.2.2``),
-    or None if ``method`` is not one. ``draft``: the draft model's directory. q runs in the
-    engine's dtype in both (``draft_tree``'s ``draft_dtype`` "auto"; vLLM's ``draft_model``)."""
+    or None if ``method`` is not one. ``draft``: the draft model's directory, ``selector`` the
+    selector directory of ``dtree-sel``. q runs in the engine's dtype in both (``draft_tree``'s
+    ``draft_dtype`` "auto"; vLLM's ``draft_model``)."""
     m = _DRAFT_METHOD.match(base_method(method))
     if m is None:
         return None
+    if m["sel"]:
+        return {"method": "draft_tree", "model": draft, "selector": selector}
     if m["k"]:
         return {"method": "draft_model", "model": draft, "num_speculative_tokens": int(m["k"])}
     if m["default"]:
@@ -204,12 +209,13 @@ def iomp_library() -> Path | None:
     return Path(found) if found and Path(found).is_file() else None
 
 
-def resolve_config(method: str, tmp_dir: Path, draft: str | None = None) -> dict[str, Any] | None:
+def resolve_config(method: str, tmp_dir: Path, draft: str | None = None,
+                   selector: str | None = None) -> dict[str, Any] | None:
     """``METHODS[method]`` with its ``"<steep>"`` cost model written to ``tmp_dir``: every query
     token and tree row costs 1 s, so the allocator keeps no draft in any step. A draft-model
-    method's config names ``draft``."""
+    method's config names ``draft`` (and ``dtree-sel``'s ``selector``)."""
     if base_method(method) not in METHODS:
-        return draft_method_config(method, draft)
+        return draft_method_config(method, draft, selector)
     spec = METHODS[base_method(method)]
     if spec is None or spec.get("cost_model") != "<steep>":
         return spec
@@ -220,10 +226,13 @@ def resolve_config(method: str, tmp_dir: Path, draft: str | None = None) -> dict
     return {**spec, "cost_model": str(path)}
 
 
-def unavailable_reason(method: str, draft: str | None = None, src: Path | None = None) -> str | None:
+def unavailable_reason(method: str, draft: str | None = None, src: Path | None = None,
+                       selector: str | None = None) -> str | None:
     """Why ``method`` cannot run on this machine, or None."""
     if draft is None and _DRAFT_METHOD.match(base_method(method)):
         return "a draft-model method needs --draft (a registry name or a model directory)"
+    if base_method(method) == "dtree-sel" and selector is None:
+        return "dtree-sel needs --selector (a directory from `vllm-anisotropic selector train`)"
     if IOMP in modifiers(method) and iomp_library() is None:
         return "no libiomp5.so in this environment (pip install intel-openmp)"
     if SRC in modifiers(method) and src is None:
@@ -547,7 +556,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (0: greedy, outputs compared with plain's; > 0: seeded per prompt)")
     p.add_argument("--draft", default=None,
-                   help="draft model (registry name or directory) of the draft_model-kN, dtree-K.L1.L2, dtree-auto and dtree-default methods")
+                   help="draft model (registry name or directory) of the draft_model-kN, dtree-K.L1.L2, dtree-auto, "
+                        "dtree-default and dtree-sel methods")
+    p.add_argument("--selector", default=None,
+                   help="selector directory (`vllm-anisotropic selector train`) of the dtree-sel method")
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
     p.add_argument("--out", type=Path, default=Path("results/bench.jsonl"), help="JSONL records (appended)")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot path (default: the --out path with .png)")
@@ -567,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if not valid_method(m)]
     if bad:
-        raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}, draft_model-kN, dtree-K.L1.L2, dtree-auto, dtree-default "
+        raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}, draft_model-kN, dtree-K.L1.L2, dtree-auto, dtree-default, dtree-sel "
                          f"(each also as NAME{IOMP}, NAME{SYNC}, NAME{RECOMPUTE}, NAME{ROWSGEMM} and NAME{SRC})")
     if args.src is not None and not Path(args.src, "vllm_anisotropic", "__init__.py").is_file():
         raise SystemExit(f"--src {args.src}: no vllm_anisotropic/__init__.py there")
@@ -608,7 +620,7 @@ def run(args: argparse.Namespace) -> int:
     cells = cell_order(range(args.repeats), args.concurrency)
     runnable = []
     for method in methods:
-        why = unavailable_reason(method, draft_dir, args.src)
+        why = unavailable_reason(method, draft_dir, args.src, args.selector)
         if why:
             logger.warning("%s: not run: %s", method, why)
             with open(args.out, "a", encoding="utf-8") as f:
@@ -621,7 +633,7 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="vllm-anisotropic-bench-") as tmp:
             extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
             job = sweep_engine.SweepJob(model=str(model_dir), method=method,
-                           speculative_config=resolve_config(method, Path(tmp), draft_dir),
+                           speculative_config=resolve_config(method, Path(tmp), draft_dir, args.selector),
                            cells=[c for c, _ in mine], cell_prompts=[p for _, p in mine], warmup_prompts=warmup,
                            max_tokens=args.max_tokens, concurrency=args.concurrency,
                            temperature=args.temperature,
