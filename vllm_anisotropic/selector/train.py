@@ -272,12 +272,13 @@ def cross_validate(ex: Examples, verifier: str, folds: int = 5, seed: int = 0, *
 
 def step_scores(ex: Examples, rows: np.ndarray, b: int, verifier: str, chosen: np.ndarray, log_pi: np.ndarray,
                 static: np.ndarray, seed: int = 0) -> dict:
-    """Scores of whole engine steps: ``rows`` (held-out rows of batch size ``b``) shuffled into steps of
-    ``b`` requests, each step priced by ``batch_step_time``. Policies: ``selector`` (each request its
-    own choice ``chosen[r]``, the step paying the deepest), ``selector_step`` (one shape for the step,
-    ``ShapeSelector.choose_step``'s rule on the rows' log-policies ``log_pi``), ``static_per_batch``
-    (``static[r]``) and ``oracle_step`` (the one shape with the most tokens per second for the step,
-    known only afterwards)."""
+    """Scores of whole engine steps: ``rows`` (held-out rows of batch size ``b``) shuffled into
+    steps of ``b`` requests, each step priced by ``batch_step_time``. Policies: ``selector`` (each
+    request its own choice ``chosen[r]``, the step paying the deepest), ``selector_step`` (one shape
+    for the step, ``ShapeSelector.choose_shapes``'s rule on the rows' log-policies ``log_pi``),
+    ``static_per_batch`` (the step's first request's ``static[r]`` for all: folds' statics may
+    differ) and ``oracle_step`` (the one shape with the most tokens per second for the step, known
+    only afterwards)."""
     order = np.random.default_rng(seed).permutation(rows)
     steps = [order[i : i + b] for i in range(0, len(order) - b + 1, b)]
     e = ex.values[verifier]
@@ -295,7 +296,7 @@ def step_scores(ex: Examples, rows: np.ndarray, b: int, verifier: str, chosen: n
         joint = int(log_pi[step].sum(0).argmax())
         best = max(range(len(ex.actions)), key=lambda a: e[step, a].sum() / uniform(a, t))
         for name, picks in (("selector", chosen[step]), ("selector_step", [joint] * b),
-                            ("static_per_batch", static[step]), ("oracle_step", [best] * b)):
+                            ("static_per_batch", [static[step[0]]] * b), ("oracle_step", [best] * b)):
             totals[name][0] += float(e[step, picks].sum())
             totals[name][1] += batch_step_time([ex.actions[a] for a in picks], ex.timings[t])
     return {name: {"block_efficiency": v / (len(steps) * b), "step_s": s_ / len(steps), "tokens_per_s": v / s_}
