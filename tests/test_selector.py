@@ -59,27 +59,37 @@ def test_a_batched_step_pays_the_deepest_shape_of_its_requests():
     # a chain of 3 (forwards after its nodes 1 and 2), branches of 1 from the root (none) and a plain row
     assert batch_step_time([(1, 3, 0), (2, 0, 1), (1, 0, 0)], TIMING) == pytest.approx(0.12 + 0.1 + 0.1 + 0.3 + 0.08)
     assert batch_step_time([(1, 0, 0)] * 3, TIMING) == pytest.approx(0.33)  # plain: the target alone
+    assert batch_step_time([(1, 1, 0)], TIMING) == pytest.approx(0.1 + 0.32)  # one draft: the catch-up alone
+    # a chain of 2 beside branches of 3 from the root: q runs the branches' two depths for the step
+    assert batch_step_time([(1, 2, 0), (2, 0, 3)], TIMING) == pytest.approx(0.12 + 0.1 + 0.12 + 0.12 + 0.4)
     # 3 rows where only 2 and 4 were timed: halfway
     gap = {**TIMING, "t_q": {"1": 0.1, "2": 0.12, "4": 0.2}}
     assert batch_step_time([(1, 2, 0)] * 3, gap) == pytest.approx(0.16 + 0.16 + 0.3 + 0.09)
 
 
 def test_step_scores_price_whole_steps():
-    """Two steps of two requests, (1, 0, 0) against a chain (1, 3, 0). Each request's own choice
-    mixes plain and chain rows in a step, which pays the chain's forwards for one request; the
-    summed log-policy gives each step one shape; the step oracle takes the best single shape."""
+    """Two steps of two requests (a fifth row makes no step of its own), (1, 0, 0) against a chain
+    (1, 3, 0). Each request's own choice mixes plain and chain rows in a step, which pays the
+    chain's forwards for one request; the summed log-policy gives each step one shape; the static
+    shape is the step's first request's for all; the step oracle takes the best single shape."""
     actions = [(1, 0, 0), (1, 3, 0)]
-    e = np.array([[1.0, 3.5], [1.0, 1.1], [1.0, 3.0], [1.0, 3.0]])
-    pi = np.log(np.array([[0.1, 0.9], [0.6, 0.4], [0.2, 0.8], [0.3, 0.7]]))
-    ex = Examples(np.zeros((4, len(FEATURES))), {"traversal": e}, np.ones((4, 2)), np.array(list("abcd")), actions,
-                  np.full(4, 2), [TIMING], np.zeros(4, np.int64))
-    got = step_scores(ex, np.arange(4), 2, "traversal", pi.argmax(1), pi, np.zeros(4, np.int64), seed=0)
+    e = np.array([[1.0, 3.5], [1.0, 1.1], [1.0, 3.0], [1.0, 3.0], [1.0, 3.0]])
+    pi = np.log(np.array([[0.1, 0.9], [0.6, 0.4], [0.2, 0.8], [0.3, 0.7], [0.3, 0.7]]))
+    ex = Examples(np.zeros((5, len(FEATURES))), {"traversal": e}, np.ones((5, 2)), np.array(list("abcde")), actions,
+                  np.full(5, 2), [TIMING], np.zeros(5, np.int64))
+    static = np.array([1, 1, 0, 0, 0])  # the shuffle makes steps (2, 0) and (1, 3): first requests 0 and 1
+    got = step_scores(ex, np.arange(4), 2, "traversal", pi.argmax(1), pi, static, seed=0)
     chain, plain, mixed = (batch_step_time(a, TIMING) for a in ([(1, 3, 0)] * 2, [(1, 0, 0)] * 2,
                                                                 [(1, 3, 0), (1, 0, 0)]))
-    assert got["steps"] == 2
+    assert got["steps"] == 2 and step_scores(ex, np.arange(5), 2, "traversal", pi.argmax(1), pi, static)["steps"] == 2
     # every step's rows are {0, 1} or {2, 3} or a mix; summed log-policy picks the chain in each
-    assert got["selector_step"]["tokens_per_s"] == pytest.approx(e[:, 1].sum() / (2 * chain))
-    assert got["static_per_batch"]["tokens_per_s"] == pytest.approx(4.0 / (2 * plain))
+    assert got["selector_step"]["tokens_per_s"] == pytest.approx(e[:4, 1].sum() / (2 * chain))
+    assert got["selector_step"]["block_efficiency"] == pytest.approx(e[:4, 1].mean())
+    assert got["selector_step"]["step_s"] == pytest.approx(chain)
+    steps = np.random.default_rng(0).permutation(4).reshape(2, 2)  # step_scores' shuffle
+    value = sum(e[step, static[step[0]]].sum() for step in steps)
+    time = sum(batch_step_time([actions[static[step[0]]]] * 2, TIMING) for step in steps)
+    assert got["static_per_batch"]["tokens_per_s"] == pytest.approx(value / time)
     assert got["oracle_step"]["tokens_per_s"] >= max(got[k]["tokens_per_s"] for k in ("selector", "selector_step"))
     # request 1 alone chooses plain: whichever step holds it is mixed
     assert got["selector"]["step_s"] == pytest.approx((mixed + chain) / 2)

@@ -99,7 +99,7 @@ class ShapeSelector:
 
     def choose(self, features: np.ndarray) -> DelayedShape:
         """The shape of one request-step (``features`` [F] or [1, F])."""
-        return self.choose_shapes(np.atleast_2d(features)[:1])[0]
+        return self.choose_shapes(np.atleast_2d(features))[0]
 
     def choose_shapes(self, features: np.ndarray) -> list[DelayedShape]:
         """The shapes of the requests of one engine step (``features`` [n, F], row r request r's):

@@ -281,8 +281,7 @@ def step_scores(ex: Examples, rows: np.ndarray, b: int, verifier: str, chosen: n
     only afterwards)."""
     order = np.random.default_rng(seed).permutation(rows)
     steps = [order[i : i + b] for i in range(0, len(order) - b + 1, b)]
-    e = ex.values[verifier]
-    timing_of = ex.timing_of if ex.timing_of is not None else np.zeros(len(ex), np.int64)
+    e, timing_of = ex.values[verifier], ex.timing_of
     totals = {name: [0.0, 0.0] for name in ("selector", "selector_step", "static_per_batch", "oracle_step")}
     uniform_time: dict = {}
 
