@@ -12,8 +12,10 @@ selector takes the argmax.
 Evaluation is on held-out prompts: the roots are split by prompt (dataset, prompt index) into
 folds; each fold's roots are scored by a selector trained on the other folds, against the best
 static action of those other folds (under the same verifier, and under Traversal). A score is
-tokens per second over the held-out roots, sum E / sum T (every root one step). Then a last
-selector is trained on every root and saved.
+tokens per second over the held-out roots, sum E / sum T (every root one step); with batch
+sizes above one, also as whole engine steps of b held-out rows (``step_scores``: per-request
+choices, the selector's one shape per step, the best static and the best shape of each step,
+priced by ``batch_step_time``). Then a last selector is trained on every root and saved.
 
 Example::
 
@@ -36,7 +38,8 @@ import torch
 from vllm_anisotropic.selector.features import FEATURES, record_features
 from vllm_anisotropic.selector.policy import SelectorNet, ShapeSelector, action_grid
 
-__all__ = ["Examples", "load_examples", "read_records", "step_time", "fit", "evaluate", "cross_validate", "add_parser"]
+__all__ = ["Examples", "load_examples", "read_records", "step_time", "batch_step_time", "fit", "evaluate",
+           "cross_validate", "step_scores", "add_parser"]
 
 logger = logging.getLogger(__name__)
 
