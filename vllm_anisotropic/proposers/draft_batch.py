@@ -90,10 +90,11 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
         kv.place([states[r].session for r in drafting], [needs[j] for j in kept])
         order = sorted(drafting, key=lambda r: states[r].session.slot)  # row b: slot b
         group = [states[r] for r in order]
-        logits = _catch_up(kv, [s.session for s in group], [contexts[r] for r in order])
+        ordered = [contexts[r] for r in order]
+        logits = _catch_up(kv, [s.session for s in group], ordered)
         root_laws = _laws(logits, [s.sampling for s in group])
-        shapes = proposer.step_shapes(group, [contexts[r] for r in order], root_laws)
-        drawn = _delayed_trees(kv, shapes, group, root_laws, [int(contexts[r][-1]) for r in order])
+        shapes = proposer.step_shapes(group, ordered, root_laws)
+        drawn = _delayed_trees(kv, shapes, group, root_laws, [int(c[-1]) for c in ordered])
         for r, shape, tree in zip(order, shapes, drawn):
             trees[r] = states[r].cut(tree, shape, budgets[r])
     modes = np.array([MODE_CODES[s.last_info.mode] for s in states], np.int8)

@@ -238,8 +238,9 @@ def cross_validate(ex: Examples, verifier: str, folds: int = 5, seed: int = 0, *
         if test.size == 0:
             continue
         sel = fit(ex, train, verifier, seed=seed, **fit_kwargs)
-        picks["selector"][test] = sel.choose_index(ex.features[test])
-        log_pi[test] = sel.logits(ex.features[test]).log_softmax(-1).numpy()
+        logits = sel.logits(ex.features[test])  # choose_index's argmax, and the step rule's log-policies
+        picks["selector"][test] = logits.argmax(-1).numpy()
+        log_pi[test] = logits.log_softmax(-1).numpy()
         picks["static"][test] = best_static(ex.values[verifier][train], ex.time[train])
         picks["static_traversal"][test] = best_static(ex.values["traversal"][train], ex.time[train])
         statics.append(ex.actions[picks["static"][test[0]]])
