@@ -285,12 +285,12 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         kc, vc = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
         k = key.view(-1, num_kv_heads, head_size)
         v = value.view(-1, num_kv_heads, head_size)
-        ks, vs = k[src], v[src]
+        *writes, restore = _row_slots(plan, k.shape[0], rounds, src, restore_rows, restore_slots)
         qs = query.view(-1, self.num_heads, head_size)[qrows]
         res = torch.empty_like(qs)
         k_scale, v_scale = getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0)
-        for s_src, dst, s_q, qsl, sl, bt, meta in rounds:
-            ops.cpu_attn_reshape_and_cache(ks[s_src], vs[s_src], kc, vc, dst, layer.isa, k_scale=k_scale,
+        for (_, _, s_q, qsl, sl, bt, meta), slots in zip(rounds, writes):
+            ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, layer.isa, k_scale=k_scale,
                                            v_scale=v_scale, kv_cache_dtype=self.kv_cache_dtype)
             ops.cpu_attention_with_kv_cache(
                 query=qs[s_q], key_cache=kc, value_cache=vc, output=res[s_q], query_start_loc=qsl, seq_lens=sl,
@@ -299,7 +299,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 kv_cache_dtype=self.kv_cache_dtype,
             )
         output.view(output.shape[0], self.num_heads, head_size)[qrows] = res.to(output.dtype)
-        ops.cpu_attn_reshape_and_cache(k[restore_rows], v[restore_rows], kc, vc, restore_slots, layer.isa,
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, restore, layer.isa,
                                        k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=self.kv_cache_dtype)
 
     def _gather_plan(self, plan, attn_metadata, block_size: int):
@@ -376,6 +376,27 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             plan.cache[key] = mask.unsqueeze(1).expand(r, num_kv_heads, group, n, length).reshape(
                 r * num_kv_heads, group * n, length)
         return plan.cache[key]
+
+
+def _row_slots(plan, num_tokens: int, rounds: list, src: torch.Tensor, restore_rows: torch.Tensor,
+               restore_slots: torch.Tensor) -> list:
+    """The K/V writes of ``_tree_rows_paths`` as slot mappings over all ``num_tokens`` rows of the
+    layer's K/V: one per round (its path nodes' rows to their slots after the context), then the
+    restore (every node row to its own slot); -1 elsewhere, a row vLLM's writer skips. So each
+    write reads the K/V where the layer has it, with no gather of the rows first (four copies a
+    layer). Built once per step (shared by all layers); example: 4 rows, a round writing row 2 to
+    slot 9 -> ``[-1, -1, 9, -1]``."""
+    key = ("row_slots", num_tokens)
+    if key not in plan.cache:
+        t0 = time.perf_counter()
+        src, restore_rows = src.numpy(), restore_rows.numpy()
+        full = np.full((len(rounds) + 1, num_tokens), -1, np.int64)
+        for i, (s_src, dst, *_) in enumerate(rounds):
+            full[i, src[s_src]] = dst.numpy()
+        full[-1, restore_rows] = restore_slots.numpy()
+        plan.cache[key] = list(torch.from_numpy(full))
+        _clock(plan, t0)
+    return plan.cache[key]
 
 
 def _clock(plan, t0: float, phase: str = "plan") -> None:
