@@ -110,6 +110,9 @@ class _Forced:
     def may_draft(self, *args) -> bool:
         return self.real.may_draft(*args)
 
+    def may_draft_rows(self, *args):
+        return self.real.may_draft_rows(*args)
+
     def choose_shapes(self, features) -> list:
         return [self.shape] * len(features)
 
@@ -213,6 +216,9 @@ class _ByContextLength:
     def may_draft(self, *args, **kwargs) -> bool:
         return True
 
+    def may_draft_rows(self, context_lens, *args, **kwargs):
+        return np.ones(len(context_lens), bool)
+
     def choose_shapes(self, features) -> list:
         return [self.SHAPES[int(round(np.expm1(f[1]))) % len(self.SHAPES)] for f in features]
 
@@ -242,6 +248,31 @@ def test_branches_of_different_widths_and_lengths_share_each_depths_forward(draf
             tokens[i, lengths[i] : lengths[i] + len(add)] = add
             lengths[i] += len(add)
     assert [s.session.tokens for s in sa] == [s.session.tokens for s in sb]
+
+
+class _EvenLengths(_ByContextLength):
+    """Would draft only for contexts of even length, whatever q's entropy."""
+
+    def may_draft(self, context_len, *args, **kwargs) -> bool:
+        return context_len % 2 == 0
+
+    def may_draft_rows(self, context_lens, *args, **kwargs):
+        return np.array([n % 2 == 0 for n in context_lens])
+
+
+def test_a_batched_step_skips_q_for_each_request_the_selector_would_not_draft_for(draft_dir):
+    """The step asks the selector once for all its requests (``may_draft_rows``): the requests it
+    answers no for decode plainly, q not run for them, and the others draft as they would alone
+    (fails if one request's answer is read for all, or for another request)."""
+    (pa, sa), (pb, sb) = _twins(draft_dir, 4, selector="off")
+    for p in (pa, pb):
+        p.selector = _EvenLengths()
+    tokens, lengths = _contexts([12, 13, 14, 15], seed=5)
+    out = pa.propose_batch(sa, tokens, np.arange(4), lengths)
+    for i, state in enumerate(sb):
+        _same(out.trees.tree(i), state.propose(tokens[i, : lengths[i]]))
+    assert [out.trees.tree(i).num_nodes > 1 for i in range(4)] == [True, False, True, False]
+    assert [s.session.forwarded > 0 for s in sa] == [True, False, True, False]
 
 
 def test_kv_bytes_per_token_is_what_the_cache_holds(draft_dir):

@@ -151,6 +151,26 @@ def test_a_batch_where_no_root_would_draft_skips_q(draft_dir, tmp_path):
     assert proposer.shape_counts == {"1,0,0": 1, "1,3,0": 1}
 
 
+def test_a_steps_may_draft_answers_each_request_in_one_pass(tmp_path):
+    """``may_draft_rows`` asks the network once for a whole step: each request's answer is the one
+    ``may_draft`` gives it alone, with requests whose answers differ in one call (fails if the
+    entropy probes and the requests' rows are paired wrongly, or one request's answer is read for
+    another's). The selector drafts a chain of 3 below 100 context tokens at root entropies above 6,
+nothing otherwise: each request's answer needs the high probes of its own rows."""
+    rng = np.random.default_rng(0)
+    n = 400
+    length = rng.integers(10, 1000, n)
+    feats = np.stack([rng.uniform(0, 9, n), np.log1p(length), np.zeros(n), np.ones(n), np.zeros(n)], 1)
+    pays = (length < 100) & (feats[:, 0] > 6)
+    e = np.stack([np.where(pays, 1.0, 3.0), np.where(pays, 3.0, 1.0)], 1)
+    ex = Examples(feats, {"traversal": e}, np.ones((n, 2)), np.array([str(i) for i in range(n)]), [(1, 0, 0), (1, 3, 0)])
+    selector = ShapeSelector.load(fit(ex, np.arange(n), "traversal", epochs=300, lr=1e-2).save(tmp_path / "sel"))
+    lengths, temps, top_ps = [20, 900, 40, 700, 30], [0.0, 0.0, 0.7, 0.0, 0.0], [1.0, 1.0, 0.9, 1.0, 1.0]
+    alone = [selector.may_draft(c, t, p, 1) for c, t, p in zip(lengths, temps, top_ps)]
+    assert alone == [True, False, True, False, True]
+    assert selector.may_draft_rows(lengths, temps, top_ps, 1).tolist() == alone
+
+
 def test_config_budget_and_refusals(draft_dir, tmp_path):
     path = str(constant_selector(tmp_path, (3, 0, 2)))
     assert proposer_config("draft_tree", model=draft_dir, selector=path).budget == 1 + 6

@@ -71,8 +71,13 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
     budgets = [None if max_nodes is None or max_nodes[r] <= 0 else int(max_nodes[r]) for r in range(n)]
     trees: list = [None] * n
     drafting = []
+    may = [None] * n
+    if proposer.selector is not None and n:  # one pass of the selector's network for the step
+        laws = [s.selector_sampling() for s in states]
+        may = proposer.selector.may_draft_rows([len(c) for c in contexts], [t for t, _ in laws],
+                                               [p for _, p in laws], proposer.step_requests).tolist()
     for r, state in enumerate(states):
-        if state.wants_q(contexts[r], budgets[r]):
+        if state.wants_q(contexts[r], budgets[r], may[r]):
             drafting.append(r)
         else:
             trees[r] = root_only(contexts[r])

@@ -81,7 +81,7 @@ class _Group:
     n: int
     width: int
     tokens: torch.Tensor | None  # [t] the group's packed tokens, None: all of the forward's, in order
-    pad: torch.Tensor  # [t] their indices in the group's [(stop - start) * n] padded queries
+    pad: torch.Tensor | None  # [t] their indices in the group's [(stop - start) * n] padded queries; None: no padding
     mask: torch.Tensor  # [stop - start, 1, n, width] bool: query i of a row sees column c
 
 
@@ -105,14 +105,19 @@ class _Forward:
         out = None
         for g in self.groups:
             rows = g.stop - g.start
-            padded = packed.new_zeros(rows * g.n, heads, dim)
-            padded[g.pad] = packed if g.tokens is None else packed[g.tokens]
+            if g.pad is None:  # every row of the forward holds n tokens: the packed queries as they are
+                padded = packed
+            else:
+                padded = packed.new_zeros(rows * g.n, heads, dim)
+                padded[g.pad] = packed if g.tokens is None else packed[g.tokens]
             padded = padded.view(rows, g.n, heads, dim).transpose(1, 2)
             keys = self.kv.keys[layer][g.start : g.stop, :, : g.width]  # views: no copy
             values = self.kv.values[layer][g.start : g.stop, :, : g.width]
             got = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=g.mask,
                                                                    scale=scaling, enable_gqa=True)
-            got = got.transpose(1, 2).reshape(rows * g.n, heads, dim)[g.pad]  # padding dropped
+            got = got.transpose(1, 2).reshape(rows * g.n, heads, dim)
+            if g.pad is not None:
+                got = got[g.pad]  # padding dropped
             if g.tokens is None:  # the forward's only call: every token, in order
                 return got[None], None
             if out is None:
@@ -295,7 +300,11 @@ def _groups(counts: list[int], row_of: np.ndarray, offset: np.ndarray, columns: 
         mask = np.zeros(((stop - start) * n, width), bool)
         mask[pad] = sees[chosen, :width]
         tokens = None if len(chosen) == len(row_of) else torch.from_numpy(chosen).to(device)
-        groups.append(_Group(start, stop, n, width, tokens, torch.from_numpy(pad).to(device),
+        if tokens is None and len(chosen) == (stop - start) * n:  # no padding (a decode step, a lane depth)
+            pad_t = None
+        else:
+            pad_t = torch.from_numpy(pad).to(device)
+        groups.append(_Group(start, stop, n, width, tokens, pad_t,
                              torch.from_numpy(mask).view(stop - start, 1, n, width).to(device)))
     return groups
 

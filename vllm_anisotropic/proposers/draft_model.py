@@ -303,17 +303,20 @@ class DraftTreeState(RequestState):
         s = self.sampling
         return (0.0, 1.0) if s.greedy else (s.temperature, s.top_p)
 
-    def wants_q(self, context_tokens: np.ndarray, max_nodes: int | None = None) -> bool:
+    def wants_q(self, context_tokens: np.ndarray, max_nodes: int | None = None,
+                may_draft: bool | None = None) -> bool:
         """Whether this step drafts at all: a budget above the root and, with a selector, some
-        root entropy that would draft at this batch size. If not, the step is plain
-        (``last_info``; the selector's ``NO_DRAFTS`` counted) and q does not run (q's cache
-        catches up when drafting resumes)."""
+        root entropy that would draft at this batch size (``may_draft``: the selector's answer
+        when the batched drafter asked it for the whole step, ``ShapeSelector.may_draft_rows``;
+        None: asked here). If not, the step is plain (``last_info``; the selector's
+        ``NO_DRAFTS`` counted) and q does not run (q's cache catches up when drafting resumes)."""
         selector, shape = self.proposer.selector, self.proposer.shape
         if node_budget(1 + (shape.num_drafts if selector is None else selector.max_drafts), max_nodes) <= 1:
             self.last_info = ProposalInfo(ProposalMode.PLAIN)
             return False
-        if selector is not None and not selector.may_draft(len(context_tokens), *self.selector_sampling(),
-                                                           self.proposer.step_requests):
+        if selector is not None and may_draft is None:
+            may_draft = selector.may_draft(len(context_tokens), *self.selector_sampling(), self.proposer.step_requests)
+        if selector is not None and not may_draft:
             self.proposer.count_shape(NO_DRAFTS)
             self.last_info = ProposalInfo(ProposalMode.PLAIN)
             return False
