@@ -20,8 +20,8 @@ import torch
 from vllm_anisotropic.models.tiny import build_tiny_model
 from vllm_anisotropic.proposers import get_proposer, proposer_config
 from vllm_anisotropic.proposers.draft_model import DelayedShape, delayed_tree, root_law_of
-from vllm_anisotropic.selector.features import root_features
-from vllm_anisotropic.selector.policy import JSON_NAME, ShapeSelector
+from vllm_anisotropic.selector.features import FEATURES, features_of, root_features
+from vllm_anisotropic.selector.policy import ENTROPY_PROBES, JSON_NAME, ShapeSelector
 from vllm_anisotropic.selector.shipped import model_fingerprint, resolve_selector, shipped_selector
 from vllm_anisotropic.selector.train import Examples, fit, step_time
 from vllm_anisotropic.verifiers import TargetSampling
@@ -169,6 +169,28 @@ nothing otherwise: each request's answer needs the high probes of its own rows."
     alone = [selector.may_draft(c, t, p, 1) for c, t, p in zip(lengths, temps, top_ps)]
     assert alone == [True, False, True, False, True]
     assert selector.may_draft_rows(lengths, temps, top_ps, 1).tolist() == alone
+
+
+def test_may_draft_probes_the_entropy_grid_and_counts_one_draft_as_drafting(tmp_path, monkeypatch):
+    """The rows the network sees: each request's own features with ``ENTROPY_PROBES`` root
+    entropies evenly over [max(0, mean - 4 std), mean + 4 std] of the training entropies (fails
+    if a bound moves: a grid starting at the lower clamp, or one std short); and a shape with a
+    single draft, (1, 1, 0), counts as drafting."""
+    selector = ShapeSelector.load(constant_selector(tmp_path, (1, 1, 0)))
+    assert selector.may_draft_rows([50, 70], [0.0, 0.7], [1.0, 0.9], 2).tolist() == [True, True]
+    col = FEATURES.index("entropy_q")
+    seen = []
+    monkeypatch.setattr(selector, "choose_index", lambda rows: seen.append(rows.copy()) or np.zeros(len(rows), int))
+    for mean, std in ((12.0, 2.0), (2.0, 1.0)):  # the lower bound above 0, and clamped at 0
+        selector.mean[col], selector.std[col] = mean, std
+        seen.clear()
+        selector.may_draft_rows([50, 70], [0.0, 0.7], [1.0, 0.9], 2)
+        grid = np.linspace(max(0.0, mean - 4 * std), mean + 4 * std, ENTROPY_PROBES)
+        np.testing.assert_allclose(seen[0][:, col], np.tile(grid, 2))
+        others = [i for i in range(len(FEATURES)) if i != col]
+        for r, (c, t, p) in enumerate([(50, 0.0, 1.0), (70, 0.7, 0.9)]):
+            block = seen[0][r * ENTROPY_PROBES : (r + 1) * ENTROPY_PROBES]
+            np.testing.assert_allclose(block[:, others], np.tile(features_of(0.0, c, t, p, 2)[others], (ENTROPY_PROBES, 1)))
 
 
 def test_config_budget_and_refusals(draft_dir, tmp_path):
