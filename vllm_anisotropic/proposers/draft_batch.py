@@ -73,9 +73,9 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
     drafting = []
     may = [None] * n
     if proposer.selector is not None and n:  # one pass of the selector's network for the step
-        laws = [s.selector_sampling() for s in states]
-        may = proposer.selector.may_draft_rows([len(c) for c in contexts], [t for t, _ in laws],
-                                               [p for _, p in laws], proposer.step_requests).tolist()
+        temps, top_ps = zip(*(s.selector_sampling() for s in states))  # not q's laws (``_laws``)
+        may = proposer.selector.may_draft_rows([len(c) for c in contexts], temps, top_ps,
+                                               proposer.step_requests).tolist()
     for r, state in enumerate(states):
         if state.wants_q(contexts[r], budgets[r], may[r]):
             drafting.append(r)
