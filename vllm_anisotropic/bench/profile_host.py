@@ -69,6 +69,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--draft", default=None, help="draft model of the draft_model-kN / dtree-K.L1.L2 methods")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the requests' temperature (0: greedy; above, sampled trees take the sampling verifier)")
+    p.add_argument("--top-p", type=float, default=1.0, help="the requests' top-p (with --temperature above 0)")
+    p.add_argument("--seed", type=int, default=None, help="each request's sampling seed (default: unseeded)")
     p.add_argument("--no-profile", action="store_true", help="time the batch without cProfile")
     p.add_argument("--top", type=int, default=25, help="also print the top N functions by own time")
     p.add_argument("--dump", type=Path, default=None, help="also write the raw cProfile stats here (pstats format)")
@@ -95,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=str(model_dir), speculative_config=resolve_config(args.method, Path(spec_dir), draft),
               max_num_seqs=args.max_num_seqs,
               **{**CPU_LLM_DEFAULTS, "dtype": args.dtype, **extra, **method_llm_kwargs(args.method)})
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
     probe = StepProbe(llm)
     prof = None if args.no_profile else cProfile.Profile()
@@ -107,13 +112,15 @@ def run(args: argparse.Namespace) -> int:
         prof.disable()
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"{args.method} max_num_seqs {args.max_num_seqs}: {tokens} tokens in {seconds:.2f} s"
+    law = f" T={args.temperature:g} top_p={args.top_p:g}" if args.temperature > 0 else ""
+    print(f"{args.method}{law} max_num_seqs {args.max_num_seqs}: {tokens} tokens in {seconds:.2f} s"
           f"{' (under cProfile)' if prof else ''} = {tokens / seconds:.1f} tokens/s")
     report = probe.report(seconds)
     print(format_report(report))
     if args.json:
         record = {"method": args.method, "max_num_seqs": args.max_num_seqs, "num_prompts": len(prompts),
                   "max_tokens": args.max_tokens, "dtype": args.dtype, "profiled": prof is not None,
+                  "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
                   "tokens": tokens, "seconds": seconds, "cpu": cpu_model().get("cpu_model") or platform.processor(), **report}
         with open(args.json, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
