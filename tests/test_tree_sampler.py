@@ -245,15 +245,17 @@ def test_sampled_rows_with_top_k_1_walk_the_greedy_paths(verifier):
     assert runner.moves == [([3], [1])]
 
 
-def test_a_seeded_nss_walk_emits_its_generators_draws_row_by_row():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_seeded_nss_walk_emits_its_generators_draws_row_by_row(dtype):
     """NSS with vLLM's sampler: each emitted token is the request's generator's next draw from
-    the row of the node before it (temperature applied), so a seeded request emits what plain
-    decoding would draw at those positions. Reference: the same draws made one row at a time
-    with a fresh generator of the seed, descending while a child holds the draw."""
+    the row of the node before it (temperature applied, in float32), so a seeded request emits
+    what plain decoding would draw at those positions. Reference: the same draws made one row
+    at a time with a fresh generator of the seed, descending while a child holds the draw. The
+    walk reads the rows where they are (no edits): bf16 logits too."""
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     temps = [1.0, 0.0, 0.8]
-    logits = torch.randn(8, V, generator=torch.Generator().manual_seed(9)) * 0.5  # flat: the draws vary
+    logits = (torch.randn(8, V, generator=torch.Generator().manual_seed(9)) * 0.5).to(dtype)  # flat: the draws vary
     for seed in range(6):
         gens = {0: torch.Generator().manual_seed(seed), 2: torch.Generator().manual_seed(100 + seed)}
         runner = _Runner(_step())
@@ -274,10 +276,69 @@ def test_a_seeded_nss_walk_emits_its_generators_draws_row_by_row():
             assert got == want, (seed, b)
 
 
-def test_edited_rows_are_walked_with_each_rows_own_past():
+class _LawSpy(torch.nn.Module):
+    """vLLM's ``Sampler`` recording the top-p / top-k of each call's metadata."""
+
+    def __init__(self, sampler) -> None:
+        super().__init__()
+        self.inner, self.topk_topp_sampler, self.laws = sampler, sampler.topk_topp_sampler, []
+
+    def forward(self, logits, sampling_metadata, **kwargs):
+        md = sampling_metadata
+        self.laws.append((None if md.top_p is None else md.top_p.tolist(), None if md.top_k is None else md.top_k.tolist()))
+        return self.inner(logits=logits, sampling_metadata=md, **kwargs)
+
+
+@pytest.mark.parametrize("verifier", ["nss", "deterministic"])
+def test_the_bonus_call_drops_a_top_p_or_top_k_only_walked_rows_use(verifier, monkeypatch):
+    """The step's bonus sampler call (vLLM's, every batch row) gets no top-p (top-k) when only
+    rows of walked trees (a, c) use one: their bonus samples are replaced by the walks' tokens,
+    and b's top-p of 1.0 (top-k of the vocabulary) masks nothing. When b uses one, the call
+    keeps it, and b's token obeys it: a top-k of 1 (a top-p of 0.0625) leaves b its argmax 11,
+    where b's row at temperature 2 would draw other tokens. b's token is the same either way
+    as with the metadata untouched, seed by seed."""
+    logits = _logits()
+    logits[4] = torch.randn(V, generator=torch.Generator().manual_seed(3)) * 0.3
+    logits[4, 11] += 1.0  # b's argmax, with some mass left elsewhere
+    cases = [  # (top_p, top_k, what the bonus call should see)
+        ([0.5, 1.0, 0.875], [V, V, 2], (None, None)),
+        ([0.5, 0.0625, 0.875], [V, V, V], ([0.5, 0.0625, 0.875], None)),
+        ([1.0, 1.0, 1.0], [3, 1, V], (None, [3, 1, V])),
+    ]
+    for top_p, top_k, seen in cases:
+        bs = []
+        for seed in range(12):
+            gens = {i: torch.Generator().manual_seed(10 * seed + i) for i in range(3)}
+            runner = _Runner(_step())
+            ts = _sampler(runner, verifier)
+            ts.sampler = spy = _LawSpy(ts.sampler)
+            md = _sampling([0.8, 2.0, 1.2], top_k=torch.tensor(top_k), top_p=torch.tensor(top_p), generators=gens)
+            out = ts(_metadata(), None, logits.clone(), md).sampled_token_ids.tolist()
+            assert spy.laws[0] == seen, (top_p, top_k)
+            assert out[1][1:] == [PLACEHOLDER_TOKEN_ID] * 3
+            bs.append(out[1][0])
+            # the same step with the metadata as vLLM gave it: b draws the same token
+            gens = {i: torch.Generator().manual_seed(10 * seed + i) for i in range(3)}
+            ts = _sampler(_Runner(_step()), verifier)
+            md = _sampling([0.8, 2.0, 1.2], top_k=torch.tensor(top_k), top_p=torch.tensor(top_p), generators=gens)
+            with monkeypatch.context() as m:
+                m.setattr(sampler_module, "_unwalked_laws", lambda md, rows, vocab: md)
+                assert ts(_metadata(), None, logits.clone(), md).sampled_token_ids.tolist()[1][0] == bs[-1]
+        if seen[0] is not None and top_p[1] < 1 or seen[1] is not None and top_k[1] < V:
+            assert set(bs) == {11}, bs  # b's own top-p / top-k applied
+        else:
+            assert len(set(bs)) > 1, bs  # b samples: its row at temperature 2 is flat enough
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_edited_rows_are_walked_with_each_rows_own_past(sampled):
     """A request with row edits (``runner.RowEdits``): its tree rows are copied in float32 and
     edited, each with the output before it (``_row_pasts``), before the walk reads them. The
-    edit here bans token 9, so a's root row falls to its runner-up 7 and a walks its spine."""
+    edit here bans token 9, so a's root row falls to its runner-up 7 and a walks its spine.
+    Sampled: every request at a temperature with a top-k of 1 (each draw its row's argmax), so
+    the NSS walk (``_walk_sampled``) emits the greedy tokens of the edited rows; a tree of the
+    same step without edits is walked on vLLM's rows as they are."""
+    law = {"temperature": [0.9, 1.1, 0.7], "top_k": torch.tensor([1, 1, 1])} if sampled else {}
     logits = _logits(3)
     logits[0, 7] = logits[0, 9] - 0.5  # the root row's runner-up
     logits[1, 8] = logits[1].max() + 1.0  # after 7: 8; after 8 (row 2): 15, no child -> bonus
@@ -298,7 +359,7 @@ def test_edited_rows_are_walked_with_each_rows_own_past():
 
     runner = _Runner(_step())
     runner.row_edits = {"a": Ban(), "c": KeepC()}
-    out = _sampler(runner)(_metadata(), None, logits, _sampling())
+    out = _sampler(runner)(_metadata(), None, logits, _sampling(**law))
     assert out.sampled_token_ids.tolist() == [[7, 8, 15, -1], GREEDY_OUT[1], GREEDY_OUT[2]]
     # each tree's own rows (4 and 3, not one row of the next tree), each row with its own past
     assert calls == [(torch.float32, 4, [[1, 5], [1, 5, 7], [1, 5, 7, 8], [1, 5, 9]], 0),
@@ -315,7 +376,7 @@ def test_edited_rows_are_walked_with_each_rows_own_past():
 
     runner = _Runner(_step())
     runner.row_edits = {"c": BanC()}
-    out = _sampler(runner)(_metadata(), None, logits, _sampling())
+    out = _sampler(runner)(_metadata(), None, logits, _sampling(**law))
     c_root = logits[5].clone()
     c_root[4] = -float("inf")
     assert out.sampled_token_ids.tolist() == [[9, 2, -1, -1], GREEDY_OUT[1], [int(c_root.argmax()), -1, -1, -1]]

@@ -111,6 +111,7 @@ class TreeRejectionSampler(nn.Module):
                 # decoding draws once per emitted token, and so does the walk (``_walk_sampled``)
                 bonus_md = replace(bonus_md, generators={i: g for i, g in sampling_metadata.generators.items()
                                                          if i not in mine})
+        bonus_md = _unwalked_laws(bonus_md, step.rows[walked], logits.shape[-1])
         bonus_out = self.sampler(  # logprobs: below, for every emitted token at once
             logits=logits[metadata.bonus_logits_indices],
             sampling_metadata=bonus_md,
@@ -340,7 +341,12 @@ class TreeRejectionSampler(nn.Module):
         its tree, batch mates or the allocator's cuts. Acceptance equals one-hot SpecInfer's
         (a child is taken with the target probability of its token). One sampler call per
         depth for all the trees still walking."""
-        rows = self._tree_rows(step, index, sub, starts, logits, md).float()
+        edits = self.runner.row_edits
+        if edits and any(step.req_ids[t] in edits for t in index.tolist()):
+            rows = self._tree_rows(step, index, sub, starts, logits, md).float()  # edited copies
+            row_starts = sub.offsets[:-1].astype(np.int64)
+        else:  # each visited row read where it is, one depth at a time (not a copy of every tree row)
+            rows, row_starts = logits, starts[index]
         batch_rows = step.rows[index]
         dev = rows.device
         at = torch.from_numpy(batch_rows).to(md.temperature.device)
@@ -353,13 +359,34 @@ class TreeRejectionSampler(nn.Module):
 
         def pick(trees: np.ndarray, packed: np.ndarray) -> np.ndarray:
             t = torch.from_numpy(trees)
-            x = rows.index_select(0, torch.from_numpy(packed).to(dev)).div_(temperature[t.to(dev)].unsqueeze(1))
+            x = rows.index_select(0, torch.from_numpy(packed).to(dev)).float().div_(temperature[t.to(dev)].unsqueeze(1))
             gens = {j: g for j, g in enumerate(owned[k] for k in trees.tolist()) if g is not None}
             y, _ = sample(x, gens, None if top_k is None else top_k[t.to(top_k.device)],
                           None if top_p is None else top_p[t.to(top_p.device)])
             return y.cpu().numpy()
 
-        return walk_flat(sub, rows, sub.offsets[:-1].astype(np.int64), pick)
+        return walk_flat(sub, rows, row_starts, pick)
+
+
+def _unwalked_laws(md, walked_rows: np.ndarray, vocab: int):
+    """vLLM's ``SamplingMetadata`` for the step's bonus sampler call, without its top-p (top-k)
+    where only walked rows use one. Their bonus samples are replaced by their walks' tokens, and
+    the other rows' top-p of 1.0 (top-k of ``vocab``) masks nothing a sample can take: a
+    float32 probability of 0 is a logit over 100 below the row's maximum, and the Gumbel noise
+    spans about 40. On the CPU vLLM applies a top-p by sorting each row's whole vocabulary
+    (``apply_top_k_top_p_pytorch``: ~2.8 ms a 49,152-token row on one Xeon core), so a step
+    whose sampled requests all had trees sorted every one of their bonus rows for nothing.
+    ``md`` as it is where the tensors live on a GPU (vLLM's kernels there do not sort)."""
+    laws = {"top_p": (md.top_p, 1.0), "top_k": (md.top_k, vocab)}
+    changes = {}
+    for name, (values, neutral) in laws.items():
+        if values is None or values.device.type != "cpu":
+            continue
+        others = np.ones(values.shape[0], bool)
+        others[walked_rows] = False
+        if not bool((values.numpy()[others] < neutral).any()):
+            changes[name] = None
+    return replace(md, **changes) if changes else md
 
 
 def warm_up_emit() -> None:
