@@ -493,17 +493,13 @@ def test_a_fault_inside_a_sampled_walk_restores_the_generators_first():
         gens = {0: torch.Generator().manual_seed(seed), 2: torch.Generator().manual_seed(20 + seed)}
         runner = _Runner(_step())
         ts = _sampler(runner)
-        inner, calls = ts.sampler.topk_topp_sampler, []
-        real = inner.forward  # vLLM sets its implementation on the instance
+        real = ts.draw  # the walk's draws (vLLM's sampler's, cpu_draw.py)
 
         def flaky(*args, **kwargs):
-            calls.append(1)
-            out = real(*args, **kwargs)  # the generators draw
-            if len(calls) == 2:  # 1: vLLM's bonus rows, 2: the walk's first depth
-                raise ValueError("the walk fails after drawing")
-            return out
+            real(*args, **kwargs)  # the generators draw
+            raise ValueError("the walk fails after drawing")  # at its first depth
 
-        inner.forward = flaky
+        ts.draw = flaky
         out = ts(_metadata(), None, logits, _sampling(temps, generators=gens)).sampled_token_ids.tolist()
         assert runner.drafter.contained == [("verify", ["a", "c"])]
         for b, start, s in ((0, 0, seed), (2, 5, 20 + seed)):

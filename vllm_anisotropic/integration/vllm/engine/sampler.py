@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from vllm_anisotropic import kernels as _kernels
+from vllm_anisotropic.integration.vllm.engine import cpu_draw
 from vllm_anisotropic.integration.vllm.engine.faults import agree, inject, report
 from vllm_anisotropic.verifiers import SamplingTensors, get_verifier
 from vllm_anisotropic.verifiers.greedy import walk_flat
@@ -73,6 +74,8 @@ class TreeRejectionSampler(nn.Module):
         # NSS on trees without draft probabilities: each visited row sampled by vLLM's own
         # sampler with the request's own generator (``_walk_sampled``)
         self.sampler_walk = sampling_verifier == "nss"
+        # its draws: vLLM's sampler's, without the vocabulary sort where the top-p cannot move them
+        self.draw = cpu_draw.checked(self.sampler.topk_topp_sampler) if self.sampler_walk else None
 
     def forward(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata):
         t0 = time.perf_counter()
@@ -355,7 +358,7 @@ class TreeRejectionSampler(nn.Module):
         top_p = None if md.top_p is None else md.top_p.index_select(0, at.to(md.top_p.device))
         generators = md.generators or {}
         owned = [generators.get(int(r)) for r in batch_rows.tolist()]
-        sample = self.sampler.topk_topp_sampler
+        sample = self.draw
 
         def pick(trees: np.ndarray, packed: np.ndarray) -> np.ndarray:
             t = torch.from_numpy(trees)
