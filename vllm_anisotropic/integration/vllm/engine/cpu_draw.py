@@ -16,9 +16,9 @@ How (``draw``), exactly vLLM's token, row by row:
 3. a mask only removes tokens, so the masked draw is ``w`` whenever vLLM's mask keeps ``w``.
    vLLM's top-p keeps the tokens whose ascending cumulative probability exceeds ``1 - p``:
    ``w`` is kept when the probability of the tokens above it, with those tied with it (the sort
-   may put them above), is below ``p - MARGIN``. Computed in float64; ``MARGIN`` bounds the float32
-   rounding of vLLM's softmax and cumulative sum over the row (at most ~V x 6e-8 each, 3e-3 at
-   V = 49,152), so the test never keeps a token vLLM masks;
+   may put them above), is below ``p - margin(V)``: the margin bounds the float32 rounding of this
+   test's sums and of vLLM's softmax and cumulative sum (at most ~V x 6e-8 each: 3e-3 at V =
+   49,152; ``margin`` is 1.2e-2 there), so the test never keeps a token vLLM masks;
 4. the other rows (the test failed, or a top-k below the vocabulary) are masked by vLLM's own
    ``apply_top_k_top_p`` and drawn by ``fused_gumbel_argmax`` with their seeds from step 1.
 
@@ -36,11 +36,19 @@ import logging
 
 import torch
 
-__all__ = ["MARGIN", "checked", "draw"]
+__all__ = ["MARGIN", "checked", "draw", "margin"]
 
 logger = logging.getLogger(__name__)
 
 MARGIN = 1e-2
+
+
+def margin(vocab: int) -> float:
+    """How far inside the nucleus a draw must be to skip vLLM's mask: ``MARGIN``, or four times
+    a float32 sum's worst-case error over ``vocab`` terms (``vocab x 2**-24``, relative) where
+    that is more: two sums here (the mass above the draw, the row's total) and two in vLLM
+    (its softmax's total, its cumulative sum), each a float32 sum over the row."""
+    return max(MARGIN, 4 * vocab * 2.0**-24)
 
 
 def draw(logits: torch.Tensor, generators: dict, k: torch.Tensor | None,
@@ -66,12 +74,11 @@ def draw(logits: torch.Tensor, generators: dict, k: torch.Tensor | None,
         nucleus = (p < 1.0) & ~masked
         rows = torch.nonzero(nucleus).flatten()
         if rows.numel():
-            x = logits.index_select(0, rows).double()
+            x = logits.index_select(0, rows)
             e = (x - x.max(dim=1, keepdim=True).values).exp_()
             w = tokens.index_select(0, rows).unsqueeze(1)
-            at_or_above = (x >= x.gather(1, w)).to(x.dtype)
-            above = (e * at_or_above).sum(dim=1) - e.gather(1, w).squeeze(1)  # ties count as above
-            kept = above / e.sum(dim=1) < p.index_select(0, rows).double() - MARGIN
+            above = torch.where(x >= x.gather(1, w), e, 0.0).sum(dim=1) - e.gather(1, w).squeeze(1)  # ties: above
+            kept = above / e.sum(dim=1) < p.index_select(0, rows) - margin(vocab)
             masked[rows[~kept]] = True
     if bool(masked.any()):
         rows = torch.nonzero(masked).flatten()
