@@ -120,8 +120,13 @@ def test_a_token_tied_with_the_edge_of_the_nucleus_is_sorted_by_vllm():
 
 
 def test_checked_takes_draw_only_where_it_equals_vllms_sampler():
+    """And its probe draws leave torch's global random stream (unseeded requests) as it was."""
     sampler = _vllm()
+    torch.manual_seed(11)
+    before = torch.rand(3)
+    torch.manual_seed(11)
     assert cpu_draw.checked(sampler) is cpu_draw.draw
+    assert torch.equal(torch.rand(3), before)
 
     class Other(type(sampler)):  # vLLM's sampler drawing other tokens (another release)
         def forward_cpu(self, logits, generators, k, p):

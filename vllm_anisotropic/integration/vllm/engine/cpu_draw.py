@@ -119,13 +119,15 @@ def checked(sampler):
         why = "vLLM has no fused_gumbel_argmax op"
     else:
         rows, p, k = _probe_rows()
-        for trial in range(4):
-            gens = lambda: {i: torch.Generator().manual_seed(1000 * trial + i) for i in range(rows.shape[0])}  # noqa: E731
-            want, _ = sampler(rows.clone(), gens(), k, p)
-            got, _ = draw(rows.clone(), gens(), k, p)
-            if not torch.equal(want.long(), got.long()):
-                why = f"the probe rows drew other tokens than vLLM's sampler ({int((want != got).sum())} of {rows.shape[0]})"
-                break
+        with torch.random.fork_rng(devices=[]):  # the probes' draws leave torch's global stream as it was
+            for trial in range(4):
+                gens = lambda: {i: torch.Generator().manual_seed(1000 * trial + i) for i in range(rows.shape[0])}  # noqa: E731
+                want, _ = sampler(rows.clone(), gens(), k, p)
+                got, _ = draw(rows.clone(), gens(), k, p)
+                if not torch.equal(want.long(), got.long()):
+                    why = (f"the probe rows drew other tokens than vLLM's sampler "
+                           f"({int((want != got).sum())} of {rows.shape[0]})")
+                    break
     if why is not None:
         logger.warning("sampled trees: each visited row sorted by vLLM's sampler (%s)", why)
         return sampler

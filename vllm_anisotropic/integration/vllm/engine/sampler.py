@@ -375,8 +375,8 @@ def _unwalked_laws(md, walked_rows: np.ndarray, vocab: int):
     """vLLM's ``SamplingMetadata`` for the step's bonus sampler call, without its top-p (top-k)
     where only walked rows use one. Their bonus samples are replaced by their walks' tokens, and
     the other rows' top-p of 1.0 (top-k of ``vocab``) masks nothing a sample can take: a
-    float32 probability of 0 is a logit over 100 below the row's maximum, and the Gumbel noise
-    spans about 40. On the CPU vLLM applies a top-p by sorting each row's whole vocabulary
+    float32 probability of 0 is a logit over 87 below the row's maximum, and the Gumbel noise
+    of vLLM's draw spans less than 41 (uniforms of at most 53 bits). On the CPU vLLM applies a top-p by sorting each row's whole vocabulary
     (``apply_top_k_top_p_pytorch``: ~2.8 ms a 49,152-token row on one Xeon core), so a step
     whose sampled requests all had trees sorted every one of their bonus rows for nothing.
     ``md`` as it is where the tensors live on a GPU (vLLM's kernels there do not sort)."""
