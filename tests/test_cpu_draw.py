@@ -141,3 +141,15 @@ def test_checked_takes_draw_only_where_it_equals_vllms_sampler():
     gpu_like = type(sampler)("raw_logprobs")
     gpu_like.forward = gpu_like.forward_native
     assert cpu_draw.checked(gpu_like) is gpu_like
+
+
+def test_the_margin_covers_four_float32_sums_worst_case_error():
+    """The nucleus test's margin (``cpu_draw.margin``) is at least four float32 sums' worst-case
+    relative error over the vocabulary (``V x 2**-24`` each: this test's two sums and vLLM's
+    softmax total and cumulative sum), and at least ``MARGIN``: real rounding is ~1e-7 here, so
+    no draw can show a margin too thin; this pins the bound itself. Not wider than needed: at
+    most 1.25 x the larger of the two (each row beyond it is sorted for nothing)."""
+    for vocab in (64, 49152, 151936, 262144):
+        bound = max(cpu_draw.MARGIN, 4 * vocab * 2.0**-24)
+        assert bound <= cpu_draw.margin(vocab) <= 1.25 * bound, vocab
+    assert cpu_draw.margin(151936) > 0.036 and cpu_draw.MARGIN == 0.01
