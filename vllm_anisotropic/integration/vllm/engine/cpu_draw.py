@@ -35,6 +35,8 @@ from __future__ import annotations
 import logging
 
 import torch
+from vllm import _custom_ops  # noqa: F401 - loads vLLM's ops (torch.ops._C)
+from vllm.v1.sample.ops import topk_topp_sampler
 
 __all__ = ["MARGIN", "checked", "draw", "margin"]
 
@@ -57,9 +59,6 @@ def draw(logits: torch.Tensor, generators: dict, k: torch.Tensor | None,
     be edited in place) that vLLM's ``TopKTopPSampler.forward_cpu`` draws with the same
     ``generators`` (row -> generator), top-k ``k`` and top-p ``p`` (``[n]`` or None); ``(tokens
     [n] int64, None)`` as the sampler returns."""
-    from vllm import _custom_ops  # noqa: F401 - loads vLLM's ops (torch.ops._C)
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-
     n, vocab = logits.shape
     seeds = torch.randint(0, 2**31, (n,), dtype=torch.long)
     for i, generator in generators.items():
@@ -82,8 +81,9 @@ def draw(logits: torch.Tensor, generators: dict, k: torch.Tensor | None,
             masked[rows[~kept]] = True
     if bool(masked.any()):
         rows = torch.nonzero(masked).flatten()
-        edited = apply_top_k_top_p(logits.index_select(0, rows), None if k is None else k.index_select(0, rows),
-                                   None if p is None else p.index_select(0, rows))
+        edited = topk_topp_sampler.apply_top_k_top_p(logits.index_select(0, rows),
+                                                     None if k is None else k.index_select(0, rows),
+                                                     None if p is None else p.index_select(0, rows))
         tokens[rows] = torch.ops._C.fused_gumbel_argmax(edited, seeds.index_select(0, rows))
     return tokens, None
 
@@ -101,12 +101,6 @@ def _probe_rows(vocab: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return rows, p, k
 
 
-def _has_fused_draw() -> bool:
-    from vllm import _custom_ops  # noqa: F401 - loads vLLM's ops (torch.ops._C)
-
-    return hasattr(torch.ops._C, "fused_gumbel_argmax")
-
-
 def checked(sampler):
     """``draw`` where it equals ``sampler`` (vLLM's ``TopKTopPSampler``; module docstring), else
     ``sampler``."""
@@ -115,7 +109,7 @@ def checked(sampler):
     why = None
     if getattr(sampler, "use_fp64_gumbel", False):
         why = "vLLM samples with float64 Gumbel noise"
-    elif not _has_fused_draw():
+    elif not hasattr(torch.ops._C, "fused_gumbel_argmax"):
         why = "vLLM has no fused_gumbel_argmax op"
     else:
         rows, p, k = _probe_rows()

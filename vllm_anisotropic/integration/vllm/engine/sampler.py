@@ -380,14 +380,12 @@ def _unwalked_laws(md, walked_rows: np.ndarray, vocab: int):
     (``apply_top_k_top_p_pytorch``: ~2.8 ms a 49,152-token row on one Xeon core), so a step
     whose sampled requests all had trees sorted every one of their bonus rows for nothing.
     ``md`` as it is where the tensors live on a GPU (vLLM's kernels there do not sort)."""
-    laws = {"top_p": (md.top_p, 1.0), "top_k": (md.top_k, vocab)}
     changes = {}
-    for name, (values, neutral) in laws.items():
+    for name, values, neutral in (("top_p", md.top_p, 1.0), ("top_k", md.top_k, vocab)):
         if values is None or values.device.type != "cpu":
             continue
-        others = np.ones(values.shape[0], bool)
-        others[walked_rows] = False
-        if not bool((values.numpy()[others] < neutral).any()):
+        others = np.delete(values.numpy(), walked_rows)  # the rows whose bonus samples are kept
+        if not bool((others < neutral).any()):
             changes[name] = None
     return replace(md, **changes) if changes else md
 
