@@ -48,9 +48,8 @@ pytestmark = pytest.mark.engine
 N = 400
 MAX_TOKENS = 24
 TEMPERATURE, TOP_P = 0.8, 0.95
-# max_num_seqs x (prompt or tree) tokens stays under the step budget: no chunked prefill, which
-# vLLM 0.32's CPU runner cannot combine with seeded requests (its generator rewind after a
-# discarded partial-prefill sample calls torch.Generator.set_offset, CUDA-only).
+# max_num_seqs x (prompt or tree) tokens stays under the step budget: no chunked prefill (that
+# seeded requests draw the same tokens with it: test_seeded_requests_draw_the_same_tokens_in_chunked_prefill)
 ENGINE = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 32, "max_num_batched_tokens": 8192}
 
 
@@ -259,3 +258,35 @@ def test_seeded_sampled_trees_emit_plain_vllms_tokens(tiny_prompts):
     differ = [i for i, (a, b) in enumerate(zip(outs_plain, outs_spec)) if a != b]
     print(f"spec counters {spec.spec}, tau {spec.spec.tau:.2f}, outputs differing from plain vLLM: {differ}")
     assert not differ
+
+
+def test_seeded_requests_draw_the_same_tokens_in_chunked_prefill(tiny_prompts):
+    """A step budget of 64 tokens splits 9 of the 12 prompts into chunks; vLLM samples each
+    chunk, drops the sample and rewinds the request's generator (``set_offset(get_offset() - 4)``),
+    which raises on a CPU generator and killed the engine core, in plain decoding too. With
+    patches.py patch 10 the rewind undoes the dropped draw: plain decoding and trees, both
+    chunked, emit the tokens of plain decoding without chunks, seed by seed (float32).
+
+    Fails with: the patch off (the engine dies: "CPU Generator does not use offset"), a rewind
+    that undoes nothing, as vLLM-rbln's fix does (the stream shifts one draw per dropped chunk:
+    10 of 12 outputs differ), a rewind to another state."""
+    from transformers import AutoTokenizer
+
+    from vllm_anisotropic.models import build_tiny_model
+
+    model = str(build_tiny_model(block_std=0.1, lm_head_alpha=0.25))
+    budget = 64
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert sum(len(tokenizer(p).input_ids) > budget for p in tiny_prompts) >= 8  # chunked prompts
+    per = [{"seed": 5000 + 37 * i} for i in range(len(tiny_prompts))]
+    job = OfflineJob(model=model, prompts=tiny_prompts, per_prompt=per, max_tokens=32, temperature=0.8, top_p=0.95,
+                     llm_kwargs={**ENGINE, "dtype": "float32"})
+    whole = run_offline_job(job, env=IN_PROCESS)
+    chunked = job.model_copy(update={"llm_kwargs": {**ENGINE, "dtype": "float32", "max_num_batched_tokens": budget}})
+    plain = run_offline_job(chunked, env=IN_PROCESS)
+    trees = run_offline_job(chunked.model_copy(update={"speculative_config": FIXED_TREES}), env=IN_PROCESS)
+    assert trees.spec.num_accepted_tokens > 50, trees.spec
+    outs = [r[0] for r in whole.token_ids]
+    assert len(set(map(tuple, outs))) == len(outs)  # the seeds matter: sampling
+    assert [r[0] for r in plain.token_ids] == outs
+    assert [r[0] for r in trees.token_ids] == outs

@@ -23,8 +23,8 @@ What it does:
 2. The storm: ``SOAK_CLIENTS`` (64) concurrent clients (``openai.AsyncOpenAI``, mostly
    streaming) work through ``SOAK_REQUESTS`` (192) requests drawn from a seeded RNG (the mix is
    reproducible; which request meets which batch is not): greedy, greedy with presence /
-   frequency / repetition penalties, sampled (temperature, top_p; half of them seeded with
-   ``SOAK_SEEDED=1``, see ``SEEDED``), sampled with
+   frequency / repetition penalties, sampled (temperature, top_p; half of them seeded,
+   ``SOAK_SEEDED=0`` to leave them out), sampled with
    penalties, ``max_tokens=1``, prompts with ``prompt + max_tokens == max_model_len``, one token
    more (vLLM 0.32 clamps ``max_tokens``, it does not refuse), a prompt longer than
    ``max_model_len`` (HTTP 400), the empty prompt. Clients disconnect (close the stream after
@@ -78,11 +78,11 @@ NUM_CLIENTS = int(os.environ.get("SOAK_CLIENTS", "64"))
 NUM_REQUESTS = int(os.environ.get("SOAK_REQUESTS", "192"))
 SOAK_SECONDS = float(os.environ.get("SOAK_SECONDS", "0"))  # > 0: draw requests until then
 REPORT_PATH = os.environ.get("SOAK_REPORT")
-# Seeded sampled requests (``seed``) are off by default: vLLM 0.32 CPU kills its engine when
-# a seeded request's prefill is chunked (gpu_model_runner._bookkeeping_sync rewinds the
-# request's generator with ``gen.set_offset``: "RuntimeError: CPU Generator does not use
-# offset"), plain vLLM as much as GOOSE (docs/testing.md). SOAK_SEEDED=1 puts them back.
-SEEDED = os.environ.get("SOAK_SEEDED", "0") not in ("", "0")
+# Half the sampled requests carry a ``seed``. vLLM 0.32 CPU killed its engine when a seeded
+# request's prefill was chunked (gpu_model_runner._bookkeeping_sync rewinds the request's
+# generator with ``gen.set_offset``: "RuntimeError: CPU Generator does not use offset"), plain
+# vLLM as much as GOOSE, until patches.py patch 10. SOAK_SEEDED=0 leaves them out.
+SEEDED = os.environ.get("SOAK_SEEDED", "1") not in ("", "0")
 # tenants: the greedy and sampled requests carry a cache_salt drawn from this many (the
 # adjacency tables and stores per tenant, bounded by draft_state_bytes: SPEC_CONFIG)
 NUM_SALTS = int(os.environ.get("SOAK_SALTS", "32"))
@@ -117,6 +117,9 @@ SCRIPTS = Path(sysconfig.get_path("scripts"))
 SERVE_FLAGS = [
     "--enforce-eager",
     "--max-model-len", str(MAX_MODEL_LEN),
+    # a step of at most one full-length prompt: prompts arriving together are prefilled in chunks
+    # (seeded ones too: patches.py patch 10)
+    "--max-num-batched-tokens", str(MAX_MODEL_LEN),
     "--kv-cache-memory-bytes", str(256 << 20),
     "--dtype", "float32",
     "--disable-uvicorn-access-log",

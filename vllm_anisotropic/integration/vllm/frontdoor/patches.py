@@ -2,8 +2,8 @@
 
 Scope: the front door -- making ``speculative_config={"method": "goose"}`` (and ``pld``,
 ``token_recycling``, ``isotropic``) a valid vLLM configuration that selects this plugin's
-worker, model runner, attention backend and scheduler -- plus two step-loop hooks (6, 7) and one
-opt-in kernel switch (8). Nothing on disk is modified; every
+worker, model runner, attention backend and scheduler -- plus two step-loop hooks (6, 7), one
+opt-in kernel switch (8) and, on a CPU, a fix for seeded requests (10). Nothing on disk is modified; every
 patch wraps a vLLM function in the current process and is idempotent. ``plugin.register()``
 calls ``apply()`` in every vLLM process (patches are process-local).
 
@@ -53,6 +53,12 @@ Patches (vLLM 0.32; file:line in shared/notes/vllm-0.32-spec-decode-map.md secti
    runner can, ``runner.ineligible_reason``), and the request's tree options in ``extra_args``
    (``config.REQUEST_KEYS``) are validated, a bad one refused with its name. Other methods:
    vLLM's own check.
+10. ``InputBatch.add_request`` and ``GPUModelRunner._sample`` (every process on a CPU
+   platform, any method, plain decoding too): a seeded request's CPU generator becomes a
+   ``platform_fixes.cpu_generators.StepRewindGenerator``, marked before each sampling step, so
+   that vLLM's rewind of a dropped chunked-prefill sample (``set_offset(get_offset() - 4)``,
+   which raises on a CPU generator and kills the engine core) undoes that step's draws. Not
+   installed, with a warning, when either method's parameters differ from vLLM 0.32's.
 
 The subclasses those classes install override private vLLM methods; ``vllm_surface.py`` lists
 every such name (with the parameters passed through) and every step-object field they read,
@@ -544,6 +550,45 @@ def _patch_validate_spec_decode(cls) -> None:
     cls._validate_spec_decode = _mark(_validate_spec_decode)
 
 
+# ---------------------------------------------------------------- 10: seeded requests on the CPU
+CPU_GENERATOR_SURFACE = {"vllm.v1.worker.gpu_input_batch:InputBatch.add_request": ("self", "request"),
+                         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample":
+                             ("self", "logits", "spec_decode_metadata")}
+
+
+def _patch_cpu_generators() -> None:
+    problems = vllm_surface.method_problems(CPU_GENERATOR_SURFACE)
+    if problems:
+        logger.warning("vllm-anisotropic: seeded requests' CPU generator fix not installed: %s", "; ".join(problems))
+        return
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_anisotropic.integration.vllm.platform_fixes.cpu_generators import StepRewindGenerator, rewindable
+
+    if not _already(InputBatch, "add_request"):
+        add_request = InputBatch.add_request
+
+        @functools.wraps(add_request)
+        def add_request_with_rewindable_generator(self, request, *args, **kwargs):
+            # on the request's cached state too: a request re-added after preemption keeps it
+            request.generator = rewindable(request.generator)
+            return add_request(self, request, *args, **kwargs)
+
+        InputBatch.add_request = _mark(add_request_with_rewindable_generator)
+    if not _already(GPUModelRunner, "_sample"):
+        sample = GPUModelRunner._sample
+
+        @functools.wraps(sample)
+        def _sample(self, *args, **kwargs):
+            for generator in self.input_batch.generators.values():
+                if isinstance(generator, StepRewindGenerator):
+                    generator.mark()
+            return sample(self, *args, **kwargs)
+
+        GPUModelRunner._sample = _mark(_sample)
+
+
 def apply() -> bool:
     """Install the patches in this process (idempotent). Returns whether vLLM is supported."""
     from vllm.engine.arg_utils import EngineArgs
@@ -573,4 +618,8 @@ def apply() -> bool:
     _patch_worker_rpc(WorkerProc)
     if os.environ.get(CPU_GEMM_ENV, "") == "rows":
         _patch_cpu_gemm()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        _patch_cpu_generators()
     return True

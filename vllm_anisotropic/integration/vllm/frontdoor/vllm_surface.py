@@ -33,9 +33,9 @@ import importlib
 import inspect
 import re
 
-__all__ = ["VllmSurfaceError", "check_runner", "check_vllm_surface", "surface_problems", "SUPPORTED_VLLM",
-           "vllm_version", "version_supported", "RUNNER_METHODS", "METHODS", "FIELDS", "CLASS_ATTRIBUTES",
-           "RUNNER_ATTRIBUTES"]
+__all__ = ["VllmSurfaceError", "check_runner", "check_vllm_surface", "method_problems", "surface_problems",
+           "SUPPORTED_VLLM", "vllm_version", "version_supported", "RUNNER_METHODS", "METHODS", "FIELDS",
+           "CLASS_ATTRIBUTES", "RUNNER_ATTRIBUTES"]
 
 # the vLLM releases the names below were checked against; on any other, ``patches.apply``
 # installs only the patch that refuses our methods by name
@@ -192,15 +192,10 @@ def _assigned_in_init(cls, name: str) -> bool:
     return False
 
 
-def surface_problems(platform: str = "cpu") -> list[str]:
-    """Every mismatch between the installed vLLM and RUNNER_METHODS (on the ``platform``'s
-    runner, ``"cpu"`` or ``"cuda"``), METHODS, FIELDS and CLASS_ATTRIBUTES (CPU-only modules
-    are skipped on ``"cuda"``)."""
+def method_problems(methods: dict[str, tuple[str, ...]]) -> list[str]:
+    """Every method of ``methods`` ("module:Class.method" -> leading parameter names) that is
+    missing or whose leading parameters differ."""
     problems = []
-    methods = {f"{RUNNER_CLASS[platform]}.{name}": params for name, params in RUNNER_METHODS.items()}
-    methods.update(METHODS)
-    if platform != "cpu":
-        methods = {p: v for p, v in methods.items() if not p.startswith(_CPU_ONLY)}
     for path, expected in methods.items():
         try:
             found = _leading_parameters(_resolve(path), len(expected))
@@ -209,6 +204,18 @@ def surface_problems(platform: str = "cpu") -> list[str]:
             continue
         if found != expected:
             problems.append(f"{path}: expected parameters {expected}, found {found}")
+    return problems
+
+
+def surface_problems(platform: str = "cpu") -> list[str]:
+    """Every mismatch between the installed vLLM and RUNNER_METHODS (on the ``platform``'s
+    runner, ``"cpu"`` or ``"cuda"``), METHODS, FIELDS and CLASS_ATTRIBUTES (CPU-only modules
+    are skipped on ``"cuda"``)."""
+    methods = {f"{RUNNER_CLASS[platform]}.{name}": params for name, params in RUNNER_METHODS.items()}
+    methods.update(METHODS)
+    if platform != "cpu":
+        methods = {p: v for p, v in methods.items() if not p.startswith(_CPU_ONLY)}
+    problems = method_problems(methods)
     for path, names in FIELDS.items():
         try:
             cls = _resolve(path)
