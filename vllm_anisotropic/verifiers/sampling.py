@@ -92,31 +92,105 @@ def target_probs(
     use_k = (k > 0) & (k < vocab_size)
     use_p = top_p.to(dtype) < 1.0
     if bool(use_p.any()):
-        # sort-based path (vLLM apply_top_k_top_p_pytorch): ascending sort, mask, scatter back
-        xs, idx = x.sort(dim=-1, descending=False)
-        if bool(use_k.any()):
-            kk = torch.where(use_k, k, torch.full_like(k, vocab_size))
-            thresh = xs.gather(1, (vocab_size - kk).unsqueeze(1))  # k-th largest logit
-            xs = xs.masked_fill(xs < thresh, float("-inf"))
-        probs_sum = xs.softmax(dim=-1).cumsum(dim=-1)
-        # mask the low tail whose cumulative mass is <= 1 - top_p; always keep the largest
-        mask = probs_sum <= (1.0 - top_p.to(dtype)).unsqueeze(1)
-        mask[:, -1] = False
-        mask &= use_p.unsqueeze(1)
-        xs = xs.masked_fill(mask, float("-inf"))
-        x = torch.empty_like(x).scatter_(1, idx, xs)
+        if dtype != torch.float32:
+            x = _sorted_top_k_top_p(x, k, use_k, top_p.to(dtype), use_p)
+        else:
+            # vLLM's dtype: the nucleus without the vocabulary sort where it is unambiguous, the
+            # other rows by vLLM's sort of their logits as vLLM sorts them (before the top-k)
+            before_k = x
+            if bool(use_k.any()):
+                x = _top_k_only(x, k, use_k)
+            every = bool(use_p.all())
+            rows = torch.arange(num_rows) if every else torch.nonzero(use_p).flatten()
+            vals, idx, kept, exact = _nucleus_unsorted(x if every else x[rows], top_p[rows].to(dtype))
+            # exact rows: their kept logits, every other one masked (in place: ``x`` is this
+            # call's own, and ``before_k``'s rows left to the sort are not these)
+            done = rows[exact]
+            x.index_fill_(0, done, float("-inf"))
+            keep = torch.arange(idx.shape[1]).unsqueeze(0) < kept[exact].unsqueeze(1)
+            x.view(-1)[(done.unsqueeze(1) * vocab_size + idx[exact])[keep]] = vals[exact][keep]
+            rest = rows[~exact]
+            if rest.numel():
+                x[rest] = _sorted_top_k_top_p(before_k[rest], k[rest], use_k[rest], top_p[rest].to(dtype), use_p[rest])
     elif bool(use_k.any()):
-        # top-k only (vLLM apply_top_k_only): threshold = k-th largest, strict < masked
-        kk = torch.where(use_k, k, torch.ones_like(k))
-        kmax = int(kk.max())
-        thresh = x.topk(kmax, dim=1).values.gather(1, (kk - 1).unsqueeze(1))
-        thresh = thresh.masked_fill(~use_k.unsqueeze(1), float("-inf"))
-        x = x.masked_fill(x < thresh, float("-inf"))
+        x = _top_k_only(x, k, use_k)
     p = x.softmax(dim=-1)
     if bool(greedy.any()):
         onehot = torch.zeros_like(p).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         p = torch.where(greedy.unsqueeze(1), onehot, p)
     return p
+
+
+def _top_k_only(x: torch.Tensor, k: torch.Tensor, use_k: torch.Tensor) -> torch.Tensor:
+    """vLLM ``apply_top_k_only``: every logit ``<`` the row's k-th largest masked (ties kept)."""
+    kk = torch.where(use_k, k, torch.ones_like(k))
+    kmax = int(kk.max())
+    thresh = x.topk(kmax, dim=1).values.gather(1, (kk - 1).unsqueeze(1))
+    thresh = thresh.masked_fill(~use_k.unsqueeze(1), float("-inf"))
+    return x.masked_fill(x < thresh, float("-inf"))
+
+
+def _sorted_top_k_top_p(x: torch.Tensor, k: torch.Tensor, use_k: torch.Tensor, top_p: torch.Tensor,
+                        use_p: torch.Tensor) -> torch.Tensor:
+    """vLLM ``apply_top_k_top_p_pytorch``: ascending sort, top-k, the low tail whose cumulative
+    mass is ``<= 1 - top_p`` masked (the largest always kept), scattered back."""
+    vocab_size = x.shape[1]
+    xs, idx = x.sort(dim=-1, descending=False)
+    if bool(use_k.any()):
+        kk = torch.where(use_k, k, torch.full_like(k, vocab_size))
+        thresh = xs.gather(1, (vocab_size - kk).unsqueeze(1))  # k-th largest logit
+        xs = xs.masked_fill(xs < thresh, float("-inf"))
+    probs_sum = xs.softmax(dim=-1).cumsum(dim=-1)
+    mask = probs_sum <= (1.0 - top_p).unsqueeze(1)
+    mask[:, -1] = False
+    mask &= use_p.unsqueeze(1)
+    xs = xs.masked_fill(mask, float("-inf"))
+    return torch.empty_like(x).scatter_(1, idx, xs)
+
+
+NUCLEUS_CANDIDATES = 64  # the largest logits a row's nucleus is looked for among, without a sort
+
+
+def nucleus_margin(vocab_size: int) -> float:
+    """Relative bound on the difference between the tail mass ``_nucleus_unsorted`` computes and
+    the cumulative sum vLLM compares with ``1 - top_p``: each side's softmax normaliser and tail
+    sum, float32 sums of up to ``vocab_size`` positive terms (``(V - 1) u`` relative each, any
+    order), and a few roundings per element (u = 2**-24)."""
+    return (4 * vocab_size + 16) * 2.0**-24
+
+
+def _nucleus_unsorted(x: torch.Tensor, top_p: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's top-p mask (``_sorted_top_k_top_p``) without sorting the vocabulary, where the
+    float32 rounding of its cumulative sum cannot change it: ``(vals, idx, kept, exact)``, each
+    row's ``NUCLEUS_CANDIDATES`` largest logits and their token ids (descending), how many of
+    them the nucleus keeps (every other token masked) and whether that is vLLM's mask (``exact``,
+    [rows] bool; the other rows are to be masked by the sort).
+
+    vLLM masks token j when the mass of j and of every token sorted below it, ``T(j)``, is
+    ``<= 1 - top_p``; ``T`` falls as the logit grows, so the kept tokens are the largest logits
+    down to the last one with ``T > 1 - top_p``. Here ``T`` of the row's largest
+    ``NUCLEUS_CANDIDATES`` logits is the mass outside them plus their own mass from j down. A row
+    is exact when its boundary lies among them and is clear by ``nucleus_margin`` on both sides
+    (the last kept token's ``T`` above, the first masked one's below) and the two logits differ
+    (a tie there is ordered by the sort). The kept logits are the row's own, so the softmax
+    after it is vLLM's, bit for bit."""
+    n, vocab_size = x.shape
+    cand = min(NUCLEUS_CANDIDATES, vocab_size)
+    vals, idx = x.topk(cand, dim=1)  # descending
+    probs = x.softmax(dim=-1)
+    inside = probs.gather(1, idx).double()
+    outside = probs.scatter_(1, idx, 0.0).sum(dim=1).double()
+    tail = outside.unsqueeze(1) + inside.flip(1).cumsum(1).flip(1)
+    limit = (1.0 - top_p).double().unsqueeze(1)  # vLLM's float32 1 - top_p
+    kept = (tail > limit).sum(dim=1).clamp(min=1)  # the largest logit is always kept
+    rows = torch.arange(n)
+    last, first = kept - 1, kept.clamp(max=cand - 1)
+    eps = nucleus_margin(vocab_size)
+    exact = (kept < cand) & (tail[rows, first] * (1 + eps) < limit[:, 0])
+    exact &= (last == 0) | (tail[rows, last] * (1 - eps) > limit[:, 0])
+    exact &= vals[rows, last] != vals[rows, first]
+    return vals, idx, kept, exact
 
 
 def sample_inverse_cdf(
