@@ -230,6 +230,9 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["bench", "--concurrency", "1,0"])
     assert "concurrencies must be >= 1" in capsys.readouterr().err
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit, match=rf"--top-p must be in \(0, 1\], got {bad}"):
+            cli_main(["bench", "--top-p", bad, "--methods", "plain", "--out", str(tmp_path / "x.jsonl")])
 
 
 def test_registry_is_what_the_issue_asks_for():

@@ -555,6 +555,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (0: greedy, outputs compared with plain's; > 0: seeded per prompt)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of sampled requests (1: off)")
     p.add_argument("--draft", default=None,
                    help="draft model (registry name or directory) of the draft_model-kN, dtree-K.L1.L2, dtree-auto, "
                         "dtree-default and dtree-sel methods")
@@ -592,6 +593,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     if args.temperature < 0:
         raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise SystemExit(f"--top-p must be in (0, 1], got {args.top_p}")
     from vllm_anisotropic.bench.demo import _resolve_model, build_prompts
     from vllm_anisotropic.bench.offline import CPU_LLM_DEFAULTS
 
@@ -636,7 +639,7 @@ def run(args: argparse.Namespace) -> int:
                            speculative_config=resolve_config(method, Path(tmp), draft_dir, args.selector),
                            cells=[c for c, _ in mine], cell_prompts=[p for _, p in mine], warmup_prompts=warmup,
                            max_tokens=args.max_tokens, concurrency=args.concurrency,
-                           temperature=args.temperature,
+                           temperature=args.temperature, top_p=args.top_p,
                            llm_kwargs={**CPU_LLM_DEFAULTS, "dtype": args.dtype, **extra, **method_llm_kwargs(method)},
                            record_base={**base, "order": args.order, **src_record(method, args.src)})
             job_file = Path(tmp, "job.json")

@@ -49,6 +49,8 @@ class SweepJob(BaseModel):
     concurrency: list[int]
     temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature of the cells (0: greedy); sampled requests are seeded by their index."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Top-p of the sampled cells (1: off)."""
     llm_kwargs: dict[str, Any] = Field(default_factory=dict)
     """``LLM`` keyword arguments (the CPU defaults already merged in by the caller)."""
     record_base: dict[str, Any] = Field(default_factory=dict)
@@ -128,7 +130,7 @@ def run_job(job: SweepJob, out_file: Path) -> None:
               max_num_seqs=max(job.concurrency), **job.llm_kwargs)
     startup = time.perf_counter() - started
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=job.max_tokens, temperature=job.temperature)
+    params = SamplingParams(max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p)
     # warm-up on prompts of its own: short requests at the largest concurrency (first steps)
     closed_loop(engine, job.warmup_prompts, SamplingParams(max_tokens=16, temperature=0.0), max(job.concurrency), "warm")
     for i, ((repeat, conc), prompts) in enumerate(zip(job.cells, job.cell_prompts)):
@@ -140,7 +142,7 @@ def run_job(job: SweepJob, out_file: Path) -> None:
         budget = {k: v - budget_before.get(k, 0) for k, v in budget_after.items()}
         record = {
             **job.record_base, "method": job.method, "speculative_config": job.speculative_config,
-            "concurrency": conc, "repeat": repeat, "temperature": job.temperature, "num_prompts": len(prompts), "max_tokens": job.max_tokens,
+            "concurrency": conc, "repeat": repeat, "temperature": job.temperature, "top_p": job.top_p, "num_prompts": len(prompts), "max_tokens": job.max_tokens,
             "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "tau": tokens / (tokens - accepted) if tokens > accepted else 1.0,
             "num_drafts": after["num_drafts"] - before["num_drafts"],

@@ -3,7 +3,7 @@
 # before / after in one run: profile-host --no-profile, Qwen2.5-Coder-1.5B target / 0.5B draft, bf16,
 # dtree-1.2.0 (a chain of 2 drafted by q, Traversal), 4 requests, 8 report-split prompts (4 MBPP, 4 MATH500) x 48 tokens,
 # T = 0.7, top-p 0.95, every request seeded (1234). ABBA.
-# before = 310f718 (/tmp/before), after = the nucleus commit (/tmp/after), git worktrees.
+# before = 310f718 (/tmp/before), after = 2348c98 (/tmp/after), git worktrees.
 set -u
 declare -A seen
 out=/work/main/docs/measurements/cpu/dtree_nucleus_2026_12_03.jsonl
