@@ -87,7 +87,7 @@ def target_probs(
     greedy = temperature < SAMPLING_EPS
     # temperature: greedy rows divide by 1 (vLLM replaces 0 by 1 before the in-place divide)
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(dtype)
-    x = x / temp.unsqueeze(1)
+    x = (x / temp.unsqueeze(1)).contiguous()  # this call's own (the nucleus writes it in place)
     k = top_k.to(torch.int64)
     use_k = (k > 0) & (k < vocab_size)
     use_p = top_p.to(dtype) < 1.0
