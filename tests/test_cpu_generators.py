@@ -5,7 +5,7 @@ which raises on a CPU generator. What each test would catch: a rewind that resto
 other than the step's first (the request's next token would be drawn from the wrong place), one
 that undoes nothing (the stream shifts by one draw per dropped chunk), one that accepts an
 offset vLLM never asks for (two steps back, or twice), a copy that loses the seed or the state,
-and the patch not installed or the step not marked. The engine side (chunked prompts, plain
+and the patch not installed, the step not marked, or a generator marked whose sample is kept. The engine side (chunked prompts, plain
 decoding and trees): ``test_engine_sampling.py::test_seeded_requests_draw_the_same_tokens_in_chunked_prefill``.
 """
 
@@ -102,9 +102,13 @@ def test_patch_converts_added_requests_and_marks_each_sampling_step():
         InputBatch.add_request(object.__new__(InputBatch), request)
     assert isinstance(request.generator, StepRewindGenerator)
 
-    # _sample: every converted generator of the batch is marked before vLLM samples
-    gens = {0: StepRewindGenerator.copy_of(_seeded(1)), 3: StepRewindGenerator.copy_of(_seeded(2))}
-    runner = SimpleNamespace(input_batch=SimpleNamespace(generators=gens))
+    # _sample: the generators of the requests whose sample vLLM will drop are marked before it
+    # samples; the others are left untouched
+    import numpy as np
+
+    gens = {i: StepRewindGenerator.copy_of(_seeded(i)) for i in (0, 2, 3)}
+    mask = SimpleNamespace(np=np.array([True, True, False, True, True]))  # row 4: not a request
+    runner = SimpleNamespace(input_batch=SimpleNamespace(generators=gens, num_reqs=4), discard_request_mask=mask)
     with pytest.raises(AttributeError):  # the stand-in runner has no sampler; the marks came first
         GPUModelRunner._sample(runner, None, None)
-    assert [g.get_offset() for g in gens.values()] == [4, 4]
+    assert [gens[i].get_offset() for i in (0, 2, 3)] == [4, 0, 4]

@@ -55,8 +55,8 @@ Patches (vLLM 0.32; file:line in shared/notes/vllm-0.32-spec-decode-map.md secti
    vLLM's own check.
 10. ``InputBatch.add_request`` and ``GPUModelRunner._sample`` (every process on a CPU
    platform, any method, plain decoding too): a seeded request's CPU generator becomes a
-   ``platform_fixes.cpu_generators.StepRewindGenerator``, marked before each sampling step, so
-   that vLLM's rewind of a dropped chunked-prefill sample (``set_offset(get_offset() - 4)``,
+   ``platform_fixes.cpu_generators.StepRewindGenerator``, marked before a sampling step whose
+   sample vLLM will drop (``discard_request_mask``), so that vLLM's rewind of that sample (``set_offset(get_offset() - 4)``,
    which raises on a CPU generator and kills the engine core) undoes that step's draws. Not
    installed, with a warning, when either method's parameters differ from vLLM 0.32's.
 
@@ -566,6 +566,10 @@ def _patch_cpu_generators() -> None:
 
     from vllm_anisotropic.integration.vllm.platform_fixes.cpu_generators import StepRewindGenerator, rewindable
 
+    if not vllm_surface._assigned_in_init(GPUModelRunner, "discard_request_mask"):
+        logger.warning("vllm-anisotropic: seeded requests' CPU generator fix not installed: "
+                       "GPUModelRunner has no discard_request_mask")
+        return
     if not _already(InputBatch, "add_request"):
         add_request = InputBatch.add_request
 
@@ -581,9 +585,15 @@ def _patch_cpu_generators() -> None:
 
         @functools.wraps(sample)
         def _sample(self, *args, **kwargs):
-            for generator in self.input_batch.generators.values():
-                if isinstance(generator, StepRewindGenerator):
-                    generator.mark()
+            # only the requests whose sample vLLM will drop (set in _prepare_inputs): every other
+            # generator is left untouched
+            generators = self.input_batch.generators
+            if generators:
+                dropped = self.discard_request_mask.np[: self.input_batch.num_reqs].nonzero()[0]
+                for i in dropped.tolist():
+                    generator = generators.get(i)
+                    if isinstance(generator, StepRewindGenerator):
+                        generator.mark()
             return sample(self, *args, **kwargs)
 
         GPUModelRunner._sample = _mark(_sample)

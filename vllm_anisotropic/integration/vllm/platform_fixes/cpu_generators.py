@@ -10,8 +10,9 @@ prompt does not fit one step's token budget (a long prompt, or many requests arr
 in plain decoding as with trees.
 
 The fix: ``StepRewindGenerator``, a CPU ``torch.Generator`` that remembers its state at the
-start of each sampling step (``mark``, which patches.py patch 10 calls before the runner
-samples) and whose ``set_offset(get_offset() - 4)`` restores it. The dropped draw is undone
+start of a sampling step (``mark``, which patches.py patch 10 calls before the runner samples,
+for the requests whose sample vLLM will drop) and whose ``set_offset(get_offset() - 4)``
+restores it. The dropped draw is undone
 exactly, as on CUDA: a seeded request draws the same tokens however its prompt was split into
 chunks, which depends on the other requests of the batch.
 
