@@ -3,7 +3,8 @@
 Scope: the front door -- making ``speculative_config={"method": "goose"}`` (and ``pld``,
 ``token_recycling``, ``isotropic``) a valid vLLM configuration that selects this plugin's
 worker, model runner, attention backend and scheduler -- plus two step-loop hooks (6, 7), one
-opt-in kernel switch (8) and, on a CPU, a fix for seeded requests (10). Nothing on disk is modified; every
+opt-in kernel switch (8) and, on a CPU, fixes for seeded requests (10) and for vLLM's rejection
+sampler (11). Nothing on disk is modified; every
 patch wraps a vLLM function in the current process and is idempotent. ``plugin.register()``
 calls ``apply()`` in every vLLM process (patches are process-local).
 
@@ -59,6 +60,13 @@ Patches (vLLM 0.32; file:line in shared/notes/vllm-0.32-spec-decode-map.md secti
    sample vLLM will drop (``discard_request_mask``), so that vLLM's rewind of that sample (``set_offset(get_offset() - 4)``,
    which raises on a CPU generator and kills the engine core) undoes that step's draws. Not
    installed, with a warning, when either method's parameters differ from vLLM 0.32's.
+11. ``utils.cpu_triton_utils._expand_kernel_impl`` (every process on a CPU platform, before the
+   platform registers its C++ replacements for Triton kernels, which follows plugin loading in
+   ``WorkerWrapperBase.init_worker``): vLLM's replacement for the rejection sampler's
+   ``expand_kernel`` writes int64 outputs only and leaves a float32 temperature or top-p of the
+   draft rows uninitialised, so vLLM's own ngram / draft_model / EAGLE verify sampled requests
+   against a wrong law on a CPU; ``platform_fixes.cpu_expand`` expands every other dtype in
+   torch. Not installed, with a warning, when the function's parameters differ from vLLM 0.32's.
 
 The subclasses those classes install override private vLLM methods; ``vllm_surface.py`` lists
 every such name (with the parameters passed through) and every step-object field they read,
@@ -599,6 +607,24 @@ def _patch_cpu_generators() -> None:
         GPUModelRunner._sample = _mark(_sample)
 
 
+# ---------------------------------------------------------------- 11: the rejection sampler's expand on the CPU
+CPU_EXPAND_SURFACE = {"vllm.utils.cpu_triton_utils:_expand_kernel_impl":
+                          ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to")}
+
+
+def _patch_cpu_expand() -> None:
+    problems = vllm_surface.method_problems(CPU_EXPAND_SURFACE)
+    if problems:
+        logger.warning("vllm-anisotropic: CPU rejection sampler's expand fix not installed: %s", "; ".join(problems))
+        return
+    from vllm.utils import cpu_triton_utils
+
+    from vllm_anisotropic.integration.vllm.platform_fixes.cpu_expand import expanding_any_dtype
+
+    if not _already(cpu_triton_utils, "_expand_kernel_impl"):
+        cpu_triton_utils._expand_kernel_impl = _mark(expanding_any_dtype(cpu_triton_utils._expand_kernel_impl))
+
+
 def apply() -> bool:
     """Install the patches in this process (idempotent). Returns whether vLLM is supported."""
     from vllm.engine.arg_utils import EngineArgs
@@ -632,4 +658,5 @@ def apply() -> bool:
 
     if current_platform.is_cpu():
         _patch_cpu_generators()
+        _patch_cpu_expand()
     return True
