@@ -3,7 +3,7 @@ process: what vLLM's rejection sampler receives -- whether draft probabilities c
 (probs_none), how many draft rows hold an infinite logit after the sampler's temperature / top-p
 (inf_logit_rows) and the target probability of the drafted tokens.
 
-    VLLM_PLUGINS=none .venv/bin/python docs/measurements/cpu/draft_model_rows_probe_2026_12_04.py MODEL_DIR
+    [VLLM_PLUGINS=none] .venv/bin/python docs/measurements/cpu/draft_model_rows_probe_2026_12_04.py MODEL_DIR
 """
 import os, sys, json
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
