@@ -55,6 +55,12 @@ def test_worked_example():
     assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.5, 1.5, 1.5])
 
 
+def test_an_empty_batch_writes_nothing():
+    out = torch.full((3,), -7.0)
+    expand_rows(out, torch.empty(0), torch.empty(0, dtype=torch.int32), 0, 1)
+    assert out.tolist() == [-7.0, -7.0, -7.0]
+
+
 def test_int64_outputs_go_to_vllms_function():
     calls = []
 
