@@ -76,23 +76,39 @@ def test_int64_outputs_go_to_vllms_function():
     assert len(calls) == 1 and out32.tolist() == [0.5, 0.5]
 
 
-def test_patch_reaches_the_rejection_sampler():
-    """What a CPU worker does at start: plugins first (patches.apply), then the platform's
-    kernel replacements; the rejection sampler's float expansion then holds each request's value."""
-    from vllm.platforms import current_platform
-    from vllm.utils import cpu_triton_utils
-    from vllm.v1.sample import rejection_sampler
+_WORKER_START = """
+from vllm.platforms import current_platform
+from vllm.utils import cpu_triton_utils
+from vllm.v1.sample import rejection_sampler
+import torch
 
-    from vllm_anisotropic.integration.vllm.frontdoor import patches
+from vllm_anisotropic.integration.vllm.frontdoor import patches
+
+assert current_platform.is_cpu()
+patches.apply()
+assert getattr(cpu_triton_utils._expand_kernel_impl, patches._MARK, False), "patch 11 not installed"
+current_platform.register_triton_kernel_overrides()
+cu = torch.tensor([2, 2, 5], dtype=torch.int32)
+temperature = rejection_sampler.expand_batch_to_tokens(torch.tensor([0.7123, 0.0, 0.0]), cu, 5, replace_from=0,
+                                                       replace_to=1)
+top_k = rejection_sampler.expand_batch_to_tokens(torch.tensor([3, 4, 5]), cu, 5)  # int64: vLLM's C++
+print("ROWS", [round(t, 6) for t in temperature.tolist()], top_k.tolist())
+"""
+
+
+def test_patch_reaches_the_rejection_sampler():
+    """What a CPU worker does at start, in a fresh interpreter as a worker is (vLLM's kernel
+    registration scans every loaded module, and a test process holds modules a worker never
+    loads): plugins first (patches.apply), then the platform's kernel replacements; the rejection
+    sampler's float expansion then holds each request's value."""
+    import subprocess
+    import sys
+
+    from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         pytest.skip("patch 11 is for vLLM's CPU platform")
-    patches.apply()
-    assert getattr(cpu_triton_utils._expand_kernel_impl, patches._MARK, False)
-    current_platform.register_triton_kernel_overrides()
-    cu = torch.tensor([2, 2, 5], dtype=torch.int32)
-    temperature = rejection_sampler.expand_batch_to_tokens(torch.tensor([0.7123, 0.0, 0.0]), cu, 5,
-                                                           replace_from=0, replace_to=1)
-    assert temperature.tolist() == pytest.approx([0.7123, 0.7123, 1.0, 1.0, 1.0])
-    top_k = rejection_sampler.expand_batch_to_tokens(torch.tensor([3, 4, 5]), cu, 5)  # int64: vLLM's C++
-    assert top_k.tolist() == [3, 3, 5, 5, 5]
+    done = subprocess.run([sys.executable, "-c", _WORKER_START], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = next(line for line in done.stdout.splitlines() if line.startswith("ROWS"))
+    assert rows == "ROWS [0.7123, 0.7123, 1.0, 1.0, 1.0] [3, 3, 5, 5, 5]"
