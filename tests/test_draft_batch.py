@@ -398,3 +398,23 @@ def test_the_draft_device_and_dtype_follow_the_engine_unless_named(draft_dir):
     assert named.lm.dtype == torch.float32 and named.lm.device.type == "cpu"
     with pytest.raises(ValueError, match=r"draft_device[\s\S]*'auto' or 'cpu'"):
         proposer_config("draft_tree", model=draft_dir, draft_device="cuda:1")
+
+
+def test_short_rows_on_cuda_attend_with_the_math_backend_and_prompts_with_torchs_choice():
+    """``draft_kv._backends``: on CUDA, an attention call of at most ``LONG_ROW`` queries per row
+    runs with only SDPA's math backend enabled (cuDNN's per-mask-shape planning measured 4x
+    slower on an H200), a longer one (a prompt) and any CPU call with torch's backends as they
+    were; the flags are restored after the call."""
+    from types import SimpleNamespace
+
+    from vllm_anisotropic.proposers.draft_kv import LONG_ROW, _backends
+
+    flags = (torch.backends.cuda.math_sdp_enabled, torch.backends.cuda.flash_sdp_enabled,
+             torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.mem_efficient_sdp_enabled)
+    before = [f() for f in flags]
+    assert all(before)
+    for is_cuda, n, want in ((True, 1, [True, False, False, False]), (True, LONG_ROW, [True, False, False, False]),
+                             (True, LONG_ROW + 1, before), (False, 1, before)):
+        with _backends(SimpleNamespace(is_cuda=is_cuda), n):
+            assert [f() for f in flags] == want, (is_cuda, n)
+        assert [f() for f in flags] == before

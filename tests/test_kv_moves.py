@@ -269,3 +269,53 @@ def test_a_slot_outside_the_caches_is_refused_and_nothing_moves():
     assert all(torch.equal(a, b) for a, b in zip(caches, before))
     mover.move(torch.tensor([31]), torch.tensor([0]))  # the last slot of the smaller cache
     assert torch.equal(caches[1][0, :, 0], before[1][1, :, 15])
+
+
+_TRITON_MOVES = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_kv_moves import _reference_move
+from vllm_anisotropic.attention.kv_move_triton import layer_offsets, move_slots
+gen = torch.Generator().manual_seed(5)
+src, dst = [16, 17, 40, 9, 2], [17, 18, 3, 9, 47]
+for dtype in (torch.bfloat16, torch.float32):
+    # three separate allocations (offsets from the first, one negative at least once), head size 12
+    caches = [torch.randn(3, 3, 16, 2 * 12, generator=gen).to(dtype) for _ in range(3)]
+    before = [c.clone() for c in caches]
+    offsets = layer_offsets(caches)
+    move_slots(caches, offsets, torch.tensor(src), torch.tensor(dst))
+    for cache, old in zip(caches, before):
+        assert torch.equal(cache, _reference_move(old, src, dst)), dtype
+    move_slots(caches, offsets, torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long))
+    for cache, old in zip(caches, before):
+        assert torch.equal(cache, _reference_move(old, src, dst)), "an empty move changed a cache"
+for bad in ([torch.zeros(3, 3, 16, 24), torch.zeros(3, 3, 8, 24)],
+            [torch.zeros(3, 3, 16, 24), torch.zeros(3, 16, 3, 24).transpose(1, 2)]):
+    try:
+        layer_offsets(bad)
+    except ValueError as e:
+        print("refused:", e)
+    else:
+        raise AssertionError("layer_offsets took caches it cannot address")
+print("ok")
+"""
+
+
+def test_triton_moves_follow_the_definition_in_the_interpreter():
+    """The CUDA path's two Triton launches (``attention/kv_move_triton.py``), run by Triton's
+    interpreter on CPU tensors in a fresh process (``TRITON_INTERPRET`` is read at import): in
+    three caches of separate allocations addressed from the first one's pointer, bf16 and float32,
+    a head size whose run (24) is not a power of two, the definition's cache for a chain of moves
+    (16 -> 17 -> 18: a one-launch copy would read 17 after writing it), a move across blocks,
+    a slot onto itself; an empty move changes nothing; caches of two shapes and a non-contiguous
+    cache are refused by ``layer_offsets``."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _TRITON_MOVES, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+    assert out.stdout.count("refused:") == 2

@@ -41,6 +41,7 @@ as before. On the engine's CPU, q's decoder is instead one loop on vLLM's kernel
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,8 +114,9 @@ class _Forward:
             padded = padded.view(rows, g.n, heads, dim).transpose(1, 2)
             keys = self.kv.keys[layer][g.start : g.stop, :, : g.width]  # views: no copy
             values = self.kv.values[layer][g.start : g.stop, :, : g.width]
-            got = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=g.mask,
-                                                                   scale=scaling, enable_gqa=True)
+            with _backends(padded, g.n):
+                got = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=g.mask,
+                                                                       scale=scaling, enable_gqa=True)
             got = got.transpose(1, 2).reshape(rows * g.n, heads, dim)
             if g.pad is not None:
                 got = got[g.pad]  # padding dropped
@@ -279,6 +281,21 @@ class DraftKV:
             last = np.cumsum(counts) - 1
             hidden = hidden[torch.from_numpy(np.where(np.asarray(counts) > 0, last, 0)).to(device)]
         return model.get_output_embeddings()(hidden).float().cpu()  # the laws and draws on the host
+
+
+def _backends(query: torch.Tensor, n: int):
+    """SDPA's backend for one attention call: on CUDA, rows of at most ``LONG_ROW`` queries
+    (decode steps, lane depths) take the math backend; else torch's choice. With a boolean mask
+    and GQA torch picks cuDNN on an H200, which plans each new mask shape on the host: measured
+    there (docs/measurements/h200/gpu_kv_sdpa_probe_2026_12_04.txt, random q of Qwen2.5-0.5B's
+    shape, 8 requests, bf16) 151 ms a drafting forward against 38.5 ms with the math backend
+    (flash takes no mask; memory-efficient no GQA with a mask). The math backend's scores are
+    ``[rows, heads, n, width]``: small for short rows, not for a prompt's."""
+    if query.is_cuda and n <= LONG_ROW:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.MATH])
+    return contextlib.nullcontext()
 
 
 def _groups(counts: list[int], row_of: np.ndarray, offset: np.ndarray, columns: np.ndarray, sees: np.ndarray,
