@@ -67,7 +67,7 @@ def test_drafts_fit_the_speculative_cap_and_the_model_length():
     assert drafts[2] == []  # at the limit: a root-only tree
     ranked = _drafter(num_speculative_tokens=5)
     ranked.propose_trees(["a", "b", "c"], [True] * 3, [[1]] * 3, lengths, tokens)
-    assert set(ranked.unlabelled) == {"a", "b"}  # a root-only tree waits for no label
+    assert ranked.unlabelled.requests() == {"a", "b"}  # a root-only tree waits for no label
     # GOOSE's budget within the speculative cap (no cut needed while every request has room):
     # the request near the model length is still cut to its room, whatever the others have
     fits = _drafter(allocator="off", num_speculative_tokens=5, budget=6)
@@ -201,7 +201,7 @@ def test_a_chain_step_does_not_count_toward_the_backoff():
     d.skip["a"] = 3
     drafts = d.propose_trees(["a"], [True], [[1]], lengths, tokens, chains=True)
     assert drafts == [[5, 6]] and d.skip["a"] == 3  # drafted despite the backoff, which waits
-    assert d.pending_probs(["a"]) == [None] and d.unlabelled == {}
+    assert d.pending_probs(["a"]) == [None] and not d.unlabelled
 
 
 def test_rest_drops_pending_trees_and_drafts_nothing():
@@ -235,7 +235,7 @@ def test_drop_forgets_a_request_and_its_tokens_reach_the_store_after_the_reply()
     d.states["a"].finish = lambda context: finished.append(context)
     d.drop("a", tokens[0, :30])
     assert "a" not in d.states and "a" not in d.tenants and "a" not in d.disabled
-    assert "a" not in d.zero_streak and "a" not in d.skip and "a" not in d.kept_mark and "a" not in d.unlabelled
+    assert "a" not in d.zero_streak and "a" not in d.skip and "a" not in d.kept_mark and "a" not in d.unlabelled.requests()
     assert d.metrics.live_requests == 1 and finished == []
     d.run_deferred()
     assert len(finished) == 1 and finished[0].tolist() == tokens[0, :30].tolist()
@@ -282,11 +282,11 @@ def test_labels_teach_the_acceptance_model_every_fourth_proposal():
     for call in range(3):
         drafts = d.propose_trees(["a"], [True], [[1]], lengths - 30 + call, tokens)
         d.take_step(["a"], {"a": drafts[0]})
-    assert len(d.unlabelled["a"]) == 3 and d._deferred == []
+    assert d.unlabelled.waiting("a") == 3 and d._deferred == []
     d.propose_trees(["a"], [True], [[1]], lengths, tokens)  # the 4th: the first three are labelled
     assert [p for p, _, _ in d._deferred] == ["label"] and d.acceptance.count.sum() == 0
     d.run_deferred()
-    assert d.acceptance.count.sum() > 0 and len(d.unlabelled["a"]) == 1  # the 4th tree waits
+    assert d.acceptance.count.sum() > 0 and d.unlabelled.waiting("a") == 1  # the 4th tree waits
     assert "label" in d.host_clock.seconds
 
 
@@ -507,7 +507,7 @@ def test_trees_with_one_draft_are_labelled_and_counted_root_only_ones_are_not():
     tokens, lengths = _tokens([40, MAX_LEN - 2, MAX_LEN - 1])
     drafts = d.propose_trees(["a", "b", "c"], [True] * 3, [[1]] * 3, lengths, tokens)
     assert [len(x) for x in drafts] == [5, 1, 0]
-    assert set(d.unlabelled) == {"a", "b"}
+    assert d.unlabelled.requests() == {"a", "b"}
     d.take_step(["a", "b", "c"], {})  # all cut to nothing
     # a one-draft tree cut to nothing counts toward the backoff; a root-only tree offered nothing
     assert d.zero_streak == {"a": 1, "b": 1} and set(d.kept_mark) == {"a", "b"}
@@ -523,11 +523,11 @@ def test_labels_wait_for_each_trees_own_depth_and_label_up_to_the_models_depth()
     d.propose_trees(["a", "b"], [True] * 2, [[1]] * 2, lengths, tokens)
     assert d.label_depth == 8
     d._label(["a", "b"], lengths + 2, tokens)
-    assert len(d.unlabelled["a"]) == 1 and d.unlabelled["b"] == [] and d.acceptance.count.sum() == 2
+    assert d.unlabelled.waiting("a") == 1 and d.unlabelled.waiting("b") == 0 and d.acceptance.count.sum() == 2
     d._label(["a", "b"], lengths + 7, tokens)
-    assert len(d.unlabelled["a"]) == 1 and d.acceptance.count.sum() == 2
+    assert d.unlabelled.waiting("a") == 1 and d.acceptance.count.sum() == 2
     d._label(["a", "b"], lengths + 8, tokens)
-    assert d.unlabelled["a"] == [] and d.acceptance.count.sum() == 2 + 8
+    assert d.unlabelled.waiting("a") == 0 and d.acceptance.count.sum() == 2 + 8
 
 
 def test_a_grammar_reorder_that_is_not_a_prefix_of_the_draft_order():

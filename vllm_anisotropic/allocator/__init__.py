@@ -24,8 +24,8 @@ from .allocate import (
 from .config import AcceptanceConfig, CostModelConfig, GateConfig
 from .cost import CostModel, CostSample
 from .gate import CHAIN, PLAIN, TREE, SpeculationGate
-from .tree_probs import (cap_by_tree, capped, continuation_labels, cut_trees, order_by_probability, rank_flat, rank_trees,
-                         raw_probs, tree_probs)
+from .tree_probs import (cap_by_tree, capped, continuation_labels, cut_trees, flat_continuation_labels,
+                         order_by_probability, rank_flat, rank_trees, raw_probs, tree_probs)
 
 __all__ = [
     "AcceptanceConfig",
@@ -47,6 +47,7 @@ __all__ = [
     "concave_slopes",
     "continuation_labels",
     "cut_trees",
+    "flat_continuation_labels",
     "order_by_probability",
     "pad_probs",
     "rank_flat",

@@ -30,8 +30,8 @@ import numpy as np
 from ..tree import DraftTree, FlatTrees
 from .acceptance import AcceptanceModel
 
-__all__ = ["cap_by_tree", "capped", "continuation_labels", "cut_trees", "order_by_probability", "rank_flat", "rank_trees",
-           "raw_probs", "tree_probs"]
+__all__ = ["cap_by_tree", "capped", "continuation_labels", "cut_trees", "flat_continuation_labels",
+           "order_by_probability", "rank_flat", "rank_trees", "raw_probs", "tree_probs"]
 
 
 def cap_by_tree(raw: np.ndarray, parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
@@ -128,32 +128,41 @@ def continuation_labels(trees: Sequence[DraftTree], continuations: Sequence[np.n
     ``tokens [r, 5, 9, 7]``, parents ``[-1, 0, 0, 1]``, continuation ``[5, 7, 2]`` ->
     labels ``[True, False, True]``; continuation ``[5]`` labels nodes 1 and 2 only.
     """
-    if not trees:
+    if len(trees) == 0:
         empty = np.zeros(0)
         return empty.astype(np.int8), empty.astype(np.int64), empty, empty.astype(bool)
-    counts = np.array([t.num_nodes for t in trees], np.int64)
-    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    tree_of = np.repeat(np.arange(len(trees)), counts)  # [num_nodes] tree index of each node
-    parents = np.concatenate([t.parents for t in trees])
-    parents = np.where(parents >= 0, parents + offsets[tree_of], -1)
-    depths = np.concatenate([t.depths for t in trees])
-    tokens = np.concatenate([t.tokens for t in trees])
-    lengths = np.array([len(c) for c in continuations], np.int64)
-    if lengths.shape != counts.shape:
+    lengths = np.fromiter((len(c) for c in continuations), np.int64, len(continuations))
+    if lengths.shape[0] != len(trees):
         raise ValueError("one continuation per tree")
-    flat = np.concatenate([np.asarray(c, np.int64).reshape(-1) for c in continuations] + [np.zeros(1, np.int64)])
+    flat = np.concatenate([np.asarray(c, np.int64).reshape(-1) for c in continuations])
+    return flat_continuation_labels(FlatTrees.from_trees(list(trees)), flat, lengths)
+
+
+def flat_continuation_labels(trees: FlatTrees, continuations: np.ndarray, lengths: np.ndarray):
+    """``continuation_labels`` of a batch of trees: tree k's continuation is
+    ``continuations[sum(lengths[:k]) : sum(lengths[:k + 1])]`` (one flat array for the batch,
+    as the engine gathers it from its token rows in one indexing). Same return."""
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.shape != (trees.num_trees,):
+        raise ValueError("one continuation per tree")
+    if trees.num_trees == 0:
+        empty = np.zeros(0)
+        return empty.astype(np.int8), empty.astype(np.int64), empty, empty.astype(bool)
+    tree_of = trees.tree_index()
+    parents = trees.global_parents()
+    depths = trees.depths
+    flat = np.concatenate([np.asarray(continuations, np.int64).reshape(-1), np.zeros(1, np.int64)])
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     known = depths <= lengths[tree_of]  # roots (depth 0) included
     draft = parents >= 0
     expected = flat[np.where(known & draft, starts[tree_of] + depths - 1, len(flat) - 1)]
-    on_path = ~draft | (known & (tokens == expected))
+    on_path = ~draft | (known & (trees.tokens == expected))
     for d in range(2, int(depths[known].max(initial=0)) + 1):  # a node is on the path only if its parent is
         lvl = np.flatnonzero((depths == d) & known)
         on_path[lvl] &= on_path[parents[lvl]]
     keep = known & draft
-    sources = np.concatenate([t.sources for t in trees])
-    values = np.clip(np.concatenate([t.values for t in trees]), 0.0, 1.0)
-    return sources[keep], depths[keep], values[keep], on_path[keep]
+    values = np.clip(trees.values, 0.0, 1.0)
+    return trees.sources[keep], depths[keep], values[keep], on_path[keep]
 
 
 def order_by_probability(tree: DraftTree, probs: np.ndarray) -> np.ndarray:

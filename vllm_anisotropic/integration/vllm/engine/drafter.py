@@ -40,13 +40,14 @@ import numpy as np
 import torch
 
 from vllm_anisotropic import kernels as _kernels
-from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, rank_flat
+from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, rank_flat
 from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
 from vllm_anisotropic.integration.vllm.kernels.cpu_draft import use_vllm_cpu_layers, warm_up
 from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import BUCKETS, use_vllm_cpu_gemm
 from vllm_anisotropic.integration.vllm.engine.faults import inject, report, tp_size
 from vllm_anisotropic.integration.vllm.engine.faults import tp_rank as _tp_rank
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
+from vllm_anisotropic.integration.vllm.engine.labels import LabelQueue
 from vllm_anisotropic.integration.vllm.engine.metrics import MetricsSink, TreeMetrics
 from vllm_anisotropic.proposers import DraftTreeProposer, get_proposer, proposer_config
 from vllm_anisotropic.proposers.adjacency import TopKRows
@@ -159,11 +160,10 @@ class TreeDrafter:
         # tree's draft list, learned from every offered tree; None when the allocator is off
         self.acceptance = (AcceptanceModel(AcceptanceConfig(refit_every=ACCEPTANCE_REFIT_EVERY))
                            if self.config.engine.allocator == "auto" else None)
-        # req_id -> [(tokens the request had when the tree was proposed, the offered tree)]: every
-        # offered tree, cut or not, is labelled from the tokens that follow its root once they
-        # are known (allocator.continuation_labels), up to the acceptance model's depth buckets
-        self.unlabelled: dict[str, list] = {}
+        # every offered tree, cut or not, is labelled from the tokens that follow its root once
+        # they are known (labels.py), up to the acceptance model's depth buckets
         self.label_depth = self.acceptance.config.max_depth if self.acceptance is not None else 0
+        self.unlabelled = LabelQueue(self.label_depth)
         self._proposals = 0  # propose_trees calls (labelling runs every LABEL_EVERY)
         # backoff while the allocator keeps cutting a request's tree to nothing: after the
         # k-th zero cut in a row the request skips min(2**(k-1), allocator_backoff) proposals (no
@@ -316,8 +316,8 @@ class TreeDrafter:
         probs = None
         if self.acceptance is not None and not chains:
             trees, probs = rank_flat(trees, self.acceptance)
-            for k in np.flatnonzero(trees.sizes() > 1).tolist():
-                self.unlabelled.setdefault(ids[k], []).append((int(lengths[k]), trees, k))
+            offered = np.flatnonzero(trees.sizes() > 1)
+            self.unlabelled.offer(trees, offered, [ids[k] for k in offered.tolist()], lengths[offered])
         proposal = _Proposal(trees, probs, prev_roots, modes, chains)
         for k, r in enumerate(ids):
             self.pending[r] = (proposal, k)
@@ -433,26 +433,11 @@ class TreeDrafter:
 
     def _label(self, req_ids, num_tokens_no_spec, token_ids_cpu) -> None:
         """Feed the acceptance model every offered tree whose next ``label_depth`` tokens (or as
-        many as its depth) are now known, labelled from those tokens (module ``allocator.
-        tree_probs.continuation_labels``): verified or cut, every node teaches the model."""
-        trees, continuations = [], []
-        for i, req_id in enumerate(req_ids):
-            waiting = self.unlabelled.get(req_id)
-            if not waiting:
-                continue
-            num_tokens = int(num_tokens_no_spec[i])
-            still = []
-            for start, flat, k in waiting:
-                a, b = int(flat.offsets[k]), int(flat.offsets[k + 1])
-                need = min(int(flat.depths[a:b].max()), self.label_depth)
-                if num_tokens - start >= need:
-                    trees.append(flat.tree(k))
-                    continuations.append(token_ids_cpu[i, start : start + need])
-                else:
-                    still.append((start, flat, k))
-            self.unlabelled[req_id] = still
-        if trees:
-            self.acceptance.update(*continuation_labels(trees, continuations))
+        many as its depth) are now known, labelled from those tokens (``labels.LabelQueue``,
+        ``allocator.flat_continuation_labels``): verified or cut, every node teaches the model."""
+        labels = self.unlabelled.take(req_ids, num_tokens_no_spec, token_ids_cpu)
+        if labels is not None:
+            self.acceptance.update(*labels)
             self.acceptance.parameters()  # a due refit here, not in the next proposal's ranking
 
     def take_step(self, req_ids: Sequence[str], scheduled: dict) -> StepTrees | None:
@@ -637,7 +622,7 @@ class TreeDrafter:
         self.zero_streak.pop(req_id, None)
         self.skip.pop(req_id, None)
         self.kept_mark.pop(req_id, None)
-        self.unlabelled.pop(req_id, None)
+        self.unlabelled.drop(req_id)
         self.disabled.discard(req_id)
         self.metrics.live_requests = len(self.states)
         if state is not None and isinstance(self.proposer, DraftTreeProposer):

@@ -1,0 +1,65 @@
+"""One labelling pass of the drafter (``TreeDrafter._label``) on fixed inputs, for an A/B of two
+source trees: R requests, 4 GOOSE proposals each (the trees of ``host_stages_bench.py``'s setup),
+then one pass with every tree's tokens known. Median microseconds per pass over --repeats.
+
+    PYTHONPATH=/tmp/before python docs/measurements/cpu/label_pass_bench.py --requests 8,64
+    PYTHONPATH=.           python docs/measurements/cpu/label_pass_bench.py --requests 8,64
+"""
+import argparse
+import json
+import platform
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from vllm_anisotropic.integration.vllm.engine.drafter import TreeDrafter
+from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
+from vllm_anisotropic.proposers.adjacency import TopKRows
+
+V = 49152
+
+
+def bench(num: int, repeats: int) -> dict:
+    spec = TreeSpecConfig.build("goose", {})
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(method="goose", num_speculative_tokens=59),
+                          additional_config={"vllm_anisotropic": spec.to_additional_config()},
+                          model_config=SimpleNamespace(get_vocab_size=lambda: V, max_model_len=4096))
+    d = TreeDrafter(cfg)
+    d.max_backoff = 0
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        ids = rng.integers(0, 2000, (64, 10)).astype(np.int32)
+        scores = np.sort(rng.random((64, 10)).astype(np.float32), axis=1)[:, ::-1].copy() * 0.5
+        d.proposer.table.harvest(rng.integers(0, 2000, 64), rng.integers(0, 2000, 64), TopKRows(ids, scores, V))
+    base = rng.integers(0, 2000, 200)
+    tokens = np.zeros((num, 4096), np.int32)
+    lengths = []
+    for r in range(num):
+        ctx = np.concatenate([base, rng.integers(0, 2000, 200), base[: 150 + r]])
+        tokens[r, : len(ctx)] = ctx
+        lengths.append(len(ctx))
+    lengths = np.array(lengths)
+    req_ids = [f"r{i}" for i in range(num)]
+    times, nodes = [], []
+    for it in range(repeats + 2):
+        for _ in range(4):
+            d.propose_trees(req_ids, [True] * num, [[1]] * num, lengths, tokens)
+            d.take_step(req_ids, {})
+        d._deferred = []  # the queued passes: this bench runs its own
+        t0 = time.perf_counter()
+        d._label(req_ids, lengths + 16, tokens)
+        if it >= 2:
+            times.append(time.perf_counter() - t0)
+    return {"requests": num, "trees_per_pass": 4 * num, "us": round(float(np.median(times)) * 1e6, 1),
+            "us_min": round(float(np.min(times)) * 1e6, 1)}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", default="8,64")
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    print(json.dumps({"cpu": platform.processor() or "see lscpu"}))
+    for n in (int(x) for x in args.requests.split(",")):
+        print(json.dumps(bench(n, args.repeats)), flush=True)
