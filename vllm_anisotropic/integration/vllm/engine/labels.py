@@ -13,8 +13,10 @@ Worked example: proposal 1 offers trees for requests ``a`` (10 tokens, a tree of
 ``b`` (20 tokens, depth 2). At ``take`` with ``a`` at 12 tokens and ``b`` at 22, ``b``'s tree is
 labelled from tokens 20..21 of its row; ``a``'s waits (it needs 3). One pass over 4 proposals'
 trees, before (one ``DraftTree`` and one continuation slice per tree) and after, on an AMD EPYC
-(docs/measurements/cpu/label_pass_bench_2026_12_04.txt): ~395 -> ~285 us at 8 requests,
-~2,245 -> ~435 us at 64.
+(docs/measurements/cpu/label_pass_bench{,_grow}_2026_12_04.txt): ~395 -> ~285 us at 8 requests,
+~2,200 -> ~330-570 us at 64. In the engine a pass costs ~1 ms either way at 8 requests (every
+4th step; the cold caches after a CPU forward, not the per-tree work:
+label_queue_engine_ab_2026_12_04.txt).
 """
 
 from __future__ import annotations
