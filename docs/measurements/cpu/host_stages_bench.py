@@ -33,7 +33,9 @@ COST = CostModel.from_coefficients([0, 2, 4, 8, 16, 32, 64, 128], base=0.00728, 
                                    tree_switch=0.0017, tree_row=4.7e-05, tree_ctx=8.76e-07, spec_switch=0.0017)
 
 
-def bench(num: int, steps: int, cut_max: int, flush_mb: int = 0) -> dict:
+def drafter_and_contexts(num: int):
+    """A GOOSE drafter (no backoff) with a table filled by 50 random harvests, and ``num``
+    contexts with repeats: ``(drafter, rng, tokens [num, 4096], lengths [num], req_ids)``."""
     spec = TreeSpecConfig.build("goose", {})
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(method="goose", num_speculative_tokens=59),
                           additional_config={"vllm_anisotropic": spec.to_additional_config()},
@@ -52,8 +54,11 @@ def bench(num: int, steps: int, cut_max: int, flush_mb: int = 0) -> dict:
         ctx = np.concatenate([base, rng.integers(0, 2000, 200), base[: 150 + r]])
         tokens[r, : len(ctx)] = ctx
         lengths.append(len(ctx))
-    lengths = np.array(lengths)
-    req_ids = [f"r{i}" for i in range(num)]
+    return d, rng, tokens, np.array(lengths), [f"r{i}" for i in range(num)]
+
+
+def bench(num: int, steps: int, cut_max: int, flush_mb: int = 0) -> dict:
+    d, rng, tokens, lengths, req_ids = drafter_and_contexts(num)
     nodes = []
     # --flush-mb: what a CPU forward does to the caches between the host stages (it streams the
     # model's weights: SmolLM2-135M's 270 MB in bf16), imitated by a read of that many MB

@@ -8,40 +8,19 @@ and the pass finds what is ready, as in the engine). Median microseconds per pas
 """
 import argparse
 import json
+import os
 import platform
+import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
 
-from vllm_anisotropic.integration.vllm.engine.drafter import TreeDrafter
-from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
-from vllm_anisotropic.proposers.adjacency import TopKRows
-
-V = 49152
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_stages_bench import drafter_and_contexts  # noqa: E402  (the same drafter and contexts)
 
 
 def bench(num: int, repeats: int, grow: bool = False) -> dict:
-    spec = TreeSpecConfig.build("goose", {})
-    cfg = SimpleNamespace(speculative_config=SimpleNamespace(method="goose", num_speculative_tokens=59),
-                          additional_config={"vllm_anisotropic": spec.to_additional_config()},
-                          model_config=SimpleNamespace(get_vocab_size=lambda: V, max_model_len=4096))
-    d = TreeDrafter(cfg)
-    d.max_backoff = 0
-    rng = np.random.default_rng(0)
-    for _ in range(50):
-        ids = rng.integers(0, 2000, (64, 10)).astype(np.int32)
-        scores = np.sort(rng.random((64, 10)).astype(np.float32), axis=1)[:, ::-1].copy() * 0.5
-        d.proposer.table.harvest(rng.integers(0, 2000, 64), rng.integers(0, 2000, 64), TopKRows(ids, scores, V))
-    base = rng.integers(0, 2000, 200)
-    tokens = np.zeros((num, 4096), np.int32)
-    lengths = []
-    for r in range(num):
-        ctx = np.concatenate([base, rng.integers(0, 2000, 200), base[: 150 + r]])
-        tokens[r, : len(ctx)] = ctx
-        lengths.append(len(ctx))
-    lengths = np.array(lengths)
-    req_ids = [f"r{i}" for i in range(num)]
+    d, rng, tokens, lengths, req_ids = drafter_and_contexts(num)
     times = []
     for it in range(repeats + 2):
         for _ in range(4):
