@@ -17,6 +17,7 @@ import torch
 
 from vllm_anisotropic.allocator import TREE, CostModel
 from vllm_anisotropic.integration.vllm.engine.budget import BatchBudget
+from vllm_anisotropic.integration.vllm.engine.labels import LabelQueue
 from vllm_anisotropic.integration.vllm.frontdoor.config import EngineTreeConfig
 
 
@@ -214,7 +215,7 @@ def test_drafter_tells_the_proposer_how_many_requests_draft_this_step():
             return DraftTree.chain([7], root_token=int(context[-1]))
 
     proposer = SimpleNamespace(begin_step=lambda n: seen.append(("begin", n)), new_request=lambda tenant=None: Chain())
-    d = _bare_drafter(acceptance=None, unlabelled={}, states={}, tenants={}, proposer=proposer, disabled=set(), _proposals=0,
+    d = _bare_drafter(acceptance=None, unlabelled=LabelQueue(0), states={}, tenants={}, proposer=proposer, disabled=set(), _proposals=0,
                       metrics=TreeMetrics(), max_draft_tokens=4, max_model_len=64, offer_factor=0.0)
     d.skip = {"c": 2}
     tokens = np.arange(1, 5 * 64 + 1).reshape(5, 64)
@@ -288,14 +289,14 @@ def test_drafter_learns_from_trees_the_allocator_cut():
 
     d = object.__new__(TreeDrafter)
     d.acceptance = AcceptanceModel(AcceptanceConfig(refit_every=1))
-    d.unlabelled, d.label_depth, d.reorders = {}, 8, {}
+    d.unlabelled, d.label_depth, d.reorders = LabelQueue(8), 8, {}
     spine = DraftTree(tokens=[0, 7, 8, 9], parents=[-1, 0, 1, 2], sources=[0, 1, 1, 1], values=[1, 0.1, 0.01, 0.001])
     flat = FlatTrees.from_trees([DraftTree.chain([5], root_token=3), spine])  # the spine is tree 1
     before = d.acceptance.predict([1, 1, 1], [1, 2, 3], spine.values[1:])
     tokens = np.zeros((1, 4000), np.int64)
     n = 10
     for step in range(300):
-        d.unlabelled.setdefault("r", []).append((n, flat, 1))  # offered at n tokens, then cut to 0
+        d.unlabelled.offer(flat, np.array([1]), ["r"], np.array([n]))  # offered at n tokens, then cut to 0
         tokens[0, n : n + 3] = [7, 8, 5]  # what the target emitted after the root
         n += 3
         d._label(["r"], np.array([n]), tokens)
@@ -303,11 +304,12 @@ def test_drafter_learns_from_trees_the_allocator_cut():
     assert np.allclose(before, spine.values[1:], rtol=1e-6)  # the prior: the values
     assert after[0] > 0.9 and after[1] > 0.9 and after[2] < 0.1, after
     # a tree waits until enough tokens follow its root, and leaves with the request
-    d.unlabelled = {"r": [(n, flat, 1)]}
+    d.unlabelled = LabelQueue(8)
+    d.unlabelled.offer(flat, np.array([1]), ["r"], np.array([n]))
     d._label(["r"], np.array([n + 2]), tokens)
-    assert len(d.unlabelled["r"]) == 1
+    assert d.unlabelled.waiting("r") == 1
     d._label(["r"], np.array([n + 3]), tokens)
-    assert d.unlabelled["r"] == []
+    assert d.unlabelled.waiting("r") == 0
 
 
 def test_plain_steps_pay_no_fit_and_the_error_is_what_each_step_predicted(tmp_path):
@@ -432,7 +434,7 @@ def test_a_chain_step_drafts_spine_chains_unranked_and_harvests_nothing():
     num = np.array([len(context), len(context)])
     drafts = d.propose_trees(["a", "b"], [True, True], [[7], [5]], num, tokens, chains=True)
     assert drafts[0] == [8, 9, 10]  # the spine, cut to 3 tokens
-    assert d.pending["a"][0].probs is None and d.unlabelled == {} and d.pending["a"][0].chains
+    assert d.pending["a"][0].probs is None and not d.unlabelled and d.pending["a"][0].chains
     assert d.pending_probs(["a", "b"]) == [None, None]
     assert d.metrics.table_bytes == d.proposer.table.memory_bytes()["total"] > 0  # one shared table, counted once
     step = d.take_step(["a", "b"], {"a": drafts[0], "b": drafts[1]})
@@ -488,7 +490,7 @@ def test_a_failing_harvest_turns_trees_off_for_its_requests_only(caplog):
     d.observe_step(step(["a", "b"]), np.full((2, 1), -1), np.zeros(2, np.int64), np.array([0, 2]), torch.randn(4, 16))
     d.run_deferred()
     assert d.disabled == {"a"} and d.metrics.faults == {"harvest": 1}
-    d.pending, d.tenants, d.zero_streak, d.skip, d.kept_mark, d.unlabelled = {}, {}, {}, {}, {}, {}
+    d.pending, d.tenants, d.zero_streak, d.skip, d.kept_mark, d.unlabelled = {}, {}, {}, {}, {}, LabelQueue(0)
     d.drop("a")
     assert d.disabled == set()
 
