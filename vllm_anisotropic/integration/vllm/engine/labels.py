@@ -1,5 +1,6 @@
 """The offered trees that wait for their labels, kept as arrays per proposal (issue 43: no
-per-tree Python on the per-step path).
+``DraftTree`` or continuation slice per tree; what stays per tree in Python is the lookup of its
+request's batch row and count).
 
 Every tree the drafter offers (cut or not) teaches the allocator's acceptance model once the
 tokens that follow its root are known (``allocator.flat_continuation_labels``): a tree whose
