@@ -418,3 +418,71 @@ def test_short_rows_on_cuda_attend_with_the_math_backend_and_prompts_with_torchs
         with _backends(SimpleNamespace(is_cuda=is_cuda), n):
             assert [f() for f in flags] == want, (is_cuda, n)
         assert [f() for f in flags] == before
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_short_rows_attention_is_masked_grouped_attention(scale):
+    """``draft_kv.short_rows_attention`` (the CPU's short rows) against float64 SDPA on random
+    masks, 14 query heads over 2 kv heads (Qwen2.5-0.5B's grouping): query head h reads kv head
+    h // 7, the scale defaults to 1 / sqrt(dim), a masked column gets no weight. Catches heads
+    mapped h % kv_heads, a dropped or doubled scale, the mask taken inverted, the softmax over
+    the wrong axis; a padding row (mask all False) is NaN, which callers drop."""
+    from vllm_anisotropic.proposers.draft_kv import short_rows_attention
+
+    g = torch.Generator().manual_seed(3)
+    rows, heads, kv_heads, n, dim, width = 3, 14, 2, 4, 64, 50
+    q = torch.randn(rows, heads, n, dim, generator=g)
+    k = torch.randn(rows, kv_heads, 64, dim, generator=g)[:, :, :width]  # views of wider slots, as in DraftKV
+    v = torch.randn(rows, kv_heads, 64, dim, generator=g)[:, :, :width]
+    mask = torch.rand(rows, 1, n, width, generator=g) < 0.5
+    mask[..., 0] = True
+    mask[2, :, 3] = False  # a padding query
+    got = short_rows_attention(q, k, v, mask, scale)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                            scale=scale, enable_gqa=True)
+    real = torch.ones(rows, heads, n, dtype=torch.bool)
+    real[2, :, 3] = False
+    assert got.dtype == torch.float32
+    assert (got.double() - want)[real].abs().max() < 1e-5
+    assert got[2, :, 3].isnan().all()
+    got16 = short_rows_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, scale)
+    assert got16.dtype == torch.bfloat16 and (got16.double() - want)[real].abs().max() < 0.05
+
+
+def test_cpu_decode_rows_take_short_rows_attention_and_prompts_sdpa(draft_dir, monkeypatch):
+    """On the CPU a forward's rows of at most ``LONG_ROW`` new tokens attend through
+    ``short_rows_attention``, a prompt's row through SDPA; the logits are the same as with SDPA
+    for every row (float32)."""
+    import vllm_anisotropic.proposers.draft_kv as draft_kv
+
+    calls = []
+    real = draft_kv.short_rows_attention
+
+    def spy(query, *args):
+        calls.append(query.shape[2])
+        return real(query, *args)
+
+    lm = get_proposer("draft_tree", model=draft_dir).lm
+    rng = np.random.default_rng(0)
+    prompt = list(rng.integers(0, 200, draft_kv.LONG_ROW + 8))
+    short = [list(rng.integers(0, 200, 3)), list(rng.integers(0, 200, 1))]
+
+    def run():
+        kv = DraftKV(lm)
+
+        class Session:
+            tokens, slot, last_step = [], None, 0
+
+        sessions = [Session() for _ in range(3)]
+        kv.place(sessions, [len(prompt) + 8] * 3)
+        kv.forward(3, [prompt, short[0], short[1]], [0, 0, 0], [None] * 3, [0] * 3)
+        return kv.forward(3, [[5], [6, 7], [8]], [len(prompt), 3, 1], [None] * 3, [0] * 3)
+
+    monkeypatch.setattr(draft_kv, "short_rows_attention", spy)
+    got = run()
+    assert calls == [3] * lm.model.config.num_hidden_layers + [2] * lm.model.config.num_hidden_layers
+    monkeypatch.setattr(draft_kv, "LONG_ROW", 0)  # every row through SDPA: the reference
+    calls.clear()
+    want = run()
+    assert calls == []
+    assert torch.allclose(got, want, atol=1e-4, rtol=0)

@@ -11,7 +11,8 @@ A forward (``DraftKV.forward``) packs the step's new tokens of every row into on
 linear layers see only real tokens (a new prompt runs in the same forward as the others'
 accepted tokens, no padding), and only the attention pads the queries: the rows of at most
 ``LONG_ROW`` new tokens in one call, ``[R, n]`` for the longest n of them, and each longer row
-(a prompt) in a call of its own (``_groups``). Each
+(a prompt) in a call of its own (``_groups``); on the CPU the short rows' call is
+``short_rows_attention`` (float32, two batched matmuls), the others torch's SDPA. Each
 token's K/V is written into its row at its column before the attention reads the row. Tokens
 are of two kinds:
 
@@ -49,7 +50,7 @@ import torch
 
 from vllm_anisotropic.proposers.draft_common import attention_dims
 
-__all__ = ["ATTENTION", "DraftKV"]
+__all__ = ["ATTENTION", "DraftKV", "short_rows_attention"]
 
 ATTENTION = "vllm_anisotropic_draft"
 MIN_COLUMNS = 256
@@ -114,9 +115,12 @@ class _Forward:
             padded = padded.view(rows, g.n, heads, dim).transpose(1, 2)
             keys = self.kv.keys[layer][g.start : g.stop, :, : g.width]  # views: no copy
             values = self.kv.values[layer][g.start : g.stop, :, : g.width]
-            with _backends(padded, g.n):
-                got = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=g.mask,
-                                                                       scale=scaling, enable_gqa=True)
+            if not padded.is_cuda and g.n <= LONG_ROW:
+                got = short_rows_attention(padded, keys, values, g.mask, scaling)
+            else:
+                with _backends(padded, g.n):
+                    got = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=g.mask,
+                                                                           scale=scaling, enable_gqa=True)
             got = got.transpose(1, 2).reshape(rows * g.n, heads, dim)
             if g.pad is not None:
                 got = got[g.pad]  # padding dropped
@@ -281,6 +285,32 @@ class DraftKV:
             last = np.cumsum(counts) - 1
             hidden = hidden[torch.from_numpy(np.where(np.asarray(counts) > 0, last, 0)).to(device)]
         return model.get_output_embeddings()(hidden).float().cpu()  # the laws and draws on the host
+
+
+def short_rows_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                         scale: float | None) -> torch.Tensor:
+    """Masked attention of short rows on the CPU (decode steps, lane depths: at most ``LONG_ROW``
+    queries a row), in float32: ``query [R, heads, n, dim]``, ``keys`` / ``values`` ``[R, kv_heads,
+    width, dim]`` (query head h reads kv head ``h // (heads / kv_heads)``), ``mask [R, 1, n,
+    width]`` bool (True: may attend); returns ``[R, heads, n, dim]`` in the query's dtype. A row
+    whose mask is all False (padding) comes out NaN; callers drop it.
+
+    Why not torch's SDPA: on a CPU without AMX its bf16 kernel is slow for these shapes. Measured
+    on a 2-core AMD EPYC with AVX-512 (Qwen2.5-0.5B's 14:2 heads x 64, bf16,
+    docs/measurements/cpu/q_short_rows_attention_2026_12_04.txt): 4 rows x 1 query over 301
+    columns 958 us against 134 us here, 8 x 1 over 601 3,806 against 367 us; its math backend is
+    slower still. float32 is also what the scores are accumulated in either way. The query heads
+    of one kv head are one matrix: ``[R, kv_heads, group * n, dim]`` against ``[R, kv_heads, dim,
+    width]``, two batched matmuls."""
+    rows, heads, n, dim = query.shape
+    kv_heads, width = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    q = query.float().reshape(rows, kv_heads, group * n, dim)
+    scores = torch.matmul(q, keys.float().transpose(-1, -2)).view(rows, kv_heads, group, n, width)
+    scores.mul_(dim ** -0.5 if scale is None else scale)
+    scores.masked_fill_(~mask.view(rows, 1, 1, n, width), float("-inf"))
+    weights = torch.softmax(scores, dim=-1).view(rows, kv_heads, group * n, width)
+    return torch.matmul(weights, values.float()).view(rows, heads, n, dim).to(query.dtype)
 
 
 def _backends(query: torch.Tensor, n: int):
