@@ -298,8 +298,10 @@ def short_rows_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.
     Why not torch's SDPA: on a CPU without AMX its bf16 kernel is slow for these shapes. Measured
     on a 2-core AMD EPYC with AVX-512 (Qwen2.5-0.5B's 14:2 heads x 64, bf16,
     docs/measurements/cpu/q_short_rows_attention_2026_12_04.txt): 4 rows x 1 query over 301
-    columns 958 us against 134 us here, 8 x 1 over 601 3,806 against 367 us; its math backend is
-    slower still. float32 is also what the scores are accumulated in either way. The query heads
+    columns 1,870 us against 159 us here, 8 x 1 over 601 3,898 against 403 us; its math backend
+    is slower still; q's decode forward of 8 rows after 600 tokens 144-151 -> 58-64 ms. On the
+    Xeon with AMX SDPA took ~140 us a call (4 x 1). float32 is what the scores accumulate in
+    either way. The query heads
     of one kv head are one matrix: ``[R, kv_heads, group * n, dim]`` against ``[R, kv_heads, dim,
     width]``, two batched matmuls."""
     rows, heads, n, dim = query.shape
