@@ -43,7 +43,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["BLOCK", "argmax_row", "argmax_rows", "as_float32", "order_key", "pow2", "topk_probs", "topk_probs_threads"]
+__all__ = ["BLOCK", "argmax_row", "argmax_rows", "as_float32", "order_key", "pow2", "topk_probs"]
 
 BLOCK = 256  # entries per block of the top-k's first pass and of the argmax's
 
@@ -171,18 +171,6 @@ def _sum_exp(x, m):
 
 
 @_jit
-def _row_probs(row, k, ids, probs, top, keys, maxima):
-    """One row of ``topk_probs``: ``ids [k]`` and ``probs [k]`` of ``row``; ``top``, ``keys``,
-    ``maxima`` scratch (k int64, k int32, a block count of int32)."""
-    _row_topk(row, k, top, keys, maxima)
-    m = as_float32(row[top[0]])
-    s = _sum_exp(row, m)
-    for j in range(k):
-        ids[j] = top[j]
-        probs[j] = math.exp(as_float32(row[top[j]]) - m) / s
-
-
-@_jit
 def topk_probs(x, rows, k, ids, probs):
     """Rows ``rows`` of ``x [N, V]`` (float32, or int16 bf16 bits), read in place: ``ids [R, k]``
     int32 the top-k token ids of row ``rows[i]`` in row i, ``probs [R, k]`` float32 their softmax
@@ -191,17 +179,13 @@ def topk_probs(x, rows, k, ids, probs):
     keys = np.empty(k, np.int32)
     top = np.empty(k, np.int64)
     for r in range(rows.shape[0]):
-        _row_probs(x[rows[r]], k, ids[r], probs[r], top, keys, maxima)
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def topk_probs_threads(x, rows, k, ids, probs):
-    """``topk_probs`` with the rows shared out over numba's threads (``numba.set_num_threads``;
-    each row's arithmetic as in ``topk_probs``, so the results are the same bits)."""
-    nb = (x.shape[1] + BLOCK - 1) // BLOCK
-    for r in numba.prange(rows.shape[0]):
-        _row_probs(x[rows[r]], k, ids[r], probs[r], np.empty(k, np.int64), np.empty(k, np.int32),
-                   np.empty(nb, np.int32))
+        row = x[rows[r]]
+        _row_topk(row, k, top, keys, maxima)
+        m = as_float32(row[top[0]])
+        s = _sum_exp(row, m)
+        for j in range(k):
+            ids[r, j] = top[j]
+            probs[r, j] = math.exp(as_float32(row[top[j]]) - m) / s
 
 
 @_jit

@@ -88,21 +88,6 @@ def tenant_budget(config, vocab_size: int | None, extra_bytes: int = 0) -> tuple
     return max(1, budget // per - 2), int(budget)
 
 
-THREAD_ROWS = 2  # from this many rows the CPU harvest shares them out over torch's threads
-
-
-def _harvest_threads() -> int:
-    """Threads for the CPU harvest's rows: torch's intra-op threads (the cores vLLM's CPU worker
-    gives its forward, idle while the host path runs), at most numba's; numba's count is set to
-    that for the calling thread."""
-    import numba
-
-    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if numba.get_num_threads() != n:
-        numba.set_num_threads(n)
-    return n
-
-
 def topk_scores(logits: torch.Tensor, k: int, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Batched top-k of ``softmax(logits)``, from the top-k of the logits and one log-sum-exp
     per row: ``p_j = exp(l_j - lse(l))`` for the k largest ``l_j`` (same ids as the top-k of the
@@ -133,9 +118,7 @@ def topk_scores(logits: torch.Tensor, k: int, rows: np.ndarray | None = None) ->
         ids = np.empty((rows.shape[0], k), np.int32)
         probs = np.empty((rows.shape[0], k), np.float32)
         if rows.shape[0] and k:
-            vocab = kernels.load("vocab")
-            threads = _harvest_threads() if rows.shape[0] >= THREAD_ROWS else 1
-            (vocab.topk_probs_threads if threads > 1 else vocab.topk_probs)(x, rows, k, ids, probs)
+            kernels.load("vocab").topk_probs(x, rows, k, ids, probs)
         return ids, probs
     if rows is not None:
         logits = logits.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(logits.device))

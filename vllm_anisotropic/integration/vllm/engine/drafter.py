@@ -227,7 +227,6 @@ class TreeDrafter:
             if k and vocab_size:
                 rows = torch.zeros((trees.num_nodes, vocab_size), dtype=logits_dtype)
                 top = TopKRows.of(rows, k, np.arange(trees.num_nodes, dtype=np.int64))
-                TopKRows.of(rows, k, np.zeros(1, np.int64))  # one row: the kernel without threads
             learn([state], trees, np.zeros(trees.num_nodes, bool), out.prev_roots, top)
         logger.debug("vllm-anisotropic: proposer kernels loaded in %.2f s", time.perf_counter() - t0)
 
