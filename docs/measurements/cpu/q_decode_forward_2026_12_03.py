@@ -1,6 +1,7 @@
 """q's decode forward alone (Qwen2.5-Coder-0.5B bf16, vLLM's CPU kernels and GEMM as the engine routes them):
 4 rows of 1 token after 300 context tokens through DraftKV.forward, median of 15 after 3 warm ("time"), or a torch profiler
-table of 5 forwards ("prof"). Run: PYTHONPATH=. .venv/bin/python docs/measurements/cpu/q_decode_forward_2026_12_03.py [time|prof]"""
+table of 5 forwards ("prof"). Run: PYTHONPATH=. .venv/bin/python docs/measurements/cpu/q_decode_forward_2026_12_03.py [time|prof]
+[R ctx] (R rows after ctx tokens instead of 4 after 300: added 12-04; for an A/B, PYTHONPATH names the source tree)"""
 import time, sys, numpy as np, torch
 torch.set_num_threads(2)
 from vllm_anisotropic.proposers.draft_model import DraftLM
@@ -11,7 +12,7 @@ path = os.path.expanduser("~/.cache/vllm-anisotropic/models/qwen2.5-coder-0.5b")
 lm = DraftLM(path, dtype=torch.bfloat16)
 assert use_vllm_cpu_layers(lm); from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import use_vllm_cpu_gemm; use_vllm_cpu_gemm(lm.model); warm_up(lm)
 kv = DraftKV(lm)
-R, ctx = 4, 300
+R, ctx = (int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) > 3 else (4, 300)
 class S:  # minimal session
     def __init__(s): s.tokens=[]; s.forwarded=0; s.slot=None; s.last_step=0
 sess=[S() for _ in range(R)]
