@@ -300,10 +300,9 @@ def short_rows_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.
     docs/measurements/cpu/q_short_rows_attention_2026_12_04.txt): 4 rows x 1 query over 301
     columns 1,870 us against 159 us here, 8 x 1 over 601 3,898 against 403 us; its math backend
     is slower still; q's decode forward of 8 rows after 600 tokens 144-151 -> 58-64 ms. On the
-    Xeon with AMX SDPA took ~140 us a call (4 x 1). float32 is what the scores accumulate in
-    either way. The query heads
-    of one kv head are one matrix: ``[R, kv_heads, group * n, dim]`` against ``[R, kv_heads, dim,
-    width]``, two batched matmuls."""
+    Xeon with AMX SDPA took ~140 us a call (4 x 1); this function was not timed there. float32
+    is what the scores accumulate in either way. The query heads of one kv head are one matrix:
+    ``[R, kv_heads, group * n, dim]`` against ``[R, kv_heads, dim, width]``, two batched matmuls."""
     rows, heads, n, dim = query.shape
     kv_heads, width = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
