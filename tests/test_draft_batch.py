@@ -469,11 +469,7 @@ def test_cpu_decode_rows_take_short_rows_attention_and_prompts_sdpa(draft_dir, m
 
     def run():
         kv = DraftKV(lm)
-
-        class Session:
-            tokens, slot, last_step = [], None, 0
-
-        sessions = [Session() for _ in range(3)]
+        sessions = [lm.new_session() for _ in range(3)]
         kv.place(sessions, [len(prompt) + 8] * 3)
         kv.forward(3, [prompt, short[0], short[1]], [0, 0, 0], [None] * 3, [0] * 3)
         return kv.forward(3, [[5], [6, 7], [8]], [len(prompt), 3, 1], [None] * 3, [0] * 3)
