@@ -5,7 +5,6 @@ computed alone."""
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
@@ -82,32 +81,3 @@ def test_greedy_walk_of_trees_shared_over_threads_equals_the_per_tree_walk(three
         for k, res in enumerate(verifier.verify_host(trees, logits, starts.tolist())):
             assert accepted[k, : got[k]].tolist() == res.accepted and int(bonus[k]) == res.bonus_token, (num, k)
         assert got.sum() > 0  # some paths accepted: the test sees where each walk went
-
-
-def test_omp_cores_reads_the_binding_vllm_writes():
-    """vLLM's CPU worker binds its OpenMP threads with one of three variables
-    (``vllm/utils/ompmultiprocessing.py``); a form it does not write leaves the threads alone."""
-    assert shares.omp_cores({"GOMP_CPU_AFFINITY": "4 5 6"}) == [4, 5, 6]
-    assert shares.omp_cores({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[2,3]"}) == [2, 3]
-    assert shares.omp_cores({"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"}) == [0, 1, 2]
-    assert shares.omp_cores({"GOMP_CPU_AFFINITY": "0-3"}) == [0, 1, 2, 3]
-    assert shares.omp_cores({}) is None and shares.omp_cores({"GOMP_CPU_AFFINITY": "0-7:2"}) is None
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs two cores to pin a helper to another one")
-def test_a_helper_pins_itself_to_its_openmp_threads_core(monkeypatch):
-    """With the worker's OpenMP threads bound (the main thread on the first core) a helper would
-    inherit that one core and share it with the caller: helper 1 takes OpenMP thread 1's core."""
-    cores = sorted(os.sched_getaffinity(0))[:2]
-    monkeypatch.setenv("GOMP_CPU_AFFINITY", " ".join(map(str, cores)))
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        pool, seen = shares.Shares(), {}
-        pool.run(lambda lo, hi: seen.__setitem__(threading.current_thread().name.startswith("shares"),
-                                                 os.sched_getaffinity(0)), 16)
-        assert seen[True] == {cores[1]}
-        assert seen[False] == os.sched_getaffinity(0)  # the caller's own mask is left alone
-    finally:
-        torch.set_num_threads(before)

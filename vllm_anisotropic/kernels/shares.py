@@ -6,11 +6,7 @@ so the results are the same bits.
 
 Threads: torch's intra-op count (the cores vLLM's CPU worker gives its forward, idle while the
 host path runs; 1 under tensor parallelism on two cores), each share at least
-``SHARED_MIN // 2`` rows, none below ``SHARED_MIN`` rows. Where vLLM bound the worker's OpenMP
-threads to cores (``vllm/utils/ompmultiprocessing.py`` sets ``GOMP_CPU_AFFINITY``, ``KMP_AFFINITY``
-or ``OMP_PLACES``; libgomp pins the worker's main thread to the first core), a new thread would
-inherit the main thread's one core: helper j pins itself to the core of OpenMP thread j, idle
-while the host path runs (``omp_cores``). Idle helpers block on their queue:
+``SHARED_MIN // 2`` rows, none below ``SHARED_MIN`` rows. Idle helpers block on their queue:
 no spinning that would take a core from the next forward (numba's own threading layer, tried
 on 2026-12-04 with ``prange``, slowed the forward 17-21 %). The pool is rebuilt in a forked
 child (threads do not survive a fork). No numba here (``kernels/__init__.py``: the plugin's
@@ -23,12 +19,10 @@ hand-off), hence the threshold.
 
 from __future__ import annotations
 
-import itertools
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["SHARED_MIN", "Shares", "omp_cores", "run", "threads_for"]
+__all__ = ["SHARED_MIN", "Shares", "run", "threads_for"]
 
 SHARED_MIN = 8  # from this many rows on the rows are shared out
 
@@ -41,37 +35,6 @@ def threads_for(n: int) -> int:
     import torch
 
     return max(1, min(torch.get_num_threads(), n // (SHARED_MIN // 2)))
-
-
-def omp_cores(env=os.environ) -> list[int] | None:
-    """The cores of the process's OpenMP threads in thread order, as vLLM's CPU worker binds them
-    (``GOMP_CPU_AFFINITY`` "0 1 2", ``KMP_AFFINITY`` "...,proclist=[0,1,2]", ``OMP_PLACES``
-    "{0,1,2}"; ranges "0-2" read too); None: not bound. Example: GOMP_CPU_AFFINITY "4 5 6" ->
-    [4, 5, 6]."""
-    text = env.get("GOMP_CPU_AFFINITY", "").strip()
-    if not text:
-        found = re.search(r"proclist=\[([^\]]*)\]", env.get("KMP_AFFINITY", ""))
-        text = found.group(1) if found else env.get("OMP_PLACES", "").strip().strip("{}")
-    cores = []
-    for part in re.split(r"[\s,]+", text):
-        if re.fullmatch(r"\d+", part):
-            cores.append(int(part))
-        elif re.fullmatch(r"\d+-\d+", part):
-            lo, hi = map(int, part.split("-"))
-            cores.extend(range(lo, hi + 1))
-        elif part:
-            return None  # a form vLLM does not write (strides, names): leave the threads as they are
-    return cores or None
-
-
-def _pin_helper(counter) -> None:
-    """A helper thread's start: the core of the OpenMP thread of its number (1, 2, ...), if bound."""
-    cores = omp_cores()
-    if cores is not None:
-        try:
-            os.sched_setaffinity(0, {cores[next(counter) % len(cores)]})
-        except (AttributeError, OSError, ValueError):
-            pass  # a platform without it or a core outside the cpuset: the inherited mask stays
 
 
 class Shares:
@@ -92,9 +55,7 @@ class Shares:
         if self.pool is None or self.pid != os.getpid() or self.size < k - 1:
             if self.pool is not None and self.pid == os.getpid():
                 self.pool.shutdown(wait=False)
-            pool = ThreadPoolExecutor(k - 1, thread_name_prefix="shares", initializer=_pin_helper,
-                                      initargs=(itertools.count(1),))
-            self.pool, self.pid, self.size = pool, os.getpid(), k - 1
+            self.pool, self.pid, self.size = ThreadPoolExecutor(k - 1, thread_name_prefix="shares"), os.getpid(), k - 1
         cuts = [n * i // k for i in range(k + 1)]
         helpers = [self.pool.submit(call, cuts[i], cuts[i + 1]) for i in range(1, k)]
         try:
