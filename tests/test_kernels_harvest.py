@@ -126,3 +126,53 @@ def test_rows_are_read_in_place_in_the_order_given(dtype):
     empty = topk_scores(logits, 5, np.zeros(0, np.int64))
     assert empty[0].shape == (0, 5) and empty[1].shape == (0, 5)
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_shared_over_threads_equal_one_row_at_a_time(dtype):
+    """From ``SHARED_ROWS`` rows on, the CPU harvest splits its rows between the calling thread
+    and helper threads: every row's ids and probabilities are the bits of that row computed
+    alone (a share cut that skipped, doubled or shifted rows leaves rows of ``np.empty`` or
+    another row's top-k), for row counts around each cut, rows out of order and repeated."""
+    from vllm_anisotropic.proposers import adjacency
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        g = torch.Generator().manual_seed(11)
+        logits = (torch.randn(40, 3000, generator=g) * 4).to(dtype)
+        for n in (adjacency.SHARED_ROWS - 1, adjacency.SHARED_ROWS, 13, 37):
+            rows = np.random.default_rng(n).integers(0, 40, n)
+            assert adjacency._ROW_HELPERS.threads(n) == (1 if n < adjacency.SHARED_ROWS else min(3, n // 4))
+            ids, probs = topk_scores(logits, 6, rows)
+            for i, r in enumerate(rows.tolist()):
+                one_ids, one_probs = topk_scores(logits[r : r + 1], 6)
+                assert ids[i].tolist() == one_ids[0].tolist(), (n, i)
+                np.testing.assert_array_equal(probs[i], one_probs[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_row_helpers_cover_every_row_once_and_raise_a_share_exception():
+    """``_RowHelpers.run``: the shares are contiguous, disjoint and cover ``[0, n)``; at least one
+    runs off the calling thread; an exception in a helper's share reaches the caller."""
+    import threading
+
+    from vllm_anisotropic.proposers.adjacency import _RowHelpers
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        helpers, seen = _RowHelpers(), []
+        helpers.run(lambda lo, hi: seen.append((lo, hi, threading.current_thread().name)), 21)
+        spans = sorted((lo, hi) for lo, hi, _ in seen)
+        assert spans == [(0, 10), (10, 21)]
+        assert {name.startswith("harvest") for _, _, name in seen} == {True, False}
+
+        def fail_late(lo, hi):
+            if lo > 0:
+                raise ValueError("share")
+
+        with pytest.raises(ValueError, match="share"):
+            helpers.run(fail_late, 21)
+    finally:
+        torch.set_num_threads(threads)

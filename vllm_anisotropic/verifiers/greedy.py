@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from vllm_anisotropic import kernels
-from vllm_anisotropic.kernels import shares
 from vllm_anisotropic.tree import DraftTree, FlatTrees, PRIORITY_BY_CODE
 from vllm_anisotropic.verifiers.base import BatchVerifyResult, VerifyResult
 from vllm_anisotropic.verifiers.topdown import TopDownVerifier, descend, descend_all
@@ -229,10 +228,8 @@ def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,
         # every depth in one compiled call, the argmax of each visited row read in place on its
         # 16 bits (float32 rows stay with numpy's argmax, depth by depth: ~1.4-1.8x faster a row
         # than the compiled one, which pays for the per-depth calls from a few rows a depth on)
-        # (from 8 trees on the trees shared over threads, kernels/shares.py: each tree's walk alone)
-        x, walk, off = logits.detach().view(torch.int16).numpy(), kernels.load("walk").walk_rows, trees.offsets
-        shares.run(lambda lo, hi: walk(x, trees.tokens, trees.parents, ranks, off[lo : hi + 1], starts[lo:hi],
-                                       accepted[lo:hi], num_accepted[lo:hi], bonus[lo:hi]), num)
+        kernels.load("walk").walk_rows(logits.detach().view(torch.int16).numpy(), trees.tokens, trees.parents, ranks,
+                                       trees.offsets, starts, accepted, num_accepted, bonus)
         return accepted, num_accepted, bonus
     cur = np.zeros(num, np.int64)
     active = np.ones(num, bool)
