@@ -48,10 +48,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import weakref
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -90,48 +88,6 @@ def tenant_budget(config, vocab_size: int | None, extra_bytes: int = 0) -> tuple
     return max(1, budget // per - 2), int(budget)
 
 
-SHARED_ROWS = 8  # from this many rows the CPU harvest shares them out over torch's threads
-
-
-class _RowHelpers:
-    """Helper threads for the CPU harvest's rows: the calling thread takes the first share of the
-    rows, each helper one more (``kernels.vocab`` releases the GIL, so the shares run at once).
-    Idle helpers block on their queue (no spinning that would take a core from the next
-    forward); the pool is rebuilt in a forked child (threads do not survive a fork)."""
-
-    def __init__(self) -> None:
-        self.pool: ThreadPoolExecutor | None = None
-        self.pid = -1
-        self.size = 0
-
-    def threads(self, num_rows: int) -> int:
-        """How many threads share ``num_rows`` rows: torch's intra-op threads (the cores vLLM's CPU
-        worker gives its forward, idle while the host path runs), one below ``SHARED_ROWS``."""
-        return 1 if num_rows < SHARED_ROWS else max(1, min(torch.get_num_threads(), num_rows // (SHARED_ROWS // 2)))
-
-    def run(self, call, num_rows: int) -> None:
-        """``call(lo, hi)`` over ``[0, num_rows)`` in ``threads(num_rows)`` contiguous shares; returns
-        when all are done (an exception of any share is raised here)."""
-        n = self.threads(num_rows)
-        if n == 1:
-            call(0, num_rows)
-            return
-        if self.pool is None or self.pid != os.getpid() or self.size < n - 1:
-            if self.pool is not None and self.pid == os.getpid():
-                self.pool.shutdown(wait=False)
-            self.pool, self.pid, self.size = ThreadPoolExecutor(n - 1, thread_name_prefix="harvest"), os.getpid(), n - 1
-        cuts = [num_rows * i // n for i in range(n + 1)]
-        shares = [self.pool.submit(call, cuts[i], cuts[i + 1]) for i in range(1, n)]
-        try:
-            call(cuts[0], cuts[1])
-        finally:
-            for share in shares:
-                share.result()
-
-
-_ROW_HELPERS = _RowHelpers()
-
-
 def topk_scores(logits: torch.Tensor, k: int, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Batched top-k of ``softmax(logits)``, from the top-k of the logits and one log-sum-exp
     per row: ``p_j = exp(l_j - lse(l))`` for the k largest ``l_j`` (same ids as the top-k of the
@@ -162,8 +118,7 @@ def topk_scores(logits: torch.Tensor, k: int, rows: np.ndarray | None = None) ->
         ids = np.empty((rows.shape[0], k), np.int32)
         probs = np.empty((rows.shape[0], k), np.float32)
         if rows.shape[0] and k:
-            kernel = kernels.load("vocab").topk_probs  # per row the same arithmetic whatever the share
-            _ROW_HELPERS.run(lambda lo, hi: kernel(x, rows[lo:hi], k, ids[lo:hi], probs[lo:hi]), rows.shape[0])
+            kernels.load("vocab").topk_probs(x, rows, k, ids, probs)
         return ids, probs
     if rows is not None:
         logits = logits.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(logits.device))
