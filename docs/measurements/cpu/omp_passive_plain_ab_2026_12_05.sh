@@ -2,7 +2,7 @@
 # Does libgomp's passive wait policy (OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads sleep after a
 # parallel region instead of spinning; what a helper thread for the host path would need, see
 # shares_spin_probe_2026_12_05.txt) slow vLLM's own forward? profile-host --no-profile of plain
-# decoding at 8 requests, default (OMP_WAIT_POLICY empty: libgomp's default) vs PASSIVE, ABBA; SmolLM2-135M bf16, 128 tokens; code 39587d2.
+# decoding at 8 requests, default (OMP_WAIT_POLICY empty: libgomp's default) vs PASSIVE, ABBA; SmolLM2-135M bf16, 128 tokens; package code of f251c72 (HEAD ca9145b, docs only since).
 # Output: docs/measurements/cpu/omp_passive_plain_ab_2026_12_05.txt
 set -u
 cd /work/main
