@@ -19,6 +19,7 @@ import torch
 from vllm_anisotropic.integration.vllm.engine.drafter import (
     OFFER_MEMORY, OFFER_MIN_DRAFTS, TreeDrafter, _scheduled_prefixes)
 from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
+from vllm_anisotropic.proposers.adjacency import TopKRows
 from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource
 
 V = 64
@@ -595,8 +596,9 @@ def test_states_that_harvest_nothing_get_no_rows():
 
 
 def test_goose_learns_a_mixed_step_in_two_batched_calls(monkeypatch):
-    """GOOSE's ``learn_batch``: the trees harvesting rows in one call with their top-k rows,
-    the chain step's chains in another without rows; a step of chains alone, one call, no rows."""
+    """GOOSE's ``learn_batch``: the trees harvesting rows in one call with their top-k rows
+    (asked of the drafter by node), the chain step's chains in another without rows; a step of
+    chains alone, one call, no rows."""
     d = _drafter(allocator="off")
     tokens, lengths = _tokens([30, 30, 30])
     drafts = d.propose_trees(["a", "b", "c"], [True, False, True], [[1]] * 3, lengths, tokens)
@@ -607,7 +609,8 @@ def test_goose_learns_a_mixed_step_in_two_batched_calls(monkeypatch):
     names = {id(s): r for r, s in d.states.items()}
     monkeypatch.setattr(d.proposer, "learn_batch", lambda states, trees, on_path, prev_roots, top: calls.append(
         ([names[id(s)] for s in states], trees.sizes().tolist(), on_path.tolist(), prev_roots.tolist(),
-         None if top is None else top.ids.copy())) or real(states, trees, on_path, prev_roots, top))
+         None if top is None else top(np.arange(trees.num_nodes)).ids.copy())) or real(states, trees, on_path, prev_roots,
+                                                                                   top))
     logits = torch.randn(step.trees.num_nodes, V, generator=torch.Generator().manual_seed(1))
     d.observe_step(step, np.array([[1, -1], [1, -1], [-1, -1]]), np.array([1, 1, 0]), step.trees.offsets[:-1], logits)
     d.run_deferred()
@@ -631,11 +634,13 @@ def test_the_harvest_holds_cpu_logits_in_place_and_gathers_device_rows(monkeypat
     CPU the harvested rows are gathered on the device now (their memory back to vLLM's
     allocator), in tree order."""
     d = _drafter(allocator="off")
-    tokens, lengths = _tokens([30, 30])
+    tokens, lengths = _tokens([30, 30], shift=(0, 3))  # no table key in both trees: every row is read
     drafts = d.propose_trees(["a", "b"], [True, True], [[1]] * 2, lengths, tokens)
     seen = []
+    real = TopKRows.of
     monkeypatch.setattr("vllm_anisotropic.integration.vllm.engine.drafter.TopKRows.of",
-                        lambda x, k, rows=None: seen.append((x, None if rows is None else rows.tolist())))
+                        lambda x, k, rows=None: seen.append((x, None if rows is None else rows.tolist())) or real(
+                            x, k, rows))
     step = d.take_step(["a", "b"], {"a": drafts[0][:1], "b": drafts[1][:2]})
     logits = torch.randn(12, V)
     d.observe_step(step, np.full((2, 1), -1), np.zeros(2, np.int64), np.array([2, 7]), logits)
@@ -783,6 +788,86 @@ def test_learn_keys_against_their_definitions_on_random_batches():
         spine = flat.sources == NodeSource.SPINE
         assert counts[:, 0].tolist() == np.add.reduceat(spine, flat.offsets[:-1]).tolist()
         assert counts[:, 1].tolist() == np.add.reduceat(spine & on_path, flat.offsets[:-1]).tolist()
+
+
+def test_last_writes_against_a_plain_loop_on_random_batches():
+    """``kernels.table.last_writes``: a row is live unless its tree's table number is negative or
+    a later node (node order) of a tree with the same number repeats its key (prev, token),
+    against a plain loop over random trees whose keys collide often (5 tokens), a third of the
+    trees without a table; and the docstring's example."""
+    from random_trees import random_trees
+    from vllm_anisotropic import kernels
+
+    last_writes = kernels.load("table").last_writes
+    live = np.empty(4, bool)
+    assert last_writes(np.array([5, 1, 5, 1]), np.array([1, 2, 1, 3]), np.array([0, 2, 4]), np.array([0, 0]), live) == 3
+    assert live.tolist() == [False, True, True, True]
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        flat = FlatTrees.from_trees(random_trees(rng, vocab=5))
+        prev = rng.integers(-1, 4, flat.num_nodes)
+        tables = rng.integers(-1, 2, flat.num_trees)
+        owner = np.repeat(tables, flat.sizes())
+        want = [owner[k] >= 0 and not any(owner[j] == owner[k] and prev[j] == prev[k] and flat.tokens[j] == flat.tokens[k]
+                                         for j in range(k + 1, flat.num_nodes)) for k in range(flat.num_nodes)]
+        live = np.ones(flat.num_nodes, bool)
+        assert last_writes(prev, flat.tokens.astype(np.int64), flat.offsets, tables, live) == sum(want)
+        assert live.tolist() == want
+
+
+def test_a_step_teaches_every_table_what_all_its_rows_teach_without_the_overwritten_ones():
+    """GOOSE's ``learn_batch`` asks for the top-k rows of the nodes whose key no later node of the
+    step writes to the same table again, not of a finished request's tree nor of a frozen
+    table's, and leaves each table holding what harvesting every row in node order leaves (the
+    unigram rows; every bigram key's successors), over random steps with many repeated keys."""
+    from random_trees import random_trees
+    from vllm_anisotropic.proposers.adjacency import AdjacencyTable
+    from vllm_anisotropic.proposers.config import GooseConfig
+    from vllm_anisotropic.proposers.goose import GooseProposer
+
+    vocab, rng = 8, np.random.default_rng(9)
+    skipped = 0
+    for _ in range(60):
+        proposer = GooseProposer(GooseConfig(top_k=3), vocab_size=vocab)
+        trees_list = random_trees(rng, vocab=4)  # keys repeat often
+        flat = FlatTrees.from_trees(trees_list)
+        tenants = rng.choice([None, "x"], flat.num_trees)
+        states = [proposer.new_request(t) for t in tenants]
+        if flat.num_trees > 1:
+            states[0] = None  # a request that finished
+        frozen = proposer.tables.overflow()
+        if flat.num_trees > 2:
+            states[1].table = frozen
+        prev_roots = rng.integers(-1, 4, flat.num_trees)
+        logits = torch.randn(flat.num_nodes, vocab, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
+        asked = []
+
+        def top(rows):  # torch's top-k of the softmax rows (the kernel's has its own tests)
+            probs, ids = torch.topk(torch.softmax(logits[torch.from_numpy(rows)], -1), 3)
+            return TopKRows(ids.numpy().astype(np.int32), probs.numpy(), vocab)
+
+        proposer.learn_batch(states, flat, np.zeros(flat.num_nodes, bool), prev_roots,
+                             lambda nodes: asked.append(nodes.tolist()) or top(nodes))
+        prev = flat.tokens[np.maximum(flat.global_parents(), 0)].astype(np.int64)
+        prev[flat.offsets[:-1]] = prev_roots
+        owner = np.repeat([-1 if s is None else id(s.table) for s in states], flat.sizes())
+        for table in {id(s.table): s.table for s in states if s is not None and s.table is not frozen}.values():
+            mine = np.flatnonzero(owner == id(table))
+            want = AdjacencyTable(vocab, proposer.config.top_k)
+            want.harvest(prev[mine], flat.tokens[mine], top(mine))
+            assert np.array_equal(table.unigram_ids, want.unigram_ids)
+            assert np.array_equal(table.unigram_scores, want.unigram_scores)
+            for p, t in zip(prev[mine].tolist(), flat.tokens[mine].tolist()):
+                if p >= 0:
+                    got, exp = table.successors(p, t), want.successors(p, t)
+                    assert got[0].tolist() == exp[0].tolist() and got[1].tolist() == exp[1].tolist()
+        assert frozen.num_harvested == 0
+        read = sorted(asked[0]) if asked else []
+        keys = [(owner[k], prev[k], flat.tokens[k]) for k in range(flat.num_nodes)]
+        learnt = [k for k in range(flat.num_nodes) if owner[k] != -1 and owner[k] != id(frozen)]
+        assert read == [k for k in learnt if keys[k] not in keys[k + 1:]] and len(asked) <= 1
+        skipped += len(learnt) - len(read)
+    assert skipped > 60  # the steps did repeat keys
 
 
 def test_the_draft_kv_reserve_comes_out_of_the_workers_kv_memory_where_q_lives():

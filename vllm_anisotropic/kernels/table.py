@@ -23,7 +23,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["WAYS", "CLOCK", "HELD", "EVICTED", "NONE", "UNIGRAM", "BIGRAM", "find", "lookup", "update", "slot_of"]
+__all__ = ["WAYS", "CLOCK", "HELD", "EVICTED", "NONE", "UNIGRAM", "BIGRAM", "find", "last_writes", "lookup", "update",
+           "slot_of"]
 
 WAYS = 8  # slots a bigram key may occupy (the probe window)
 CLOCK, HELD, EVICTED = 0, 1, 2  # counters[...]
@@ -125,3 +126,42 @@ def update(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters,
             for j in range(k, k_table):
                 bi_ids[s, j] = -1
                 bi_scores[s, j] = 0.0
+
+
+@_jit
+def last_writes(prev, tokens, offsets, tables, live):
+    """Which of a step's rows an ``update`` would keep: ``live[k]`` is True unless node k's tree
+    has ``tables[t] < 0`` (no table learns from it) or a later node (in node order) of a tree
+    with the same table number has the same key ``(prev[k], tokens[k])``. ``update`` takes rows
+    in order and the last duplicate wins (its unigram row is the same token's, its bigram the
+    same key's), so the top-k of a dead row is never read: the harvest skips it. Only the slot
+    stamps and the eviction order of the bigram tier can differ from updating every row. Returns
+    the number of live rows.
+
+    Example: one tree per table number ``[0, 0]``, trees of 2 nodes, keys
+    ``(5, 1) (1, 2) | (5, 1) (1, 3)`` -> live ``[False, True, True, True]``."""
+    n = tokens.shape[0]
+    size = 16
+    while size < 2 * n:
+        size *= 2
+    mask = size - 1
+    seen_t = np.full(size, -1, np.int64)  # tree number of the key held in a slot (-1 = empty)
+    seen_p = np.empty(size, np.int64)
+    seen_k = np.empty(size, np.int64)
+    count = 0
+    for t in range(offsets.shape[0] - 2, -1, -1):  # from the last node back: the first seen is the last write
+        g = tables[t]
+        for k in range(offsets[t + 1] - 1, offsets[t] - 1, -1):
+            live[k] = False
+            if g < 0:
+                continue
+            s = _home((g * 0x9E3779B1 + prev[k]) * 0x85EBCA77 + tokens[k], mask)
+            while seen_t[s] >= 0 and not (seen_t[s] == g and seen_p[s] == prev[k] and seen_k[s] == tokens[k]):
+                s = (s + 1) & mask
+            if seen_t[s] < 0:
+                seen_t[s] = g
+                seen_p[s] = prev[k]
+                seen_k[s] = tokens[k]
+                live[k] = True
+                count += 1
+    return count

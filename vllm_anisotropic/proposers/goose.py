@@ -50,6 +50,7 @@ children and any prefix is a valid subtree (``DraftTree.truncate``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -400,11 +401,15 @@ class GooseProposer(Proposer):
         return propose_spine_trees(states, token_ids, rows, lengths, max_nodes, chain_drafts)
 
     def learn_batch(self, states, trees: FlatTrees, on_path: np.ndarray, prev_roots: np.ndarray,
-                    top: TopKRows | None) -> None:
+                    rows: Callable[[np.ndarray], TopKRows] | None) -> None:
         """Algorithm 2 lines 15-16 for a step's verified trees at once: every node's top-k
-        successors (``top``, rows in node order; None: learn the EMA only) into its request's
-        table, keyed (parent token, token), the root (token before it, root); p_s updated from
-        the accepted spine nodes (``on_path`` ``[num_nodes]``: the node is on the accepted path)."""
+        successors into its request's table, keyed (parent token, token), the root (token before
+        it, root); p_s updated from the accepted spine nodes (``on_path`` ``[num_nodes]``: the
+        node is on the accepted path). ``rows(nodes)``: the top-k rows of those nodes (indices in
+        node order), asked once, for the nodes whose rows a table keeps (None: learn the EMA
+        only). A node whose key a later node of the step writes to the same table again is not
+        asked for (``kernels.table.last_writes``: the table would overwrite its row), nor are
+        the nodes of finished requests and of frozen tables."""
         # each node's table key (its parent's token, a root's the token before it) and each
         # tree's spine nodes and accepted spine nodes: one compiled pass (kernels.goose.learn_keys)
         prev = np.empty(trees.num_nodes, np.int64)
@@ -415,20 +420,26 @@ class GooseProposer(Proposer):
         for s, (n, a) in zip(states, counts.tolist()):
             if n and s is not None:
                 s.spine_acceptance = (1.0 - c) * s.spine_acceptance + c * a / n
-        if top is None:
+        if rows is None:
             return
-        starts = trees.offsets[:-1]
-        groups: dict[int, list[int]] = {}
+        numbers: dict[int, int] = {}  # table id -> its number in this step
+        tables = []
+        owner = np.full(trees.num_trees, -1, np.int64)  # tree -> its table's number (-1: none learns)
         for k, s in enumerate(states):
-            if s is not None:
-                groups.setdefault(id(s.table), []).append(k)
-        sizes = trees.sizes()
-        for members in groups.values():
-            table = states[members[0]].table
-            if len(members) == trees.num_trees:
-                nodes = slice(None)
-            else:
-                idx = np.asarray(members, np.int64)
-                nodes = np.repeat(starts[idx], sizes[idx]) + (
-                    np.arange(int(sizes[idx].sum())) - np.repeat(np.cumsum(sizes[idx]) - sizes[idx], sizes[idx]))
-            table.harvest(prev[nodes], trees.tokens[nodes], top[nodes])
+            if s is not None and not s.table.frozen:
+                g = numbers.setdefault(id(s.table), len(tables))
+                if g == len(tables):
+                    tables.append(s.table)
+                owner[k] = g
+        live = np.empty(trees.num_nodes, np.bool_)
+        if not kernels.load("table").last_writes(prev, trees.tokens, trees.offsets, owner, live):
+            return
+        nodes = np.flatnonzero(live)
+        top = rows(nodes)
+        if len(tables) == 1:
+            tables[0].harvest(prev[nodes], trees.tokens[nodes], top)
+            return
+        node_table = np.repeat(owner, trees.sizes())[nodes]
+        for g, table in enumerate(tables):
+            mine = np.flatnonzero(node_table == g)
+            table.harvest(prev[nodes[mine]], trees.tokens[nodes[mine]], top[mine])

@@ -225,8 +225,8 @@ class TreeDrafter:
             top = None
             k = state.harvest_top_k or 0
             if k and vocab_size:
-                rows = torch.zeros((trees.num_nodes, vocab_size), dtype=logits_dtype)
-                top = TopKRows.of(rows, k, np.arange(trees.num_nodes, dtype=np.int64))
+                logits = torch.zeros((trees.num_nodes, vocab_size), dtype=logits_dtype)
+                top = functools.partial(TopKRows.of, logits, k)
             learn([state], trees, np.zeros(trees.num_nodes, bool), out.prev_roots, top)
         logger.debug("vllm-anisotropic: proposer kernels loaded in %.2f s", time.perf_counter() - t0)
 
@@ -552,24 +552,31 @@ class TreeDrafter:
 
     def _learn(self, states, trees: FlatTrees, on_path, accepted, num_accepted, prev_roots, harvest, picked, index,
                k) -> None:
-        """One top-k over a step's harvested rows (rows ``index`` of ``picked``, None: all of
-        them; those of the trees with ``harvest``), then the proposer's learning: batched when it
-        has ``learn_batch`` (GOOSE), else each state's ``observe``; the other trees' states learn
-        without rows."""
+        """The proposer's learning from a step's trees, with the top-k of their rows (rows
+        ``index`` of ``picked``, None: all of them; those of the trees with ``harvest``):
+        batched when the proposer has ``learn_batch`` (GOOSE), which asks for the rows its
+        tables keep, else one top-k of every row and each state's ``observe``; the other trees'
+        states learn without rows."""
         inject("harvest")
-        t0 = time.perf_counter()
-        top = TopKRows.of(picked, k, index) if picked is not None else None
-        self.host_clock.add("topk", time.perf_counter() - t0)  # the vocabulary pass (device work on a GPU)
+
+        def rows(nodes: np.ndarray) -> TopKRows:  # nodes: positions among the harvested trees' nodes
+            t0 = time.perf_counter()
+            top = TopKRows.of(picked, k, nodes if index is None else index[nodes])
+            self.host_clock.add("topk", time.perf_counter() - t0)  # the vocabulary pass (device work on a GPU)
+            return top
+
         learn = getattr(self.proposer, "learn_batch", None)
         if learn is not None:
             if harvest.all() or not harvest.any():
-                learn(states, trees, on_path, prev_roots, top)
+                learn(states, trees, on_path, prev_roots, rows if picked is not None else None)
                 return
-            for part, rows in ((np.flatnonzero(harvest), top), (np.flatnonzero(~harvest), None)):
+            for part, part_rows in ((np.flatnonzero(harvest), rows), (np.flatnonzero(~harvest), None)):
                 sub = trees.select(part)
                 learn([states[t] for t in part.tolist()], sub, sub.path_mask(accepted[part], num_accepted[part]),
-                      prev_roots[part], rows)
+                      prev_roots[part], part_rows if picked is not None else None)
             return
+        top = rows(np.arange(len(index) if index is not None else int(picked.shape[0]), dtype=np.int64)) \
+            if picked is not None else None
         offsets = trees.offsets.tolist()
         taken = 0
         for t, state in enumerate(states):
