@@ -846,8 +846,12 @@ def test_a_step_teaches_every_table_what_all_its_rows_teach_without_the_overwrit
             probs, ids = torch.topk(torch.softmax(logits[torch.from_numpy(rows)], -1), 3)
             return TopKRows(ids.numpy().astype(np.int32), probs.numpy(), vocab)
 
-        proposer.learn_batch(states, flat, np.zeros(flat.num_nodes, bool), prev_roots,
-                             lambda nodes: asked.append(nodes.tolist()) or top(nodes))
+        def ask(nodes):  # None: every node
+            nodes = np.arange(flat.num_nodes) if nodes is None else nodes
+            asked.append(nodes.tolist())
+            return top(nodes)
+
+        proposer.learn_batch(states, flat, np.zeros(flat.num_nodes, bool), prev_roots, ask)
         prev = flat.tokens[np.maximum(flat.global_parents(), 0)].astype(np.int64)
         prev[flat.offsets[:-1]] = prev_roots
         owner = np.repeat([-1 if s is None else id(s.table) for s in states], flat.sizes())

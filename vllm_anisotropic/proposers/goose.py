@@ -406,8 +406,8 @@ class GooseProposer(Proposer):
         successors into its request's table, keyed (parent token, token), the root (token before
         it, root); p_s updated from the accepted spine nodes (``on_path`` ``[num_nodes]``: the
         node is on the accepted path). ``rows(nodes)``: the top-k rows of those nodes (indices in
-        node order), asked once, for the nodes whose rows a table keeps (None: learn the EMA
-        only). A node whose key a later node of the step writes to the same table again is not
+        node order; None: every node), asked once, for the nodes whose rows a table keeps (``rows``
+        None: learn the EMA only). A node whose key a later node of the step writes to the same table again is not
         asked for (``kernels.table.last_writes``: the table would overwrite its row), nor are
         the nodes of finished requests and of frozen tables."""
         # each node's table key (its parent's token, a root's the token before it) and each
@@ -432,7 +432,11 @@ class GooseProposer(Proposer):
                     tables.append(s.table)
                 owner[k] = g
         live = np.empty(trees.num_nodes, np.bool_)
-        if not kernels.load("table").last_writes(prev, trees.tokens, trees.offsets, owner, live):
+        num_live = kernels.load("table").last_writes(prev, trees.tokens, trees.offsets, owner, live)
+        if num_live == trees.num_nodes and len(tables) == 1:  # every row kept (most steps of one request)
+            tables[0].harvest(prev, trees.tokens, rows(None))
+            return
+        if not num_live:
             return
         nodes = np.flatnonzero(live)
         top = rows(nodes)

@@ -559,9 +559,9 @@ class TreeDrafter:
         states learn without rows."""
         inject("harvest")
 
-        def rows(nodes: np.ndarray) -> TopKRows:  # nodes: positions among the harvested trees' nodes
+        def rows(nodes: np.ndarray | None) -> TopKRows:  # positions among the harvested trees' nodes (None: all)
             t0 = time.perf_counter()
-            top = TopKRows.of(picked, k, nodes if index is None else index[nodes])
+            top = TopKRows.of(picked, k, index if nodes is None else nodes if index is None else index[nodes])
             self.host_clock.add("topk", time.perf_counter() - t0)  # the vocabulary pass (device work on a GPU)
             return top
 
@@ -575,8 +575,7 @@ class TreeDrafter:
                 learn([states[t] for t in part.tolist()], sub, sub.path_mask(accepted[part], num_accepted[part]),
                       prev_roots[part], part_rows if picked is not None else None)
             return
-        top = rows(np.arange(len(index) if index is not None else int(picked.shape[0]), dtype=np.int64)) \
-            if picked is not None else None
+        top = rows(None) if picked is not None else None
         offsets = trees.offsets.tolist()
         taken = 0
         for t, state in enumerate(states):
