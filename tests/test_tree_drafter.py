@@ -609,8 +609,8 @@ def test_goose_learns_a_mixed_step_in_two_batched_calls(monkeypatch):
     names = {id(s): r for r, s in d.states.items()}
     monkeypatch.setattr(d.proposer, "learn_batch", lambda states, trees, on_path, prev_roots, top: calls.append(
         ([names[id(s)] for s in states], trees.sizes().tolist(), on_path.tolist(), prev_roots.tolist(),
-         None if top is None else top(np.arange(trees.num_nodes)).ids.copy())) or real(states, trees, on_path, prev_roots,
-                                                                                   top))
+         None if top is None else top(np.arange(trees.num_nodes)).ids.copy()))
+        or real(states, trees, on_path, prev_roots, top))
     logits = torch.randn(step.trees.num_nodes, V, generator=torch.Generator().manual_seed(1))
     d.observe_step(step, np.array([[1, -1], [1, -1], [-1, -1]]), np.array([1, 1, 0]), step.trees.offsets[:-1], logits)
     d.run_deferred()
@@ -808,8 +808,8 @@ def test_last_writes_against_a_plain_loop_on_random_batches():
         prev = rng.integers(-1, 4, flat.num_nodes)
         tables = rng.integers(-1, 2, flat.num_trees)
         owner = np.repeat(tables, flat.sizes())
-        want = [owner[k] >= 0 and not any(owner[j] == owner[k] and prev[j] == prev[k] and flat.tokens[j] == flat.tokens[k]
-                                         for j in range(k + 1, flat.num_nodes)) for k in range(flat.num_nodes)]
+        keys = list(zip(owner.tolist(), prev.tolist(), flat.tokens.tolist()))
+        want = [owner[k] >= 0 and keys[k] not in keys[k + 1:] for k in range(flat.num_nodes)]
         live = np.ones(flat.num_nodes, bool)
         assert last_writes(prev, flat.tokens.astype(np.int64), flat.offsets, tables, live) == sum(want)
         assert live.tolist() == want

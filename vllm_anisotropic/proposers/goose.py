@@ -401,15 +401,15 @@ class GooseProposer(Proposer):
         return propose_spine_trees(states, token_ids, rows, lengths, max_nodes, chain_drafts)
 
     def learn_batch(self, states, trees: FlatTrees, on_path: np.ndarray, prev_roots: np.ndarray,
-                    rows: Callable[[np.ndarray], TopKRows] | None) -> None:
+                    rows: Callable[[np.ndarray | None], TopKRows] | None) -> None:
         """Algorithm 2 lines 15-16 for a step's verified trees at once: every node's top-k
         successors into its request's table, keyed (parent token, token), the root (token before
         it, root); p_s updated from the accepted spine nodes (``on_path`` ``[num_nodes]``: the
         node is on the accepted path). ``rows(nodes)``: the top-k rows of those nodes (indices in
-        node order; None: every node), asked once, for the nodes whose rows a table keeps (``rows``
-        None: learn the EMA only). A node whose key a later node of the step writes to the same table again is not
-        asked for (``kernels.table.last_writes``: the table would overwrite its row), nor are
-        the nodes of finished requests and of frozen tables."""
+        node order; None: every node), asked once, for the nodes whose rows a table keeps; ``rows``
+        None: learn the EMA only. A node whose key a later node of the step writes to the same
+        table again is not asked for (``kernels.table.last_writes``: the table would overwrite
+        its row), nor are the nodes of finished requests and of frozen tables."""
         # each node's table key (its parent's token, a root's the token before it) and each
         # tree's spine nodes and accepted spine nodes: one compiled pass (kernels.goose.learn_keys)
         prev = np.empty(trees.num_nodes, np.int64)
