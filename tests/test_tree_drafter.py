@@ -874,6 +874,33 @@ def test_a_step_teaches_every_table_what_all_its_rows_teach_without_the_overwrit
     assert skipped > 60  # the steps did repeat keys
 
 
+def test_a_steps_spine_acceptance_moves_as_each_requests_own_observe_moves_it():
+    """GOOSE's ``learn_batch`` updates each request's spine acceptance p_s (Algorithm 2 line 16)
+    as ``GooseState.observe`` does for that request's tree alone, over random trees, sources,
+    accepted paths and starting values; a finished request (None) is passed over."""
+    from random_trees import random_paths, random_trees
+    from vllm_anisotropic.proposers.config import GooseConfig
+    from vllm_anisotropic.proposers.goose import GooseProposer
+
+    rng = np.random.default_rng(13)
+    for _ in range(100):
+        proposer = GooseProposer(GooseConfig(ema_coef=float(rng.uniform(0.1, 0.9))), vocab_size=50)
+        trees_list = random_trees(rng, sources=True)
+        flat = FlatTrees.from_trees(trees_list)
+        paths = random_paths(rng, trees_list)
+        depth = max(1, max(len(p) for p in paths))
+        accepted = np.array([p + [-1] * (depth - len(p)) for p in paths], np.int64)
+        on_path = flat.path_mask(accepted, np.array([len(p) for p in paths], np.int64))
+        states, twins = [proposer.new_request() for _ in trees_list], [proposer.new_request() for _ in trees_list]
+        for s, w in zip(states, twins):
+            s.spine_acceptance = w.spine_acceptance = float(rng.uniform())
+        states[-1] = None
+        proposer.learn_batch(states, flat, on_path, np.zeros(flat.num_trees, np.int64), None)
+        for s, w, tree, path in zip(states[:-1], twins, trees_list, paths):
+            w.observe(tree, path, None)
+            assert s.spine_acceptance == pytest.approx(w.spine_acceptance, abs=1e-12)
+
+
 def test_the_draft_kv_reserve_comes_out_of_the_workers_kv_memory_where_q_lives():
     """``reserve_draft_kv`` (the workers' ``determine_available_memory``): by default q's share of
     the KV bytes a token (q's / (q's + the target's)) of the worker's KV memory, or
