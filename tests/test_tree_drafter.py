@@ -763,21 +763,28 @@ def test_tp_rank_is_vllms_and_zero_outside_a_process_group(monkeypatch):
     assert _tp_rank() == 3
 
 
+def _random_verified_step(rng):
+    """Random trees with random sources, each with a random accepted path: ``(trees, flat,
+    paths, on_path)``."""
+    from random_trees import random_paths, random_trees
+
+    trees_list = random_trees(rng, sources=True)
+    flat = FlatTrees.from_trees(trees_list)
+    paths = random_paths(rng, trees_list)
+    depth = max(1, max(len(p) for p in paths))
+    accepted = np.array([p + [-1] * (depth - len(p)) for p in paths], np.int64)
+    return trees_list, flat, paths, flat.path_mask(accepted, np.array([len(p) for p in paths], np.int64))
+
+
 def test_learn_keys_against_their_definitions_on_random_batches():
     """``kernels.goose.learn_keys`` (GOOSE's ``learn_batch``): each node's key token is its
     parent's token (a root's: the token before it), and each tree's spine nodes and accepted
     spine nodes are counted, against numpy over random trees, sources and paths."""
-    from random_trees import random_paths, random_trees
     from vllm_anisotropic import kernels
 
     rng = np.random.default_rng(21)
     for _ in range(300):
-        trees_list = random_trees(rng, sources=True)
-        flat = FlatTrees.from_trees(trees_list)
-        paths = random_paths(rng, trees_list)
-        depth = max(1, max(len(p) for p in paths))
-        accepted = np.array([p + [-1] * (depth - len(p)) for p in paths], np.int64)
-        on_path = flat.path_mask(accepted, np.array([len(p) for p in paths], np.int64))
+        _, flat, _, on_path = _random_verified_step(rng)
         prev_roots = rng.integers(-1, 50, flat.num_trees)
         prev, counts = np.full(flat.num_nodes, -9, np.int64), np.full((flat.num_trees, 2), -9, np.int64)
         kernels.load("goose").learn_keys(flat.tokens, flat.parents, flat.sources, flat.offsets, on_path,
@@ -878,19 +885,13 @@ def test_a_steps_spine_acceptance_moves_as_each_requests_own_observe_moves_it():
     """GOOSE's ``learn_batch`` updates each request's spine acceptance p_s (Algorithm 2 line 16)
     as ``GooseState.observe`` does for that request's tree alone, over random trees, sources,
     accepted paths and starting values; a finished request (None) is passed over."""
-    from random_trees import random_paths, random_trees
     from vllm_anisotropic.proposers.config import GooseConfig
     from vllm_anisotropic.proposers.goose import GooseProposer
 
     rng = np.random.default_rng(13)
     for _ in range(100):
         proposer = GooseProposer(GooseConfig(ema_coef=float(rng.uniform(0.1, 0.9))), vocab_size=50)
-        trees_list = random_trees(rng, sources=True)
-        flat = FlatTrees.from_trees(trees_list)
-        paths = random_paths(rng, trees_list)
-        depth = max(1, max(len(p) for p in paths))
-        accepted = np.array([p + [-1] * (depth - len(p)) for p in paths], np.int64)
-        on_path = flat.path_mask(accepted, np.array([len(p) for p in paths], np.int64))
+        trees_list, flat, paths, on_path = _random_verified_step(rng)
         states, twins = [proposer.new_request() for _ in trees_list], [proposer.new_request() for _ in trees_list]
         for s, w in zip(states, twins):
             s.spine_acceptance = w.spine_acceptance = float(rng.uniform())
