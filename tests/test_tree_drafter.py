@@ -655,6 +655,24 @@ def test_the_harvest_holds_cpu_logits_in_place_and_gathers_device_rows(monkeypat
     assert picked.device.type == "meta" and tuple(picked.shape) == (5, V) and index is None and k > 0
 
 
+def test_the_harvest_reads_no_row_whose_key_a_later_row_writes_again(monkeypatch):
+    """a's context ends ... 9, 10 and its draft is 5; b's ends ... 10, 5: a's draft row (key
+    (10, 5), logits row 3) is written again by b's root (row 7), so its top-k is not taken; the
+    other rows are read where they are in the step's logits."""
+    d = _drafter(allocator="off")
+    tokens, lengths = _tokens([30, 30])
+    drafts = d.propose_trees(["a", "b"], [True, True], [[1]] * 2, lengths, tokens)
+    assert drafts[0][0] == 5 and tokens[1, 28:30].tolist() == [10, 5]
+    seen = []
+    real = TopKRows.of
+    monkeypatch.setattr("vllm_anisotropic.integration.vllm.engine.drafter.TopKRows.of",
+                        lambda x, k, rows=None: seen.append(rows.tolist()) or real(x, k, rows))
+    step = d.take_step(["a", "b"], {"a": drafts[0][:1], "b": drafts[1][:2]})
+    d.observe_step(step, np.full((2, 1), -1), np.zeros(2, np.int64), np.array([2, 7]), torch.randn(12, V))
+    d.run_deferred()
+    assert seen == [[2, 7, 8, 9]]
+
+
 def test_deferred_phases_count_their_own_time_without_the_top_k_inside():
     d = _drafter(allocator="off")
     clock = d.host_clock
@@ -826,24 +844,25 @@ def test_a_step_teaches_every_table_what_all_its_rows_teach_without_the_overwrit
     """GOOSE's ``learn_batch`` asks for the top-k rows of the nodes whose key no later node of the
     step writes to the same table again, not of a finished request's tree nor of a frozen
     table's, and leaves each table holding what harvesting every row in node order leaves (the
-    unigram rows; every bigram key's successors), over random steps with many repeated keys."""
+    unigram rows; every bigram key's successors: no window evicts here), over random steps with
+    many repeated keys, and steps whose rows two tables keep all."""
     from random_trees import random_trees
     from vllm_anisotropic.proposers.adjacency import AdjacencyTable
     from vllm_anisotropic.proposers.config import GooseConfig
     from vllm_anisotropic.proposers.goose import GooseProposer
 
     vocab, rng = 8, np.random.default_rng(9)
-    skipped = 0
-    for _ in range(60):
+    skipped = tables_kept_whole = 0
+    for _ in range(100):
         proposer = GooseProposer(GooseConfig(top_k=3), vocab_size=vocab)
-        trees_list = random_trees(rng, vocab=4)  # keys repeat often
+        trees_list = random_trees(rng, vocab=4 if rng.random() < 0.6 else vocab)  # 4 tokens: keys repeat often
         flat = FlatTrees.from_trees(trees_list)
         tenants = rng.choice([None, "x"], flat.num_trees)
         states = [proposer.new_request(t) for t in tenants]
-        if flat.num_trees > 1:
+        if flat.num_trees > 1 and rng.random() < 0.5:
             states[0] = None  # a request that finished
         frozen = proposer.tables.overflow()
-        if flat.num_trees > 2:
+        if flat.num_trees > 2 and rng.random() < 0.5:
             states[1].table = frozen
         prev_roots = rng.integers(-1, 4, flat.num_trees)
         logits = torch.randn(flat.num_nodes, vocab, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
@@ -878,7 +897,8 @@ def test_a_step_teaches_every_table_what_all_its_rows_teach_without_the_overwrit
         learnt = [k for k in range(flat.num_nodes) if owner[k] != -1 and owner[k] != id(frozen)]
         assert read == [k for k in learnt if keys[k] not in keys[k + 1:]] and len(asked) <= 1
         skipped += len(learnt) - len(read)
-    assert skipped > 60  # the steps did repeat keys
+        tables_kept_whole += len({owner[k] for k in learnt}) > 1 and len(read) == flat.num_nodes
+    assert skipped > 60 and tables_kept_whole >= 3  # steps repeated keys; others kept all rows of two tables
 
 
 def test_a_steps_spine_acceptance_moves_as_each_requests_own_observe_moves_it():

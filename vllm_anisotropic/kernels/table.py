@@ -134,9 +134,10 @@ def last_writes(prev, tokens, offsets, tables, live):
     has ``tables[t] < 0`` (no table learns from it) or a later node (in node order) of a tree
     with the same table number has the same key ``(prev[k], tokens[k])``. ``update`` takes rows
     in order and the last duplicate wins (its unigram row is the same token's, its bigram the
-    same key's), so the top-k of a dead row is never read: the harvest skips it. Only the slot
-    stamps and the eviction order of the bigram tier can differ from updating every row. Returns
-    the number of live rows.
+    same key's), so the top-k of a dead row is never read: the harvest skips it. The unigram
+    rows and the successors of every bigram key held are those of updating every row; only the
+    slot stamps can differ, so a window that evicts during the step may evict another key.
+    Returns the number of live rows.
 
     Example: one tree per table number ``[0, 0]``, trees of 2 nodes, keys
     ``(5, 1) (1, 2) | (5, 1) (1, 3)`` -> live ``[False, True, True, True]``."""

@@ -409,7 +409,8 @@ class GooseProposer(Proposer):
         node order; None: every node), asked once, for the nodes whose rows a table keeps; ``rows``
         None: learn the EMA only. A node whose key a later node of the step writes to the same
         table again is not asked for (``kernels.table.last_writes``: the table would overwrite
-        its row), nor are the nodes of finished requests and of frozen tables."""
+        its row; only which bigram key a full window evicts can differ), nor are the nodes of
+        finished requests and of frozen tables."""
         # each node's table key (its parent's token, a root's the token before it) and each
         # tree's spine nodes and accepted spine nodes: one compiled pass (kernels.goose.learn_keys)
         prev = np.empty(trees.num_nodes, np.int64)
