@@ -580,10 +580,11 @@ class TreeDrafter:
         taken = 0
         for t, state in enumerate(states):
             n = offsets[t + 1] - offsets[t]
-            rows = top[taken : taken + n] if harvest[t] else None
+            tree_rows = top[taken : taken + n] if harvest[t] else None
             taken += n if harvest[t] else 0
             if state is not None:
-                state.observe(trees.tree(t), accepted[t, : num_accepted[t]].tolist(), rows, prev_root=int(prev_roots[t]))
+                state.observe(trees.tree(t), accepted[t, : num_accepted[t]].tolist(), tree_rows,
+                              prev_root=int(prev_roots[t]))
 
     def run_deferred(self) -> None:
         """Apply the learning ``observe_step`` left for later, oldest first."""
