@@ -94,7 +94,7 @@ def main() -> None:
                 query_start_loc=torch.arange(0, reqs * (c + 1) + 1, c + 1, dtype=torch.int32),
                 block_table=md.block_table))
             probe = TreePlan([*range(reqs)], FlatTrees.from_trees([tree] * reqs))
-            slim = impl._path_plan(probe, md, BS, DTYPE, ISA) is not None  # else the engine takes the recompute
+            slim = impl._path_plan(probe, md, BS, DTYPE, ISA, tokens) is not None  # else the engine takes the recompute
             res = {"paths": float("nan")}
             for method in ("recompute", "paths", "kernel", "chain") if slim else ("recompute", "kernel", "chain"):
                 times = []
@@ -107,9 +107,9 @@ def main() -> None:
                         elif method == "chain":
                             chain()
                         elif method == "paths":
-                            impl._tree_rows_paths(layer, q, k, v, kv, md, plan, out)
+                            impl._tree_rows_paths(layer, q, k, v, kv, impl._path_plan(plan, md, BS, DTYPE, ISA, tokens), out)
                         else:
-                            impl._tree_rows(layer, q, kv, md, plan, out)
+                            impl._tree_rows(layer, q, kv, impl._gather_plan(plan, md, BS), plan, out)
                     times.append(time.perf_counter() - t0)
                 res[method] = float(np.median(times[1:])) * 1e3
             rows = res["paths"] if slim else res["recompute"]  # what the engine takes

@@ -178,10 +178,13 @@ def test_tree_rows_match_a_float64_reference(isa, block_size, layout, num_heads,
     output = torch.full((total_q, num_heads * head_size), 7.0)  # float32: the math at full precision
     if method == "paths":
         before = kv_cache.clone()
-        _impl(num_heads, num_kv_heads, head_size)._tree_rows_paths(layer, query, key, value, kv_cache, meta, plan, output)
+        impl = _impl(num_heads, num_kv_heads, head_size)
+        paths = impl._path_plan(plan, meta, block_size, dtype, isa, key.shape[0])
+        impl._tree_rows_paths(layer, query, key, value, kv_cache, paths, output)
         assert torch.equal(kv_cache, before)  # the tree's KV is put back where the next step reads it
     else:
-        _impl(num_heads, num_kv_heads, head_size)._tree_rows(layer, query, kv_cache, meta, plan, output)
+        impl = _impl(num_heads, num_kv_heads, head_size)
+        impl._tree_rows(layer, query, kv_cache, impl._gather_plan(plan, meta, block_size), plan, output)
 
     want, recomputed = _reference_rows(query, keys, values, seq_lens, q_end, trees, num_heads, num_kv_heads)
     out = output.view(total_q, num_heads, head_size)
@@ -278,18 +281,23 @@ def test_path_rounds_for_slim_trees_and_the_recompute_for_bushy_ones():
                                query_start_loc=torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32),
                                block_table=torch.arange(len(trees) * per, dtype=torch.int32).view(len(trees), per))
         plan = TreePlan(list(range(len(trees))), FlatTrees.from_trees(trees))
-        return _impl(6, 2, 64)._path_plan(plan, meta, block_size, torch.float32, "vec"), meta
+        tokens = int(meta.query_start_loc[-1]) + 2  # K/V rows past the last query's (padding)
+        return _impl(6, 2, 64)._path_plan(plan, meta, block_size, torch.float32, "vec", tokens), meta
 
     # chain 1-2-3 with side branches 4 (under the root) and 5 (under node 1): 2 paths
-    (rounds, src, qrows, restore_rows, restore_slots), meta = plan_for([[-1, 0, 1, 2, 0, 1]])
+    (rounds, qrows, restore), meta = plan_for([[-1, 0, 1, 2, 0, 1]])
     assert len(rounds) == 2
     first = 6 - 5  # query rows: root at 0, nodes 1..5 at rows 1..5
+
+    def writes(slots):  # {K/V row: slot} of one write
+        return {row: int(slots[row]) for row in np.flatnonzero(slots.numpy() >= 0)}
+
     # round 0: path (4) at position 50; round 1: path (1, 5) at 50, 51, querying node 5 only
-    assert src[rounds[0][0]].tolist() == [first + 3] and qrows[rounds[0][2]].tolist() == [first + 3]
-    assert src[rounds[1][0]].tolist() == [first + 0, first + 4] and qrows[rounds[1][2]].tolist() == [first + 4]
-    assert rounds[0][1].tolist() == [50] and rounds[1][1].tolist() == [50, 51]
-    assert rounds[0][4].tolist() == [51] and rounds[1][4].tolist() == [52]  # context + path length
-    assert restore_rows.tolist() == [1, 2, 3, 4, 5] and restore_slots.tolist() == [50, 51, 52, 53, 54]
+    assert writes(rounds[0][0]) == {first + 3: 50} and qrows[rounds[0][1]].tolist() == [first + 3]
+    assert writes(rounds[1][0]) == {first + 0: 50, first + 4: 51} and qrows[rounds[1][1]].tolist() == [first + 4]
+    assert rounds[0][3].tolist() == [51] and rounds[1][3].tolist() == [52]  # context + path length
+    assert rounds[0][0].shape == restore.shape == (8,)  # every K/V row of the layer
+    assert writes(restore) == {1: 50, 2: 51, 3: 52, 4: 53, 5: 54}
     # a star's first node is its chain (the kernel's row is right): k + 1 leaves, k paths
     assert plan_for([[-1] + [0] * (PATHS_MAX_MEAN + 2)])[0] is None
     assert len(plan_for([[-1] + [0] * (PATHS_MAX_MEAN + 1)])[0][0]) == PATHS_MAX_MEAN

@@ -2,9 +2,11 @@
 whole step: ``scheduled_prefixes``, each pending tree cut to the drafts vLLM scheduled and
 checked against them (``integration/vllm/engine/drafter.py``, ``take_step``); ``step_rows``,
 where the step's draft nodes sit in the query and at which positions, and each tree's leading
-chain (``integration/vllm/engine/runner.py``, ``_prepare_inputs``); ``path_rounds``, the CPU path
-rounds (``integration/vllm/kernels/attention.py``, ``_path_plan``: which root-to-leaf paths cover
-the tree nodes, and every index the rounds of vLLM's causal kernel read); ``split_plan``, the
+chain (``integration/vllm/engine/runner.py``, ``_prepare_inputs``); ``main_rows``, the CPU first
+attention call's rows without the tree rows off the leading chain, and ``path_rounds``, the CPU
+path rounds (``integration/vllm/kernels/attention.py``, ``_main_plan`` and ``_path_plan``: which
+root-to-leaf paths cover the tree nodes, and every index and slot the rounds of vLLM's causal
+kernel read and write); ``split_plan``, the
 CUDA split's node rows, ancestor masks and context lengths (``attention/tree_attention.py``,
 ``TreeAttentionPlan``)."""
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["path_rounds", "scheduled_prefixes", "split_plan", "step_rows"]
+__all__ = ["main_rows", "path_rounds", "scheduled_prefixes", "split_plan", "step_rows"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -75,36 +77,77 @@ def step_rows(offsets, parents, depths, ends, node_rows, positions, chain):
 
 
 @numba.njit(cache=True, nogil=True)
-def path_rounds(parents, offsets, chain, first, ctx, rows, table, block_size):
+def main_rows(query_start_loc, seq_lens, req_index, off, rows, query_start, lens):
+    """The first attention call of a tree step without the last ``off[t]`` query rows (and KV
+    positions) of tree request ``req_index[t]`` (its rows off the leading chain). Per batch
+    row i (queries ``query_start_loc[i]..query_start_loc[i + 1]``, KV length ``seq_lens[i]``):
+    the kept query rows go to ``rows`` (ascending), their ``query_start`` (``[B + 1]``) and the
+    shortened ``lens`` (``[B]``). Returns ``(m, leading)``: the kept rows, and whether they are
+    rows ``0..m-1`` (then the call reads views, no gather).
+
+    Example: queries of 8, 1 and 6 rows, seq_lens 40, 30, 50, trees in rows 0 and 2 with 1 and 3
+    rows off their chains -> rows 0-6, 8, 9-11; query_start ``[0, 7, 8, 11]``, lens
+    ``[39, 30, 47]``; ``(11, False)``."""
+    num_reqs = seq_lens.shape[0]
+    drop = np.zeros(num_reqs, np.int64)
+    for t in range(req_index.shape[0]):
+        drop[req_index[t]] = off[t]
+    m = 0
+    leading = True
+    query_start[0] = 0
+    for i in range(num_reqs):
+        end = query_start_loc[i + 1] - drop[i]
+        for row in range(query_start_loc[i], end):
+            if row != m:
+                leading = False
+            rows[m] = row
+            m += 1
+        query_start[i + 1] = m
+        lens[i] = seq_lens[i] - drop[i]
+    return m, leading
+
+
+@numba.njit(cache=True, nogil=True)
+def path_rounds(parents, offsets, chain, query_start_loc, seq_lens, req_index, table, block_size, num_tokens):
     """The root-to-leaf paths that cover every draft node of every tree, in rounds.
 
     Paths are taken leaf by leaf in node order; a path is kept only when it holds a node no
     earlier path of its tree (nor the tree's leading chain) covered; those uncovered nodes are a
     suffix of the path (the covered set is closed under ancestors): its ``need`` last nodes, the
     rows it queries. Round k holds the k-th kept path of every tree that has one (paths of one
-    tree use the same KV positions, right after its context). Inputs, per tree ``t``:
-    ``parents``: the draft nodes' parents (node ``j``, local and 1-based, at ``offsets[t] + j - 1``;
-    0 is the root, not listed; ``0 <= parent < j``), ``offsets [T + 1]``, ``chain [T]`` (nodes
-    ``1..chain[t]`` form a chain below the root: their rows are right already), ``first [T]`` the
-    query row of node 1, ``ctx [T]`` the KV length before node 1, ``rows [T]`` the tree's block
-    table row in ``table [*, blocks]`` (block ids), ``block_size``.
+    tree use the same KV positions, right after its context). Inputs: the trees as ``FlatTrees``
+    holds them (``parents``, ``offsets``: roots included, local parents, the root's -1); per
+    tree t, ``chain[t]`` (nodes ``1..chain[t]`` form a chain below the root: their rows are
+    right already) and its batch row ``req_index[t]``, whose ``n`` draft nodes are the last n of
+    its query rows (``query_start_loc``, vLLM's) and the last n of its KV (``seq_lens``): node
+    j's query row is ``first + j - 1`` and its position ``ctx + j - 1``, ``first =
+    query_start_loc[row + 1] - n``, ``ctx = seq_lens[row] - n``; ``table`` (vLLM's block table,
+    row = batch row), ``block_size``; ``num_tokens``, the rows of the layer's K/V.
 
-    Returns, paths in round order (trees in order within a round):
-    ``round_paths, round_nodes, round_queries [R]`` (ends of each round's paths, path nodes and
-    queried nodes); per path node, ``src`` (its query row) and ``dst`` (the slot of position
-    ``ctx + depth - 1`` of its tree); ``queried`` (the query rows, the paths' suffixes);
-    ``query_start [P + R]`` int32 (each round's ``query_start_loc``, a leading 0 each), ``seq_lens
-    [P]`` int32 (``ctx`` + path length), ``path_tree [P]``; ``restore_rows, restore_slots [N]``
-    (every draft node's query row and its own slot, position ``ctx + j - 1``). Example: one tree,
-    parents ``[0, 1, 0, 3]`` (two chains of two), chain 2: one round, path nodes 3, 4, query both."""
+    Returns, paths in round order (trees in order within a round): ``round_paths,
+    round_queries [R]`` (ends of each round's paths and queried nodes); ``queried`` (the query
+    rows, the paths' suffixes); ``query_start [P + R]`` int32 (each round's
+    ``query_start_loc``, a leading 0 each); ``path_lens [P]`` int32 (``ctx`` + path length, the
+    round's ``seq_lens``); ``path_tree [P]``; ``slots [R + 1, num_tokens]``: row k the slot of
+    every query row round k writes (a path node at depth d to position ``ctx + d - 1`` of its
+    tree), -1 elsewhere; the last row every draft node's own slot (position ``ctx + j - 1``),
+    which puts the tree back; ``reads``, ``context``: the context positions the rounds read (each
+    path its tree's ``ctx``) and those of the trees (each once).
+    Example: one tree, parents ``[-1, 0, 1, 0, 3]`` (two chains of two), chain 2: one round,
+    path nodes 3, 4 written at the first two positions after the context, querying both."""
     num_trees = offsets.shape[0] - 1
-    total = offsets[num_trees]
+    total = offsets[num_trees] - num_trees  # draft nodes; node j of tree t at offsets[t] - t + j - 1
     has_child = np.zeros(total, np.bool_)
     depth = np.zeros(total, np.int64)
+    first = np.empty(num_trees, np.int64)
+    ctx = np.empty(num_trees, np.int64)
     for t in range(num_trees):
-        a = offsets[t]
-        for j in range(offsets[t + 1] - a):
-            p = parents[a + j]
+        a = offsets[t] - t
+        n = offsets[t + 1] - offsets[t] - 1
+        first[t] = query_start_loc[req_index[t] + 1] - n
+        ctx[t] = seq_lens[req_index[t]] - n
+        for j in range(n):
+            p = parents[offsets[t] + j + 1]
             if p > 0:
                 has_child[a + p - 1] = True
                 depth[a + j] = depth[a + p - 1] + 1
@@ -117,8 +160,8 @@ def path_rounds(parents, offsets, chain, first, ctx, rows, table, block_size):
     tree_paths = np.zeros(num_trees, np.int64)
     num_paths = 0
     for t in range(num_trees):
-        a = offsets[t]
-        n = offsets[t + 1] - a
+        a = offsets[t] - t
+        n = offsets[t + 1] - offsets[t] - 1
         for j in range(min(chain[t], n)):
             covered[a + j] = True
         for leaf in range(n):
@@ -129,7 +172,7 @@ def path_rounds(parents, offsets, chain, first, ctx, rows, table, block_size):
             while x >= 0 and not covered[a + x]:
                 covered[a + x] = True
                 need += 1
-                x = parents[a + x] - 1
+                x = parents[offsets[t] + x + 1] - 1
             if need:
                 kept_leaf[a + tree_paths[t]] = leaf
                 kept_need[a + tree_paths[t]] = need
@@ -139,62 +182,55 @@ def path_rounds(parents, offsets, chain, first, ctx, rows, table, block_size):
             if not covered[a + j]:
                 raise ValueError("a draft node lies on no root-to-leaf path (parents not in node order)")
     num_rounds = 0
-    num_nodes = 0
     num_queries = 0
     for t in range(num_trees):
         num_rounds = max(num_rounds, tree_paths[t])
         for k in range(tree_paths[t]):
-            num_nodes += depth[offsets[t] + kept_leaf[offsets[t] + k]]
-            num_queries += kept_need[offsets[t] + k]
+            num_queries += kept_need[offsets[t] - t + k]
     round_paths = np.empty(num_rounds, np.int64)
-    round_nodes = np.empty(num_rounds, np.int64)
     round_queries = np.empty(num_rounds, np.int64)
-    src = np.empty(num_nodes, np.int64)
-    dst = np.empty(num_nodes, np.int64)
     queried = np.empty(num_queries, np.int64)
     query_start = np.zeros(num_paths + num_rounds, np.int32)
-    seq_lens = np.empty(num_paths, np.int32)
+    path_lens = np.empty(num_paths, np.int32)
     path_tree = np.empty(num_paths, np.int64)
+    slots = np.full((num_rounds + 1, num_tokens), -1, np.int64)
+    reads = 0
+    context = 0
     p = 0
-    e = 0
     q = 0
     for k in range(num_rounds):
         q_round = 0
         for t in range(num_trees):
             if k >= tree_paths[t]:
                 continue
-            a = offsets[t]
+            a = offsets[t] - t
+            row = req_index[t]
             leaf = kept_leaf[a + k]
             length = depth[a + leaf]
             need = kept_need[a + k]
             x = leaf
             for d in range(length - 1, -1, -1):  # leaf up to the root's child
-                src[e + d] = first[t] + x
                 pos = ctx[t] + d
-                dst[e + d] = table[rows[t], pos // block_size] * block_size + pos % block_size
-                x = parents[a + x] - 1
-            for d in range(length - need, length):
-                queried[q] = src[e + d]
-                q += 1
-            e += length
+                slots[k, first[t] + x] = table[row, pos // block_size] * block_size + pos % block_size
+                if d >= length - need:
+                    queried[q + d - (length - need)] = first[t] + x
+                x = parents[offsets[t] + x + 1] - 1
+            q += need
             q_round += need
             query_start[p + k + 1] = q_round
-            seq_lens[p] = ctx[t] + length
+            path_lens[p] = ctx[t] + length
             path_tree[p] = t
+            reads += ctx[t]
             p += 1
         round_paths[k] = p
-        round_nodes[k] = e
         round_queries[k] = q
-    restore_rows = np.empty(total, np.int64)
-    restore_slots = np.empty(total, np.int64)
     for t in range(num_trees):
-        a = offsets[t]
-        for j in range(offsets[t + 1] - a):
-            restore_rows[a + j] = first[t] + j
+        row = req_index[t]
+        context += ctx[t]
+        for j in range(offsets[t + 1] - offsets[t] - 1):
             pos = ctx[t] + j
-            restore_slots[a + j] = table[rows[t], pos // block_size] * block_size + pos % block_size
-    return (round_paths, round_nodes, round_queries, src, dst, queried, query_start, seq_lens, path_tree,
-            restore_rows, restore_slots)
+            slots[num_rounds, first[t] + j] = table[row, pos // block_size] * block_size + pos % block_size
+    return round_paths, round_queries, queried, query_start, path_lens, path_tree, slots, reads, context
 
 
 @numba.njit(cache=True, nogil=True)

@@ -69,12 +69,15 @@ def _tree_rows_mode() -> str:
 
 
 def warm_up_paths() -> None:
-    """Compile the path-rounds kernel (or load it from numba's disk cache) for the argument types
-    a step passes (int64 arrays, vLLM's int32 block table), at the CPU worker's start
-    (``worker.TreeCPUWorker.compile_or_warm_up_model``) rather than in the first tree step."""
-    one = np.zeros(1, np.int64)
-    load("plan").path_rounds(one, np.array([0, 1], np.int64), one, one + 1, one + 1, one,
-                              np.zeros((1, 1), np.int32), 16)
+    """Compile the plan kernels (or load them from numba's disk cache) for the argument types a
+    step passes (int64 arrays, vLLM's int32 query starts, KV lengths and block table), at the CPU
+    worker's start (``worker.TreeCPUWorker.compile_or_warm_up_model``) rather than in the first
+    tree step."""
+    plan, one, one32 = load("plan"), np.zeros(1, np.int64), np.array([0, 2], np.int32)
+    plan.main_rows(one32, one32[1:], one, one + 1, np.empty(2, np.int64), np.empty(2, np.int32),
+                   np.empty(1, np.int32))
+    plan.path_rounds(np.array([-1, 0], np.int64), np.array([0, 2], np.int64), one, one32, one32[1:] + 1, one,
+                     np.zeros((1, 1), np.int32), 16, 2)
 
 
 @functools.cache
@@ -184,22 +187,20 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         t0 = time.perf_counter()
         out = None
         off = plan.num_nodes - plan.chain_prefix  # [T] rows off each tree's leading chain
-        if attn_metadata.dynamic_causal is None and attn_metadata.causal and int(off.sum()):
-            qsl = attn_metadata.query_start_loc.numpy().astype(np.int64)
-            drop = np.zeros(qsl.shape[0] - 1, np.int64)
-            drop[np.asarray(plan.req_index, np.int64)] = off
-            keep = np.arange(qsl[-1]) < np.repeat(qsl[1:] - drop, np.diff(qsl))  # before its request's dropped end
-            query_start = torch.from_numpy((qsl - np.concatenate(([0], np.cumsum(drop)))).astype(np.int32))
-            seq_lens = torch.from_numpy((attn_metadata.seq_lens.numpy() - drop).astype(np.int32))
+        if attn_metadata.dynamic_causal is None and attn_metadata.causal and off.any():
+            qsl, lens = attn_metadata.query_start_loc.numpy(), attn_metadata.seq_lens.numpy()
+            rows = np.empty(int(qsl[-1]), np.int64)
+            query_start, seq_lens = np.empty(qsl.shape[0], np.int32), np.empty(lens.shape[0], np.int32)
+            m, leading = load("plan").main_rows(qsl, lens, np.asarray(plan.req_index, np.int64), off, rows,
+                                                query_start, seq_lens)
+            query_start, seq_lens = torch.from_numpy(query_start), torch.from_numpy(seq_lens)
             meta = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=drop.shape[0], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                num_reqs=lens.shape[0], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_size, seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start, causal=True,
                 sliding_window_size=-1, isa=isa, enable_kv_split=_split_kv(), kv_cache_dtype=self.kv_cache_dtype,
             )
-            rows = np.flatnonzero(keep)
-            m = rows.shape[0]
-            out = (m if m == 0 or rows[-1] == m - 1 else torch.from_numpy(rows),
-                   replace(attn_metadata, num_actual_tokens=int(keep.sum()), query_start_loc=query_start,
+            out = (m if leading else torch.from_numpy(rows[:m]),
+                   replace(attn_metadata, num_actual_tokens=m, query_start_loc=query_start,
                            seq_lens=seq_lens, scheduler_metadata=meta))
         plan.cache[key] = out
         _clock(plan, t0)  # host work, once a step (the other layers' lookups are not clocked)
@@ -209,19 +210,18 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         """The rows of the step's tree nodes: by path rounds through vLLM's kernel
         (``_tree_rows_paths``) unless the trees are bushy, then by the masked recompute
         (``_tree_rows``); decided once per step (``_path_plan``)."""
-        block_size = kv_cache.shape[2]
-        t0 = time.perf_counter()
-        paths = key is not None and value is not None and self._path_plan(
-            plan, attn_metadata, block_size, query.dtype, layer.isa) is not None
-        _clock(plan, t0)
-        if paths:
-            self._tree_rows_paths(layer, query, key, value, kv_cache, attn_metadata, plan, output)
+        paths = None if key is None or value is None else self._path_plan(
+            plan, attn_metadata, kv_cache.shape[2], query.dtype, layer.isa, key.shape[0])
+        gathered = None if paths is not None else self._gather_plan(plan, attn_metadata, kv_cache.shape[2])
+        t0 = time.perf_counter()  # the plans (host work, clocked as "plan") are built by the first layer
+        if paths is not None:
+            self._tree_rows_paths(layer, query, key, value, kv_cache, paths, output)
         else:
-            self._tree_rows(layer, query, kv_cache, attn_metadata, plan, output)
-        _clock(plan, t0, "tree_rows")  # compute inside the forward (plan included), not host work
+            self._tree_rows(layer, query, kv_cache, gathered, plan, output)
+        _clock(plan, t0, "tree_rows")  # compute inside the forward, not host work
 
     # ------------------------------------------------------------ path rounds (vLLM's kernel)
-    def _path_plan(self, plan, attn_metadata, block_size: int, dtype: torch.dtype, isa: str):
+    def _path_plan(self, plan, attn_metadata, block_size: int, dtype: torch.dtype, isa: str, num_tokens: int):
         """Rounds of root-to-leaf paths, built once per step and shared by all layers.
 
         A node's tree-masked attention is exactly causal attention over (context, its path from
@@ -230,66 +230,65 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         order); a path queries only its nodes no earlier path (nor the leading chain, whose rows
         the first kernel call got right) covered: an ancestor-closed set, so a suffix of the path.
         Paths of one request overwrite the same positions, so round k holds the k-th path of
-        every tree request (one kernel call per round and layer). Per round: the rows whose KV
-        to write, their slots, the query rows, ``query_start_loc``, ``seq_lens``, the block
-        table rows and the kernel's scheduler metadata, slices of arrays built in one compiled
-        call (``kernels/plan.py``). Last: every node row and its own slot, to put the tree back
-        (the accepted chain's KV is kept in place, ``kv_in_place``).
+        every tree request (one kernel call per round and layer). ``(rounds, queried, restore)``:
+        per round, the slot of every K/V row it writes (-1: not written; so each write reads the
+        layer's K/V where it is, no gather), its query rows (a slice of ``queried``),
+        ``query_start_loc``, ``seq_lens``, the block table rows and the kernel's scheduler
+        metadata; ``restore``: every node row's own slot, to put the tree back (the accepted
+        chain's KV is kept in place, ``kv_in_place``). Built in one compiled call
+        (``kernels/plan.py``, ``path_rounds``) over all ``num_tokens`` K/V rows.
         None: this step takes the recompute (bushy trees, or ``VLLM_ANISOTROPIC_TREE_ROWS``)."""
         key = ("paths", block_size, dtype, isa)
         if key in plan.cache:
             return plan.cache[key]
-        if _tree_rows_mode() == "recompute":
-            plan.cache[key] = None
-            return None
+        t0 = time.perf_counter()
+        out = None
+        if _tree_rows_mode() != "recompute":
+            out = self._build_paths(plan, attn_metadata, block_size, dtype, isa, num_tokens)
+        plan.cache[key] = out
+        _clock(plan, t0)  # host work, once a step
+        return out
+
+    def _build_paths(self, plan, attn_metadata, block_size: int, dtype: torch.dtype, isa: str, num_tokens: int):
         req = np.asarray(plan.req_index, np.int64)  # [T] batch row of each tree request
-        n = plan.num_nodes
-        ctx = attn_metadata.seq_lens.numpy()[req].astype(np.int64) - n
-        first = attn_metadata.query_start_loc.numpy()[req + 1].astype(np.int64) - n  # node 1's query row
-        offsets = np.zeros(len(req) + 1, np.int64)
-        np.cumsum(n, out=offsets[1:])
         table = attn_metadata.block_table.numpy()
-        (round_paths, round_nodes, round_queries, src, dst, queried, query_start, seq_lens, path_tree, restore_rows,
-         restore_slots) = load("plan").path_rounds(plan.draft_parents(), offsets, plan.chain_prefix, first, ctx, req,
-                                                     table, block_size)
+        (round_paths, round_queries, queried, query_start, seq_lens, path_tree, slots, reads,
+         context) = load("plan").path_rounds(plan.trees.parents, plan.trees.offsets, plan.chain_prefix,
+                                             attn_metadata.query_start_loc.numpy(), attn_metadata.seq_lens.numpy(),
+                                             req, table, block_size, num_tokens)
         # each path re-reads its request's context: past PATHS_MAX_MEAN paths per request
         # (context-weighted) the recompute's one float32 pass over it is cheaper
-        if int(ctx[path_tree].sum()) > PATHS_MAX_MEAN * int(ctx.sum()):
-            plan.cache[key] = None
+        if reads > PATHS_MAX_MEAN * context:
             return None
-        dst, query_start, seq_lens = torch.from_numpy(dst), torch.from_numpy(query_start), torch.from_numpy(seq_lens)
+        query_start, seq_lens = torch.from_numpy(query_start), torch.from_numpy(seq_lens)
+        slots = torch.from_numpy(slots)
         tables = torch.from_numpy(table[req[path_tree]])
         split_kv = _split_kv()
         rounds = []
-        p0 = n0 = q0 = 0
-        for k, (p1, n1, q1) in enumerate(zip(round_paths.tolist(), round_nodes.tolist(), round_queries.tolist())):
+        p0 = q0 = 0
+        for k, (p1, q1) in enumerate(zip(round_paths.tolist(), round_queries.tolist())):
             qsl, sl = query_start[p0 + k : p1 + k + 1], seq_lens[p0:p1]
             meta = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=p1 - p0, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_size, seq_lens=sl, dtype=dtype, query_start_loc=qsl, causal=True,
                 sliding_window_size=-1, isa=isa, enable_kv_split=split_kv, kv_cache_dtype=self.kv_cache_dtype,
             )
-            rounds.append((slice(n0, n1), dst[n0:n1], slice(q0, q1), qsl, sl, tables[p0:p1], meta))
-            p0, n0, q0 = p1, n1, q1
-        out = (rounds, torch.from_numpy(src), torch.from_numpy(queried), torch.from_numpy(restore_rows),
-               torch.from_numpy(restore_slots))
-        plan.cache[key] = out
-        return out
+            rounds.append((slots[k], slice(q0, q1), qsl, sl, tables[p0:p1], meta))
+            p0, q0 = p1, q1
+        return rounds, torch.from_numpy(queried), slots[-1]
 
-    def _tree_rows_paths(self, layer, query, key, value, kv_cache, attn_metadata, plan, output) -> None:
+    def _tree_rows_paths(self, layer, query, key, value, kv_cache, paths, output) -> None:
         """The tree rows by vLLM's own kernel, path round by path round (``_path_plan``)."""
         num_blocks, num_kv_heads, block_size, two_hs = kv_cache.shape
         head_size = two_hs // 2
-        rounds, src, qrows, restore_rows, restore_slots = self._path_plan(
-            plan, attn_metadata, block_size, query.dtype, layer.isa)
+        rounds, qrows, restore = paths
         kc, vc = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
         k = key.view(-1, num_kv_heads, head_size)
         v = value.view(-1, num_kv_heads, head_size)
-        *writes, restore = _row_slots(plan, k.shape[0], rounds, src, restore_rows, restore_slots)
         qs = query.view(-1, self.num_heads, head_size)[qrows]
         res = torch.empty_like(qs)
         k_scale, v_scale = getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0)
-        for (_, _, s_q, qsl, sl, bt, meta), slots in zip(rounds, writes):
+        for slots, s_q, qsl, sl, bt, meta in rounds:
             ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, layer.isa, k_scale=k_scale,
                                            v_scale=v_scale, kv_cache_dtype=self.kv_cache_dtype)
             ops.cpu_attention_with_kv_cache(
@@ -310,6 +309,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         key = ("gather", block_size)
         if key in plan.cache:
             return plan.cache[key]
+        t0 = time.perf_counter()
         seq_lens = attn_metadata.seq_lens.tolist()
         q_end = attn_metadata.query_start_loc[1:].tolist()
         block_table = attn_metadata.block_table
@@ -337,15 +337,16 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, float("-inf"))
         out = (blocks.flatten(), rows, valid, mask.unsqueeze(1))
         plan.cache[key] = out
+        _clock(plan, t0)  # host work, once a step
         return out
 
-    def _tree_rows(self, layer, query, kv_cache, attn_metadata, plan, output) -> None:
+    def _tree_rows(self, layer, query, kv_cache, gathered, plan, output) -> None:
+        """The tree rows by a masked recompute over each tree request's whole KV, float32
+        (``gathered``: ``_gather_plan``)."""
         num_blocks, num_kv_heads, block_size, two_hs = kv_cache.shape
         head_size = two_hs // 2
         layout = kv_layout(layer.isa, kv_cache.dtype, block_size, head_size)
-        t0 = time.perf_counter()
-        blocks, rows, valid, mask = self._gather_plan(plan, attn_metadata, block_size)
-        _clock(plan, t0)
+        blocks, rows, valid, mask = gathered
         num_reqs, max_nodes = rows.shape
         group = self.num_queries_per_kv
         # [R * B, num_kv_heads, 2 * block_size * head_size]: whole blocks, one copy
@@ -376,27 +377,6 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             plan.cache[key] = mask.unsqueeze(1).expand(r, num_kv_heads, group, n, length).reshape(
                 r * num_kv_heads, group * n, length)
         return plan.cache[key]
-
-
-def _row_slots(plan, num_tokens: int, rounds: list, src: torch.Tensor, restore_rows: torch.Tensor,
-               restore_slots: torch.Tensor) -> list:
-    """The K/V writes of ``_tree_rows_paths`` as slot mappings over all ``num_tokens`` rows of the
-    layer's K/V: one per round (its path nodes' rows to their slots after the context), then the
-    restore (every node row to its own slot); -1 elsewhere, a row vLLM's writer skips. So each
-    write reads the K/V where the layer has it, with no gather of the rows first (four copies a
-    layer). Built once per step (shared by all layers); example: 4 rows, a round writing row 2 to
-    slot 9 -> ``[-1, -1, 9, -1]``."""
-    key = ("row_slots", num_tokens)
-    if key not in plan.cache:
-        t0 = time.perf_counter()
-        src, restore_rows = src.numpy(), restore_rows.numpy()
-        full = np.full((len(rounds) + 1, num_tokens), -1, np.int64)
-        for i, (s_src, dst, *_) in enumerate(rounds):
-            full[i, src[s_src]] = dst.numpy()
-        full[-1, restore_rows] = restore_slots.numpy()
-        plan.cache[key] = list(torch.from_numpy(full))
-        _clock(plan, t0)
-    return plan.cache[key]
 
 
 def _clock(plan, t0: float, phase: str = "plan") -> None:
