@@ -141,6 +141,8 @@ CORE: list[dict] = [
          tests=["tests/test_kernels_plan.py::test_path_rounds_match_the_per_leaf_reference",
                 "tests/test_kernels_plan.py::test_path_rounds_worked_example_and_a_broken_tree",
                 "tests/test_cpu_attention.py::test_path_rounds_for_slim_trees_and_the_recompute_for_bushy_ones"]),
+    dict(target="vllm_anisotropic/kernels/plan.py", functions=["main_rows"],
+         tests=["tests/test_kernels_plan.py::test_main_rows_match_the_per_request_reference"]),
     dict(target="vllm_anisotropic/kernels/plan.py", functions=["step_rows"],
          tests=["tests/test_tree_runner.py::test_step_rows_place_every_draft_node_and_find_each_leading_chain",
                 "tests/test_gpu_paths.py::test_scatter_tree_positions_worked_example"]),

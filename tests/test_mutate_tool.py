@@ -67,10 +67,10 @@ def test_mutate_tool_kills_obvious_and_keeps_equivalent(tmp_path):
 
 def test_functions_narrow_a_preset_to_the_entries_naming_them():
     """``--preset core --only plan.py -f step_rows`` lists step_rows' mutants alone (plan.py has
-    four entries); a name no entry holds is refused with the ones it holds."""
+    five entries); a name no entry holds is refused with the ones it holds."""
     base = [sys.executable, str(SCRIPT), "--preset", "core", "--only", "plan.py"]
     listed = subprocess.run(base + ["-f", "step_rows", "--list"], capture_output=True, text=True, timeout=120,
                             check=True).stdout.splitlines()
     assert listed and all(re.match(r"^plan\.py:\d+ #\d+ step_rows ", line) for line in listed)
     bad = subprocess.run(base + ["-f", "nope", "--list"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "path_rounds, scheduled_prefixes, split_plan, step_rows" in bad.stderr
+    assert bad.returncode == 2 and "main_rows, path_rounds, scheduled_prefixes, split_plan, step_rows" in bad.stderr

@@ -92,11 +92,6 @@ class TreePlan:
         """``[R]`` int64 draft nodes of each tree (root excluded)."""
         return self.trees.sizes() - 1
 
-    def draft_parents(self) -> np.ndarray:
-        """``[sum n_r]`` int64 parents of every tree's draft nodes, tree after tree (local: 0 is
-        the root, j draft node j). Parents ``[-1, 0, 0, 1 | -1, 0]`` -> ``[0, 0, 1, 0]``."""
-        return self.trees.parents[self.trees.parents >= 0]
-
     @property
     def masks(self) -> list[np.ndarray]:
         """``[n_r, n_r]`` bool ancestor masks among the draft nodes (``node_masks``), built once."""
