@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock
 from vllm_anisotropic.integration.vllm.kernels.attention import TreeCPUAttentionImpl, _unpack, bit_permutation, kv_layout
 
 
@@ -235,6 +236,7 @@ def test_forward_leaves_the_rows_off_the_chain_out_of_vllms_call_and_gets_every_
             dtype=dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa,
             enable_kv_split=False, kv_cache_dtype="auto"))
     meta.tree_plan = plan
+    plan.clock = HostClock()
     impl = _impl(num_heads, num_kv_heads, head_size)
     impl.attn_type, impl.use_zentorch_sdpa, impl.sinks, impl.alibi_slopes = AttentionType.DECODER, False, None, None
     impl.sliding_window, impl.logits_soft_cap = -1, 0
@@ -255,6 +257,9 @@ def test_forward_leaves_the_rows_off_the_chain_out_of_vllms_call_and_gets_every_
     # paths: one round per path of a request after the first call (both trees have 2 paths)
     per_layer = 1 + (0 if method == "recompute" else 2)
     assert len(off_chain) == 3 * len(tree_requests) and len(calls) == 2 * per_layer
+    # host work: the first layer builds the plans (the first call's rows, the paths, and for the
+    # recompute its gather), clocked once each; every layer's tree rows are the forward's
+    assert plan.clock.calls == {"plan": 2 if method == "paths" else 3, "tree_rows": 2}
     assert calls[0] == calls[per_layer] == total_q - len(off_chain)
     out = output.view(total_q, num_heads, head_size)
     tol = 4e-3 if dtype == torch.bfloat16 else 2e-5

@@ -72,6 +72,7 @@ def _reference(trees, chains, first, ctx, rows, table, block_size, num_tokens):
     return out
 
 
+_NO_CAP = 1 << 40  # path_rounds' max_mean: never past it
 _NAMES = ("round_paths", "round_queries", "queried", "query_start", "path_lens", "path_tree", "slots", "reads",
           "context")
 
@@ -82,7 +83,7 @@ def _batch(rng, trees):
     shuffled block table: the kernel's inputs and the reference's per-tree view."""
     num = len(trees)
     n = np.array([t.num_nodes - 1 for t in trees], np.int64)
-    rows = np.sort(rng.permutation(num + 2)[:num]).astype(np.int64)
+    rows = rng.permutation(num + 2)[:num].astype(np.int64)  # any order (the engine's is ascending)
     q_lens = rng.integers(1, 4, num + 2)
     q_lens[rows] = n + 1 + rng.integers(0, 3, num)
     query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -110,7 +111,7 @@ def test_path_rounds_match_the_per_leaf_reference(seed):
         num_tokens = int(query_start_loc[-1]) + int(rng.integers(0, 3))
         flat = FlatTrees.from_trees(trees)
         got = load("plan").path_rounds(flat.parents, flat.offsets, chains, query_start_loc, seq_lens, rows, table,
-                                       block_size, num_tokens)
+                                       block_size, num_tokens, _NO_CAP)
         want = _reference(trees, chains, first, ctx, rows, table, block_size, num_tokens)
         for name, value in zip(_NAMES, got):
             assert np.asarray(value).tolist() == want[name], name
@@ -125,7 +126,7 @@ def test_path_rounds_worked_example_and_a_broken_tree():
     table = np.arange(4, dtype=np.int32).reshape(1, 4)
     qsl, lens, one = np.array([0, 5], np.int32), np.array([9], np.int32), np.array([0])
     out = dict(zip(_NAMES, paths.path_rounds(np.array([-1, 0, 1, 0, 3]), np.array([0, 5]), np.array([2]), qsl,
-                                             lens, one, table, 4, 6)))
+                                             lens, one, table, 4, 6, _NO_CAP)))
     # nodes 1..4 at query rows 1..4 and positions 5..8: path (3, 4) written to positions 5, 6
     assert out["round_paths"].tolist() == [1] and out["queried"].tolist() == [3, 4]
     assert out["slots"].tolist() == [[-1, -1, -1, 5, 6, -1], [-1, 5, 6, 7, 8, -1]]
@@ -134,23 +135,22 @@ def test_path_rounds_worked_example_and_a_broken_tree():
     # a forest of chains (every node in its tree's chain prefix): no path, no round
     chains = paths.path_rounds(np.array([-1, 0, 1, -1, 0]), np.array([0, 3, 5]), np.array([2, 1]),
                                np.array([0, 3, 5], np.int32), np.array([7, 6], np.int32), np.array([0, 1]),
-                               np.arange(8, dtype=np.int32).reshape(2, 4), 4, 5)
+                               np.arange(8, dtype=np.int32).reshape(2, 4), 4, 5, _NO_CAP)
     assert chains[0].size == 0 and chains[2].size == 0 and chains[6].tolist() == [[-1, 5, 6, -1, 21]]
     with pytest.raises(ValueError, match="no root-to-leaf path"):
         paths.path_rounds(np.array([-1, 2, 1]), np.array([0, 3]), np.array([0]), np.array([0, 3], np.int32),
-                          np.array([7], np.int32), one, table, 4, 3)
+                          np.array([7], np.int32), one, table, 4, 3, _NO_CAP)
 
 
 def _main_rows_reference(query_start_loc, seq_lens, req_index, off):
-    keep, lens = [], seq_lens.astype(np.int64).copy()
-    drop = dict(zip(req_index.tolist(), off.tolist()))
-    starts = [0]
-    for i in range(seq_lens.shape[0]):
-        end = int(query_start_loc[i + 1]) - drop.get(i, 0)
-        keep += range(int(query_start_loc[i]), end)
-        starts.append(len(keep))
-        lens[i] -= drop.get(i, 0)
-    return keep, starts, lens.tolist()
+    """By masks over the whole query: a row is kept when it lies before its request's end less
+    the rows dropped there."""
+    qsl = query_start_loc.astype(np.int64)
+    drop = np.zeros(seq_lens.shape[0], np.int64)
+    drop[req_index] = off
+    keep = np.arange(qsl[-1]) < np.repeat(qsl[1:] - drop, np.diff(qsl))
+    starts = qsl - np.concatenate([[0], np.cumsum(drop)])
+    return np.flatnonzero(keep).tolist(), starts.tolist(), (seq_lens - drop).tolist()
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -176,6 +176,27 @@ def test_main_rows_match_the_per_request_reference(seed):
                                         np.array([0, 2]), np.array([1, 3]), keep, starts, lens)
     assert keep[:m].tolist() == [*range(7), 8, 9, 10, 11] and not leading
     assert starts.tolist() == [0, 7, 8, 11] and lens.tolist() == [39, 30, 47]
+    with pytest.raises(ValueError, match="outside vLLM's metadata"):
+        load("plan").main_rows(np.array([0, 8, 9, 15], np.int32), np.array([40, 30, 50], np.int32),
+                               np.array([3]), np.array([1]), keep, starts, lens)
+
+
+def test_path_rounds_refuse_rows_outside_the_arrays_and_skip_bushy_steps():
+    """The kernel's writes are not bounds-checked, so what would write outside them is refused: a
+    batch row past the metadata, K/V rows fewer than the query's, a block table too narrow for
+    the KV length. Past ``max_mean`` context reads per context position (a star of three nodes,
+    the first its chain: two paths, 2 reads a position) nothing is built; the reads are returned."""
+    paths = load("plan")
+    star = (np.array([-1, 0, 0, 0]), np.array([0, 4]), np.array([1]))
+    qsl, lens, table = np.array([0, 4], np.int32), np.array([10], np.int32), np.arange(3, dtype=np.int32).reshape(1, 3)
+    skip = paths.path_rounds(*star, qsl, lens, np.array([0]), table, 4, 4, 1)
+    assert skip[0].size == 0 and skip[6].shape == (0, 4) and (skip[7], skip[8]) == (2 * 7, 7)  # context 10 - 3
+    assert paths.path_rounds(*star, qsl, lens, np.array([0]), table, 4, 4, 2)[6].shape == (3, 4)  # 2 rounds + restore
+    for bad, args in (("outside vLLM's metadata", (qsl, lens, np.array([1]), table, 4, 4)),
+                      ("outside the step's arrays", (qsl, lens, np.array([0]), table, 4, 3)),
+                      ("outside the step's arrays", (qsl, lens, np.array([0]), table[:, :2], 4, 4))):
+        with pytest.raises(ValueError, match=bad):
+            paths.path_rounds(*star, *args, 3)
 
 
 def test_plan_parents_and_masks_of_its_trees():

@@ -4,7 +4,7 @@ Scope: every numba function of the package lives here, one module per stage: ``m
 context matcher's backward scan), ``table`` (adjacency-table lookup and update), ``goose`` (GOOSE
 tree building), ``walk`` (the greedy walk's descent), ``emit`` (after the walk: the emitted
 tokens, the accepted path's nodes and K/V moves, the metrics' counts), ``kv`` (the accepted nodes' K/V slot moves
-on the CPU), ``plan`` (the tree attention's per-step plans: the CPU path rounds, the CUDA split's
+on the CPU), ``plan`` (the tree attention's per-step plans: the CPU first call's rows and path rounds, the CUDA split's
 node rows and masks), ``vocab`` (passes over vocabulary rows of logits: the harvest's top-k and
 softmax probabilities, the walk's argmax; bf16 rows read as their 16 bits), ``rank`` (the
 allocator's probabilities and order of a step's trees), ``allocate`` (the allocator's envelopes

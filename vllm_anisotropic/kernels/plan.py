@@ -91,6 +91,8 @@ def main_rows(query_start_loc, seq_lens, req_index, off, rows, query_start, lens
     num_reqs = seq_lens.shape[0]
     drop = np.zeros(num_reqs, np.int64)
     for t in range(req_index.shape[0]):
+        if req_index[t] < 0 or req_index[t] >= num_reqs:
+            raise ValueError("a tree request's batch row is outside vLLM's metadata")
         drop[req_index[t]] = off[t]
     m = 0
     leading = True
@@ -108,7 +110,8 @@ def main_rows(query_start_loc, seq_lens, req_index, off, rows, query_start, lens
 
 
 @numba.njit(cache=True, nogil=True)
-def path_rounds(parents, offsets, chain, query_start_loc, seq_lens, req_index, table, block_size, num_tokens):
+def path_rounds(parents, offsets, chain, query_start_loc, seq_lens, req_index, table, block_size, num_tokens,
+                max_mean):
     """The root-to-leaf paths that cover every draft node of every tree, in rounds.
 
     Paths are taken leaf by leaf in node order; a path is kept only when it holds a node no
@@ -122,7 +125,10 @@ def path_rounds(parents, offsets, chain, query_start_loc, seq_lens, req_index, t
     its query rows (``query_start_loc``, vLLM's) and the last n of its KV (``seq_lens``): node
     j's query row is ``first + j - 1`` and its position ``ctx + j - 1``, ``first =
     query_start_loc[row + 1] - n``, ``ctx = seq_lens[row] - n``; ``table`` (vLLM's block table,
-    row = batch row), ``block_size``; ``num_tokens``, the rows of the layer's K/V.
+    row = batch row), ``block_size``; ``num_tokens``, the rows of the layer's K/V; ``max_mean``:
+    past ``max_mean`` context reads per context position (below) the rounds are not built (every
+    array empty: the caller takes the recompute). A batch row, query row or block outside the
+    arrays raises ValueError (the kernel's writes are not bounds-checked).
 
     Returns, paths in round order (trees in order within a round): ``round_paths,
     round_queries [R]`` (ends of each round's paths and queried nodes); ``queried`` (the query
@@ -144,8 +150,14 @@ def path_rounds(parents, offsets, chain, query_start_loc, seq_lens, req_index, t
     for t in range(num_trees):
         a = offsets[t] - t
         n = offsets[t + 1] - offsets[t] - 1
-        first[t] = query_start_loc[req_index[t] + 1] - n
-        ctx[t] = seq_lens[req_index[t]] - n
+        row = req_index[t]
+        if row < 0 or row >= seq_lens.shape[0] or row + 1 >= query_start_loc.shape[0]:
+            raise ValueError("a tree request's batch row is outside vLLM's metadata")
+        first[t] = query_start_loc[row + 1] - n
+        ctx[t] = seq_lens[row] - n
+        if (first[t] < query_start_loc[row] or query_start_loc[row + 1] > num_tokens or ctx[t] < 0
+                or (seq_lens[row] + block_size - 1) // block_size > table.shape[1]):
+            raise ValueError("a tree's query rows, KV positions or blocks lie outside the step's arrays")
         for j in range(n):
             p = parents[offsets[t] + j + 1]
             if p > 0:
@@ -181,6 +193,14 @@ def path_rounds(parents, offsets, chain, query_start_loc, seq_lens, req_index, t
         for j in range(n):
             if not covered[a + j]:
                 raise ValueError("a draft node lies on no root-to-leaf path (parents not in node order)")
+    reads = 0
+    context = 0
+    for t in range(num_trees):
+        reads += tree_paths[t] * ctx[t]
+        context += ctx[t]
+    if reads > max_mean * context:
+        return (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), np.zeros(0, np.int32),
+                np.empty(0, np.int32), np.empty(0, np.int64), np.full((0, num_tokens), -1, np.int64), reads, context)
     num_rounds = 0
     num_queries = 0
     for t in range(num_trees):
@@ -194,8 +214,6 @@ def path_rounds(parents, offsets, chain, query_start_loc, seq_lens, req_index, t
     path_lens = np.empty(num_paths, np.int32)
     path_tree = np.empty(num_paths, np.int64)
     slots = np.full((num_rounds + 1, num_tokens), -1, np.int64)
-    reads = 0
-    context = 0
     p = 0
     q = 0
     for k in range(num_rounds):
@@ -220,13 +238,11 @@ def path_rounds(parents, offsets, chain, query_start_loc, seq_lens, req_index, t
             query_start[p + k + 1] = q_round
             path_lens[p] = ctx[t] + length
             path_tree[p] = t
-            reads += ctx[t]
             p += 1
         round_paths[k] = p
         round_queries[k] = q
     for t in range(num_trees):
         row = req_index[t]
-        context += ctx[t]
         for j in range(offsets[t + 1] - offsets[t] - 1):
             pos = ctx[t] + j
             slots[num_rounds, first[t] + j] = table[row, pos // block_size] * block_size + pos % block_size

@@ -77,7 +77,7 @@ def warm_up_paths() -> None:
     plan.main_rows(one32, one32[1:], one, one + 1, np.empty(2, np.int64), np.empty(2, np.int32),
                    np.empty(1, np.int32))
     plan.path_rounds(np.array([-1, 0], np.int64), np.array([0, 2], np.int64), one, one32, one32[1:] + 1, one,
-                     np.zeros((1, 1), np.int32), 16, 2)
+                     np.zeros((1, 1), np.int32), 16, 2, PATHS_MAX_MEAN)
 
 
 @functools.cache
@@ -255,9 +255,10 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         (round_paths, round_queries, queried, query_start, seq_lens, path_tree, slots, reads,
          context) = load("plan").path_rounds(plan.trees.parents, plan.trees.offsets, plan.chain_prefix,
                                              attn_metadata.query_start_loc.numpy(), attn_metadata.seq_lens.numpy(),
-                                             req, table, block_size, num_tokens)
+                                             req, table, block_size, num_tokens, PATHS_MAX_MEAN)
         # each path re-reads its request's context: past PATHS_MAX_MEAN paths per request
-        # (context-weighted) the recompute's one float32 pass over it is cheaper
+        # (context-weighted) the recompute's one float32 pass over it is cheaper (the kernel then
+        # builds no rounds)
         if reads > PATHS_MAX_MEAN * context:
             return None
         query_start, seq_lens = torch.from_numpy(query_start), torch.from_numpy(seq_lens)
