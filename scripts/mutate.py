@@ -140,6 +140,7 @@ CORE: list[dict] = [
     dict(target="vllm_anisotropic/kernels/plan.py", functions=["path_rounds"],
          tests=["tests/test_kernels_plan.py::test_path_rounds_match_the_per_leaf_reference",
                 "tests/test_kernels_plan.py::test_path_rounds_worked_example_and_a_broken_tree",
+                "tests/test_kernels_plan.py::test_path_rounds_refuse_rows_outside_the_arrays_and_skip_bushy_steps",
                 "tests/test_cpu_attention.py::test_path_rounds_for_slim_trees_and_the_recompute_for_bushy_ones"]),
     dict(target="vllm_anisotropic/kernels/plan.py", functions=["main_rows"],
          tests=["tests/test_kernels_plan.py::test_main_rows_match_the_per_request_reference"]),

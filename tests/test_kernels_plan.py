@@ -192,11 +192,21 @@ def test_path_rounds_refuse_rows_outside_the_arrays_and_skip_bushy_steps():
     skip = paths.path_rounds(*star, qsl, lens, np.array([0]), table, 4, 4, 1)
     assert skip[0].size == 0 and skip[6].shape == (0, 4) and (skip[7], skip[8]) == (2 * 7, 7)  # context 10 - 3
     assert paths.path_rounds(*star, qsl, lens, np.array([0]), table, 4, 4, 2)[6].shape == (3, 4)  # 2 rounds + restore
+    i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
     for bad, args in (("outside vLLM's metadata", (qsl, lens, np.array([1]), table, 4, 4)),
+                      ("outside vLLM's metadata", (i32(0, 4, 5), lens, np.array([1]), table, 4, 5)),  # past seq_lens
+                      ("outside vLLM's metadata", (qsl, i32(10, 10, 10), np.array([1]), table, 4, 4)),  # past starts
                       ("outside the step's arrays", (qsl, lens, np.array([0]), table, 4, 3)),
-                      ("outside the step's arrays", (qsl, lens, np.array([0]), table[:, :2], 4, 4))):
+                      ("outside the step's arrays", (i32(0, 2, 6), i32(5, 10), np.array([1]), table, 4, 5)),
+                      ("outside the step's arrays", (qsl, i32(9), np.array([0]), table[:, :2], 4, 4)),  # 3 blocks of 4
+                      ("outside the step's arrays", (qsl, i32(2), np.array([0]), table, 4, 4))):  # KV < its 3 nodes
         with pytest.raises(ValueError, match=bad):
             paths.path_rounds(*star, *args, 3)
+    # the edges taken: a query of the nodes alone (no root row), a KV of the nodes alone (context
+    # 0, as split_plan takes it), a table exactly wide enough, K/V rows exactly the queries
+    assert paths.path_rounds(*star, i32(0, 3), lens, np.array([0]), table, 4, 3, 3)[6].shape == (3, 3)
+    assert paths.path_rounds(*star, qsl, i32(3), np.array([0]), table[:, :1], 4, 4, 3)[6].shape == (3, 4)
+    assert paths.path_rounds(*star, qsl, i32(8), np.array([0]), table[:, :2], 4, 4, 3)[6].shape == (3, 4)
 
 
 def test_plan_parents_and_masks_of_its_trees():
