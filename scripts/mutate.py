@@ -115,11 +115,15 @@ CORE: list[dict] = [
     dict(
         target="vllm_anisotropic/proposers/adjacency.py",
         functions=["topk_scores", "AdjacencyTable.successors", "AdjacencyTable.update", "AdjacencyTable.harvest",
-                   "AdjacencyTable.harvest_tree", "AdjacencyTable.harvest_sequence"],
+                   "AdjacencyTable.harvest_tree", "AdjacencyTable.harvest_sequence", "AdjacencyTable.fresh_rows",
+                   "AdjacencyTable.allocated_bytes", "AdjacencyTable._allocate"],
         tests=_TABLE_TESTS + ["tests/test_kernels_harvest.py"],
     ),
     dict(target="vllm_anisotropic/kernels/table.py", functions=["_home", "find", "slot_of", "lookup", "update"],
          tests=_TABLE_TESTS),
+    dict(target="vllm_anisotropic/kernels/table.py", functions=["fresh_rows", "update"],
+         tests=["tests/test_adjacency.py", "tests/test_tree_drafter.py::"
+                "test_refresh_steps_skip_the_rows_their_table_wrote_within_the_window_step_after_step"]),
     dict(target="vllm_anisotropic/kernels/table.py", functions=["last_writes"],
          tests=["tests/test_tree_drafter.py::test_last_writes_against_a_plain_loop_on_random_batches",
                 "tests/test_tree_drafter.py::test_a_step_teaches_every_table_what_all_its_rows_teach_without_the_overwritten_ones"]),

@@ -87,6 +87,98 @@ def test_memory_numbers():
     assert AdjacencyTable(8, 2, bigram_capacity=100).bigram_capacity == 128  # a power of two
 
 
+def _one_hot_rows(favourites, vocab=16):
+    """Logits rows whose top-1 is ``favourites[i]`` (so a table's successors name the row that
+    wrote them)."""
+    x = torch.zeros(len(favourites), vocab)
+    x[torch.arange(len(favourites)), torch.as_tensor(favourites)] = 5.0
+    return x
+
+
+def test_refresh_steps_skip_entries_written_within_the_window():
+    """``refresh_steps`` (GOOSE's key; ``kernels.table.fresh_rows``): a row whose unigram row, and
+    bigram when it has a previous token, were written in the table's last ``refresh_steps``
+    harvests is neither ranked nor written. Window 2: a key written at harvest 1 is skipped at
+    harvests 2 and 3 and rewritten at 4; a new bigram over a fresh unigram row is written (its
+    bigram is not held); a row without a previous token needs only a fresh unigram row; the
+    harvest clock ticks when every row is skipped; 0 keeps the papers' rule. Catches: ``<`` for
+    ``<=`` at the window's edge, a clock ticked per write instead of per harvest, ``or`` for
+    ``and`` between the tiers, the vocabulary pass run on the skipped rows."""
+    from vllm_anisotropic.proposers import adjacency
+
+    def top1(t, p, tok):
+        return t.successors(p, tok)[0][:1].tolist()
+
+    t = AdjacencyTable(16, 2, refresh_steps=2)
+    ranked = []
+    real = adjacency.topk_scores
+    adjacency.topk_scores = lambda x, k, rows=None: (ranked.append(None if rows is None else rows.tolist()),
+                                                     real(x, k, rows))[1]
+    try:
+        t.harvest([1, -1], [2, 4], _one_hot_rows([10, 11]))  # harvest 1: both written
+        assert top1(t, 1, 2) == [10] and top1(t, -1, 4) == [11] and ranked[-1] is None
+        t.harvest([1, 5, -1], [2, 2, 4], _one_hot_rows([12, 13, 14]))  # 2: (1, 2) and 4 fresh; (5, 2) new
+        assert ranked[-1] == [1] and top1(t, 1, 2) == [10] and top1(t, 5, 2) == [13] and top1(t, -1, 4) == [11]
+        assert top1(t, 9, 2) == [13]  # the unigram row of 2: the new bigram's row wrote it
+        t.harvest([1, -1], [2, 4], _one_hot_rows([15, 15]))  # 3: (1, 2) two harvests old: skipped
+        assert ranked[-1] == [] and top1(t, 1, 2) == [10] and t.num_fresh == 4
+        t.harvest([1, -1], [2, 4], _one_hot_rows([6, 7]))  # 4: three old: rewritten
+        assert top1(t, 1, 2) == [6] and top1(t, -1, 4) == [7] and ranked[-1] is None
+    finally:
+        adjacency.topk_scores = real
+    assert t.counters[3] == 4 and t.num_harvested == 5
+    plain = AdjacencyTable(16, 2)
+    for i in range(3):
+        plain.harvest([1], [2], _one_hot_rows([10 + i]))
+        assert top1(plain, 1, 2) == [10 + i]
+    # without the bigram tier a row's entry is its unigram row
+    # previous token 0 is a token: its bigram is checked like any other
+    zero = AdjacencyTable(16, 2, refresh_steps=3)
+    zero.harvest([5], [3], _one_hot_rows([10]))
+    zero.harvest([0], [3], _one_hot_rows([11]))  # unigram row 3 fresh, bigram (0, 3) not held: written
+    assert top1(zero, 0, 3) == [11] and zero.num_fresh == 0
+    one = AdjacencyTable(16, 2, bigram_capacity=1, refresh_steps=1)  # the key's slot is slot 0
+    one.harvest([1], [2], _one_hot_rows([10]))
+    one.harvest([1], [2], _one_hot_rows([11]))
+    assert top1(one, 1, 2) == [10] and one.num_fresh == 1
+    uni = AdjacencyTable(16, 2, bigram=False, refresh_steps=1)
+    uni.harvest([1], [2], _one_hot_rows([10]))
+    uni.harvest([5], [2], _one_hot_rows([11]))
+    assert top1(uni, -1, 2) == [10]
+    uni.harvest([5], [2], _one_hot_rows([12]))
+    assert top1(uni, -1, 2) == [12]
+
+
+def test_refresh_steps_compare_stamps_across_the_clocks_wrap():
+    """The written stamps are the harvest clock modulo 2^31 (int32): a key written just before
+    the clock passes 2^31 is fresh just after it, and the entries of a new table are stale from
+    the first harvest on (``kernels.table.NEVER``)."""
+    from vllm_anisotropic import kernels
+
+    tk = kernels.load("table")
+    t = AdjacencyTable(16, 2, refresh_steps=1)
+    t.harvest([1], [2], _one_hot_rows([10]))
+    assert t.num_fresh == 0 and t.unigram_written.dtype == np.int32
+    t.counters[tk.HARVESTS] = (1 << 31) - 2
+    t.harvest([1], [2], _one_hot_rows([11]))  # written at 2^31 - 1
+    assert t.successors(1, 2)[0][0] == 11 and t.unigram_written[2] == (1 << 31) - 1
+    t.harvest([1], [2], _one_hot_rows([12]))  # clock 2^31, stamp 0: one harvest old
+    assert t.successors(1, 2)[0][0] == 11 and t.num_fresh == 1
+    t.harvest([1], [2], _one_hot_rows([13]))
+    assert t.successors(1, 2)[0][0] == 13 and t.unigram_written[2] == 1
+
+
+def test_refresh_steps_cost_their_stamps_in_memory():
+    """The written stamps are int32 per vocabulary token and bigram slot, allocated only with a
+    window, and counted by ``allocated_bytes`` (hence by ``draft_state_bytes``' tenants)."""
+    for cfg in [dict(refresh_steps=4), dict(refresh_steps=4, bigram=False), dict()]:
+        m = AdjacencyTable(500, **cfg).memory_bytes()
+        cap = 65536 if cfg.get("bigram", True) else 1
+        assert m["written"] == ((500 + cap) * 4 if cfg else 0)
+        assert m["total"] == AdjacencyTable.allocated_bytes(500, 10, cfg.get("bigram", True), 65536,
+                                                            cfg.get("refresh_steps", 0))
+
+
 def test_tenants_never_read_each_others_tables():
     """Issue 14 item 7: per-tenant tables (vLLM's cache_salt). What tenant "a" harvested shapes
     a's drafts and nobody else's; requests without a salt share their own table; without

@@ -901,6 +901,80 @@ def test_a_step_teaches_every_table_what_all_its_rows_teach_without_the_overwrit
     assert skipped > 60 and tables_kept_whole >= 3  # steps repeated keys; others kept all rows of two tables
 
 
+def test_refresh_steps_skip_the_rows_their_table_wrote_within_the_window_step_after_step():
+    """GOOSE's ``learn_batch`` with ``refresh_steps``: over consecutive steps of two tenants, it
+    asks for the top-k of the rows a plain model keeps (the last write of each key in the step,
+    then not written by its table in the table's last W steps: unigram row and, with a previous
+    token, bigram), and each table ends holding what harvesting exactly those rows leaves. Each
+    table's clock ticks once a step it takes part in, whether or not a row is kept. Catches:
+    every row asked (the window ignored), a clock per write or per call of both tables, the
+    tenants' clocks or stamps mixed, rows of a skipped step counted as written."""
+    from random_trees import random_trees
+    from vllm_anisotropic.proposers.adjacency import AdjacencyTable
+    from vllm_anisotropic.proposers.config import GooseConfig
+    from vllm_anisotropic.proposers.goose import GooseProposer
+
+    vocab, rng = 8, np.random.default_rng(13)
+    fresh = 0
+    for window in (1, 3):
+        proposer = GooseProposer(GooseConfig(top_k=3, refresh_steps=window), vocab_size=vocab)
+        want = {t: AdjacencyTable(vocab, 3) for t in (None, "x")}  # harvests exactly the kept rows
+        clock = {t: 0 for t in want}
+        uni_last, bi_last = {t: {} for t in want}, {t: {} for t in want}
+        for _ in range(40):
+            flat = FlatTrees.from_trees(random_trees(rng, vocab=4))
+            tenants = rng.choice([None, "x"], flat.num_trees).tolist()
+            states = [proposer.new_request(t) for t in tenants]
+            prev_roots = rng.integers(-1, 4, flat.num_trees)
+            logits = torch.randn(flat.num_nodes, vocab, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
+            asked = []
+
+            def top(rows):
+                probs, ids = torch.topk(torch.softmax(logits[torch.from_numpy(rows)], -1), 3)
+                return TopKRows(ids.numpy().astype(np.int32), probs.numpy(), vocab)
+
+            def ask(nodes):
+                nodes = np.arange(flat.num_nodes) if nodes is None else nodes
+                asked.extend(nodes.tolist())
+                return top(nodes)
+
+            proposer.learn_batch(states, flat, np.zeros(flat.num_nodes, bool), prev_roots, ask)
+            prev = flat.tokens[np.maximum(flat.global_parents(), 0)].astype(np.int64)
+            prev[flat.offsets[:-1]] = prev_roots
+            owner = np.repeat(tenants, flat.sizes()).tolist()
+            keys = [(owner[k], int(prev[k]), int(flat.tokens[k])) for k in range(flat.num_nodes)]
+            kept = []
+            for t in set(tenants):
+                clock[t] += 1
+                now = clock[t]
+                mine = [k for k in range(flat.num_nodes) if owner[k] == t and keys[k] not in keys[k + 1:]]
+                for k in mine:
+                    _, p, tok = keys[k]
+                    old = now - uni_last[t].get(tok, -99) <= window and (
+                        p < 0 or now - bi_last[t].get((p, tok), -99) <= window)
+                    fresh += old
+                    if not old:
+                        kept.append(k)
+                for k in kept:
+                    if owner[k] == t:
+                        uni_last[t][keys[k][2]] = now
+                        if keys[k][1] >= 0:
+                            bi_last[t][keys[k][1:]] = now
+                mine_kept = np.array([k for k in kept if owner[k] == t], np.int64)
+                if len(mine_kept):
+                    want[t].harvest(prev[mine_kept], flat.tokens[mine_kept], top(mine_kept))
+            assert sorted(asked) == sorted(kept)
+            for t, table in ((None, proposer.tables.default), ("x", proposer.new_request("x").table)):
+                assert np.array_equal(table.unigram_ids, want[t].unigram_ids)
+                assert np.array_equal(table.unigram_scores, want[t].unigram_scores)
+                assert table.bigram_key_set() == want[t].bigram_key_set()
+                for key in want[t].bigram_key_set():
+                    p, tok = divmod(key, vocab)
+                    assert table.successors(p, tok)[0].tolist() == want[t].successors(p, tok)[0].tolist()
+            del states
+    assert fresh > 100  # the window skipped rows
+
+
 def test_a_steps_spine_acceptance_moves_as_each_requests_own_observe_moves_it():
     """GOOSE's ``learn_batch`` updates each request's spine acceptance p_s (Algorithm 2 line 16)
     as ``GooseState.observe`` does for that request's tree alone, over random trees, sources,

@@ -8,7 +8,11 @@ Layout (``AdjacencyTable.arrays``, in this argument order):
 * ``uni_ids [V, K]`` int32 (-1 = empty), ``uni_scores [V, K]`` float32: row t = successors of t;
 * ``bi_keys [C]`` int64 (-1 = empty), key ``prev * V + token``; ``bi_stamps [C]`` int64 last use;
   ``bi_ids [C, K]`` int32, ``bi_scores [C, K]`` float32; C a power of two;
-* ``counters [3]`` int64: ``CLOCK`` (the stamp clock), ``HELD`` (bigram entries), ``EVICTED``.
+* ``counters [4]`` int64: ``CLOCK`` (the stamp clock), ``HELD`` (bigram entries), ``EVICTED``,
+  ``HARVESTS`` (the harvest clock, one tick per ``fresh_rows`` call);
+* written stamps, outside ``arrays`` (only ``update`` and ``fresh_rows`` take them): ``uni_written
+  [V]``, ``bi_written [C]`` int32, the harvest clock when the entry was last written, modulo
+  2^31; empty arrays when the table keeps no window (nothing stamped).
 
 Bigram placement: key k hashes to slot h(k) (a 64-bit mix, masked to C); it lives in one of the
 ``WAYS`` slots h, h+1, ..., h+WAYS-1 (mod C). A slot is never emptied once taken, only
@@ -23,11 +27,13 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["WAYS", "CLOCK", "HELD", "EVICTED", "NONE", "UNIGRAM", "BIGRAM", "find", "last_writes", "lookup", "update",
-           "slot_of"]
+__all__ = ["WAYS", "CLOCK", "HELD", "EVICTED", "HARVESTS", "NEVER", "NONE", "UNIGRAM", "BIGRAM", "find", "fresh_rows",
+           "last_writes", "lookup", "update", "slot_of"]
 
 WAYS = 8  # slots a bigram key may occupy (the probe window)
-CLOCK, HELD, EVICTED = 0, 1, 2  # counters[...]
+CLOCK, HELD, EVICTED, HARVESTS = 0, 1, 2, 3  # counters[...]
+WRAP = 0x7FFFFFFF  # written stamps are the harvest clock modulo 2^31
+NEVER = 0x40000000  # the stamp of an entry never written: 2^30 ticks from the clock's start
 NONE, UNIGRAM, BIGRAM = -1, 0, 1  # tiers returned by ``lookup``
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -102,14 +108,19 @@ def lookup(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters,
 
 @_jit
 def update(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters, prev, tokens, top_ids, top_scores,
-           vocab, use_bigram):
+           vocab, use_bigram, uni_written, bi_written):
     """Rows i = 0, 1, ... in order (the last duplicate key wins): unigram row ``tokens[i]`` and,
     when ``prev[i] >= 0``, bigram ``(prev[i], tokens[i])`` become ``top_ids[i]``/``top_scores[i]``
-    (cut to K columns, the rest emptied)."""
+    (cut to K columns, the rest emptied). With written stamps (non-empty arrays) each entry
+    written is stamped with the harvest clock."""
     k_table = uni_ids.shape[1]
     k = min(k_table, top_ids.shape[1])
+    stamp = np.int32(counters[HARVESTS] & WRAP)
+    stamping = uni_written.shape[0] > 0
     for i in range(tokens.shape[0]):
         t = tokens[i]
+        if stamping:
+            uni_written[t] = stamp
         for j in range(k):
             uni_ids[t, j] = top_ids[i, j]
             uni_scores[t, j] = top_scores[i, j]
@@ -120,6 +131,8 @@ def update(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters,
             s = slot_of(bi_keys, bi_stamps, counters, prev[i] * vocab + t)
             counters[CLOCK] += 1
             bi_stamps[s] = counters[CLOCK]
+            if stamping:
+                bi_written[s] = stamp
             for j in range(k):
                 bi_ids[s, j] = top_ids[i, j]
                 bi_scores[s, j] = top_scores[i, j]
@@ -165,4 +178,33 @@ def last_writes(prev, tokens, offsets, tables, live):
                 seen_k[s] = tokens[k]
                 live[k] = True
                 count += 1
+    return count
+
+
+@_jit
+def fresh_rows(uni_written, bi_keys, bi_written, counters, prev, tokens, vocab, use_bigram, window, live):
+    """One tick of the harvest clock, then ``live[k] = False`` for each live row whose every
+    entry (unigram row ``tokens[k]``, and bigram ``(prev[k], tokens[k])`` when ``use_bigram``
+    and ``prev[k] >= 0``) was written within the last ``window`` ticks: the table would
+    overwrite a row it wrote at most ``window`` harvests ago, so the harvest skips it (its
+    vocabulary pass too). A bigram key not held is never fresh. Returns the number of live
+    rows. Stamps compare modulo 2^31 (``update``): an entry left unwritten for 2^31 ticks may
+    look fresh for ``window`` more. Example, window 2: keys written at ticks 1 and 3, clock
+    now 4 (this call's tick) -> the first is 3 ticks old and kept, the second 1 tick old and
+    skipped."""
+    counters[HARVESTS] += 1
+    now = counters[HARVESTS]
+    count = 0
+    for k in range(tokens.shape[0]):
+        if not live[k]:
+            continue
+        t = tokens[k]
+        fresh = ((now - uni_written[t]) & WRAP) <= window
+        if fresh and use_bigram and prev[k] >= 0:
+            s = find(bi_keys, prev[k] * vocab + t)
+            fresh = s >= 0 and ((now - bi_written[s]) & WRAP) <= window
+        if fresh:
+            live[k] = False
+        else:
+            count += 1
     return count

@@ -83,7 +83,8 @@ def tenant_budget(config, vocab_size: int | None, extra_bytes: int = 0) -> tuple
     49k vocabulary, top-k 10, 65,536 bigram rows: 10.2 MB a table."""
     if vocab_size is None:
         return MAX_TENANT_TABLES, config.draft_state_bytes
-    per = AdjacencyTable.allocated_bytes(vocab_size, config.top_k, config.bigram, config.bigram_capacity) + extra_bytes
+    per = AdjacencyTable.allocated_bytes(vocab_size, config.top_k, config.bigram, config.bigram_capacity,
+                                         getattr(config, "refresh_steps", 0)) + extra_bytes
     budget = config.draft_state_bytes or per * (DEFAULT_TENANTS + 2)
     return max(1, budget // per - 2), int(budget)
 
@@ -167,14 +168,18 @@ class AdjacencyTable:
         top_k: int = 10,
         bigram: bool = True,
         bigram_capacity: int = 65536,
+        refresh_steps: int = 0,
     ) -> None:
         if top_k < 1:
             raise ValueError("top_k must be >= 1")
         if bigram_capacity < 1:
             raise ValueError("bigram_capacity must be >= 1")
+        if refresh_steps < 0:
+            raise ValueError(f"refresh_steps must be >= 0, got {refresh_steps}")
         self.top_k = int(top_k)
         self.use_bigram = bool(bigram)
         self.bigram_capacity = _power_of_two(bigram_capacity)
+        self.refresh_steps = int(refresh_steps)
         self.vocab_size: int | None = None
         # [vocab_size, top_k] int32 successor ids (-1 = empty); [vocab_size, top_k] float32 scores
         self.unigram_ids: np.ndarray | None = None
@@ -184,18 +189,30 @@ class AdjacencyTable:
         self.bigram_stamps: np.ndarray | None = None
         self.bigram_ids: np.ndarray | None = None
         self.bigram_scores: np.ndarray | None = None
-        # [3] int64: the stamp clock, bigram entries held, evictions (mutated by the kernels)
-        self.counters = np.zeros(3, np.int64)
+        # [vocab_size], [capacity] int32: the harvest clock when an entry was last written
+        # (empty without refresh_steps)
+        self.unigram_written: np.ndarray | None = None
+        self.bigram_written: np.ndarray | None = None
+        # [4] int64: the stamp clock, bigram entries held, evictions, the harvest clock (mutated by the kernels)
+        self.counters = np.zeros(4, np.int64)
         self.num_harvested = 0
+        self.num_fresh = 0  # rows not harvested: their entries were written within refresh_steps
         self.frozen = False  # True: stays empty, harvests are dropped (TenantTables' overflow tenant)
         if vocab_size is not None:
             self._allocate(int(vocab_size))
 
+    @classmethod
+    def for_config(cls, config, vocab_size: int | None) -> "AdjacencyTable":
+        """An empty table with an ``AdjacencyConfig``'s keys (``refresh_steps``: GOOSE's)."""
+        return cls(vocab_size, config.top_k, bigram=config.bigram, bigram_capacity=config.bigram_capacity,
+                   refresh_steps=getattr(config, "refresh_steps", 0))
+
     @staticmethod
-    def allocated_bytes(vocab_size: int, top_k: int, bigram: bool, bigram_capacity: int) -> int:
+    def allocated_bytes(vocab_size: int, top_k: int, bigram: bool, bigram_capacity: int, refresh_steps: int = 0) -> int:
         """Bytes of a table's arrays once allocated (``memory_bytes()["total"]``), from its keys."""
         cap = _power_of_two(bigram_capacity) if bigram else 1
-        return int(vocab_size) * int(top_k) * 8 + cap * (16 + int(top_k) * 8)
+        written = (int(vocab_size) + cap) * 4 if refresh_steps else 0
+        return int(vocab_size) * int(top_k) * 8 + cap * (16 + int(top_k) * 8) + written
 
     def _allocate(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -206,6 +223,9 @@ class AdjacencyTable:
         self.bigram_stamps = np.zeros(cap, np.int64)
         self.bigram_ids = np.full((cap, self.top_k), _EMPTY, np.int32)
         self.bigram_scores = np.zeros((cap, self.top_k), np.float32)
+        stamped = (vocab_size, cap) if self.refresh_steps else (0, 0)
+        self.unigram_written = np.full(stamped[0], kernels.load("table").NEVER, np.int32)
+        self.bigram_written = np.full(stamped[1], kernels.load("table").NEVER, np.int32)
 
     @property
     def arrays(self) -> tuple:
@@ -240,13 +260,15 @@ class AdjacencyTable:
         return set(self.bigram_keys[self.bigram_keys >= 0].tolist())
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes held: unigram arrays, bigram rows, bigram keys and stamps, total."""
+        """Bytes held: unigram arrays, bigram rows, bigram keys and stamps, written stamps, total."""
         if self.unigram_ids is None:
-            return {"unigram": 0, "bigram_rows": 0, "bigram_index": 0, "total": 0}
+            return {"unigram": 0, "bigram_rows": 0, "bigram_index": 0, "written": 0, "total": 0}
         uni = self.unigram_ids.nbytes + self.unigram_scores.nbytes
         bi = self.bigram_ids.nbytes + self.bigram_scores.nbytes
         index = self.bigram_keys.nbytes + self.bigram_stamps.nbytes
-        return {"unigram": uni, "bigram_rows": bi, "bigram_index": index, "total": uni + bi + index}
+        written = self.unigram_written.nbytes + self.bigram_written.nbytes
+        return {"unigram": uni, "bigram_rows": bi, "bigram_index": index, "written": written,
+                "total": uni + bi + index + written}
 
     # ------------------------------------------------------------------ lookup
     def successors(self, prev_token: int, token: int) -> tuple[np.ndarray, np.ndarray]:
@@ -286,8 +308,24 @@ class AdjacencyTable:
         if self.unigram_ids is None:
             raise ValueError("vocab_size unknown: harvest logits first or pass vocab_size")
         kernels.load("table").update(*self.arrays, prev_tokens, tokens, np.ascontiguousarray(top_ids, np.int32),
-                  np.ascontiguousarray(top_scores, np.float32), self.vocab_size, self.use_bigram)
+                                     np.ascontiguousarray(top_scores, np.float32), self.vocab_size, self.use_bigram,
+                                     self.unigram_written, self.bigram_written)
         self.num_harvested += n
+
+    def fresh_rows(self, prev_tokens: np.ndarray, tokens: np.ndarray, live: np.ndarray) -> int:
+        """One harvest's rows against ``refresh_steps``: ``live[k]`` (int64 ``prev_tokens`` /
+        ``tokens``, bool ``live``, one per row) becomes False where each entry row k would write
+        was written in the table's last ``refresh_steps`` harvests (``kernels.table.fresh_rows``;
+        the harvest clock ticks once a call, whether or not anything is written). Call it once a
+        harvest, before asking for the rows' top-k; returns the rows left live."""
+        if not self.refresh_steps or self.unigram_ids is None or self.frozen:
+            return int(np.count_nonzero(live))
+        num_live = int(np.count_nonzero(live))
+        left = kernels.load("table").fresh_rows(self.unigram_written, self.bigram_keys, self.bigram_written,
+                                                self.counters, prev_tokens, tokens, self.vocab_size, self.use_bigram,
+                                                self.refresh_steps, live)
+        self.num_fresh += num_live - left
+        return int(left)
 
     def harvest(
         self,
@@ -295,7 +333,9 @@ class AdjacencyTable:
         tokens,  # [num_tokens] int
         logits: torch.Tensor | TopKRows,  # [num_tokens, vocab_size], or their top-k
     ) -> None:
-        """One batched top-k over ``softmax(logits)`` rows (unless given), then ``update``."""
+        """One batched top-k over ``softmax(logits)`` rows (unless given), then ``update``. With
+        ``refresh_steps``, the logits' rows whose entries are fresh (``fresh_rows``) are neither
+        ranked nor written; given top-k rows are written as they are (their caller filtered)."""
         if logits.shape[0] == 0 or self.frozen:
             return
         if self.unigram_ids is None:
@@ -306,7 +346,15 @@ class AdjacencyTable:
                 raise ValueError(f"precomputed top-{logits.ids.shape[1]} rows, table keeps top-{self.top_k}")
             ids, scores = logits.ids[:, : self.top_k], logits.scores[:, : self.top_k]
         else:
-            ids, scores = topk_scores(logits, self.top_k)
+            rows = None
+            if self.refresh_steps:
+                prev_tokens = np.ascontiguousarray(prev_tokens, np.int64).reshape(-1)
+                tokens = np.ascontiguousarray(tokens, np.int64).reshape(-1)
+                live = np.ones(tokens.shape[0], np.bool_)
+                if self.fresh_rows(prev_tokens, tokens, live) < tokens.shape[0]:
+                    rows = np.flatnonzero(live)
+                    prev_tokens, tokens = prev_tokens[rows], tokens[rows]
+            ids, scores = topk_scores(logits, self.top_k, rows)
         self.update(prev_tokens, tokens, ids, scores)
 
     def harvest_tree(self, tree, prev_root_token: int, logits: torch.Tensor) -> None:

@@ -117,6 +117,12 @@ class GooseConfig(AdjacencyConfig):
     """Tokens of finished requests the cross-request store keeps per tenant (oldest evicted)."""
     store_prompt_tail: int = Field(default=16, ge=0)
     """Prompt tokens stored before each output (the chat template's assistant header)."""
+    refresh_steps: int = Field(default=0, ge=0)
+    """A verified row whose table entries (its unigram row, and its bigram when the bigram tier
+    is on) the table wrote in its last ``refresh_steps`` harvests (steps) is not harvested: its
+    vocabulary pass is skipped and the entries keep the earlier row's successors. 0: every row
+    rewrites its entries (the papers' rule). Costs (vocab_size + bigram slots) * 4 bytes a table.
+    Not in the papers."""
 
 
 class TokenRecyclingConfig(AdjacencyConfig):

@@ -382,7 +382,7 @@ class GooseProposer(Proposer):
 
     def _new_table(self) -> AdjacencyTable:
         c = self.config
-        return AdjacencyTable(self.vocab_size, c.top_k, bigram=c.bigram, bigram_capacity=c.bigram_capacity)
+        return AdjacencyTable.for_config(c, self.vocab_size)
 
     @classmethod
     def drafts_chains(cls, config: GooseConfig) -> bool:
@@ -410,7 +410,9 @@ class GooseProposer(Proposer):
         None: learn the EMA only. A node whose key a later node of the step writes to the same
         table again is not asked for (``kernels.table.last_writes``: the table would overwrite
         its row; only which bigram key a full window evicts can differ), nor are the nodes of
-        finished requests and of frozen tables."""
+        finished requests and of frozen tables, nor, with ``refresh_steps``, the nodes whose
+        entries their table wrote in its last ``refresh_steps`` steps
+        (``AdjacencyTable.fresh_rows``)."""
         # each node's table key (its parent's token, a root's the token before it) and each
         # tree's spine nodes and accepted spine nodes: one compiled pass (kernels.goose.learn_keys)
         prev = np.empty(trees.num_nodes, np.int64)
@@ -434,6 +436,15 @@ class GooseProposer(Proposer):
                 owner[k] = g
         live = np.empty(trees.num_nodes, np.bool_)
         num_live = kernels.load("table").last_writes(prev, trees.tokens, trees.offsets, owner, live)
+        if len(tables) == 1:  # one harvest a step per table (its clock's tick), live rows only
+            num_live = tables[0].fresh_rows(prev, trees.tokens, live)
+        else:
+            node_table = np.repeat(owner, trees.sizes())
+            num_live = 0
+            for g, table in enumerate(tables):
+                mine = live & (node_table == g)
+                num_live += table.fresh_rows(prev, trees.tokens, mine)
+                live &= mine | (node_table != g)
         if num_live == trees.num_nodes and len(tables) == 1:  # every row kept (most steps of one request)
             tables[0].harvest(prev, trees.tokens, rows(None))
             return
@@ -444,7 +455,7 @@ class GooseProposer(Proposer):
         if len(tables) == 1:
             tables[0].harvest(prev[nodes], trees.tokens[nodes], top)
             return
-        node_table = np.repeat(owner, trees.sizes())[nodes]
+        node_table = node_table[nodes]
         for g, table in enumerate(tables):
             mine = np.flatnonzero(node_table == g)
             table.harvest(prev[nodes[mine]], trees.tokens[nodes[mine]], top[mine])

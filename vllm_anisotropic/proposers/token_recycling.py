@@ -101,7 +101,7 @@ class TokenRecyclingProposer(Proposer):
 
     def _new_table(self) -> AdjacencyTable:
         c = self.config
-        return AdjacencyTable(self.vocab_size, c.top_k, bigram=c.bigram, bigram_capacity=c.bigram_capacity)
+        return AdjacencyTable.for_config(c, self.vocab_size)
 
     def new_request(self, tenant: str | None = None) -> TokenRecyclingState:
         return TokenRecyclingState(self.config, self.tables.for_request(tenant), self.template)
