@@ -310,7 +310,7 @@ def test_draft_state_bytes_bounds_the_tenants_tables_and_stores():
         assert t.memory_bytes()["total"] == AdjacencyTable.allocated_bytes(
             500, t.top_k, t.use_bigram, cfg.get("bigram_capacity", 65536)), cfg
     c = GooseConfig(bigram_capacity=64, store_capacity=256)
-    per = AdjacencyTable.allocated_bytes(1000, c.top_k, c.bigram, c.bigram_capacity) + \
+    per = AdjacencyTable.allocated_bytes(1000, c.top_k, c.bigram, c.bigram_capacity, c.refresh_steps) + \
         OutputStore.max_bytes(c.store_capacity, c.ngram_sizes)
     assert tenant_budget(c, 1000, OutputStore.max_bytes(256, c.ngram_sizes)) == (DEFAULT_TENANTS, per * 34)
     prop = get_proposer("goose", vocab_size=1000, bigram_capacity=64, store_capacity=256,

@@ -74,7 +74,7 @@ class AdjacencyConfig(ProposerConfig):
     vocabulary and the keys above (``adjacency.tenant_bytes``), so one tenant never takes more;
     as many salted tenants are kept beside the unsalted one as fit (at least one), the least
     recently used dropped first (it starts cold again). None: room for 32 salted tenants at the
-    model's vocabulary (GOOSE's defaults: 0.73 GB at a 49k vocabulary, 1.0 GB at 152k)."""
+    model's vocabulary (GOOSE's defaults: 0.77 GB at a 49k vocabulary, 1.06 GB at 152k)."""
 
 
 class GooseConfig(AdjacencyConfig):
@@ -117,12 +117,14 @@ class GooseConfig(AdjacencyConfig):
     """Tokens of finished requests the cross-request store keeps per tenant (oldest evicted)."""
     store_prompt_tail: int = Field(default=16, ge=0)
     """Prompt tokens stored before each output (the chat template's assistant header)."""
-    refresh_steps: int = Field(default=0, ge=0)
+    refresh_steps: int = Field(default=16, ge=0)
     """A verified row whose table entries (its unigram row, and its bigram when the bigram tier
     is on) the table wrote in its last ``refresh_steps`` harvests (steps) is not harvested: its
     vocabulary pass is skipped and the entries keep the earlier row's successors. 0: every row
     rewrites its entries (the papers' rule). Costs (vocab_size + bigram slots) * 4 bytes a table.
-    Not in the papers."""
+    Not in the papers. Default 16: tau within 1 % of 0 in the exact harness
+    (``docs/measurements/cpu/refresh_steps_tau_2026_12_05.txt``) while the engine skips ~40 % of
+    the rows at 8 requests and ~50 % at 64 (goose-b8)."""
 
 
 class TokenRecyclingConfig(AdjacencyConfig):
