@@ -115,13 +115,13 @@ CORE: list[dict] = [
     dict(
         target="vllm_anisotropic/proposers/adjacency.py",
         functions=["topk_scores", "AdjacencyTable.successors", "AdjacencyTable.update", "AdjacencyTable.harvest",
-                   "AdjacencyTable.harvest_tree", "AdjacencyTable.harvest_sequence", "AdjacencyTable.fresh_rows",
+                   "AdjacencyTable.harvest_tree", "AdjacencyTable.harvest_sequence", "AdjacencyTable.skip_fresh", "AdjacencyTable.forget_writes",
                    "AdjacencyTable.allocated_bytes", "AdjacencyTable._allocate"],
         tests=_TABLE_TESTS + ["tests/test_kernels_harvest.py"],
     ),
     dict(target="vllm_anisotropic/kernels/table.py", functions=["_home", "find", "slot_of", "lookup", "update"],
          tests=_TABLE_TESTS),
-    dict(target="vllm_anisotropic/kernels/table.py", functions=["fresh_rows", "update"],
+    dict(target="vllm_anisotropic/kernels/table.py", functions=["skip_fresh", "update"],
          tests=["tests/test_adjacency.py", "tests/test_tree_drafter.py::"
                 "test_refresh_steps_skip_the_rows_their_table_wrote_within_the_window_step_after_step"]),
     dict(target="vllm_anisotropic/kernels/table.py", functions=["last_writes"],

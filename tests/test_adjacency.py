@@ -96,7 +96,7 @@ def _one_hot_rows(favourites, vocab=16):
 
 
 def test_refresh_steps_skip_entries_written_within_the_window():
-    """``refresh_steps`` (GOOSE's key; ``kernels.table.fresh_rows``): a row whose unigram row, and
+    """``refresh_steps`` (GOOSE's key; ``kernels.table.skip_fresh``): a row whose unigram row, and
     bigram when it has a previous token, were written in the table's last ``refresh_steps``
     harvests is neither ranked nor written. Window 2: a key written at harvest 1 is skipped at
     harvests 2 and 3 and rewritten at 4; a new bigram over a fresh unigram row is written (its
@@ -104,6 +104,7 @@ def test_refresh_steps_skip_entries_written_within_the_window():
     harvest clock ticks when every row is skipped; 0 keeps the papers' rule. Catches: ``<`` for
     ``<=`` at the window's edge, a clock ticked per write instead of per harvest, ``or`` for
     ``and`` between the tiers, the vocabulary pass run on the skipped rows."""
+    from vllm_anisotropic import kernels
     from vllm_anisotropic.proposers import adjacency
 
     def top1(t, p, tok):
@@ -121,32 +122,77 @@ def test_refresh_steps_skip_entries_written_within_the_window():
         assert ranked[-1] == [1] and top1(t, 1, 2) == [10] and top1(t, 5, 2) == [13] and top1(t, -1, 4) == [11]
         assert top1(t, 9, 2) == [13]  # the unigram row of 2: the new bigram's row wrote it
         t.harvest([1, -1], [2, 4], _one_hot_rows([15, 15]))  # 3: (1, 2) two harvests old: skipped
-        assert ranked[-1] == [] and top1(t, 1, 2) == [10] and t.num_fresh == 4
+        assert ranked[-1] == [] and top1(t, 1, 2) == [10] and t.num_skipped == 4
         t.harvest([1, -1], [2, 4], _one_hot_rows([6, 7]))  # 4: three old: rewritten
         assert top1(t, 1, 2) == [6] and top1(t, -1, 4) == [7] and ranked[-1] is None
     finally:
         adjacency.topk_scores = real
-    assert t.counters[3] == 4 and t.num_harvested == 5
+    assert t.counters[kernels.load("table").HARVESTS] == 4 and t.num_harvested == 5
     plain = AdjacencyTable(16, 2)
     for i in range(3):
         plain.harvest([1], [2], _one_hot_rows([10 + i]))
         assert top1(plain, 1, 2) == [10 + i]
-    # without the bigram tier a row's entry is its unigram row
     # previous token 0 is a token: its bigram is checked like any other
     zero = AdjacencyTable(16, 2, refresh_steps=3)
     zero.harvest([5], [3], _one_hot_rows([10]))
     zero.harvest([0], [3], _one_hot_rows([11]))  # unigram row 3 fresh, bigram (0, 3) not held: written
-    assert top1(zero, 0, 3) == [11] and zero.num_fresh == 0
+    assert top1(zero, 0, 3) == [11] and zero.num_skipped == 0
     one = AdjacencyTable(16, 2, bigram_capacity=1, refresh_steps=1)  # the key's slot is slot 0
     one.harvest([1], [2], _one_hot_rows([10]))
     one.harvest([1], [2], _one_hot_rows([11]))
-    assert top1(one, 1, 2) == [10] and one.num_fresh == 1
+    assert top1(one, 1, 2) == [10] and one.num_skipped == 1
+    # without the bigram tier a row's entry is its unigram row
     uni = AdjacencyTable(16, 2, bigram=False, refresh_steps=1)
     uni.harvest([1], [2], _one_hot_rows([10]))
     uni.harvest([5], [2], _one_hot_rows([11]))
     assert top1(uni, -1, 2) == [10]
     uni.harvest([5], [2], _one_hot_rows([12]))
     assert top1(uni, -1, 2) == [12]
+
+
+def test_refresh_steps_the_same_with_given_top_k_rows_over_a_prefill_and_after_an_eviction():
+    """The window applies however the rows come: precomputed top-k rows (the exact harness's
+    lagged harvest) leave the table that the logits leave; a prefill is one harvest (one tick),
+    so a key an earlier chunk of it wrote is written again by a later one (the last row wins,
+    as without a window); an evicted bigram is not fresh (its row is written again); a skipped
+    row refreshes its bigram's LRU stamp as its write would; ``forget_writes`` makes every entry
+    stale. Catches: given rows written unfiltered, a tick per chunk, the bigram read at its home
+    slot without ``find``, the LRU stamp left behind, a bound above the stamps' range."""
+    import pytest
+
+    from vllm_anisotropic.proposers.adjacency import TopKRows
+
+    rng = np.random.default_rng(3)
+    a, b = AdjacencyTable(16, 2, refresh_steps=3), AdjacencyTable(16, 2, refresh_steps=3)
+    for _ in range(30):
+        prev, tok = rng.integers(-1, 4, 6), rng.integers(0, 4, 6)
+        x = torch.randn(6, 16, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
+        a.harvest(prev, tok, x)
+        b.harvest(prev, tok, TopKRows.of(x, 2))
+    assert a.num_skipped == b.num_skipped > 30 and np.array_equal(a.unigram_ids, b.unigram_ids)
+    assert a.bigram_key_set() == b.bigram_key_set()
+    assert all(a.successors(*divmod(k, 16))[0].tolist() == b.successors(*divmod(k, 16))[0].tolist()
+               for k in a.bigram_key_set())
+    seq = AdjacencyTable(16, 2, refresh_steps=3)
+    seq.harvest_sequence([1, 2, 1, 2], _one_hot_rows([10, 11, 12, 13]), chunk=2)
+    assert seq.counters[3] == 1 and seq.num_skipped == 0 and seq.successors(1, 2)[0][0] == 13
+    seq.harvest_sequence([5, 1, 2], _one_hot_rows([6, 7, 8]), chunk=2)  # (1, 2) written a tick ago
+    assert seq.counters[3] == 2 and seq.num_skipped == 1 and seq.successors(1, 2)[0][0] == 13
+    small = AdjacencyTable(16, 2, bigram_capacity=8, refresh_steps=5)  # one window of 8 slots
+    small.harvest(np.arange(9), np.full(9, 3), _one_hot_rows(list(range(9))))  # (0, 3) evicted by (8, 3)
+    assert small.bigram_slot(0, 3) == -1 and len(small) == 8
+    small.harvest([0, 1], [3, 3], _one_hot_rows([14, 15]))  # (0, 3) not held: written; (1, 3) fresh
+    assert small.successors(0, 3)[0][0] == 14 and small.successors(1, 3)[0][0] == 1 and small.num_skipped == 1
+    assert small.bigram_slot(2, 3) == -1  # (0, 3) took the least recently used slot: (2, 3)'s
+    slot = small.bigram_slot(3, 3)
+    before = small.bigram_stamps[slot]
+    small.harvest([3], [3], _one_hot_rows([9]))  # skipped: its stamp moves as a write's would
+    assert small.num_skipped == 2 and small.bigram_stamps[slot] > before
+    small.forget_writes()
+    small.harvest([3], [3], _one_hot_rows([9]))
+    assert small.successors(3, 3)[0][0] == 9 and small.num_skipped == 2
+    with pytest.raises(ValueError, match="refresh_steps"):
+        AdjacencyTable(16, 2, refresh_steps=(1 << 20) + 1)
 
 
 def test_refresh_steps_compare_stamps_across_the_clocks_wrap():
@@ -158,12 +204,12 @@ def test_refresh_steps_compare_stamps_across_the_clocks_wrap():
     tk = kernels.load("table")
     t = AdjacencyTable(16, 2, refresh_steps=1)
     t.harvest([1], [2], _one_hot_rows([10]))
-    assert t.num_fresh == 0 and t.unigram_written.dtype == np.int32
+    assert t.num_skipped == 0 and t.unigram_written.dtype == np.int32
     t.counters[tk.HARVESTS] = (1 << 31) - 2
     t.harvest([1], [2], _one_hot_rows([11]))  # written at 2^31 - 1
     assert t.successors(1, 2)[0][0] == 11 and t.unigram_written[2] == (1 << 31) - 1
     t.harvest([1], [2], _one_hot_rows([12]))  # clock 2^31, stamp 0: one harvest old
-    assert t.successors(1, 2)[0][0] == 11 and t.num_fresh == 1
+    assert t.successors(1, 2)[0][0] == 11 and t.num_skipped == 1
     t.harvest([1], [2], _one_hot_rows([13]))
     assert t.successors(1, 2)[0][0] == 13 and t.unigram_written[2] == 1
 

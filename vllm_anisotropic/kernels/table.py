@@ -1,7 +1,8 @@
-"""Compiled kernels of the adjacency table (``proposers.adjacency.AdjacencyTable``): lookup, update.
+"""Compiled kernels of the adjacency table (``proposers.adjacency.AdjacencyTable``): lookup,
+update, and which of a harvest's rows it would write (``last_writes``, ``skip_fresh``).
 
-Scope: the array layout of one table and the two operations on it, as numba functions that
-the table's methods and the GOOSE tree kernel (``kernels.goose``) both call. No policy.
+Scope: the array layout of one table and the operations on it, as numba functions that the
+table's methods and the GOOSE tree kernel (``kernels.goose``) both call. No policy.
 
 Layout (``AdjacencyTable.arrays``, in this argument order):
 
@@ -9,8 +10,8 @@ Layout (``AdjacencyTable.arrays``, in this argument order):
 * ``bi_keys [C]`` int64 (-1 = empty), key ``prev * V + token``; ``bi_stamps [C]`` int64 last use;
   ``bi_ids [C, K]`` int32, ``bi_scores [C, K]`` float32; C a power of two;
 * ``counters [4]`` int64: ``CLOCK`` (the stamp clock), ``HELD`` (bigram entries), ``EVICTED``,
-  ``HARVESTS`` (the harvest clock, one tick per ``fresh_rows`` call);
-* written stamps, outside ``arrays`` (only ``update`` and ``fresh_rows`` take them): ``uni_written
+  ``HARVESTS`` (the harvest clock, one tick per ``skip_fresh`` call);
+* written stamps, outside ``arrays`` (only ``update`` and ``skip_fresh`` take them): ``uni_written
   [V]``, ``bi_written [C]`` int32, the harvest clock when the entry was last written, modulo
   2^31; empty arrays when the table keeps no window (nothing stamped).
 
@@ -27,8 +28,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["WAYS", "CLOCK", "HELD", "EVICTED", "HARVESTS", "NEVER", "NONE", "UNIGRAM", "BIGRAM", "find", "fresh_rows",
-           "last_writes", "lookup", "update", "slot_of"]
+__all__ = ["WAYS", "CLOCK", "HELD", "EVICTED", "HARVESTS", "NEVER", "NONE", "UNIGRAM", "BIGRAM", "find", "last_writes",
+           "lookup", "skip_fresh", "slot_of", "update"]
 
 WAYS = 8  # slots a bigram key may occupy (the probe window)
 CLOCK, HELD, EVICTED, HARVESTS = 0, 1, 2, 3  # counters[...]
@@ -182,16 +183,18 @@ def last_writes(prev, tokens, offsets, tables, live):
 
 
 @_jit
-def fresh_rows(uni_written, bi_keys, bi_written, counters, prev, tokens, vocab, use_bigram, window, live):
+def skip_fresh(uni_written, bi_keys, bi_stamps, bi_written, counters, prev, tokens, vocab, use_bigram, window, live):
     """One tick of the harvest clock, then ``live[k] = False`` for each live row whose every
     entry (unigram row ``tokens[k]``, and bigram ``(prev[k], tokens[k])`` when ``use_bigram``
     and ``prev[k] >= 0``) was written within the last ``window`` ticks: the table would
-    overwrite a row it wrote at most ``window`` harvests ago, so the harvest skips it (its
-    vocabulary pass too). A bigram key not held is never fresh. Returns the number of live
-    rows. Stamps compare modulo 2^31 (``update``): an entry left unwritten for 2^31 ticks may
-    look fresh for ``window`` more. Example, window 2: keys written at ticks 1 and 3, clock
-    now 4 (this call's tick) -> the first is 3 ticks old and kept, the second 1 tick old and
-    skipped."""
+    overwrite entries it wrote at most ``window`` harvests ago, so the harvest skips the row
+    (its vocabulary pass too). A skipped row's bigram gets its LRU stamp, as its write would
+    have given it. A bigram key not held, or a token outside the vocabulary, is never fresh.
+    Returns the number of live rows. Stamps compare modulo 2^31 (``update``); ``NEVER`` is 2^30
+    ticks from the clock's start, so an entry never written looks fresh only for ``window``
+    ticks after 2^30 (+ a multiple of 2^31) ticks. Example, window 2: keys written at ticks 1
+    and 3, the clock now at 4 (this call's tick) -> the first is 3 ticks old and kept, the
+    second 1 tick old and skipped."""
     counters[HARVESTS] += 1
     now = counters[HARVESTS]
     count = 0
@@ -199,12 +202,16 @@ def fresh_rows(uni_written, bi_keys, bi_written, counters, prev, tokens, vocab, 
         if not live[k]:
             continue
         t = tokens[k]
-        fresh = ((now - uni_written[t]) & WRAP) <= window
+        fresh = t >= 0 and t < vocab and ((now - uni_written[t]) & WRAP) <= window
+        s = -1
         if fresh and use_bigram and prev[k] >= 0:
             s = find(bi_keys, prev[k] * vocab + t)
             fresh = s >= 0 and ((now - bi_written[s]) & WRAP) <= window
         if fresh:
             live[k] = False
+            if s >= 0:
+                counters[CLOCK] += 1
+                bi_stamps[s] = counters[CLOCK]
         else:
             count += 1
     return count

@@ -20,7 +20,9 @@ harvest
     For each verified node i with token ``t_i`` and previous token ``t_{i-1}`` (its parent's
     token; for the tree root, the context token before it): row ``t_i`` of the unigram table
     and bigram entry ``(t_{i-1}, t_i)`` are overwritten by the top-K of ``softmax(logits[i])``.
-    Within one batch, the last row for a key wins (deterministic).
+    Within one batch, the last row for a key wins (deterministic). With ``refresh_steps`` (not
+    in the papers; GOOSE's default 16) a row whose entries the table wrote in its last
+    ``refresh_steps`` harvests is skipped (``AdjacencyTable.skip_fresh``).
 
 Storage (array-backed, so lookups and updates run in compiled kernels, ``kernels.table``):
 the unigram tier is dense, ``[vocab_size, K]`` int32 ids and float32 scores; the bigram tier is
@@ -34,7 +36,8 @@ the capacity is at most 8).
 
 Memory (``memory_bytes``, fixed at allocation, nothing grows): unigram ``V * K * 8`` bytes
 (3.9 MB at V = 49,152, 12.2 MB at V = 151,936 for K = 10), bigram ``capacity * (16 + 8 K)``
-bytes (6.3 MB at the default 65,536 slots, K = 10): at most 18.5 MB a table at V = 151,936.
+bytes (6.3 MB at the default 65,536 slots, K = 10), and with ``refresh_steps`` (GOOSE's default
+16) int32 written stamps, ``(V + capacity) * 4`` bytes: at most 19.3 MB a table at V = 151,936.
 
 Tenants (``TenantTables``): with ``shared_table`` every request of one tenant reads and feeds
 one table, the hot start of Token Recycling. A shared table is a side channel: what one
@@ -62,7 +65,8 @@ __all__ = ["AdjacencyTable", "DEFAULT_TENANTS", "MAX_TENANT_TABLES", "TenantTabl
            "topk_scores"]
 
 _EMPTY = -1
-_CLOCK, _HELD, _EVICTED = 0, 1, 2  # AdjacencyTable.counters (kernels.table: CLOCK, HELD, EVICTED)
+_CLOCK, _HELD, _EVICTED = 0, 1, 2  # AdjacencyTable.counters (kernels.table: CLOCK, HELD, EVICTED, HARVESTS)
+MAX_REFRESH_STEPS = 1 << 20  # refresh_steps' bound: far below the written stamps' 2^30 (kernels.table.NEVER)
 _NO_ROW = (np.zeros(0, np.int32), np.zeros(0, np.float32))
 MAX_TENANT_TABLES = 64  # salted tables kept per proposer when the vocabulary is not known
 DEFAULT_TENANTS = 32  # salted tenants the default draft_state_bytes has room for
@@ -80,11 +84,11 @@ def tenant_budget(config, vocab_size: int | None, extra_bytes: int = 0) -> tuple
     unsalted tenant and ``TenantTables``' overflow table take one share each, the rest go to
     salted tenants (at least one). Without a vocabulary (tables sized at their first harvest):
     ``(MAX_TENANT_TABLES, None)``.
-    49k vocabulary, top-k 10, 65,536 bigram rows: 10.2 MB a table."""
+    49k vocabulary, top-k 10, 65,536 bigram rows: 10.2 MB a table (10.7 MB with written stamps)."""
     if vocab_size is None:
         return MAX_TENANT_TABLES, config.draft_state_bytes
     per = AdjacencyTable.allocated_bytes(vocab_size, config.top_k, config.bigram, config.bigram_capacity,
-                                         getattr(config, "refresh_steps", 0)) + extra_bytes
+                                         config.refresh_steps) + extra_bytes
     budget = config.draft_state_bytes or per * (DEFAULT_TENANTS + 2)
     return max(1, budget // per - 2), int(budget)
 
@@ -174,8 +178,8 @@ class AdjacencyTable:
             raise ValueError("top_k must be >= 1")
         if bigram_capacity < 1:
             raise ValueError("bigram_capacity must be >= 1")
-        if refresh_steps < 0:
-            raise ValueError(f"refresh_steps must be >= 0, got {refresh_steps}")
+        if not 0 <= refresh_steps <= MAX_REFRESH_STEPS:
+            raise ValueError(f"refresh_steps must be in [0, {MAX_REFRESH_STEPS}], got {refresh_steps}")
         self.top_k = int(top_k)
         self.use_bigram = bool(bigram)
         self.bigram_capacity = _power_of_two(bigram_capacity)
@@ -196,16 +200,16 @@ class AdjacencyTable:
         # [4] int64: the stamp clock, bigram entries held, evictions, the harvest clock (mutated by the kernels)
         self.counters = np.zeros(4, np.int64)
         self.num_harvested = 0
-        self.num_fresh = 0  # rows not harvested: their entries were written within refresh_steps
+        self.num_skipped = 0  # rows not harvested: their entries were written within refresh_steps
         self.frozen = False  # True: stays empty, harvests are dropped (TenantTables' overflow tenant)
         if vocab_size is not None:
             self._allocate(int(vocab_size))
 
     @classmethod
     def for_config(cls, config, vocab_size: int | None) -> "AdjacencyTable":
-        """An empty table with an ``AdjacencyConfig``'s keys (``refresh_steps``: GOOSE's)."""
+        """An empty table with an ``AdjacencyConfig``'s keys."""
         return cls(vocab_size, config.top_k, bigram=config.bigram, bigram_capacity=config.bigram_capacity,
-                   refresh_steps=getattr(config, "refresh_steps", 0))
+                   refresh_steps=config.refresh_steps)
 
     @staticmethod
     def allocated_bytes(vocab_size: int, top_k: int, bigram: bool, bigram_capacity: int, refresh_steps: int = 0) -> int:
@@ -312,48 +316,59 @@ class AdjacencyTable:
                                      self.unigram_written, self.bigram_written)
         self.num_harvested += n
 
-    def fresh_rows(self, prev_tokens: np.ndarray, tokens: np.ndarray, live: np.ndarray) -> int:
+    def skip_fresh(self, prev_tokens: np.ndarray, tokens: np.ndarray, live: np.ndarray) -> int:
         """One harvest's rows against ``refresh_steps``: ``live[k]`` (int64 ``prev_tokens`` /
-        ``tokens``, bool ``live``, one per row) becomes False where each entry row k would write
-        was written in the table's last ``refresh_steps`` harvests (``kernels.table.fresh_rows``;
-        the harvest clock ticks once a call, whether or not anything is written). Call it once a
-        harvest, before asking for the rows' top-k; returns the rows left live."""
-        if not self.refresh_steps or self.unigram_ids is None or self.frozen:
-            return int(np.count_nonzero(live))
+        ``tokens``, bool ``live``, one per row) becomes False where every entry row k would write
+        was written in the table's last ``refresh_steps`` harvests (``kernels.table.skip_fresh``;
+        the harvest clock ticks once a call, whether or not anything is written). Called once a
+        harvest, before the rows' top-k; returns the rows left live."""
         num_live = int(np.count_nonzero(live))
-        left = kernels.load("table").fresh_rows(self.unigram_written, self.bigram_keys, self.bigram_written,
-                                                self.counters, prev_tokens, tokens, self.vocab_size, self.use_bigram,
-                                                self.refresh_steps, live)
-        self.num_fresh += num_live - left
+        if not self.refresh_steps or self.unigram_written is None or not self.unigram_written.size or self.frozen:
+            return num_live
+        left = kernels.load("table").skip_fresh(self.unigram_written, self.bigram_keys, self.bigram_stamps,
+                                                self.bigram_written, self.counters, prev_tokens, tokens,
+                                                self.vocab_size, self.use_bigram, self.refresh_steps, live)
+        self.num_skipped += num_live - left
         return int(left)
+
+    def forget_writes(self) -> None:
+        """Every entry taken as never written (the next row of each key is harvested): what the
+        tensor-parallel ranks do together when their trees differ (``TreeDrafter.contain``), so
+        that one rank's missed harvest does not keep its windows out of step with the others'."""
+        if self.unigram_written is not None:
+            self.unigram_written.fill(kernels.load("table").NEVER)
+            self.bigram_written.fill(kernels.load("table").NEVER)
 
     def harvest(
         self,
         prev_tokens,  # [num_tokens] int, -1 = none
         tokens,  # [num_tokens] int
         logits: torch.Tensor | TopKRows,  # [num_tokens, vocab_size], or their top-k
+        checked: bool = False,
     ) -> None:
         """One batched top-k over ``softmax(logits)`` rows (unless given), then ``update``. With
-        ``refresh_steps``, the logits' rows whose entries are fresh (``fresh_rows``) are neither
-        ranked nor written; given top-k rows are written as they are (their caller filtered)."""
+        ``refresh_steps``, the rows whose entries are fresh (``skip_fresh``: one tick of the
+        harvest clock) are neither ranked nor written, unless ``checked``: the caller ran
+        ``skip_fresh`` for this harvest and passes the live rows only (``learn_batch``)."""
         if logits.shape[0] == 0 or self.frozen:
             return
         if self.unigram_ids is None:
             self._allocate(int(logits.shape[-1]))
         assert logits.shape[-1] >= self.vocab_size, (logits.shape, self.vocab_size)
+        rows = None
+        if self.refresh_steps and not checked:
+            prev_tokens = np.ascontiguousarray(prev_tokens, np.int64).reshape(-1)
+            tokens = np.ascontiguousarray(tokens, np.int64).reshape(-1)
+            live = np.ones(tokens.shape[0], np.bool_)
+            if self.skip_fresh(prev_tokens, tokens, live) < tokens.shape[0]:
+                rows = np.flatnonzero(live)
+                prev_tokens, tokens = prev_tokens[rows], tokens[rows]
         if isinstance(logits, TopKRows):
             if logits.ids.shape[1] < min(self.top_k, logits.vocab_size):
                 raise ValueError(f"precomputed top-{logits.ids.shape[1]} rows, table keeps top-{self.top_k}")
-            ids, scores = logits.ids[:, : self.top_k], logits.scores[:, : self.top_k]
+            top = logits if rows is None else logits[rows]
+            ids, scores = top.ids[:, : self.top_k], top.scores[:, : self.top_k]
         else:
-            rows = None
-            if self.refresh_steps:
-                prev_tokens = np.ascontiguousarray(prev_tokens, np.int64).reshape(-1)
-                tokens = np.ascontiguousarray(tokens, np.int64).reshape(-1)
-                live = np.ones(tokens.shape[0], np.bool_)
-                if self.fresh_rows(prev_tokens, tokens, live) < tokens.shape[0]:
-                    rows = np.flatnonzero(live)
-                    prev_tokens, tokens = prev_tokens[rows], tokens[rows]
             ids, scores = topk_scores(logits, self.top_k, rows)
         self.update(prev_tokens, tokens, ids, scores)
 
@@ -370,12 +385,23 @@ class AdjacencyTable:
         self.harvest(prev, tree.tokens, logits)
 
     def harvest_sequence(self, tokens, logits: torch.Tensor, chunk: int = 1024) -> None:
-        """Harvest a prefill: row j of ``logits`` follows ``tokens[j]`` (prev ``tokens[j-1]``)."""
-        tokens = np.asarray(tokens, np.int64)
+        """Harvest a prefill: row j of ``logits`` follows ``tokens[j]`` (prev ``tokens[j-1]``);
+        one harvest (one ``skip_fresh`` over the whole prompt), its top-k ``chunk`` rows at a time."""
+        tokens = np.asarray(tokens, np.int64).reshape(-1)
         assert logits.shape[0] == tokens.shape[0], (logits.shape, tokens.shape)
+        if tokens.shape[0] == 0 or self.frozen:
+            return
+        if self.unigram_ids is None:
+            self._allocate(int(logits.shape[-1]))
+        assert logits.shape[-1] >= self.vocab_size, (logits.shape, self.vocab_size)
         prev = np.concatenate([[-1], tokens[:-1]])
-        for s in range(0, tokens.shape[0], chunk):
-            self.harvest(prev[s : s + chunk], tokens[s : s + chunk], logits[s : s + chunk])
+        live = np.ones(tokens.shape[0], np.bool_)
+        self.skip_fresh(prev, tokens, live)
+        rows = np.flatnonzero(live)
+        for s in range(0, rows.shape[0], chunk):
+            part = rows[s : s + chunk]
+            ids, scores = topk_scores(logits, self.top_k, part)
+            self.update(prev[part], tokens[part], ids, scores)
 
 
 class HarvestingState(RequestState):

@@ -64,6 +64,12 @@ class AdjacencyConfig(ProposerConfig):
     """Max bigram entries (LRU eviction); bounds memory at capacity * top_k * 8 bytes + index."""
     min_branch_score: float = Field(default=0.01, ge=0.0, le=1.0)
     """Successors with a score (softmax probability) below this are pruned. Paper: 0.01."""
+    refresh_steps: int = Field(default=0, ge=0, le=1 << 20)
+    """A verified row whose table entries (its unigram row, and its bigram when the bigram tier
+    is on) the table wrote in its last ``refresh_steps`` harvests (steps) is not harvested: the
+    entries keep the earlier row's successors. 0: every row rewrites its entries (the papers'
+    rule). Costs (vocab_size + bigram slots) * 4 bytes a table. Not in the papers; GOOSE's
+    default is 16 (``GooseConfig``), the other proposers' 0."""
     shared_table: bool = True
     """One adjacency table per tenant, inherited across that tenant's requests (TR's hot start);
     a tenant is vLLM's ``cache_salt`` (requests without one share a table). False gives every
@@ -117,14 +123,10 @@ class GooseConfig(AdjacencyConfig):
     """Tokens of finished requests the cross-request store keeps per tenant (oldest evicted)."""
     store_prompt_tail: int = Field(default=16, ge=0)
     """Prompt tokens stored before each output (the chat template's assistant header)."""
-    refresh_steps: int = Field(default=16, ge=0)
-    """A verified row whose table entries (its unigram row, and its bigram when the bigram tier
-    is on) the table wrote in its last ``refresh_steps`` harvests (steps) is not harvested: its
-    vocabulary pass is skipped and the entries keep the earlier row's successors. 0: every row
-    rewrites its entries (the papers' rule). Costs (vocab_size + bigram slots) * 4 bytes a table.
-    Not in the papers. Default 16: tau within 1 % of 0 in the exact harness
-    (``docs/measurements/cpu/refresh_steps_tau_2026_12_05.txt``) while the engine skips ~40 % of
-    the rows at 8 requests and ~50 % at 64 (goose-b8)."""
+    refresh_steps: int = Field(default=16, ge=0, le=1 << 20)
+    """``AdjacencyConfig.refresh_steps``; GOOSE skips the fresh rows' vocabulary pass too. Default
+    16: tau within 1 % of 0 in the exact harness while the engine skips ~40 % of the rows at 8
+    requests and ~50 % at 64 (goose-b8; ``docs/measurements/cpu/allocator_measurements.md``)."""
 
 
 class TokenRecyclingConfig(AdjacencyConfig):

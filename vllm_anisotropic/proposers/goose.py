@@ -412,7 +412,7 @@ class GooseProposer(Proposer):
         its row; only which bigram key a full window evicts can differ), nor are the nodes of
         finished requests and of frozen tables, nor, with ``refresh_steps``, the nodes whose
         entries their table wrote in its last ``refresh_steps`` steps
-        (``AdjacencyTable.fresh_rows``)."""
+        (``AdjacencyTable.skip_fresh``)."""
         # each node's table key (its parent's token, a root's the token before it) and each
         # tree's spine nodes and accepted spine nodes: one compiled pass (kernels.goose.learn_keys)
         prev = np.empty(trees.num_nodes, np.int64)
@@ -437,25 +437,26 @@ class GooseProposer(Proposer):
         live = np.empty(trees.num_nodes, np.bool_)
         num_live = kernels.load("table").last_writes(prev, trees.tokens, trees.offsets, owner, live)
         if len(tables) == 1:  # one harvest a step per table (its clock's tick), live rows only
-            num_live = tables[0].fresh_rows(prev, trees.tokens, live)
+            num_live = tables[0].skip_fresh(prev, trees.tokens, live)
         else:
             node_table = np.repeat(owner, trees.sizes())
-            num_live = 0
-            for g, table in enumerate(tables):
-                mine = live & (node_table == g)
-                num_live += table.fresh_rows(prev, trees.tokens, mine)
-                live &= mine | (node_table != g)
+            if any(table.refresh_steps for table in tables):
+                num_live = 0
+                for g, table in enumerate(tables):
+                    mine = live & (node_table == g)
+                    num_live += table.skip_fresh(prev, trees.tokens, mine)
+                    live &= mine | (node_table != g)
         if num_live == trees.num_nodes and len(tables) == 1:  # every row kept (most steps of one request)
-            tables[0].harvest(prev, trees.tokens, rows(None))
+            tables[0].harvest(prev, trees.tokens, rows(None), checked=True)
             return
         if not num_live:
             return
         nodes = np.flatnonzero(live)
         top = rows(nodes)
         if len(tables) == 1:
-            tables[0].harvest(prev[nodes], trees.tokens[nodes], top)
+            tables[0].harvest(prev[nodes], trees.tokens[nodes], top, checked=True)
             return
         node_table = node_table[nodes]
         for g, table in enumerate(tables):
             mine = np.flatnonzero(node_table == g)
-            table.harvest(prev[nodes[mine]], trees.tokens[nodes[mine]], top[mine])
+            table.harvest(prev[nodes[mine]], trees.tokens[nodes[mine]], top[mine], checked=True)

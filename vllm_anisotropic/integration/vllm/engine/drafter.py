@@ -13,7 +13,7 @@ Scope: bookkeeping between vLLM's flat draft lists and our trees. The tree runne
    (``FlatTrees.prefix``: value order makes every prefix a subtree) and checked against it.
    The result (``StepTrees``) is what the positions, the attention plan and the walk read.
 3. ``observe_step`` after verification: the metrics now; the learning (adjacency-table
-   harvest from one top-k over every verified row, the spine-acceptance EMA) after the step's
+   harvest from one top-k over the verified rows the tables keep, the spine-acceptance EMA) after the step's
    reply (``run_deferred``), so the next tree is proposed from the tables as they were one step
    earlier.
 
@@ -656,12 +656,26 @@ class TreeDrafter:
         self.metrics.state_budget_bytes = int(getattr(self.proposer, "state_budget", None) or 0)
         stores = getattr(self.proposer, "stores", None)
         self.metrics.store_bytes = sum(s.memory_bytes() for s in stores.all()) if stores is not None else 0
+        self.metrics.table_bytes = sum(t.memory_bytes()["total"] for t in self._held_tables())
+
+    def _held_tables(self) -> list:
+        """Every adjacency table in use, each once: the tenants' and the requests' own."""
+        tables = getattr(self.proposer, "tables", None)
         held = {id(t): t for t in (tables.all() if tables is not None else ())}
         for state in self.states.values():
             table = getattr(state, "table", None)
             if table is not None:
                 held[id(table)] = table
-        self.metrics.table_bytes = sum(t.memory_bytes()["total"] for t in held.values())
+        return list(held.values())
+
+    def forget_writes(self) -> None:
+        """Every adjacency table's refresh window starts over (``AdjacencyTable.forget_writes``):
+        called by every tensor-parallel rank in the same step when the ranks' trees differ or a
+        rank's verification failed (``sampler``, after ``faults.agree``). One rank's missed
+        harvest would otherwise leave its windows out of step with the other ranks' for as
+        long as a key recurs within them, and their trees differing."""
+        for table in self._held_tables():
+            table.forget_writes()
 
     def drop_tree(self, req_id: str) -> None:
         """The request was preempted: its pending drafts are gone, and a draft model's KV cache

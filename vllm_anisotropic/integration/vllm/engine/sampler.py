@@ -140,6 +140,8 @@ class TreeRejectionSampler(nn.Module):
                 flags[step.rows[void]] = True
             flags[-1] = failed
             agreed = agree(flags, group)
+            if agreed.any():  # on every rank alike: the tables' refresh windows start over
+                self.runner.drafter.forget_writes()
             if agreed[-1] and not failed:
                 stage, failed = "ranks", True
                 report(logger, stage, [step.req_ids[t] for t in walked.tolist()])
