@@ -595,6 +595,29 @@ def test_states_that_harvest_nothing_get_no_rows():
     assert [o[2] for r in "ab" for o in d.states[r].observed] == [None, None]
 
 
+def test_forget_writes_starts_every_tables_window_over():
+    """``TreeDrafter.forget_writes`` (every tensor-parallel rank, when their trees differ): every
+    adjacency table in use, the tenants' and a request's own, takes each entry as never written,
+    so the next row of a key is harvested on every rank alike. Catches: the tenants' tables or
+    the requests' own ones left out."""
+    from vllm_anisotropic import kernels
+
+    never = kernels.load("table").NEVER
+    for shared in (True, False):
+        d = _drafter(allocator="off", shared_table=shared, refresh_steps=4)
+        tokens, lengths = _tokens([30, 31])
+        drafts = d.propose_trees(["a", "b"], [True, True], [[1]] * 2, lengths, tokens)
+        step = d.take_step(["a", "b"], {"a": drafts[0][:1], "b": drafts[1][:1]})
+        d.observe_step(step, np.array([[-1], [-1]]), np.array([0, 0]), step.trees.offsets[:-1],
+                       torch.randn(step.trees.num_nodes, V))
+        d.run_deferred()
+        tables = {id(s.table): s.table for s in d.states.values()}
+        assert len(tables) == (1 if shared else 2)
+        assert all((t.unigram_written != never).any() for t in tables.values())
+        d.forget_writes()
+        assert all((t.unigram_written == never).all() and (t.bigram_written == never).all() for t in tables.values())
+
+
 def test_goose_learns_a_mixed_step_in_two_batched_calls(monkeypatch):
     """GOOSE's ``learn_batch``: the trees harvesting rows in one call with their top-k rows
     (asked of the drafter by node), the chain step's chains in another without rows; a step of

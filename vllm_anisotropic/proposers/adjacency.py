@@ -21,7 +21,7 @@ harvest
     token; for the tree root, the context token before it): row ``t_i`` of the unigram table
     and bigram entry ``(t_{i-1}, t_i)`` are overwritten by the top-K of ``softmax(logits[i])``.
     Within one batch, the last row for a key wins (deterministic). With ``refresh_steps`` (not
-    in the papers; GOOSE's default 16) a row whose entries the table wrote in its last
+    in the papers; off by default) a row whose entries the table wrote in its last
     ``refresh_steps`` harvests is skipped (``AdjacencyTable.skip_fresh``).
 
 Storage (array-backed, so lookups and updates run in compiled kernels, ``kernels.table``):
@@ -36,8 +36,8 @@ the capacity is at most 8).
 
 Memory (``memory_bytes``, fixed at allocation, nothing grows): unigram ``V * K * 8`` bytes
 (3.9 MB at V = 49,152, 12.2 MB at V = 151,936 for K = 10), bigram ``capacity * (16 + 8 K)``
-bytes (6.3 MB at the default 65,536 slots, K = 10), and with ``refresh_steps`` (GOOSE's default
-16) int32 written stamps, ``(V + capacity) * 4`` bytes: at most 19.3 MB a table at V = 151,936.
+bytes (6.3 MB at the default 65,536 slots, K = 10): 18.4 MB a table at V = 151,936; with
+``refresh_steps`` int32 written stamps too, ``(V + capacity) * 4`` bytes (19.3 MB).
 
 Tenants (``TenantTables``): with ``shared_table`` every request of one tenant reads and feeds
 one table, the hot start of Token Recycling. A shared table is a side channel: what one
@@ -84,7 +84,7 @@ def tenant_budget(config, vocab_size: int | None, extra_bytes: int = 0) -> tuple
     unsalted tenant and ``TenantTables``' overflow table take one share each, the rest go to
     salted tenants (at least one). Without a vocabulary (tables sized at their first harvest):
     ``(MAX_TENANT_TABLES, None)``.
-    49k vocabulary, top-k 10, 65,536 bigram rows: 10.2 MB a table (10.7 MB with written stamps)."""
+    49k vocabulary, top-k 10, 65,536 bigram rows: 10.2 MB a table (10.7 MB with ``refresh_steps``)."""
     if vocab_size is None:
         return MAX_TENANT_TABLES, config.draft_state_bytes
     per = AdjacencyTable.allocated_bytes(vocab_size, config.top_k, config.bigram, config.bigram_capacity,

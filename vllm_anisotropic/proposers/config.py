@@ -68,8 +68,11 @@ class AdjacencyConfig(ProposerConfig):
     """A verified row whose table entries (its unigram row, and its bigram when the bigram tier
     is on) the table wrote in its last ``refresh_steps`` harvests (steps) is not harvested: the
     entries keep the earlier row's successors. 0: every row rewrites its entries (the papers'
-    rule). Costs (vocab_size + bigram slots) * 4 bytes a table. Not in the papers; GOOSE's
-    default is 16 (``GooseConfig``), the other proposers' 0."""
+    rule). Costs (vocab_size + bigram slots) * 4 bytes a table. Not in the papers. In GOOSE's
+    engine path the skipped rows' vocabulary pass is skipped too: 16 cut the harvest's top-k by
+    38 % at 8 requests and 48 % at 64 on a 2-core EPYC, but the float32 engine needed 2.4 %
+    more steps at 8 requests, which costs more than the host work saved
+    (``docs/measurements/cpu/allocator_measurements.md``), hence off by default."""
     shared_table: bool = True
     """One adjacency table per tenant, inherited across that tenant's requests (TR's hot start);
     a tenant is vLLM's ``cache_salt`` (requests without one share a table). False gives every
@@ -80,7 +83,7 @@ class AdjacencyConfig(ProposerConfig):
     vocabulary and the keys above (``adjacency.tenant_bytes``), so one tenant never takes more;
     as many salted tenants are kept beside the unsalted one as fit (at least one), the least
     recently used dropped first (it starts cold again). None: room for 32 salted tenants at the
-    model's vocabulary (GOOSE's defaults: 0.77 GB at a 49k vocabulary, 1.06 GB at 152k)."""
+    model's vocabulary (GOOSE's defaults: 0.75 GB at a 49k vocabulary, 1.03 GB at 152k)."""
 
 
 class GooseConfig(AdjacencyConfig):
@@ -123,10 +126,6 @@ class GooseConfig(AdjacencyConfig):
     """Tokens of finished requests the cross-request store keeps per tenant (oldest evicted)."""
     store_prompt_tail: int = Field(default=16, ge=0)
     """Prompt tokens stored before each output (the chat template's assistant header)."""
-    refresh_steps: int = Field(default=16, ge=0, le=1 << 20)
-    """``AdjacencyConfig.refresh_steps``; GOOSE skips the fresh rows' vocabulary pass too. Default
-    16: tau within 1 % of 0 in the exact harness while the engine skips ~40 % of the rows at 8
-    requests and ~50 % at 64 (goose-b8; ``docs/measurements/cpu/allocator_measurements.md``)."""
 
 
 class TokenRecyclingConfig(AdjacencyConfig):
