@@ -71,8 +71,8 @@ class AdjacencyConfig(ProposerConfig):
     rule). Costs (vocab_size + bigram slots) * 4 bytes a table. Not in the papers. In GOOSE's
     engine path the skipped rows' vocabulary pass is skipped too: 16 cut the harvest's top-k by
     38 % at 8 requests and 48 % at 64 on a 2-core EPYC, but the float32 engine needed 2.4 %
-    more steps at 8 requests, which costs more than the host work saved
-    (``docs/measurements/cpu/allocator_measurements.md``), hence off by default."""
+    more steps at 8 requests and the exact harness lost 0.8 % of tau, which costs more than the
+    host work saved (``docs/measurements/cpu/allocator_measurements.md``), hence off by default."""
     shared_table: bool = True
     """One adjacency table per tenant, inherited across that tenant's requests (TR's hot start);
     a tenant is vLLM's ``cache_salt`` (requests without one share a table). False gives every
