@@ -193,6 +193,17 @@ def test_refresh_steps_the_same_with_given_top_k_rows_over_a_prefill_and_after_a
     assert small.successors(3, 3)[0][0] == 9 and small.num_skipped == 2
     with pytest.raises(ValueError, match="refresh_steps"):
         AdjacencyTable(16, 2, refresh_steps=(1 << 20) + 1)
+    # a token outside the vocabulary is never fresh (the kernel reads no stamp for it)
+    from vllm_anisotropic import kernels
+
+    t = AdjacencyTable(16, 2, refresh_steps=3)
+    t.harvest([-1], [5], _one_hot_rows([1]))
+    live = np.ones(3, np.bool_)
+    assert kernels.load("table").skip_fresh(t.unigram_written[:5], t.bigram_keys, t.bigram_stamps, t.bigram_written,
+                                            t.counters, np.array([-1, -1, -1]), np.array([5, -1, 4]), 5, True, 3,
+                                            live) == 3 and live.all()
+    assert kernels.load("table").skip_fresh(t.unigram_written, t.bigram_keys, t.bigram_stamps, t.bigram_written,
+                                            t.counters, np.array([-1]), np.array([5]), 16, True, 3, live[:1]) == 0
 
 
 def test_refresh_steps_compare_stamps_across_the_clocks_wrap():
