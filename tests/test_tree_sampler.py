@@ -77,6 +77,10 @@ def _step(trees=(TREE_A, TREE_C), rows=(0, 2), ids=("a", "c")) -> StepTrees:
 class _Drafter:
     def __init__(self) -> None:
         self.observed, self.contained, self.on_paths = [], [], []
+        self.forgotten = 0  # forget_writes calls (the ranks' refresh windows started over)
+
+    def forget_writes(self) -> None:
+        self.forgotten += 1
 
     def observe_step(self, step, accepted, num_accepted, starts, logits, on_path=None) -> None:
         self.observed.append((step, accepted.copy(), num_accepted.copy(), np.asarray(starts).copy(), logits))
@@ -595,7 +599,7 @@ def test_a_tree_another_rank_lacks_is_verified_by_no_rank(monkeypatch):
     out = _sampler(runner)(_metadata(), None, _logits(), _sampling())
     assert sent == [[False, False, False, False]]
     assert out.sampled_token_ids.tolist() == [[9, 2, -1, -1], [11, -1, -1, -1], [4, -1, -1, -1]]
-    assert runner.drafter.contained == [("ranks", ["c"])]
+    assert runner.drafter.contained == [("ranks", ["c"])] and runner.drafter.forgotten == 1
     assert runner.moves == [([3], [1])]
     ((step, accepted, num_accepted, starts, _),) = runner.drafter.observed
     assert step.req_ids == ["a"] and step.rows.tolist() == [0] and step.node_rows.tolist() == [1]
@@ -618,13 +622,24 @@ def test_this_ranks_void_tree_is_sent_and_verified_by_no_rank(monkeypatch):
     assert step.req_ids == ["a"]
 
 
+def test_ranks_that_agree_keep_their_tables_refresh_windows(monkeypatch):
+    """Nothing flagged by any rank: the trees are walked as on one rank, and the tables' refresh
+    windows are not started over (``forget_writes`` only when the ranks' trees differ)."""
+    sent = _other_rank(monkeypatch, [0, 0, 0, 0])
+    runner = _tp_runner(_step())
+    _sampler(runner)(_metadata(), None, _logits(), _sampling())
+    assert sent == [[False, False, False, False]]
+    assert runner.drafter.contained == [] and runner.drafter.forgotten == 0
+    assert [s.req_ids for s, *_ in runner.drafter.observed] == [["a", "c"]]
+
+
 def test_another_ranks_verify_fault_gives_every_tree_its_root_rows_token(monkeypatch):
     sent = _other_rank(monkeypatch, [0, 0, 0, 1])
     runner = _tp_runner(_step())
     out = _sampler(runner)(_metadata(), None, _logits(), _sampling())
     assert sent == [[False, False, False, False]]
     assert out.sampled_token_ids.tolist() == [[9, -1, -1, -1], [11, -1, -1, -1], [4, -1, -1, -1]]
-    assert runner.drafter.contained == [("ranks", ["a", "c"])]
+    assert runner.drafter.contained == [("ranks", ["a", "c"])] and runner.drafter.forgotten == 1
     assert runner.moves == []
     ((step, accepted, num_accepted, _, _),) = runner.drafter.observed
     assert step.req_ids == ["a", "c"] and num_accepted.tolist() == [0, 0]
@@ -641,7 +656,7 @@ def test_this_ranks_verify_fault_is_sent_to_the_other_ranks(monkeypatch):
     out = _sampler(runner)(_metadata(), None, _logits(), _sampling())
     assert sent == [[False, False, False, True]]
     assert out.sampled_token_ids.tolist() == [[9, -1, -1, -1], [11, -1, -1, -1], [4, -1, -1, -1]]
-    assert runner.drafter.contained == [("verify", ["a", "c"])]
+    assert runner.drafter.contained == [("verify", ["a", "c"])] and runner.drafter.forgotten == 1
     ((step, *_),) = runner.drafter.observed
     assert step.req_ids == ["a"]  # c: void on the other rank, not observed
 
