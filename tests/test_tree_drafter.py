@@ -863,6 +863,13 @@ def test_last_writes_against_a_plain_loop_on_random_batches():
         assert live.tolist() == want
 
 
+def _softmax_top3(logits, rows):
+    """Torch's top-3 of the softmax of ``logits``' rows ``rows`` as ``TopKRows`` (what the
+    drafter's ``rows`` callback gives ``learn_batch``; the compiled top-k has its own tests)."""
+    probs, ids = torch.topk(torch.softmax(logits[torch.from_numpy(rows)], -1), 3)
+    return TopKRows(ids.numpy().astype(np.int32), probs.numpy(), int(logits.shape[-1]))
+
+
 def test_a_step_teaches_every_table_what_all_its_rows_teach_without_the_overwritten_ones():
     """GOOSE's ``learn_batch`` asks for the top-k rows of the nodes whose key no later node of the
     step writes to the same table again, not of a finished request's tree nor of a frozen
@@ -891,9 +898,8 @@ def test_a_step_teaches_every_table_what_all_its_rows_teach_without_the_overwrit
         logits = torch.randn(flat.num_nodes, vocab, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
         asked = []
 
-        def top(rows):  # torch's top-k of the softmax rows (the kernel's has its own tests)
-            probs, ids = torch.topk(torch.softmax(logits[torch.from_numpy(rows)], -1), 3)
-            return TopKRows(ids.numpy().astype(np.int32), probs.numpy(), vocab)
+        def top(rows):
+            return _softmax_top3(logits, rows)
 
         def ask(nodes):  # None: every node
             nodes = np.arange(flat.num_nodes) if nodes is None else nodes
@@ -953,8 +959,7 @@ def test_refresh_steps_skip_the_rows_their_table_wrote_within_the_window_step_af
             asked = []
 
             def top(rows):
-                probs, ids = torch.topk(torch.softmax(logits[torch.from_numpy(rows)], -1), 3)
-                return TopKRows(ids.numpy().astype(np.int32), probs.numpy(), vocab)
+                return _softmax_top3(logits, rows)
 
             def ask(nodes):
                 nodes = np.arange(flat.num_nodes) if nodes is None else nodes

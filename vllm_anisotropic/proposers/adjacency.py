@@ -333,7 +333,7 @@ class AdjacencyTable:
 
     def forget_writes(self) -> None:
         """Every entry taken as never written (the next row of each key is harvested): what the
-        tensor-parallel ranks do together when their trees differ (``TreeDrafter.contain``), so
+        tensor-parallel ranks do together when their trees differ (``TreeDrafter.forget_writes``), so
         that one rank's missed harvest does not keep its windows out of step with the others'."""
         if self.unigram_written is not None:
             self.unigram_written.fill(kernels.load("table").NEVER)
@@ -356,13 +356,8 @@ class AdjacencyTable:
             self._allocate(int(logits.shape[-1]))
         assert logits.shape[-1] >= self.vocab_size, (logits.shape, self.vocab_size)
         rows = None
-        if self.refresh_steps and not checked:
-            prev_tokens = np.ascontiguousarray(prev_tokens, np.int64).reshape(-1)
-            tokens = np.ascontiguousarray(tokens, np.int64).reshape(-1)
-            live = np.ones(tokens.shape[0], np.bool_)
-            if self.skip_fresh(prev_tokens, tokens, live) < tokens.shape[0]:
-                rows = np.flatnonzero(live)
-                prev_tokens, tokens = prev_tokens[rows], tokens[rows]
+        if not checked:
+            prev_tokens, tokens, rows = self._unfresh(prev_tokens, tokens)
         if isinstance(logits, TopKRows):
             if logits.ids.shape[1] < min(self.top_k, logits.vocab_size):
                 raise ValueError(f"precomputed top-{logits.ids.shape[1]} rows, table keeps top-{self.top_k}")
@@ -371,6 +366,19 @@ class AdjacencyTable:
         else:
             ids, scores = topk_scores(logits, self.top_k, rows)
         self.update(prev_tokens, tokens, ids, scores)
+
+    def _unfresh(self, prev_tokens, tokens) -> tuple:
+        """``(prev_tokens, tokens, rows)`` of one harvest without its fresh rows (``skip_fresh``):
+        ``rows`` the kept rows' indices, None when every row is kept (or no window)."""
+        if not self.refresh_steps:
+            return prev_tokens, tokens, None
+        prev_tokens = np.ascontiguousarray(prev_tokens, np.int64).reshape(-1)
+        tokens = np.ascontiguousarray(tokens, np.int64).reshape(-1)
+        live = np.ones(tokens.shape[0], np.bool_)
+        if self.skip_fresh(prev_tokens, tokens, live) == tokens.shape[0]:
+            return prev_tokens, tokens, None
+        rows = np.flatnonzero(live)
+        return prev_tokens[rows], tokens[rows], rows
 
     def harvest_tree(self, tree, prev_root_token: int, logits: torch.Tensor) -> None:
         """Harvest every node of a verified ``DraftTree`` (rejected branches included).
@@ -394,14 +402,13 @@ class AdjacencyTable:
         if self.unigram_ids is None:
             self._allocate(int(logits.shape[-1]))
         assert logits.shape[-1] >= self.vocab_size, (logits.shape, self.vocab_size)
-        prev = np.concatenate([[-1], tokens[:-1]])
-        live = np.ones(tokens.shape[0], np.bool_)
-        self.skip_fresh(prev, tokens, live)
-        rows = np.flatnonzero(live)
-        for s in range(0, rows.shape[0], chunk):
-            part = rows[s : s + chunk]
-            ids, scores = topk_scores(logits, self.top_k, part)
-            self.update(prev[part], tokens[part], ids, scores)
+        prev, tokens, rows = self._unfresh(np.concatenate([[-1], tokens[:-1]]), tokens)
+        for s in range(0, tokens.shape[0], chunk):  # the kept rows (all: rows None), chunk by chunk
+            if rows is None:
+                ids, scores = topk_scores(logits[s : s + chunk], self.top_k)
+            else:
+                ids, scores = topk_scores(logits, self.top_k, rows[s : s + chunk])
+            self.update(prev[s : s + chunk], tokens[s : s + chunk], ids, scores)
 
 
 class HarvestingState(RequestState):

@@ -436,16 +436,13 @@ class GooseProposer(Proposer):
                 owner[k] = g
         live = np.empty(trees.num_nodes, np.bool_)
         num_live = kernels.load("table").last_writes(prev, trees.tokens, trees.offsets, owner, live)
-        if len(tables) == 1:  # one harvest a step per table (its clock's tick), live rows only
-            num_live = tables[0].skip_fresh(prev, trees.tokens, live)
-        else:
+        if any(table.refresh_steps for table in tables):  # one tick a step per table, its live rows
             node_table = np.repeat(owner, trees.sizes())
-            if any(table.refresh_steps for table in tables):
-                num_live = 0
-                for g, table in enumerate(tables):
-                    mine = live & (node_table == g)
-                    num_live += table.skip_fresh(prev, trees.tokens, mine)
-                    live &= mine | (node_table != g)
+            num_live = 0
+            for g, table in enumerate(tables):
+                mine = live & (node_table == g)
+                num_live += table.skip_fresh(prev, trees.tokens, mine)
+                live &= mine | (node_table != g)
         if num_live == trees.num_nodes and len(tables) == 1:  # every row kept (most steps of one request)
             tables[0].harvest(prev, trees.tokens, rows(None), checked=True)
             return
@@ -456,7 +453,7 @@ class GooseProposer(Proposer):
         if len(tables) == 1:
             tables[0].harvest(prev[nodes], trees.tokens[nodes], top, checked=True)
             return
-        node_table = node_table[nodes]
+        node_table = np.repeat(owner, trees.sizes())[nodes]
         for g, table in enumerate(tables):
             mine = np.flatnonzero(node_table == g)
             table.harvest(prev[nodes[mine]], trees.tokens[nodes[mine]], top[mine], checked=True)
