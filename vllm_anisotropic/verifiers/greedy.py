@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from vllm_anisotropic import kernels
+from vllm_anisotropic.kernels.split import split_rows
 from vllm_anisotropic.tree import DraftTree, FlatTrees, PRIORITY_BY_CODE
 from vllm_anisotropic.verifiers.base import BatchVerifyResult, VerifyResult
 from vllm_anisotropic.verifiers.topdown import TopDownVerifier, descend, descend_all
@@ -76,7 +77,8 @@ def host_rows_argmax(logits: torch.Tensor, rows: np.ndarray) -> np.ndarray:
         return np.fromiter((x[r].argmax() for r in rows.tolist()), np.int64, rows.shape[0])
     if logits.dtype == torch.bfloat16:
         out = np.empty(rows.shape[0], np.int64)
-        kernels.load("vocab").argmax_rows(logits.detach().view(torch.int16).numpy(), rows, out)
+        x, argmax = logits.detach().view(torch.int16).numpy(), kernels.load("vocab").argmax_rows
+        split_rows(lambda lo, hi: argmax(x, rows[lo:hi], out[lo:hi]), rows.shape[0], 32)
         return out
     return np.fromiter((logits[r].float().numpy().argmax() for r in rows.tolist()), np.int64, rows.shape[0])
 
@@ -228,8 +230,9 @@ def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,
         # every depth in one compiled call, the argmax of each visited row read in place on its
         # 16 bits (float32 rows stay with numpy's argmax, depth by depth: ~1.4-1.8x faster a row
         # than the compiled one, which pays for the per-depth calls from a few rows a depth on)
-        kernels.load("walk").walk_rows(logits.detach().view(torch.int16).numpy(), trees.tokens, trees.parents, ranks,
-                                       trees.offsets, starts, accepted, num_accepted, bonus)
+        x, walk = logits.detach().view(torch.int16).numpy(), kernels.load("walk").walk_rows
+        split_rows(lambda lo, hi: walk(x, trees.tokens, trees.parents, ranks, trees.offsets[lo : hi + 1], starts[lo:hi],
+                                       accepted[lo:hi], num_accepted[lo:hi], bonus[lo:hi]), num, 8)
         return accepted, num_accepted, bonus
     cur = np.zeros(num, np.int64)
     active = np.ones(num, bool)

@@ -40,6 +40,7 @@ OUR_ENV_VARS = (
     "VLLM_ANISOTROPIC_CACHE",
     "VLLM_ANISOTROPIC_QWEN",
     "VLLM_ANISOTROPIC_CPU_GEMM",
+    "VLLM_ANISOTROPIC_HOST_THREADS",
 )
 
 # Process-local registration flag: the only module state, and it is per process by design.
