@@ -9,6 +9,7 @@ with a flat one (a step costs 10 ms whatever it verifies), both without online r
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -112,7 +113,7 @@ _STEP_KERNELS = (
     "goose.proposal_inputs", "goose.spine_trees", "goose.learn_keys", "rank.rank_trees", "plan.step_rows",
     "plan.main_rows", "plan.path_rounds", "kv.move_slots", "walk.walk_rows", "emit.emit_rows", "emit.harvest_rows",
     "vocab.topk_probs", "table.update", "table.last_writes", "allocate.allocate_batch",
-)
+) + (("vocab.topk_probs_threads", "walk.walk_rows_threads") if len(os.sched_getaffinity(0)) > 1 else ())  # kernels.split
 
 _COMPILES_WHILE_SERVING = """
 import importlib, json, sys

@@ -1,133 +1,160 @@
-"""``kernels.split.split_rows``: a step's vocabulary passes (the harvest's top-k, the greedy walk's
-argmax and compiled walk) spread over helper threads give what one thread gives, part by part."""
+"""``kernels.split`` and the ``*_threads`` kernels: a step's vocabulary passes (the harvest's top-k,
+the argmax of bf16 rows, the compiled greedy walk) split over threads give what one thread gives,
+part by part, and only where threads are safe and pay."""
 
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
 import torch
 
 from random_trees import random_trees
+from vllm_anisotropic import kernels
 from vllm_anisotropic.kernels import split
 from vllm_anisotropic.proposers.adjacency import topk_scores
-from vllm_anisotropic.tree import FlatTrees
+from vllm_anisotropic.tree import PRIORITY_BY_CODE, FlatTrees
 from vllm_anisotropic.verifiers.greedy import host_rows_argmax, walk_flat
+
+TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="threads need two cores")
 
 
 @pytest.fixture
 def threads(monkeypatch):
-    """``threads(n)``: the process's splits use n threads from here on (a fresh pool)."""
-    pools = []
+    """``threads(n)``: this process's passes may use n threads from here on."""
 
     def use(n):
         monkeypatch.setenv(split.HOST_THREADS_ENV, str(n))
-        monkeypatch.setattr(split, "_pool", None)
-        assert split.host_threads() == n
-        pools.append(split._pool[1])
+        monkeypatch.setattr(split, "_threads", None)
+        return split.host_threads()
 
-    yield use
-    for pool in pools:
-        if pool is not None:
-            pool.shutdown()
+    return use
 
 
-def _parts(n, min_part):
-    seen = []
-    lock = threading.Lock()
+def test_a_pass_takes_threads_only_for_two_parts_of_min_part(threads):
+    """One thread below two parts of ``min_part`` rows; above, a thread a part up to the cap."""
+    got = threads(1)
+    assert got == 1 and split.row_threads(10_000, 8) == 1
+    cap = threads(split.MAX_THREADS)
+    assert cap == min(len(split._process_cores()), split.MAX_THREADS)
+    assert split.row_threads(15, 8) == 1 and split.row_threads(0, 8) == 1
+    if cap > 1:
+        assert split.row_threads(16, 8) == 2 and split.row_threads(23, 8) == 2
+        assert split.row_threads(10_000, 8) == cap
+        import numba
 
-    def call(lo, hi):
-        with lock:
-            seen.append((lo, hi, threading.get_ident()))
-
-    split.split_rows(call, n, min_part)
-    return sorted(seen)
-
-
-def test_parts_are_contiguous_hold_min_part_rows_and_the_first_runs_on_the_caller(threads):
-    threads(3)
-    me = threading.get_ident()
-    assert [p[:2] for p in _parts(100, 8)] == [(0, 33), (33, 66), (66, 100)]  # 3 threads
-    assert [p[:2] for p in _parts(16, 8)] == [(0, 8), (8, 16)]  # two parts of min_part
-    assert [p[:2] for p in _parts(15, 8)] == [(0, 15)]  # one part short of two: no helper
-    assert [p[:2] for p in _parts(23, 8)] == [(0, 11), (11, 23)]
-    assert [p[:2] for p in _parts(0, 8)] == [(0, 0)]
-    parts = _parts(100, 8)
-    assert parts[0][2] == me and {p[2] for p in parts[1:]}.isdisjoint({me})
-    threads(1)
-    assert [p[:2] for p in _parts(100, 8)] == [(0, 100)]
-
-
-def test_a_helpers_exception_is_raised_to_the_caller_after_every_part_ends(threads):
-    threads(2)
-    ended = []
-
-    def call(lo, hi):
-        if lo:
-            raise RuntimeError(f"part {lo}")
-        ended.append(hi)
-
-    with pytest.raises(RuntimeError, match="part 10"):
-        split.split_rows(call, 20, 10)
-    assert ended == [10]
+        assert numba.threading_layer() in ("omp", "tbb")
 
 
 @pytest.mark.parametrize("raw", ["0", "-2", "two"])
-def test_a_bad_thread_count_names_the_value_and_the_valid_ones(monkeypatch, raw):
-    monkeypatch.setenv(split.HOST_THREADS_ENV, raw)
-    monkeypatch.setattr(split, "_pool", None)
+def test_a_bad_thread_count_names_the_value_and_the_valid_ones(threads, raw):
     with pytest.raises(ValueError, match=f"{split.HOST_THREADS_ENV}='{raw}'.*>= 1"):
-        split.host_threads()
+        threads(raw)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_split_vocabulary_passes_equal_one_threads(threads, dtype):
-    """The harvest's top-k over rows in any order with repeats, the argmax of bf16 rows and the
-    compiled greedy walk of 40 trees (bf16: each tree's rows steered so walks run deep): every
-    output the same with 1 and with 3 threads (a part's output slice off by a row, a walk part
-    reading its neighbour's offsets or rows would differ)."""
-    rng = np.random.default_rng(3)
-    logits = torch.randn(300, 1000).to(dtype)
-    rows = rng.integers(0, 300, 200)
-    trees = [t for _ in range(40) for t in random_trees(rng, chain=0.7, sources=True, vocab=6)][:40]
+def _steered(rng, dtype, num_trees=40, vocab=1000):
+    """``num_trees`` trees, bf16/float32 logits whose rows' argmax is a child's token 70 % of the
+    time (walks run deep), and the trees' row starts."""
+    trees = [t for _ in range(num_trees) for t in random_trees(rng, chain=0.7, sources=True, vocab=6)][:num_trees]
     flat = FlatTrees.from_trees(trees)
-    starts = flat.offsets[:-1] + 3
+    logits = torch.randn(flat.num_nodes + 5, vocab)
     parents = flat.global_parents()
     for j in np.flatnonzero(parents >= 0):
         if rng.random() < 0.7:
             logits[parents[j] + 3, int(flat.tokens[j])] = 9.0
+    return flat, logits.to(dtype), flat.offsets[:-1] + 3
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7, 40, 41])
+def test_the_threads_kernels_equal_the_one_thread_ones_for_any_parts(parts):
+    """``topk_probs_threads``, ``argmax_rows_threads`` and ``walk_rows_threads`` cut the rows (the
+    trees) into ``parts`` contiguous parts: every output equals the one-thread kernel's, parts
+    uneven, one row or tree a part, and more parts than rows (empty parts). A bound off by one
+    leaves a row unwritten or written twice; a part reading its neighbour's rows differs."""
+    rng = np.random.default_rng(parts)
+    flat, logits, starts = _steered(rng, torch.bfloat16)
+    x = logits.view(torch.int16).numpy()
+    rows = rng.integers(0, x.shape[0], 40)
+    vocab, walk = kernels.load("vocab"), kernels.load("walk")
+    want = [np.full((40, 5), -1, np.int32), np.full((40, 5), -1.0, np.float32), np.full(40, -1, np.int64)]
+    got = [a.copy() for a in want]
+    vocab.topk_probs(x, rows, 5, want[0], want[1])
+    vocab.topk_probs_threads(x, rows, 5, got[0], got[1], parts)
+    vocab.argmax_rows(x, rows, want[2])
+    vocab.argmax_rows_threads(x, rows, got[2], parts)
+    ranks = PRIORITY_BY_CODE[flat.sources].astype(np.int8)
+    n = flat.num_trees
+    walked = []
+    for fn, extra in ((walk.walk_rows, ()), (walk.walk_rows_threads, (parts,))):
+        out = [np.full((n, 16), -1, np.int64), np.full(n, -1, np.int64), np.full(n, -1, np.int64)]
+        fn(x, flat.tokens, flat.parents, ranks, flat.offsets, starts, *out, *extra)
+        walked.append(out)
+    for a, b in zip(want + walked[0], got + walked[1]):
+        assert a.tolist() == b.tolist()
+    assert (want[0] >= 0).all() and (want[2] >= 0).all() and (walked[0][2] >= 0).all()
+    assert walked[0][1].max() >= 3  # some walk went three deep
+
+
+@TWO_CORES
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_callers_split_and_give_what_one_thread_gives(threads, dtype):
+    """``topk_scores``, ``host_rows_argmax`` and ``walk_flat`` with threads (200 rows, 40 trees:
+    every pass splits) equal themselves on one thread and torch's argmax."""
+    rng = np.random.default_rng(3)
+    flat, logits, starts = _steered(rng, dtype)
+    rows = rng.integers(0, logits.shape[0], 200)
     out = {}
-    for n in (1, 3):
-        threads(n)
+    for n in (1, 2):
+        assert threads(n) == n
         out[n] = (*topk_scores(logits, 10, rows), host_rows_argmax(logits, rows), *walk_flat(flat, logits, starts))
-    for a, b in zip(out[1], out[3]):
+    for a, b in zip(out[1], out[2]):
         assert a.tolist() == b.tolist()
     assert out[1][2].tolist() == logits[rows].float().argmax(-1).tolist()
-    assert out[1][4].max() >= 3  # some walk went three deep
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to bind a thread to one")
-def test_helpers_run_on_the_cores_of_every_thread_of_the_process():
-    """vLLM's CPU worker binds the engine's thread to one core and its OpenMP threads to the
-    others: helpers started from the bound thread take the union (a fresh process)."""
-    code = """
+_FORKED = """
+import os, numpy as np, torch
+from vllm_anisotropic.kernels import split
+from vllm_anisotropic.proposers.adjacency import topk_scores
+logits = torch.randn(64, 3000).to(torch.bfloat16)
+rows = np.arange(64)
+want = topk_scores(logits, 4, rows)  # threads started in this process
+assert split.host_threads() == 2 and split._launched_in == os.getpid()
+pid = os.fork()
+if pid == 0:  # numba aborts a fork child that starts GNU OpenMP's threads: one thread here
+    ok = split.host_threads() == 1 and all((a == b).all() for a, b in zip(topk_scores(logits, 4, rows), want))
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print("CHILD", status)
+"""
+
+
+@TWO_CORES
+def test_a_fork_child_of_a_process_that_ran_threads_runs_one_thread():
+    env = {**os.environ, split.HOST_THREADS_ENV: "2"}
+    out = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True, env=env, timeout=300)
+    assert "CHILD 0" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+_BOUND = """
 import os, threading
 from vllm_anisotropic.kernels import split
+split.reserve_numba_threads()  # as the plugin's register, before vLLM binds the thread
 cores = os.sched_getaffinity(0)
-first = min(cores)
 gate = threading.Event()
-other = threading.Thread(target=gate.wait)  # an unbound thread, as OpenMP's on the other cores
+other = threading.Thread(target=gate.wait)  # unbound, as vLLM's OpenMP threads on the other cores
 other.start()
-os.sched_setaffinity(0, {first})  # this thread only
-seen = []
-split.split_rows(lambda lo, hi: seen.append((lo, sorted(os.sched_getaffinity(0)))), 40, 10)
+os.sched_setaffinity(0, {min(cores)})  # this thread only, as vLLM binds the engine's
+print(sorted(split._process_cores()) == sorted(cores), split.host_threads() == min(len(cores), split.MAX_THREADS))
 gate.set()
-print(sorted(seen) == [(0, [first])] + [(lo, sorted(cores)) for lo in sorted(s[0] for s in seen)[1:]],
-      len(seen) == min(4, len(cores)))
 """
-    env = dict(os.environ)
-    env.pop(split.HOST_THREADS_ENV, None)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert out.stdout.split() == ["True", "True"], out.stderr
+
+
+@TWO_CORES
+def test_threads_count_the_cores_of_every_thread_of_the_process():
+    """vLLM's CPU worker binds the engine's thread to one core and its OpenMP threads to the
+    others: the count is the union's, numba's pool sized before the binding (a fresh process)."""
+    env = {k: v for k, v in os.environ.items() if k not in (split.HOST_THREADS_ENV, "NUMBA_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", _BOUND], capture_output=True, text=True, env=env, timeout=300)
+    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]

@@ -1,50 +1,63 @@
-"""Rows of a vocabulary pass spread over the process's cores (``split_rows``): the harvest's top-k
-and the greedy walk's argmax read each logits row on its own, and their compiled kernels release
-the GIL (``nogil``), so parts of a step's rows run at once on helper threads.
+"""How many threads a step's vocabulary pass runs on (``row_threads``): the harvest's top-k and the
+greedy walk's argmax read each logits row on its own, so their ``*_threads`` kernels split the
+rows (the walk: the trees) into contiguous parts, one a thread, over numba's threading layer.
 
 Why: on a CPU server the forward holds every core of the rank and the plugin's host work after it
-holds one; the vocabulary passes are the largest share of that work (a 49,152-token bf16 row:
-~18 us of top-k, ~4.5 us of argmax). A hand-off to a sleeping helper costs ~40-60 us (a futex
-wake), so the callers give a part ~150 us of work at least (``min_part``).
+ran on one; the vocabulary passes are the largest share of that work (a 49,152-token bf16 row:
+~18 us of top-k, ~4.5 us of argmax). A part gets ~150 us of work at least (the callers'
+``min_part``): waking a sleeping thread costs tens of microseconds.
 
-The cores: vLLM's CPU worker binds its OpenMP threads one to a core, the engine's thread among
-them, and a thread inherits its creator's binding; so the helpers take the union of the bindings
-of every thread of the process (``/proc/self/task``) when the first split runs (after the first
-forward has started the OpenMP threads). ``VLLM_ANISOTROPIC_HOST_THREADS``: the threads a split
-may use, the caller's included (default: those cores, at most 8; 1: no helpers).
-No numba here (imported by modules that load before vLLM's worker scan, ``kernels/__init__``).
+The layer: OpenMP first (its threads spin a moment before they sleep, as torch's do, so a part
+starts at once after the forward; numba's ``workqueue`` threads, woken through a queue, gained
+nothing in vLLM's engine: torch's OpenMP threads still spin there). GNU OpenMP does not survive a
+``fork``: a child of a process that ran a threaded pass runs the one-thread kernels (numba would
+abort it). The cores: vLLM's CPU worker binds its OpenMP threads one to a core, and a thread
+inherits its creator's binding, so the count is that of the union of the bindings of every thread
+of the process (``/proc/self/task``), read at the first pass; numba sizes its pool from the
+importing thread's binding, so the plugin's ``register`` sets ``NUMBA_NUM_THREADS`` first
+(``reserve_numba_threads``). ``VLLM_ANISOTROPIC_HOST_THREADS``:
+the threads a pass may use (default: those cores, at most 8; 1: one thread).
+numba is imported here only when a pass asks (``kernels/__init__``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+import sys
 
-__all__ = ["HOST_THREADS_ENV", "split_rows", "host_threads"]
+__all__ = ["HOST_THREADS_ENV", "MAX_THREADS", "host_threads", "reserve_numba_threads", "row_threads"]
 
 logger = logging.getLogger(__name__)
 
 HOST_THREADS_ENV = "VLLM_ANISOTROPIC_HOST_THREADS"
 MAX_THREADS = 8
+_LAYERS = ("omp", "tbb")  # layers that start a part without a queue's wake-up
 
-_lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor | None, int] | None = None  # (pid, helpers, threads)
+_threads: tuple[int, int] | None = None  # (pid, threads) of this process
+_launched_in: int | None = None  # the pid that started numba's threads (a fork child inherits it)
+
+
+def reserve_numba_threads() -> None:
+    """Before numba's import: its pool may hold a thread per core this process may use now
+    (``NUMBA_NUM_THREADS``, unless set). numba reads the importing thread's binding otherwise, and
+    vLLM's CPU worker binds the engine's thread to one core before the kernels load."""
+    if "numba" not in sys.modules:
+        os.environ.setdefault("NUMBA_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 
 def _process_cores() -> set[int]:
     """The union of the CPU bindings of every thread of this process (this thread's on error)."""
     cores: set[int] = set()
     try:
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                cores |= os.sched_getaffinity(int(tid))
-            except OSError:  # the thread ended
-                pass
+        tids = os.listdir("/proc/self/task")
     except OSError:
-        pass
+        tids = []
+    for tid in tids:
+        try:
+            cores |= os.sched_getaffinity(int(tid))
+        except (OSError, ValueError):  # the thread ended
+            pass
     return cores or set(os.sched_getaffinity(0))
 
 
@@ -57,49 +70,56 @@ def _threads_wanted(cores: int) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"{HOST_THREADS_ENV}={raw!r}: expected a whole number >= 1 (1: no helper threads)")
+        raise ValueError(f"{HOST_THREADS_ENV}={raw!r}: expected a whole number >= 1 (1: one thread)")
     return value
 
 
+def _launch(threads: int) -> int:
+    """Start numba's threading layer (OpenMP first, unless numba's own variables choose): the
+    threads a pass may use, 1 where no layer that starts a part at once loads."""
+    global _launched_in
+    import numba
+    from numba.np.ufunc import parallel
+
+    if not (os.environ.get("NUMBA_THREADING_LAYER") or os.environ.get("NUMBA_THREADING_LAYER_PRIORITY")):
+        numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+    try:
+        parallel._launch_threads()
+        layer = numba.threading_layer()
+    except Exception as e:  # no layer loads here (numba raises ValueError)
+        logger.warning("vllm-anisotropic: numba's threading layer did not load (%s); vocabulary passes on one thread", e)
+        return 1
+    _launched_in = os.getpid()
+    if layer not in _LAYERS:
+        logger.info("vllm-anisotropic: numba's threading layer is %r; vocabulary passes on one thread", layer)
+        return 1
+    return max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
 def host_threads() -> int:
-    """The threads a split uses in this process, the caller's included (started on first use)."""
-    global _pool
-    pool = _pool
-    if pool is not None and pool[0] == os.getpid():
-        return pool[2]
-    with _lock:
-        if _pool is None or _pool[0] != os.getpid():  # a forked child starts its own
-            cores = _process_cores()
-            threads = _threads_wanted(len(cores))
-            helpers = None
-            if threads > 1:
-                helpers = ThreadPoolExecutor(threads - 1, thread_name_prefix="anisotropic-rows",
-                                             initializer=_bind, initargs=(frozenset(cores),))
-            _pool = (os.getpid(), helpers, threads)
-            logger.debug("vocabulary passes: %d thread(s) over cores %s", threads, sorted(cores))
-        return _pool[2]
+    """The threads a pass may use in this process (numba's layer started on the first ask)."""
+    global _threads
+    pid = os.getpid()
+    if _threads is None or _threads[0] != pid:
+        threads = _threads_wanted(len(_process_cores()))
+        if _launched_in is not None and _launched_in != pid:
+            threads = 1  # a fork child of a process that started them (GNU OpenMP: unsafe)
+        elif threads > 1:
+            threads = _launch(threads)
+        _threads = (pid, threads)
+        logger.debug("vllm-anisotropic: vocabulary passes on %d thread(s)", threads)
+    return _threads[1]
 
 
-def _bind(cores: frozenset[int]) -> None:
-    try:
-        os.sched_setaffinity(0, cores)
-    except OSError:  # not allowed here: the inherited binding stays
-        pass
+def row_threads(n: int, min_part: int) -> int:
+    """Threads for a pass over ``n`` rows (or trees), each part ``min_part`` or more: 1 means the
+    one-thread kernel; above, numba's thread count for this thread is set to it for the
+    ``*_threads`` kernel the caller runs next."""
+    if n < 2 * min_part:
+        return 1
+    threads = min(n // min_part, host_threads())
+    if threads > 1:
+        import numba
 
-
-def split_rows(call: Callable[[int, int], None], n: int, min_part: int) -> None:
-    """``call(lo, hi)`` over ``[0, n)`` in contiguous parts of ``min_part`` or more: the first part
-    on this thread, the others on helpers (``call`` must release the GIL to gain: a numba
-    ``nogil`` kernel writing only its own rows' outputs). A helper's exception is raised here."""
-    parts = min(n // min_part, host_threads()) if n >= 2 * min_part else 1
-    if parts <= 1:
-        call(0, n)
-        return
-    bounds = [n * i // parts for i in range(parts + 1)]
-    helpers = _pool[1]
-    futures = [helpers.submit(call, bounds[i], bounds[i + 1]) for i in range(1, parts)]
-    try:
-        call(bounds[0], bounds[1])
-    finally:
-        for f in futures:
-            f.result()
+        numba.set_num_threads(threads)
+    return threads

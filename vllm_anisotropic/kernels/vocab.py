@@ -43,7 +43,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["BLOCK", "argmax_row", "argmax_rows", "as_float32", "order_key", "pow2", "topk_probs"]
+__all__ = ["BLOCK", "argmax_row", "argmax_rows", "argmax_rows_threads", "as_float32", "order_key", "pow2", "topk_probs",
+           "topk_probs_threads"]
 
 BLOCK = 256  # entries per block of the top-k's first pass and of the argmax's
 
@@ -103,6 +104,7 @@ def order_key(typingctx, v):
 
 _jit = numba.njit(cache=True, nogil=True)
 _fast = numba.njit(cache=True, nogil=True, fastmath=True)
+_threads = numba.njit(cache=True, nogil=True, parallel=True)  # callers set the thread count: kernels.split
 
 
 @_jit
@@ -192,14 +194,12 @@ def _sum_exp(x, m):
 
 
 @_jit
-def topk_probs(x, rows, k, ids, probs):
-    """Rows ``rows`` of ``x [N, V]`` (float32, or int16 bf16 bits), read in place: ``ids [R, k]``
-    int32 the top-k token ids of row ``rows[i]`` in row i, ``probs [R, k]`` float32 their softmax
-    probabilities (module docstring). k <= V."""
+def _topk_probs_part(x, rows, k, ids, probs, lo, hi):
+    """``topk_probs`` of rows ``lo`` to ``hi`` (exclusive) of ``rows``."""
     maxima = np.empty((x.shape[1] + BLOCK - 1) // BLOCK, np.int32)
     keys = np.empty(k, np.int32)
     top = np.empty(k, np.int64)
-    for r in range(rows.shape[0]):
+    for r in range(lo, hi):
         row = x[rows[r]]
         _row_topk(row, k, top, keys, maxima)
         m = as_float32(row[top[0]])
@@ -210,15 +210,45 @@ def topk_probs(x, rows, k, ids, probs):
 
 
 @_jit
+def topk_probs(x, rows, k, ids, probs):
+    """Rows ``rows`` of ``x [N, V]`` (float32, or int16 bf16 bits), read in place: ``ids [R, k]``
+    int32 the top-k token ids of row ``rows[i]`` in row i, ``probs [R, k]`` float32 their softmax
+    probabilities (module docstring). k <= V."""
+    _topk_probs_part(x, rows, k, ids, probs, 0, rows.shape[0])
+
+
+@_threads
+def topk_probs_threads(x, rows, k, ids, probs, parts):
+    """``topk_probs`` in ``parts`` contiguous parts of the rows, one a thread (numba's thread count
+    set to ``parts``: ``kernels.split.row_threads``)."""
+    n = rows.shape[0]
+    for p in numba.prange(parts):
+        _topk_probs_part(x, rows, k, ids, probs, n * p // parts, n * (p + 1) // parts)
+
+
+@_jit
+def _argmax_part(x, rows, out, lo, hi):
+    maxima = np.empty((x.shape[1] + BLOCK - 1) // BLOCK, np.int32)
+    for i in range(lo, hi):
+        out[i] = argmax_row(x[rows[i]], maxima)
+
+
+@_jit
 def argmax_rows(x, rows, out):
     """``out[i]`` = the index of the largest entry of ``x[rows[i]]`` (float32, or int16 bf16
     bits): the first among equals, NaN above every number (torch's and numpy's argmax). The
     top-k's block maxima (``_block_maxima``), the first block holding the largest, then the first
     index in it holding that key. Example, BLOCK 2: row [1, 3 | 3, -0] -> block maxima [3, 3] ->
     block 0 -> index 1."""
-    maxima = np.empty((x.shape[1] + BLOCK - 1) // BLOCK, np.int32)
-    for i in range(rows.shape[0]):
-        out[i] = argmax_row(x[rows[i]], maxima)
+    _argmax_part(x, rows, out, 0, rows.shape[0])
+
+
+@_threads
+def argmax_rows_threads(x, rows, out, parts):
+    """``argmax_rows`` in ``parts`` contiguous parts of the rows, one a thread (``topk_probs_threads``)."""
+    n = rows.shape[0]
+    for p in numba.prange(parts):
+        _argmax_part(x, rows, out, n * p // parts, n * (p + 1) // parts)
 
 
 @_jit

@@ -13,9 +13,10 @@ import numpy as np
 
 from vllm_anisotropic.kernels.vocab import BLOCK, argmax_row
 
-__all__ = ["descend_flat", "walk_rows"]
+__all__ = ["descend_flat", "walk_rows", "walk_rows_threads"]
 
 _jit = numba.njit(cache=True, nogil=True)
+_threads = numba.njit(cache=True, nogil=True, parallel=True)  # callers set the thread count: kernels.split
 
 
 @_jit
@@ -68,8 +69,24 @@ def walk_rows(x, tokens, parents, ranks, offsets, starts, accepted, num_accepted
     bonus. ``accepted [T, >= max depth]`` (written from column 0), ``num_accepted [T]`` and
     ``bonus [T]`` are filled. Example: one tree, parents ``[-1, 0, 1]``, tokens ``[r, 5, 6]``,
     row argmaxes 5, 7 -> accepted [1], bonus 7."""
+    _walk_part(x, tokens, parents, ranks, offsets, starts, accepted, num_accepted, bonus, 0, offsets.shape[0] - 1)
+
+
+@_threads
+def walk_rows_threads(x, tokens, parents, ranks, offsets, starts, accepted, num_accepted, bonus, parts):
+    """``walk_rows`` in ``parts`` contiguous parts of the trees, one a thread (numba's thread count
+    set to ``parts``: ``kernels.split.row_threads``)."""
+    n = offsets.shape[0] - 1
+    for p in numba.prange(parts):
+        _walk_part(x, tokens, parents, ranks, offsets, starts, accepted, num_accepted, bonus, n * p // parts,
+                   n * (p + 1) // parts)
+
+
+@_jit
+def _walk_part(x, tokens, parents, ranks, offsets, starts, accepted, num_accepted, bonus, lo, hi):
+    """``walk_rows`` of trees ``lo`` to ``hi`` (exclusive)."""
     maxima = np.empty((x.shape[1] + BLOCK - 1) // BLOCK, np.int32)
-    for t in range(offsets.shape[0] - 1):
+    for t in range(lo, hi):
         a = offsets[t]
         n = offsets[t + 1] - a
         c = 0

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from vllm_anisotropic import kernels
-from vllm_anisotropic.kernels.split import split_rows
+from vllm_anisotropic.kernels.split import row_threads
 from vllm_anisotropic.tree import DraftTree, FlatTrees, PRIORITY_BY_CODE
 from vllm_anisotropic.verifiers.base import BatchVerifyResult, VerifyResult
 from vllm_anisotropic.verifiers.topdown import TopDownVerifier, descend, descend_all
@@ -77,8 +77,12 @@ def host_rows_argmax(logits: torch.Tensor, rows: np.ndarray) -> np.ndarray:
         return np.fromiter((x[r].argmax() for r in rows.tolist()), np.int64, rows.shape[0])
     if logits.dtype == torch.bfloat16:
         out = np.empty(rows.shape[0], np.int64)
-        x, argmax = logits.detach().view(torch.int16).numpy(), kernels.load("vocab").argmax_rows
-        split_rows(lambda lo, hi: argmax(x, rows[lo:hi], out[lo:hi]), rows.shape[0], 32)
+        vocab = kernels.load("vocab")  # threads: a part of 32 rows or more (kernels.split)
+        x, threads = logits.detach().view(torch.int16).numpy(), row_threads(rows.shape[0], 32)
+        if threads == 1:
+            vocab.argmax_rows(x, rows, out)
+        else:
+            vocab.argmax_rows_threads(x, rows, out, threads)
         return out
     return np.fromiter((logits[r].float().numpy().argmax() for r in rows.tolist()), np.int64, rows.shape[0])
 
@@ -201,9 +205,10 @@ _RANKS = PRIORITY_BY_CODE.astype(np.int8)  # the walk's child priority of each s
 def warm_up_walk() -> None:
     """Compile the CPU walk's kernel (or load it from numba's disk cache) for the bf16 logits a
     step passes it, at the CPU worker's start rather than in the first tree step: a one-node
-    tree over one row."""
-    walk_flat(FlatTrees.from_trees([DraftTree(tokens=[0], parents=[-1])]), torch.zeros(1, 8, dtype=torch.bfloat16),
-              np.zeros(1, np.int64))
+    tree over one row, then 16 (the walk on threads where the process has them: ``kernels.split``)."""
+    for num in (1, 16):
+        trees = FlatTrees.from_trees([DraftTree(tokens=[0], parents=[-1])] * num)
+        walk_flat(trees, torch.zeros(num, 8, dtype=torch.bfloat16), np.arange(num, dtype=np.int64))
 
 
 def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,
@@ -230,9 +235,14 @@ def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,
         # every depth in one compiled call, the argmax of each visited row read in place on its
         # 16 bits (float32 rows stay with numpy's argmax, depth by depth: ~1.4-1.8x faster a row
         # than the compiled one, which pays for the per-depth calls from a few rows a depth on)
-        x, walk = logits.detach().view(torch.int16).numpy(), kernels.load("walk").walk_rows
-        split_rows(lambda lo, hi: walk(x, trees.tokens, trees.parents, ranks, trees.offsets[lo : hi + 1], starts[lo:hi],
-                                       accepted[lo:hi], num_accepted[lo:hi], bonus[lo:hi]), num, 8)
+        walk = kernels.load("walk")  # threads: a part of 8 trees or more (kernels.split)
+        args = (logits.detach().view(torch.int16).numpy(), trees.tokens, trees.parents, ranks, trees.offsets, starts,
+                accepted, num_accepted, bonus)
+        threads = row_threads(num, 8)
+        if threads == 1:
+            walk.walk_rows(*args)
+        else:
+            walk.walk_rows_threads(*args, threads)
         return accepted, num_accepted, bonus
     cur = np.zeros(num, np.int64)
     active = np.ones(num, bool)

@@ -50,7 +50,7 @@ from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 from vllm_anisotropic.integration.vllm.engine.labels import LabelQueue
 from vllm_anisotropic.integration.vllm.engine.metrics import MetricsSink, TreeMetrics
 from vllm_anisotropic.proposers import DraftTreeProposer, get_proposer, proposer_config
-from vllm_anisotropic.proposers.adjacency import TopKRows
+from vllm_anisotropic.proposers.adjacency import TopKRows, topk_scores
 from vllm_anisotropic.proposers.base import MODE_CODES, ProposalMode, RequestState
 from vllm_anisotropic.tree import DraftTree, FlatTrees
 
@@ -227,6 +227,7 @@ class TreeDrafter:
             if k and vocab_size:
                 logits = torch.zeros((trees.num_nodes, vocab_size), dtype=logits_dtype)
                 top = functools.partial(TopKRows.of, logits, k)
+                topk_scores(torch.zeros((16, vocab_size), dtype=logits_dtype), k)  # on threads (kernels.split)
             learn([state], trees, np.zeros(trees.num_nodes, bool), out.prev_roots, top)
         logger.debug("vllm-anisotropic: proposer kernels loaded in %.2f s", time.perf_counter() - t0)
 
