@@ -14,8 +14,8 @@ nothing in vLLM's engine: torch's OpenMP threads still spin there). GNU OpenMP d
 abort it). The cores: vLLM's CPU worker binds its OpenMP threads one to a core, and a thread
 inherits its creator's binding, so the count is that of the union of the bindings of every thread
 of the process (``/proc/self/task``), read at the first pass; numba sizes its pool from the
-importing thread's binding, so the plugin's ``register`` sets ``NUMBA_NUM_THREADS`` first
-(``reserve_numba_threads``). ``VLLM_ANISOTROPIC_HOST_THREADS``:
+importing thread's binding, so the plugin's ``register`` (the front end's, before vLLM starts its
+workers) sets ``NUMBA_NUM_THREADS`` first (``reserve_numba_threads``). ``VLLM_ANISOTROPIC_HOST_THREADS``:
 the threads a pass may use (default: those cores, at most 8; 1: one thread).
 numba is imported here only when a pass asks (``kernels/__init__``).
 """
@@ -35,15 +35,29 @@ MAX_THREADS = 8
 _LAYERS = ("omp", "tbb")  # layers that start a part without a queue's wake-up
 
 _threads: tuple[int, int] | None = None  # (pid, threads) of this process
-_launched_in: int | None = None  # the pid that started numba's threads (a fork child inherits it)
+_forked_after_threads = False  # a fork child of a process whose numba threads had started
+
+
+def _after_fork_in_child() -> None:
+    """numba starts its threads at a ``parallel`` kernel's first compile, load or call, or at
+    ``numba.set_num_threads``, ours or anyone's: a child forked after that runs one thread."""
+    global _forked_after_threads
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    if parallel is not None and getattr(parallel, "_is_initialized", False):
+        _forked_after_threads = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def reserve_numba_threads() -> None:
-    """Before numba's import: its pool may hold a thread per core this process may use now
-    (``NUMBA_NUM_THREADS``, unless set). numba reads the importing thread's binding otherwise, and
-    vLLM's CPU worker binds the engine's thread to one core before the kernels load."""
+    """Before numba's import: its pool may hold a thread per CPU of the machine
+    (``NUMBA_NUM_THREADS``, unless set). numba sizes it from the importing thread's binding
+    otherwise, and in vLLM's CPU workers that is one core (OpenMP binds the main thread when torch
+    loads); the pool's threads start only when a pass asks for them, so a larger pool costs
+    nothing."""
     if "numba" not in sys.modules:
-        os.environ.setdefault("NUMBA_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+        os.environ.setdefault("NUMBA_NUM_THREADS", str(max(len(os.sched_getaffinity(0)), os.cpu_count() or 1)))
 
 
 def _process_cores() -> set[int]:
@@ -77,7 +91,6 @@ def _threads_wanted(cores: int) -> int:
 def _launch(threads: int) -> int:
     """Start numba's threading layer (OpenMP first, unless numba's own variables choose): the
     threads a pass may use, 1 where no layer that starts a part at once loads."""
-    global _launched_in
     import numba
     from numba.np.ufunc import parallel
 
@@ -89,7 +102,6 @@ def _launch(threads: int) -> int:
     except Exception as e:  # no layer loads here (numba raises ValueError)
         logger.warning("vllm-anisotropic: numba's threading layer did not load (%s); vocabulary passes on one thread", e)
         return 1
-    _launched_in = os.getpid()
     if layer not in _LAYERS:
         logger.info("vllm-anisotropic: numba's threading layer is %r; vocabulary passes on one thread", layer)
         return 1
@@ -102,8 +114,8 @@ def host_threads() -> int:
     pid = os.getpid()
     if _threads is None or _threads[0] != pid:
         threads = _threads_wanted(len(_process_cores()))
-        if _launched_in is not None and _launched_in != pid:
-            threads = 1  # a fork child of a process that started them (GNU OpenMP: unsafe)
+        if _forked_after_threads:
+            threads = 1  # GNU OpenMP's threads do not survive a fork (numba aborts the child)
         elif threads > 1:
             threads = _launch(threads)
         _threads = (pid, threads)

@@ -205,10 +205,13 @@ _RANKS = PRIORITY_BY_CODE.astype(np.int8)  # the walk's child priority of each s
 def warm_up_walk() -> None:
     """Compile the CPU walk's kernel (or load it from numba's disk cache) for the bf16 logits a
     step passes it, at the CPU worker's start rather than in the first tree step: a one-node
-    tree over one row, then 16 (the walk on threads where the process has them: ``kernels.split``)."""
+    tree over one row, then 16 (the walk on threads where the process has them: ``kernels.split``),
+    and the argmax of 1 and 64 rows (edited greedy rows: ``host_rows_argmax``)."""
     for num in (1, 16):
         trees = FlatTrees.from_trees([DraftTree(tokens=[0], parents=[-1])] * num)
         walk_flat(trees, torch.zeros(num, 8, dtype=torch.bfloat16), np.arange(num, dtype=np.int64))
+    for num in (1, 64):
+        host_rows_argmax(torch.zeros(num, 8, dtype=torch.bfloat16), np.arange(num, dtype=np.int64))
 
 
 def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,
