@@ -135,7 +135,8 @@ CORE: list[dict] = [
          functions=["_topk_probs_part", "topk_probs_threads", "_argmax_part", "argmax_rows_threads"],
          tests=["tests/test_split_rows.py", "tests/test_kernels_harvest.py"]),
     dict(target="vllm_anisotropic/kernels/split.py",
-         functions=["reserve_numba_threads", "_process_cores", "_threads_wanted", "_launch", "host_threads", "row_threads"],
+         functions=["reserve_numba_threads", "_process_cores", "_threads_wanted", "_launch",
+                    "host_threads", "row_threads"],
          tests=["tests/test_split_rows.py"]),
     dict(
         target="vllm_anisotropic/proposers/context_match.py",

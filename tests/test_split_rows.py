@@ -17,22 +17,35 @@ from vllm_anisotropic.proposers.adjacency import topk_scores
 from vllm_anisotropic.tree import PRIORITY_BY_CODE, FlatTrees
 from vllm_anisotropic.verifiers.greedy import host_rows_argmax, walk_flat
 
-NO_THREADS = ("one core, or numba's OpenMP / TBB layer did not load here (no libgomp): the passes run the one-thread "
+NO_THREADS = ("one core, or numba's OpenMP / TBB layer does not load here (no libgomp): the passes run the one-thread "
               "kernels, which the other tests check")
-_THREADS_HERE = """
-import os
-os.environ.pop("NUMBA_NUM_THREADS", None); os.environ["VLLM_ANISOTROPIC_HOST_THREADS"] = "2"
-from vllm_anisotropic.kernels import split
-print("THREADS", split.host_threads())
+# numba alone, not this package (a mutant of kernels.split must not turn the threaded tests into skips)
+_LAYER_HERE = """
+import numba
+numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+from numba.np.ufunc import parallel
+parallel._launch_threads()
+print("LAYER", numba.threading_layer(), numba.config.NUMBA_NUM_THREADS)
 """
 
 
 def _threads_here() -> bool:
-    out = subprocess.run([sys.executable, "-c", _THREADS_HERE], capture_output=True, text=True, timeout=300)
-    return "THREADS 2" in out.stdout
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    out = subprocess.run([sys.executable, "-c", _LAYER_HERE], capture_output=True, text=True, timeout=300, env=env)
+    words = out.stdout.split()
+    return len(words) == 3 and words[1] in ("omp", "tbb") and int(words[2]) > 1
 
 
-THREADS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not _threads_here(), reason=NO_THREADS)
+HAS_THREADS = len(os.sched_getaffinity(0)) > 1 and _threads_here()
+THREADS = pytest.mark.skipif(not HAS_THREADS, reason=NO_THREADS)
+
+
+def _run(code, *args, **env):
+    """``code`` in a fresh process (numba's thread state is per process): its stdout."""
+    full = {k: v for k, v in os.environ.items() if k not in ("NUMBA_NUM_THREADS", split.HOST_THREADS_ENV)}
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+                         env={**full, **env})
+    return out.stdout + out.stderr[-2000:]
 
 
 @pytest.fixture
@@ -48,20 +61,63 @@ def threads(monkeypatch):
 
 
 def test_a_pass_takes_threads_only_for_two_parts_of_min_part(threads):
-    """One thread below two parts of ``min_part`` rows; above, a thread a part up to the cap."""
+    """One thread below two parts of ``min_part`` rows; above, a thread a part up to the cap, and
+    numba's thread count for this thread set to it."""
     got = threads(1)
     assert got == 1 and split.row_threads(10_000, 8) == 1
     cap = threads(split.MAX_THREADS)
-    assert 1 <= cap <= min(len(split._process_cores()), split.MAX_THREADS)
     assert split.row_threads(15, 8) == 1 and split.row_threads(0, 8) == 1
-    if cap == 1:
+    if not HAS_THREADS:
+        assert cap == 1
         pytest.skip(NO_THREADS)
     import numba
 
-    assert cap == min(len(split._process_cores()), split.MAX_THREADS, numba.config.NUMBA_NUM_THREADS)
+    assert cap == min(len(split._process_cores()), split.MAX_THREADS, numba.config.NUMBA_NUM_THREADS) > 1
     assert numba.threading_layer() in ("omp", "tbb")
     assert split.row_threads(16, 8) == 2 and split.row_threads(23, 8) == 2
+    numba.set_num_threads(1)
     assert split.row_threads(10_000, 8) == cap and numba.get_num_threads() == cap
+
+
+def test_the_default_count_is_the_cores_at_most_max_threads(monkeypatch):
+    monkeypatch.delenv(split.HOST_THREADS_ENV, raising=False)
+    assert [split._threads_wanted(n) for n in (0, 1, 3, split.MAX_THREADS + 5)] == [1, 1, 3, split.MAX_THREADS]
+    monkeypatch.setenv(split.HOST_THREADS_ENV, "12")
+    assert split._threads_wanted(2) == 12  # asked for: numba's pool caps it (_launch)
+
+
+_STARTS = """
+import os, sys
+from numba.np.ufunc import parallel
+from vllm_anisotropic.kernels import split
+print("ROWS", split.row_threads(int(sys.argv[1]), 8), "STARTED", parallel._is_initialized)
+"""
+
+
+@THREADS
+def test_numba_threads_start_only_for_a_pass_that_splits():
+    """A small pass, or one thread asked for, never starts numba's threads (nor its layer)."""
+    assert "ROWS 1 STARTED False" in _run(_STARTS, "15", VLLM_ANISOTROPIC_HOST_THREADS="2")
+    assert "ROWS 1 STARTED False" in _run(_STARTS, "100", VLLM_ANISOTROPIC_HOST_THREADS="1")
+    assert "ROWS 2 STARTED True" in _run(_STARTS, "100", VLLM_ANISOTROPIC_HOST_THREADS="2")
+
+
+_LAYER = """
+from vllm_anisotropic.kernels import split
+print("THREADS", split.host_threads())
+"""
+
+
+@THREADS
+def test_numbas_own_variables_choose_the_layer_and_only_omp_or_tbb_take_threads():
+    """``NUMBA_THREADING_LAYER(_PRIORITY)`` set by the operator are kept: ``workqueue`` (its
+    threads woken through a queue gained nothing in vLLM) runs one thread, a layer that does not
+    load runs one thread with a warning, OpenMP first takes two."""
+    assert "THREADS 1" in _run(_LAYER, NUMBA_THREADING_LAYER_PRIORITY="workqueue omp tbb", VLLM_ANISOTROPIC_HOST_THREADS="2")
+    assert "THREADS 1" in _run(_LAYER, NUMBA_THREADING_LAYER="workqueue", VLLM_ANISOTROPIC_HOST_THREADS="2")
+    out = _run(_LAYER, NUMBA_THREADING_LAYER="nonesuch", VLLM_ANISOTROPIC_HOST_THREADS="2")
+    assert "THREADS 1" in out and "did not load" in out
+    assert "THREADS 2" in _run(_LAYER, VLLM_ANISOTROPIC_HOST_THREADS="2")
 
 
 @pytest.mark.parametrize("raw", ["0", "-2", "two"])
@@ -141,14 +197,17 @@ want = topk_scores(logits, 4, rows)  # one thread (VLLM_ANISOTROPIC_HOST_THREADS
 ids, probs = np.empty((64, 4), np.int32), np.empty((64, 4), np.float32)
 if sys.argv[1] == "direct":  # numba's threads started without kernels.split (as by anyone's parallel kernel)
     kernels.load("vocab").topk_probs_threads(logits.view(torch.int16).numpy(), rows, 4, ids, probs, 2)
-else:
+elif sys.argv[1] == "split":
     os.environ[split.HOST_THREADS_ENV] = "2"; split._threads = None
     assert split.row_threads(64, 8) == 2
     topk_scores(logits, 4, rows)
+else:  # torch's OpenMP threads only
+    a = torch.randn(256, 256); a @ a
 pid = os.fork()
-if pid == 0:  # numba aborts a fork child that runs GNU OpenMP's threads: one thread here
-    os.environ[split.HOST_THREADS_ENV] = "2"; split._threads = None
-    ok = split.host_threads() == 1 and all((a == b).all() for a, b in zip(topk_scores(logits, 4, rows), want))
+if pid == 0:  # OpenMP's threads do not survive a fork (a hang, or numba aborts): one thread here
+    os.environ[split.HOST_THREADS_ENV] = "2"  # the cache is the parent's (another pid)
+    ok = split.host_threads() == 1
+    ok = ok and all((a == b).all() for a, b in zip(topk_scores(logits, 4, rows), want))
     os._exit(0 if ok else 3)
 _, status = os.waitpid(pid, 0)
 os.environ[split.HOST_THREADS_ENV] = "2"; split._threads = None
@@ -157,8 +216,9 @@ print("CHILD", status, "PARENT", split.host_threads())
 
 
 @THREADS
-@pytest.mark.parametrize("how", ["direct", "split"])
-def test_a_fork_child_of_a_process_that_ran_threads_runs_one_thread(how):
+@pytest.mark.parametrize("how", ["direct", "split", "torch"])
+def test_a_fork_child_runs_one_thread(how):
+    """Its parent ran numba's threads (without ``kernels.split``, or through it), or only torch's."""
     env = {**os.environ, split.HOST_THREADS_ENV: "1"}
     out = subprocess.run([sys.executable, "-c", _FORKED, how], capture_output=True, text=True, env=env, timeout=300)
     assert "CHILD 0 PARENT 2" in out.stdout, (out.stdout, out.stderr[-2000:])
@@ -167,12 +227,13 @@ def test_a_fork_child_of_a_process_that_ran_threads_runs_one_thread(how):
 _BOUND = """
 import os, threading
 from vllm_anisotropic.kernels import split
-split.reserve_numba_threads()  # as the plugin's register, before vLLM binds the thread
 cores = os.sched_getaffinity(0)
 gate = threading.Event()
 other = threading.Thread(target=gate.wait)  # unbound, as vLLM's OpenMP threads on the other cores
 other.start()
-os.sched_setaffinity(0, {min(cores)})  # this thread only, as vLLM binds the engine's
+os.sched_setaffinity(0, {min(cores)})  # this thread only, as OpenMP binds a CPU worker's at torch's load
+split.reserve_numba_threads()  # the worker's register (NUMBA_NUM_THREADS unset: no front end set it)
+assert os.environ["NUMBA_NUM_THREADS"] == str(os.cpu_count())
 print(sorted(split._process_cores()) == sorted(cores), split.host_threads() == min(len(cores), split.MAX_THREADS))
 gate.set()
 """
@@ -181,7 +242,7 @@ gate.set()
 @THREADS
 def test_threads_count_the_cores_of_every_thread_of_the_process():
     """vLLM's CPU worker binds the engine's thread to one core and its OpenMP threads to the
-    others: the count is the union's, numba's pool sized before (a fresh process)."""
+    others: the count is the union's, and numba's pool has a thread per CPU (a fresh process)."""
     env = {k: v for k, v in os.environ.items() if k not in (split.HOST_THREADS_ENV, "NUMBA_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", _BOUND], capture_output=True, text=True, env=env, timeout=300)
     assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]

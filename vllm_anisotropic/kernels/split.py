@@ -7,11 +7,12 @@ ran on one; the vocabulary passes are the largest share of that work (a 49,152-t
 ~18 us of top-k, ~4.5 us of argmax). A part gets ~150 us of work at least (the callers'
 ``min_part``): waking a sleeping thread costs tens of microseconds.
 
-The layer: OpenMP first (its threads spin a moment before they sleep, as torch's do, so a part
-starts at once after the forward; numba's ``workqueue`` threads, woken through a queue, gained
-nothing in vLLM's engine: torch's OpenMP threads still spin there). GNU OpenMP does not survive a
-``fork``: a child of a process that ran a threaded pass runs the one-thread kernels (numba would
-abort it). The cores: vLLM's CPU worker binds its OpenMP threads one to a core, and a thread
+The layer: OpenMP first (measured: a part starts at once right after torch's forward; numba's
+``workqueue`` threads, woken through a queue, and Python threads gained nothing in vLLM's engine,
+where torch's OpenMP threads still spin). OpenMP's threads do not survive a ``fork``: a child of a
+process whose torch had run OpenMP threads hung at its first threaded pass, and numba aborts a
+child of one whose numba had; so a fork child runs the one-thread kernels (vLLM's CPU platform
+spawns its engine and workers). The cores: vLLM's CPU worker binds its OpenMP threads one to a core, and a thread
 inherits its creator's binding, so the count is that of the union of the bindings of every thread
 of the process (``/proc/self/task``), read at the first pass; numba sizes its pool from the
 importing thread's binding, so the plugin's ``register`` (the front end's, before vLLM starts its
@@ -35,16 +36,12 @@ MAX_THREADS = 8
 _LAYERS = ("omp", "tbb")  # layers that start a part without a queue's wake-up
 
 _threads: tuple[int, int] | None = None  # (pid, threads) of this process
-_forked_after_threads = False  # a fork child of a process whose numba threads had started
+_forked = False  # this process is a fork child: one thread
 
 
 def _after_fork_in_child() -> None:
-    """numba starts its threads at a ``parallel`` kernel's first compile, load or call, or at
-    ``numba.set_num_threads``, ours or anyone's: a child forked after that runs one thread."""
-    global _forked_after_threads
-    parallel = sys.modules.get("numba.np.ufunc.parallel")
-    if parallel is not None and getattr(parallel, "_is_initialized", False):
-        _forked_after_threads = True
+    global _forked
+    _forked = True
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -114,8 +111,8 @@ def host_threads() -> int:
     pid = os.getpid()
     if _threads is None or _threads[0] != pid:
         threads = _threads_wanted(len(_process_cores()))
-        if _forked_after_threads:
-            threads = 1  # GNU OpenMP's threads do not survive a fork (numba aborts the child)
+        if _forked:
+            threads = 1  # OpenMP's threads do not survive a fork (module docstring)
         elif threads > 1:
             threads = _launch(threads)
         _threads = (pid, threads)
