@@ -118,6 +118,7 @@ def test_numbas_own_variables_choose_the_layer_and_only_omp_or_tbb_take_threads(
     out = _run(_LAYER, NUMBA_THREADING_LAYER="nonesuch", VLLM_ANISOTROPIC_HOST_THREADS="2")
     assert "THREADS 1" in out and "did not load" in out
     assert "THREADS 2" in _run(_LAYER, VLLM_ANISOTROPIC_HOST_THREADS="2")
+    assert "THREADS 1" in _run(_LAYER, NUMBA_NUM_THREADS="1", VLLM_ANISOTROPIC_HOST_THREADS="2")  # numba's pool caps
 
 
 @pytest.mark.parametrize("raw", ["0", "-2", "two"])
@@ -229,7 +230,7 @@ import os, threading
 from vllm_anisotropic.kernels import split
 cores = os.sched_getaffinity(0)
 gate = threading.Event()
-other = threading.Thread(target=gate.wait)  # unbound, as vLLM's OpenMP threads on the other cores
+other = threading.Thread(target=gate.wait, daemon=True)  # unbound, as vLLM's OpenMP threads on the other cores
 other.start()
 os.sched_setaffinity(0, {min(cores)})  # this thread only, as OpenMP binds a CPU worker's at torch's load
 split.reserve_numba_threads()  # the worker's register (NUMBA_NUM_THREADS unset: no front end set it)
