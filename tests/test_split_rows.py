@@ -30,8 +30,8 @@ print("LAYER", numba.threading_layer(), numba.config.NUMBA_NUM_THREADS)
 
 
 def _threads_here() -> bool:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
-    out = subprocess.run([sys.executable, "-c", _LAYER_HERE], capture_output=True, text=True, timeout=300, env=env)
+    """numba's own probe in this environment (its ``NUMBA_*`` variables included, as this process's)."""
+    out = subprocess.run([sys.executable, "-c", _LAYER_HERE], capture_output=True, text=True, timeout=300)
     words = out.stdout.split()
     return len(words) == 3 and words[1] in ("omp", "tbb") and int(words[2]) > 1
 
@@ -86,6 +86,23 @@ def test_the_default_count_is_the_cores_at_most_max_threads(monkeypatch):
     assert split._threads_wanted(2) == 12  # asked for: numba's pool caps it (_launch)
 
 
+_TORCH_COUNT = """
+import numpy as np, torch
+torch.set_num_threads(1)
+from vllm_anisotropic.kernels import split
+from vllm_anisotropic.proposers.adjacency import topk_scores
+topk_scores(torch.randn(64, 3000).to(torch.bfloat16), 4, np.arange(64))
+print("SPLIT", split.host_threads(), "TORCH", torch.get_num_threads())
+"""
+
+
+@THREADS
+def test_starting_numbas_threads_leaves_torchs_thread_count_alone():
+    """numba's OpenMP start sets the starting thread's OpenMP count (torch's, whose libgomp
+    answers): started on a thread of its own, the engine's thread keeps vLLM's count."""
+    assert "SPLIT 2 TORCH 1" in _run(_TORCH_COUNT, VLLM_ANISOTROPIC_HOST_THREADS="2")
+
+
 _STARTS = """
 import os, sys
 from numba.np.ufunc import parallel
@@ -132,7 +149,7 @@ def _steered(rng, dtype, num_trees=40, vocab=1000):
     time (walks run deep), and the trees' row starts."""
     trees = [t for _ in range(num_trees) for t in random_trees(rng, chain=0.7, sources=True, vocab=6)][:num_trees]
     flat = FlatTrees.from_trees(trees)
-    logits = torch.randn(flat.num_nodes + 5, vocab)
+    logits = torch.randn(flat.num_nodes + 5, vocab, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
     parents = flat.global_parents()
     for j in np.flatnonzero(parents >= 0):
         if rng.random() < 0.7:

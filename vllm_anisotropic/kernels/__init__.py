@@ -30,6 +30,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from vllm_anisotropic.kernels import split as _split  # noqa: F401  (its fork hook, from the package's import on)
+
 __all__ = ["load"]
 
 _NAMES = ("allocate", "emit", "goose", "kv", "match", "plan", "rank", "table", "vocab", "walk")

@@ -11,8 +11,9 @@ The layer: OpenMP first (measured: a part starts at once right after torch's for
 ``workqueue`` threads, woken through a queue, and Python threads gained nothing in vLLM's engine,
 where torch's OpenMP threads still spin). OpenMP's threads do not survive a ``fork``: a child of a
 process whose torch had run OpenMP threads hung at its first threaded pass, and numba aborts a
-child of one whose numba had; so a fork child runs the one-thread kernels (vLLM's CPU platform
-spawns its engine and workers). The cores: vLLM's CPU worker binds its OpenMP threads one to a core, and a thread
+child of one whose numba had; so a child forked after this package loaded (``kernels/__init__``
+imports this module) runs the one-thread kernels (vLLM's CPU platform spawns its engine and
+workers). The cores: vLLM's CPU worker binds its OpenMP threads one to a core, and a thread
 inherits its creator's binding, so the count is that of the union of the bindings of every thread
 of the process (``/proc/self/task``), read at the first pass; numba sizes its pool from the
 importing thread's binding, so the plugin's ``register`` (the front end's, before vLLM starts its
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 __all__ = ["HOST_THREADS_ENV", "MAX_THREADS", "host_threads", "reserve_numba_threads", "row_threads"]
 
@@ -51,8 +53,8 @@ def reserve_numba_threads() -> None:
     """Before numba's import: its pool may hold a thread per CPU of the machine
     (``NUMBA_NUM_THREADS``, unless set). numba sizes it from the importing thread's binding
     otherwise, and in vLLM's CPU workers that is one core (OpenMP binds the main thread when torch
-    loads); the pool's threads start only when a pass asks for them, so a larger pool costs
-    nothing."""
+    loads). A pass asks for its own count (``row_threads``), and OpenMP starts threads as passes
+    ask for them."""
     if "numba" not in sys.modules:
         os.environ.setdefault("NUMBA_NUM_THREADS", str(max(len(os.sched_getaffinity(0)), os.cpu_count() or 1)))
 
@@ -93,12 +95,24 @@ def _launch(threads: int) -> int:
 
     if not (os.environ.get("NUMBA_THREADING_LAYER") or os.environ.get("NUMBA_THREADING_LAYER_PRIORITY")):
         numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
-    try:
-        parallel._launch_threads()
-        layer = numba.threading_layer()
-    except Exception as e:  # no layer loads here (numba raises ValueError)
-        logger.warning("vllm-anisotropic: numba's threading layer did not load (%s); vocabulary passes on one thread", e)
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            parallel._launch_threads()
+        except Exception as e:  # no layer loads here (numba raises ValueError)
+            failed.append(e)
+
+    # on a thread of its own: numba's OpenMP start sets the OpenMP thread count of the thread that
+    # starts it (torch's too, its libgomp answering), and the engine's thread runs the forward
+    starter = threading.Thread(target=start, name="vllm-anisotropic-numba-start")
+    starter.start()
+    starter.join()
+    if failed:
+        logger.warning("vllm-anisotropic: numba's threading layer did not load (%s); vocabulary passes on one thread",
+                       failed[0])
         return 1
+    layer = numba.threading_layer()
     if layer not in _LAYERS:
         logger.info("vllm-anisotropic: numba's threading layer is %r; vocabulary passes on one thread", layer)
         return 1

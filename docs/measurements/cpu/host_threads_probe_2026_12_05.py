@@ -6,8 +6,8 @@ one thread: two probes, each in fresh processes.
    thread; two parts, one on a Python helper thread (``ThreadPoolExecutor``, the kernel releases
    the GIL); two parts on numba's ``workqueue`` layer; two on its OpenMP layer. Median of 30, us.
 2. A fork child running the threaded top-k (numba's OpenMP layer), its parent having run
-   nothing on OpenMP, or a torch matmul: the child's exit status (a watchdog ends a hung child
-   after 8 s with status 256).
+   nothing on OpenMP, or a torch matmul: the child's exit status and time (a watchdog ends a hung
+   child after 8 s with status 256 and prints where it hung).
 
     PYTHONPATH=. .venv/bin/python docs/measurements/cpu/host_threads_probe_2026_12_05.py
 """
@@ -62,14 +62,16 @@ from vllm_anisotropic import kernels
 x = np.random.default_rng(0).standard_normal((64, 3000)).astype(np.float32)
 rows = np.arange(64)
 ids, probs = np.empty((64, 4), np.int32), np.empty((64, 4), np.float32)
+import time
+t0 = time.perf_counter()
 pid = os.fork()
 if pid == 0:
-    faulthandler.dump_traceback_later(8, exit=True)
+    faulthandler.dump_traceback_later(8, exit=True)  # a hung child: its stack on stderr, status 256
     numba.set_num_threads(2)
     kernels.load("vocab").topk_probs_threads(x, rows, 4, ids, probs, 2)
     os._exit(0)
 _, status = os.waitpid(pid, 0)
-print("parent ran", sys.argv[1], "-> child status", status)
+print("parent ran", sys.argv[1], "-> child status", status, "after %.1f s" % (time.perf_counter() - t0))
 """
 
 if __name__ == "__main__":
@@ -83,3 +85,5 @@ if __name__ == "__main__":
     for parent in ("nothing", "torch"):
         out = subprocess.run([sys.executable, "-c", _FORK, parent], capture_output=True, text=True, env=env)
         print(out.stdout.strip() or out.stderr[-500:])
+        hung = [line for line in out.stderr.splitlines() if "Timeout" in line or "topk_probs_threads" in line]
+        print("  child's stderr:", " | ".join(hung) or "-")

@@ -198,7 +198,8 @@ class TreeDrafter:
     def load_model(self, *args, **kwargs) -> None:
         """No draft model: drafts come from the context and the target's own logits."""
 
-    def warm_up(self, token_dtype=np.int32, logits_dtype=torch.float32, vocab_size: int | None = None) -> None:
+    def warm_up(self, token_dtype=np.int32, logits_dtype=torch.float32, vocab_size: int | None = None,
+                cpu_logits: bool = True) -> None:
         """Load the step's compiled kernels of the workers' side now, at the worker's start
         (after vLLM's start-up scan, which must not meet numba: ``kernels``), not in the first
         tree steps, where the whole batch waits: the proposal, the allocator's ranking
@@ -227,7 +228,8 @@ class TreeDrafter:
             if k and vocab_size:
                 logits = torch.zeros((trees.num_nodes, vocab_size), dtype=logits_dtype)
                 top = functools.partial(TopKRows.of, logits, k)
-                topk_scores(torch.zeros((16, vocab_size), dtype=logits_dtype), k)  # on threads (kernels.split)
+                if cpu_logits:  # the top-k on threads (kernels.split); a GPU's runs on the device
+                    topk_scores(torch.zeros((16, vocab_size), dtype=logits_dtype), k)
             learn([state], trees, np.zeros(trees.num_nodes, bool), out.prev_roots, top)
         logger.debug("vllm-anisotropic: proposer kernels loaded in %.2f s", time.perf_counter() - t0)
 

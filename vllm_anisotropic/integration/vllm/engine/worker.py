@@ -118,7 +118,7 @@ def _calibrate(runner) -> None:
     from vllm_anisotropic.integration.vllm.engine.sampler import warm_up_emit
 
     runner.drafter.warm_up(runner.input_batch.token_ids_cpu.dtype, runner.model_config.dtype,
-                           runner.model_config.get_vocab_size())
+                           runner.model_config.get_vocab_size(), cpu_logits=runner.device.type == "cpu")
     warm_up_step_rows()  # the step's node rows and positions
     warm_up_emit()  # the sampler's bookkeeping after the walk
     engine = runner.drafter.config.engine
