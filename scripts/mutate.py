@@ -137,7 +137,7 @@ CORE: list[dict] = [
                 "tests/test_verifier_reference.py::test_bf16_and_float32_rows_argmaxed_as_torch"]),
     dict(target="vllm_anisotropic/kernels/split.py",
          functions=["reserve_numba_threads", "_process_cores", "_threads_wanted", "_launch",
-                    "host_threads", "row_threads"],
+                    "host_threads", "row_threads", "run_rows"],
          tests=["tests/test_split_rows.py"]),
     dict(
         target="vllm_anisotropic/proposers/context_match.py",

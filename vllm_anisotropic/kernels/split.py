@@ -29,7 +29,7 @@ import os
 import sys
 import threading
 
-__all__ = ["HOST_THREADS_ENV", "MAX_THREADS", "host_threads", "reserve_numba_threads", "row_threads"]
+__all__ = ["HOST_THREADS_ENV", "MAX_THREADS", "host_threads", "reserve_numba_threads", "row_threads", "run_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,3 +146,13 @@ def row_threads(n: int, min_part: int) -> int:
 
         numba.set_num_threads(threads)
     return threads
+
+
+def run_rows(one, threaded, n: int, min_part: int, *args) -> None:
+    """``one(*args)``, or ``threaded(*args, threads)`` where a pass over ``n`` rows (or trees)
+    takes threads (``row_threads``)."""
+    threads = row_threads(n, min_part)
+    if threads == 1:
+        one(*args)
+    else:
+        threaded(*args, threads)

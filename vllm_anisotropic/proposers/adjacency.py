@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from vllm_anisotropic import kernels
-from vllm_anisotropic.kernels.split import row_threads
+from vllm_anisotropic.kernels.split import run_rows
 from vllm_anisotropic.proposers.base import RequestState
 from vllm_anisotropic.tree import DraftTree
 
@@ -125,11 +125,7 @@ def topk_scores(logits: torch.Tensor, k: int, rows: np.ndarray | None = None) ->
         probs = np.empty((rows.shape[0], k), np.float32)
         if rows.shape[0] and k:
             vocab = kernels.load("vocab")  # threads: a part of 8 rows or more (kernels.split)
-            threads = row_threads(rows.shape[0], 8)
-            if threads == 1:
-                vocab.topk_probs(x, rows, k, ids, probs)
-            else:
-                vocab.topk_probs_threads(x, rows, k, ids, probs, threads)
+            run_rows(vocab.topk_probs, vocab.topk_probs_threads, rows.shape[0], 8, x, rows, k, ids, probs)
         return ids, probs
     if rows is not None:
         logits = logits.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(logits.device))

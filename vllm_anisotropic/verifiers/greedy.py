@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from vllm_anisotropic import kernels
-from vllm_anisotropic.kernels.split import row_threads
+from vllm_anisotropic.kernels.split import run_rows
 from vllm_anisotropic.tree import DraftTree, FlatTrees, PRIORITY_BY_CODE
 from vllm_anisotropic.verifiers.base import BatchVerifyResult, VerifyResult
 from vllm_anisotropic.verifiers.topdown import TopDownVerifier, descend, descend_all
@@ -78,11 +78,8 @@ def host_rows_argmax(logits: torch.Tensor, rows: np.ndarray) -> np.ndarray:
     if logits.dtype == torch.bfloat16:
         out = np.empty(rows.shape[0], np.int64)
         vocab = kernels.load("vocab")  # threads: a part of 32 rows or more (kernels.split)
-        x, threads = logits.detach().view(torch.int16).numpy(), row_threads(rows.shape[0], 32)
-        if threads == 1:
-            vocab.argmax_rows(x, rows, out)
-        else:
-            vocab.argmax_rows_threads(x, rows, out, threads)
+        run_rows(vocab.argmax_rows, vocab.argmax_rows_threads, rows.shape[0], 32,
+                 logits.detach().view(torch.int16).numpy(), rows, out)
         return out
     return np.fromiter((logits[r].float().numpy().argmax() for r in rows.tolist()), np.int64, rows.shape[0])
 
@@ -239,13 +236,8 @@ def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,
         # 16 bits (float32 rows stay with numpy's argmax, depth by depth: ~1.4-1.8x faster a row
         # than the compiled one, which pays for the per-depth calls from a few rows a depth on)
         walk = kernels.load("walk")  # threads: a part of 8 trees or more (kernels.split)
-        args = (logits.detach().view(torch.int16).numpy(), trees.tokens, trees.parents, ranks, trees.offsets, starts,
-                accepted, num_accepted, bonus)
-        threads = row_threads(num, 8)
-        if threads == 1:
-            walk.walk_rows(*args)
-        else:
-            walk.walk_rows_threads(*args, threads)
+        run_rows(walk.walk_rows, walk.walk_rows_threads, num, 8, logits.detach().view(torch.int16).numpy(),
+                 trees.tokens, trees.parents, ranks, trees.offsets, starts, accepted, num_accepted, bonus)
         return accepted, num_accepted, bonus
     cur = np.zeros(num, np.int64)
     active = np.ones(num, bool)
