@@ -113,7 +113,8 @@ _STEP_KERNELS = (
     "plan.main_rows", "plan.path_rounds", "kv.move_slots", "walk.walk_rows", "emit.emit_rows", "emit.harvest_rows",
     "vocab.topk_probs", "table.update", "table.last_writes", "allocate.allocate_batch",
 )
-_THREADS_KERNELS = ("vocab.topk_probs_threads", "walk.walk_rows_threads")  # where the engine has threads: kernels.split
+# where the engine has threads (kernels.split): the step's top-k, walk and K/V moves
+_THREADS_KERNELS = ("vocab.topk_probs_threads", "walk.walk_rows_threads", "kv.move_slots_threads")
 
 _COMPILES_WHILE_SERVING = """
 import importlib, json, sys

@@ -319,3 +319,25 @@ def test_triton_moves_follow_the_definition_in_the_interpreter():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
     assert out.stdout.count("refused:") == 2
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7])
+def test_threaded_moves_give_the_definition_for_any_parts(parts):
+    """``move_slots_threads`` cuts the caches (5 layers) into ``parts`` contiguous parts, one a
+    thread, each with its own buffer: every cache equals the definition's, parts uneven (2, 3),
+    one layer a part and more parts than layers (7: empty parts). A chain of moves (16 -> 17 ->
+    18: each source the previous destination, read before written), a move across blocks and a
+    slot onto itself. A bound off by one skips a layer or moves one twice (the chain then moves
+    on: 18 gets 16's K/V); a buffer shared by two parts mixes their layers."""
+    gen = torch.Generator().manual_seed(parts)
+    caches = [torch.randn(4, 3, 16, 2 * 8, generator=gen).to(torch.bfloat16) for _ in range(5)]
+    before = [c.clone() for c in caches]
+    mover = KVMover.from_layers(_layers(caches))
+    mover.move(torch.tensor([0]), torch.tensor([0]))  # builds the groups (slot 0 onto itself)
+    (views, k_off, v_off, shape), = mover._host_groups
+    src, dst = [16, 17, 40, 9], [17, 18, 3, 9]
+    kernels.load("kv").move_slots_threads(views, np.array(src), np.array(dst), k_off, v_off, *shape, parts)
+    for cache, old in zip(caches, before):
+        assert torch.equal(cache.view(torch.int16), _reference_move(old, src, dst).view(torch.int16))
+    with pytest.raises(ValueError, match="outside the caches"):  # checked before any part writes
+        kernels.load("kv").move_slots_threads(views, np.array([1, 64]), np.array([2, 3]), k_off, v_off, *shape, parts)

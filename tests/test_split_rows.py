@@ -264,3 +264,32 @@ def test_threads_count_the_cores_of_every_thread_of_the_process():
     env = {k: v for k, v in os.environ.items() if k not in (split.HOST_THREADS_ENV, "NUMBA_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", _BOUND], capture_output=True, text=True, env=env, timeout=300)
     assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
+
+
+@THREADS
+def test_kv_moves_take_threads_from_two_parts_of_move_part(threads, monkeypatch):
+    """``KVMover.move`` on the CPU: the threaded kernel, with a thread a part, where the moved
+    elements (moves x heads x 2 head_size x layers) make two parts of ``MOVE_PART``; below, the
+    one-thread kernel; both give the definition's caches."""
+    from test_kv_moves import _layers, _reference_move
+    from vllm_anisotropic.integration.vllm.engine.kv_moves import MOVE_PART, KVMover
+
+    kv = kernels.load("kv")
+    calls = []
+    for name in ("move_slots", "move_slots_threads"):
+        real = getattr(kv, name)
+        monkeypatch.setattr(kv, name, lambda *a, _real=real, _name=name: (calls.append((_name, a[8:])), _real(*a)))
+    assert threads(2) == 2
+    caches = [torch.randn(64, 2, 16, 2 * 16).to(torch.bfloat16) for _ in range(4)]
+    before = [c.clone() for c in caches]
+    mover = KVMover.from_layers(_layers(caches))
+    per_move = 2 * 2 * 16 * len(caches)  # elements a move copies over every layer
+    small = 2 * MOVE_PART // per_move - 1  # one move short of two parts
+    for m in (small, small + 1):
+        calls.clear()
+        src, dst = list(range(100, 100 + m)), list(range(300, 300 + m))
+        mover.move(torch.tensor(src), torch.tensor(dst))
+        assert calls == ([("move_slots", ())] if m == small else [("move_slots_threads", (2,))]), (m, calls)
+        for cache, old in zip(caches, before):
+            assert torch.equal(cache.view(torch.int16), _reference_move(old, src, dst).view(torch.int16))
+        before = [c.clone() for c in caches]

@@ -23,9 +23,10 @@ head_size`` elements. On CUDA (FLASH_ATTN) token t's K is ``[t, :head_size]`` an
 vLLM's own cache writer (``attention.kv_layout``). Layers sharing one cache tensor are moved
 once (a second application would read sources already overwritten). On CPU every layer of one
 layout moves in one compiled call (``kernels/kv.py``: element indices computed once, each
-cache's bits copied through a buffer); on CUDA every layer of one cache shape in two Triton
-launches (``attention/kv_move_triton.py``: gather into a buffer, scatter from it); on another
-device, each layer is one gather and one scatter of element indices (``gather_scatter``).
+cache's bits copied through a buffer; the layers cut over the process's threads from
+``MOVE_PART`` elements a part, ``kernels.split``); on CUDA every layer of one cache shape in
+two Triton launches (``attention/kv_move_triton.py``: gather into a buffer, scatter from it); on
+another device, each layer is one gather and one scatter of element indices (``gather_scatter``).
 
 Prefix caching: the moves happen in the worker before the step's reply, so no block vLLM
 caches after the reply (0.33's ``update_from_output`` caches right away) holds a node's K/V at
@@ -38,8 +39,13 @@ import numpy as np
 import torch
 
 from vllm_anisotropic import kernels as _kernels
+from vllm_anisotropic.kernels.split import host_threads, run_rows
 
-__all__ = ["KVMover", "gather_scatter"]
+__all__ = ["KVMover", "MOVE_PART", "gather_scatter"]
+
+# elements (moves x heads x 2 head_size x layers) a thread's part of the CPU moves holds at least
+# (kernels.split.run_rows): ~10 us of copying; from two parts on, a second thread is faster
+MOVE_PART = 1 << 13
 
 
 class KVMover:
@@ -102,10 +108,13 @@ class KVMover:
             self._triton_groups, self._device_caches = _triton_groups(
                 [c for c in self.caches if c[0].device.type != "cpu"])
         if self._host_groups:
-            move = _kernels.load("kv").move_slots
+            kv = _kernels.load("kv")
             src, dst = src_slots.cpu().numpy().astype(np.int64), dst_slots.cpu().numpy().astype(np.int64)
             for views, k_off, v_off, shape in self._host_groups:
-                move(views, src, dst, k_off, v_off, *shape)
+                num_heads, _, two_hs = shape
+                # the layers on threads, from MOVE_PART elements a part (kernels.split)
+                run_rows(kv.move_slots, kv.move_slots_threads, src.shape[0] * num_heads * two_hs * len(views),
+                         MOVE_PART, views, src, dst, k_off, v_off, *shape)
         if self._triton_groups:
             from vllm_anisotropic.attention.kv_move_triton import move_slots
 
@@ -113,6 +122,18 @@ class KVMover:
                 move_slots(caches, offsets, src_slots, dst_slots)
         if self._device_caches:
             gather_scatter(self._device_caches, src_slots, dst_slots)
+
+
+    def warm_up(self) -> None:
+        """Load the compiled moves (``kernels/kv.py``) for these caches' element types now: slot 0
+        onto itself in every cache (nothing changes), on one thread and, where the process has
+        threads (``kernels.split``), on two."""
+        zero = torch.zeros(1, dtype=torch.int64)
+        self.move(zero, zero)
+        if self._host_groups and host_threads() > 1:
+            kv, z = _kernels.load("kv"), zero.numpy()
+            for views, k_off, v_off, shape in self._host_groups:
+                kv.move_slots_threads(views, z, z, k_off, v_off, *shape, 2)
 
 
 def gather_scatter(caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], src_slots: torch.Tensor,

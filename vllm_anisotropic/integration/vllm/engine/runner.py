@@ -490,10 +490,9 @@ class TreeRunnerMixin:
     def warm_up_kv_moves(self) -> None:
         """Build the K/V mover and load its compiled kernel (``kernels/kv.py``) for these caches'
         element types now, at the worker's start, not in the first step that moves: slot 0 onto
-        itself in every cache (nothing changes)."""
+        itself in every cache (nothing changes), on one thread and on the process's threads."""
         self._kv_mover = KVMover.from_layers(self.compilation_config.static_forward_context.values())
-        zero = torch.zeros(1, dtype=torch.int64)
-        self._kv_mover.move(zero, zero)
+        self._kv_mover.warm_up()
 
     def _first_cache_ptr(self) -> int:
         for layer in self.compilation_config.static_forward_context.values():
