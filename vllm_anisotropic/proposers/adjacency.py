@@ -124,8 +124,8 @@ def topk_scores(logits: torch.Tensor, k: int, rows: np.ndarray | None = None) ->
         ids = np.empty((rows.shape[0], k), np.int32)
         probs = np.empty((rows.shape[0], k), np.float32)
         if rows.shape[0] and k:
-            vocab = kernels.load("vocab")  # threads: a part of 8 rows or more (kernels.split)
-            run_rows(vocab.topk_probs, vocab.topk_probs_threads, rows.shape[0], 8, x, rows, k, ids, probs)
+            vocab = kernels.load("vocab")  # threads: a part of 2 rows or more (kernels.split)
+            run_rows(vocab.topk_probs, vocab.topk_probs_threads, rows.shape[0], 2, x, rows, k, ids, probs)
         return ids, probs
     if rows is not None:
         logits = logits.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(logits.device))
