@@ -77,8 +77,8 @@ def host_rows_argmax(logits: torch.Tensor, rows: np.ndarray) -> np.ndarray:
         return np.fromiter((x[r].argmax() for r in rows.tolist()), np.int64, rows.shape[0])
     if logits.dtype == torch.bfloat16:
         out = np.empty(rows.shape[0], np.int64)
-        vocab = kernels.load("vocab")  # threads: a part of 8 rows or more (kernels.split)
-        run_rows(vocab.argmax_rows, vocab.argmax_rows_threads, rows.shape[0], 8,
+        vocab = kernels.load("vocab")  # threads: a part of 32 rows or more (kernels.split)
+        run_rows(vocab.argmax_rows, vocab.argmax_rows_threads, rows.shape[0], 32,
                  logits.detach().view(torch.int16).numpy(), rows, out)
         return out
     return np.fromiter((logits[r].float().numpy().argmax() for r in rows.tolist()), np.int64, rows.shape[0])
@@ -235,8 +235,8 @@ def walk_flat(trees: FlatTrees, logits: torch.Tensor, starts: np.ndarray,
         # every depth in one compiled call, the argmax of each visited row read in place on its
         # 16 bits (float32 rows stay with numpy's argmax, depth by depth: ~1.4-1.8x faster a row
         # than the compiled one, which pays for the per-depth calls from a few rows a depth on)
-        walk = kernels.load("walk")  # threads: a part of 4 trees or more (kernels.split)
-        run_rows(walk.walk_rows, walk.walk_rows_threads, num, 4, logits.detach().view(torch.int16).numpy(),
+        walk = kernels.load("walk")  # threads: a part of 8 trees or more (kernels.split)
+        run_rows(walk.walk_rows, walk.walk_rows_threads, num, 8, logits.detach().view(torch.int16).numpy(),
                  trees.tokens, trees.parents, ranks, trees.offsets, starts, accepted, num_accepted, bonus)
         return accepted, num_accepted, bonus
     cur = np.zeros(num, np.int64)
