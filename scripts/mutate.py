@@ -148,7 +148,8 @@ CORE: list[dict] = [
     dict(target="vllm_anisotropic/kernels/walk.py", functions=["_child", "descend_flat", "walk_rows", "walk_rows_threads",
                                                                 "_walk_part"],
          tests=["tests/test_flat_trees.py", "tests/test_split_rows.py"]),
-    dict(target="vllm_anisotropic/kernels/kv.py", functions=["move_slots"], tests=["tests/test_kv_moves.py"]),
+    dict(target="vllm_anisotropic/kernels/kv.py", functions=["_elements", "_move_part", "move_slots", "move_slots_threads"],
+         tests=["tests/test_kv_moves.py"]),
     # plan.py runs with --no-jit: its selection leaves out the warm-up test (it reads numba's signatures)
     dict(target="vllm_anisotropic/kernels/plan.py", functions=["path_rounds"],
          tests=["tests/test_kernels_plan.py::test_path_rounds_match_the_per_leaf_reference",
