@@ -337,7 +337,8 @@ def test_threaded_moves_give_the_definition_for_any_parts(parts):
     one layer a part and more parts than layers (7: empty parts). A chain of moves (16 -> 17 ->
     18: each source the previous destination, read before written), a move across blocks and a
     slot onto itself. A bound off by one skips a layer or moves one twice (the chain then moves
-    on: 18 gets 16's K/V); a buffer shared by two parts mixes their layers."""
+    on: 18 gets 16's K/V). A slot outside the caches raises before any part writes (the caches
+    are left as they were); a model of one layer moves too."""
     gen = torch.Generator().manual_seed(parts)
     caches = [torch.randn(4, 3, 16, 2 * 8, generator=gen).to(torch.bfloat16) for _ in range(5)]
     before = [c.clone() for c in caches]
@@ -348,8 +349,10 @@ def test_threaded_moves_give_the_definition_for_any_parts(parts):
     kernels.load("kv").move_slots_threads(views, np.array(src), np.array(dst), k_off, v_off, *shape, parts)
     for cache, old in zip(caches, before):
         assert torch.equal(cache.view(torch.int16), _reference_move(old, src, dst).view(torch.int16))
+    moved = [c.clone() for c in caches]
     with pytest.raises(ValueError, match="outside the caches"):  # checked before any part writes
         kernels.load("kv").move_slots_threads(views, np.array([1, 64]), np.array([2, 3]), k_off, v_off, *shape, parts)
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(caches, moved))
     one = torch.randn(4, 3, 16, 2 * 8, generator=gen).to(torch.bfloat16)  # a model of one layer moves too
     old = one.clone()
     views = _groups_of(one)

@@ -6,9 +6,10 @@ The element indices of the moved K and V are computed once a call; each cache is
 through a buffer, every source read before any destination is written. With ``parts`` above 1
 (``move_slots_threads``) the caches are cut into contiguous parts, one a thread (numba's thread
 count set by the caller: ``kernels.split``), each with a buffer of its own: the moves of one
-cache never read another's. The copies wait on memory (a bf16 ``vec`` layout stores K
-transposed: a token's 64 K values of a head sit in 64 cache lines), so a second thread halves
-them where the caches are cold."""
+cache never read another's (the caches must not share memory: ``KVMover.from_layers`` drops a
+second layer on one tensor). The copies wait on memory (a bf16 ``vec`` layout stores K
+transposed: a token's 64 K values of a head sit in 64 cache lines): alone, a second thread made
+them 1.4x (2 moves) to 1.9x (100 moves) faster (docs/measurements/cpu/kv_threads_alone_2026_12_05.txt)."""
 
 from __future__ import annotations
 

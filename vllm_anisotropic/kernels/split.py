@@ -1,6 +1,7 @@
 """How many threads a step's vocabulary pass runs on (``row_threads``): the harvest's top-k and the
 greedy walk's argmax read each logits row on its own, so their ``*_threads`` kernels split the
-rows (the walk: the trees) into contiguous parts, one a thread, over numba's threading layer.
+rows (the walk: the trees) into contiguous parts, one a thread, over numba's threading layer; the
+K/V slot moves split the layers the same way (``kernels.kv.move_slots_threads``).
 
 Why: on a CPU server the forward holds every core of the rank and the plugin's host work after it
 ran on one; the vocabulary passes are the largest share of that work (a 49,152-token bf16 row:
@@ -111,12 +112,13 @@ def _launch(threads: int) -> int:
     starter.start()
     starter.join()
     if failed:
-        logger.warning("vllm-anisotropic: numba's threading layer did not load (%s); vocabulary passes on one thread",
-                       failed[0])
+        logger.warning("vllm-anisotropic: numba's threading layer did not load (%s); vocabulary passes and K/V "
+                       "moves on one thread", failed[0])
         return 1
     layer = numba.threading_layer()
     if layer not in _LAYERS:
-        logger.info("vllm-anisotropic: numba's threading layer is %r; vocabulary passes on one thread", layer)
+        logger.info("vllm-anisotropic: numba's threading layer is %r; vocabulary passes and K/V moves on one thread",
+                    layer)
         return 1
     return max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
 
@@ -132,12 +134,12 @@ def host_threads() -> int:
         elif threads > 1:
             threads = _launch(threads)
         _threads = (pid, threads)
-        logger.debug("vllm-anisotropic: vocabulary passes on %d thread(s)", threads)
+        logger.debug("vllm-anisotropic: vocabulary passes and K/V moves on %d thread(s)", threads)
     return _threads[1]
 
 
 def row_threads(n: int, min_part: int) -> int:
-    """Threads for a pass over ``n`` rows (or trees), each part ``min_part`` or more: 1 means the
+    """Threads for a pass over ``n`` rows (or trees, or layers), each part ``min_part`` or more: 1 means the
     one-thread kernel; above, numba's thread count for this thread is set to it for the
     ``*_threads`` kernel the caller runs next."""
     if n < 2 * min_part:

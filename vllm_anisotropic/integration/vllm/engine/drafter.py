@@ -228,8 +228,9 @@ class TreeDrafter:
             if k and vocab_size:
                 logits = torch.zeros((trees.num_nodes, vocab_size), dtype=logits_dtype)
                 top = functools.partial(TopKRows.of, logits, k)
-                if cpu_logits:  # the top-k on threads (kernels.split); a GPU's runs on the device
-                    topk_scores(torch.zeros((16, vocab_size), dtype=logits_dtype), k)
+                if cpu_logits:  # the top-k on one thread and on threads (kernels.split); a GPU's runs on the device
+                    for rows in (1, 16):
+                        topk_scores(torch.zeros((rows, vocab_size), dtype=logits_dtype), k)
             learn([state], trees, np.zeros(trees.num_nodes, bool), out.prev_roots, top)
         logger.debug("vllm-anisotropic: proposer kernels loaded in %.2f s", time.perf_counter() - t0)
 

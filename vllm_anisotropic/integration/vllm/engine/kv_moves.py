@@ -39,12 +39,13 @@ import numpy as np
 import torch
 
 from vllm_anisotropic import kernels as _kernels
-from vllm_anisotropic.kernels.split import host_threads, run_rows
+from vllm_anisotropic.kernels.split import row_threads, run_rows
 
 __all__ = ["KVMover", "MOVE_PART", "gather_scatter"]
 
-# elements (moves x heads x 2 head_size x layers) a thread's part of the CPU moves holds at least
-# (kernels.split.run_rows): ~10 us of copying; from two parts on, a second thread is faster
+# moved elements (moves x heads x 2 head_size x its layers) a thread's part of the CPU moves holds at
+# least (kernels.split.run_rows): ~10 us of copying with the slots warm, ~40 us cold; alone, from two
+# such parts a second thread was faster (docs/measurements/cpu/kv_threads_alone_2026_12_05.txt)
 MOVE_PART = 1 << 13
 
 
@@ -112,9 +113,10 @@ class KVMover:
             src, dst = src_slots.cpu().numpy().astype(np.int64), dst_slots.cpu().numpy().astype(np.int64)
             for views, k_off, v_off, shape in self._host_groups:
                 num_heads, _, two_hs = shape
-                # the layers on threads, from MOVE_PART elements a part (kernels.split)
-                run_rows(kv.move_slots, kv.move_slots_threads, src.shape[0] * num_heads * two_hs * len(views),
-                         MOVE_PART, views, src, dst, k_off, v_off, *shape)
+                # the layers in parts, one a thread, each MOVE_PART moved elements or more (kernels.split)
+                per_layer = src.shape[0] * num_heads * two_hs
+                run_rows(kv.move_slots, kv.move_slots_threads, len(views), -(-MOVE_PART // per_layer),
+                         views, src, dst, k_off, v_off, *shape)
         if self._triton_groups:
             from vllm_anisotropic.attention.kv_move_triton import move_slots
 
@@ -126,13 +128,15 @@ class KVMover:
 
     def warm_up(self) -> None:
         """Load the compiled moves (``kernels/kv.py``) for these caches' element types now: slot 0
-        onto itself in every cache (nothing changes), on one thread and, where the process has
-        threads (``kernels.split``), on two."""
+        onto itself in every cache (nothing changes), by the one-thread kernel and, where the
+        process has threads (``kernels.split``), by the threaded one in two parts (whichever a
+        step of this model takes: a token of a large model is two parts alone)."""
         zero = torch.zeros(1, dtype=torch.int64)
-        self.move(zero, zero)
-        if self._host_groups and host_threads() > 1:
-            kv, z = _kernels.load("kv"), zero.numpy()
-            for views, k_off, v_off, shape in self._host_groups:
+        self.move(zero, zero)  # the device moves, and the CPU groups built
+        kv, z = _kernels.load("kv"), zero.numpy()
+        for views, k_off, v_off, shape in self._host_groups or ():
+            kv.move_slots(views, z, z, k_off, v_off, *shape)
+            if len(views) > 1 and row_threads(2, 1) > 1:  # numba's thread count set for two parts
                 kv.move_slots_threads(views, z, z, k_off, v_off, *shape, 2)
 
 

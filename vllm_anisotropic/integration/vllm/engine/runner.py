@@ -490,7 +490,7 @@ class TreeRunnerMixin:
     def warm_up_kv_moves(self) -> None:
         """Build the K/V mover and load its compiled kernel (``kernels/kv.py``) for these caches'
         element types now, at the worker's start, not in the first step that moves: slot 0 onto
-        itself in every cache (nothing changes), on one thread and on the process's threads."""
+        itself in every cache (nothing changes), by the one-thread and the threaded kernel (``KVMover.warm_up``)."""
         self._kv_mover = KVMover.from_layers(self.compilation_config.static_forward_context.values())
         self._kv_mover.warm_up()
 
