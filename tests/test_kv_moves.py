@@ -321,15 +321,6 @@ def test_triton_moves_follow_the_definition_in_the_interpreter():
     assert out.stdout.count("refused:") == 2
 
 
-def _groups_of(cache: torch.Tensor):
-    """The typed list of one cache's integer view, as ``KVMover`` hands it to the kernels."""
-    from numba.typed import List
-
-    views = List()
-    views.append(cache.view(-1).view(torch.int16).numpy())
-    return views
-
-
 @pytest.mark.parametrize("parts", [1, 2, 3, 7])
 def test_threaded_moves_give_the_definition_for_any_parts(parts):
     """``move_slots_threads`` cuts the caches (5 layers) into ``parts`` contiguous parts, one a
@@ -355,6 +346,8 @@ def test_threaded_moves_give_the_definition_for_any_parts(parts):
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(caches, moved))
     one = torch.randn(4, 3, 16, 2 * 8, generator=gen).to(torch.bfloat16)  # a model of one layer moves too
     old = one.clone()
-    views = _groups_of(one)
+    single = KVMover.from_layers(_layers([one]))
+    single.move(torch.tensor([0]), torch.tensor([0]))  # builds its group
+    views = single._host_groups[0][0]
     kernels.load("kv").move_slots_threads(views, np.array(src), np.array(dst), k_off, v_off, *shape, parts)
     assert torch.equal(one.view(torch.int16), _reference_move(old, src, dst).view(torch.int16))

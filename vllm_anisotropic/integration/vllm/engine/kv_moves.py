@@ -125,7 +125,6 @@ class KVMover:
         if self._device_caches:
             gather_scatter(self._device_caches, src_slots, dst_slots)
 
-
     def warm_up(self) -> None:
         """Load the compiled moves (``kernels/kv.py``) for these caches' element types now: slot 0
         onto itself in every cache (nothing changes), by the one-thread kernel and, where the
