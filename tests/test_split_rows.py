@@ -250,9 +250,11 @@ gate = threading.Event()
 other = threading.Thread(target=gate.wait, daemon=True)  # unbound, as vLLM's OpenMP threads on the other cores
 other.start()
 os.sched_setaffinity(0, {min(cores)})  # this thread only, as OpenMP binds a CPU worker's at torch's load
-split.reserve_numba_threads()  # the worker's register (NUMBA_NUM_THREADS unset: no front end set it)
-assert os.environ["NUMBA_NUM_THREADS"] == str(os.cpu_count())
-print(sorted(split._process_cores()) == sorted(cores), split.host_threads() == min(len(cores), split.MAX_THREADS))
+import numba  # imported on the bound thread: numba's own default pool is one thread
+from numba.np.ufunc import parallel
+assert parallel.NUM_THREADS == 1
+print(sorted(split._process_cores()) == sorted(cores), split.host_threads() == min(len(cores), split.MAX_THREADS),
+      parallel.NUM_THREADS == numba.config.NUMBA_NUM_THREADS == max(len(cores), os.cpu_count()))
 gate.set()
 """
 
@@ -260,10 +262,44 @@ gate.set()
 @THREADS
 def test_threads_count_the_cores_of_every_thread_of_the_process():
     """vLLM's CPU worker binds the engine's thread to one core and its OpenMP threads to the
-    others: the count is the union's, and numba's pool has a thread per CPU (a fresh process)."""
+    others: the count is the union's, and the first pass gives numba's pool a thread per CPU
+    (numba imported on the bound thread sized it one; a fresh process)."""
     env = {k: v for k, v in os.environ.items() if k not in (split.HOST_THREADS_ENV, "NUMBA_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", _BOUND], capture_output=True, text=True, env=env, timeout=300)
-    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True"], out.stderr[-2000:]
+
+
+_NGRAM = """
+import os, sys, torch
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # vLLM's CPU worker: its thread on one core
+torch.set_num_threads(1)  # and torch's OpenMP threads to match
+assert torch.get_num_threads() == 1  # torch's count applied on this thread (as the model's load does in the worker)
+if sys.argv[1] == "plugin":
+    from vllm_anisotropic.integration.vllm.frontdoor.plugin import register
+    register()
+import numpy as np, numba
+from numba.typed import List
+from vllm.v1.spec_decode.ngram_proposer import batch_propose_numba
+original = numba.get_num_threads()  # NgramProposer.propose, on the engine's thread
+numba.set_num_threads(1)
+batch_propose_numba(List([0]), np.array([8], np.int32), np.arange(16, dtype=np.int32).reshape(1, 16) % 3, 1, 3, 64, 2,
+                    np.zeros((1, 2), np.int32), np.zeros(1, np.int32))
+numba.set_num_threads(original)
+print("TORCH_THREADS", torch.get_num_threads())
+"""
+
+
+@THREADS
+@pytest.mark.parametrize("how", ["plugin", "vllm-alone"])
+def test_vllms_ngram_kernel_leaves_torch_one_thread_on_a_one_core_worker(how):
+    """vLLM's ``ngram`` proposer starts numba's threads on the engine's thread, and numba's OpenMP
+    start sets that thread's OpenMP count (torch's) to numba's pool size. With the plugin loaded,
+    that pool must still be numba's own (one thread on a one-core worker): a pool sized for the
+    machine at the plugin's load (3d35a61) gave torch two threads on one core, and vLLM's ``ngram``
+    ran at 0.5 tokens/s instead of 43 in a multiprocess engine."""
+    env = {k: v for k, v in os.environ.items() if k not in (split.HOST_THREADS_ENV, "NUMBA_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", _NGRAM, how], capture_output=True, text=True, env=env, timeout=300)
+    assert "TORCH_THREADS 1" in out.stdout, (out.stdout, out.stderr[-2000:])
 
 
 @THREADS

@@ -18,21 +18,24 @@ child of one whose numba had; so a child forked after this package loaded (``ker
 imports this module) runs the one-thread kernels (vLLM's CPU platform spawns its engine and
 workers). The cores: vLLM's CPU worker binds its OpenMP threads one to a core, and a thread
 inherits its creator's binding, so the count is that of the union of the bindings of every thread
-of the process (``/proc/self/task``), read at the first pass; numba sizes its pool from the
-importing thread's binding, so the plugin's ``register`` (the front end's, before vLLM starts its
-workers) sets ``NUMBA_NUM_THREADS`` first (``reserve_numba_threads``). ``VLLM_ANISOTROPIC_HOST_THREADS``:
-the threads a pass may use (default: those cores, at most 8; 1: one thread).
-numba is imported here only when a pass asks (``kernels/__init__``).
+of the process (``/proc/self/task``), read at the first pass. numba sizes its pool from the
+importing thread's binding (one core in a CPU worker), so the first pass sizes it (``_size_pool``)
+before it starts the threads, and only then: numba's OpenMP start sets the OpenMP thread count of
+the thread that starts it to the pool's size, and vLLM's own numba kernels (the ``ngram``
+proposer) start it on the engine's thread. A pool sized for the whole process before that (as
+``NUMBA_NUM_THREADS`` in every process, 3d35a61 and before) gave torch's forward two OpenMP
+threads on its one core: vLLM's ``ngram`` ran at 0.5 tokens/s instead of 43 in a multiprocess
+engine. ``VLLM_ANISOTROPIC_HOST_THREADS``: the threads a pass may use (default: those cores, at
+most 8; 1: one thread). numba is imported here only when a pass asks (``kernels/__init__``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 
-__all__ = ["HOST_THREADS_ENV", "MAX_THREADS", "host_threads", "reserve_numba_threads", "row_threads", "run_rows"]
+__all__ = ["HOST_THREADS_ENV", "MAX_THREADS", "host_threads", "row_threads", "run_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +55,21 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def reserve_numba_threads() -> None:
-    """Before numba's import: its pool may hold a thread per CPU of the machine
-    (``NUMBA_NUM_THREADS``, unless set). numba sizes it from the importing thread's binding
-    otherwise, and in vLLM's CPU workers that is one core (OpenMP binds the main thread when torch
-    loads). A pass asks for its own count (``row_threads``), and OpenMP starts threads as passes
-    ask for them."""
-    if "numba" not in sys.modules:
-        os.environ.setdefault("NUMBA_NUM_THREADS", str(max(len(os.sched_getaffinity(0)), os.cpu_count() or 1)))
+def _size_pool() -> None:
+    """numba's pool to a thread per CPU of the machine (a pass asks for its own count,
+    ``row_threads``, and OpenMP starts threads as passes ask for them) if its threads have not
+    started (no one ran a threaded kernel yet in this process) and ``NUMBA_NUM_THREADS`` is unset
+    (a value the user set is kept): the variable, numba's config reloaded from it (its check
+    passes: no thread yet) and the threading module's copy that its start reads."""
+    import numba
+    from numba.np.ufunc import parallel
+
+    threads = max(len(os.sched_getaffinity(0)), os.cpu_count() or 1)
+    if parallel._is_initialized or "NUMBA_NUM_THREADS" in os.environ or threads <= parallel.NUM_THREADS:
+        return
+    os.environ["NUMBA_NUM_THREADS"] = str(threads)
+    numba.config.reload_config()
+    parallel.NUM_THREADS = numba.config.NUMBA_NUM_THREADS
 
 
 def _process_cores() -> set[int]:
@@ -96,6 +106,7 @@ def _launch(threads: int) -> int:
     import numba
     from numba.np.ufunc import parallel
 
+    _size_pool()  # first: numba's config reload resets the priority below
     if not (os.environ.get("NUMBA_THREADING_LAYER") or os.environ.get("NUMBA_THREADING_LAYER_PRIORITY")):
         numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
     failed: list[BaseException] = []
@@ -120,7 +131,7 @@ def _launch(threads: int) -> int:
         logger.info("vllm-anisotropic: numba's threading layer is %r; vocabulary passes and K/V moves on one thread",
                     layer)
         return 1
-    return max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    return max(1, min(threads, parallel.NUM_THREADS))  # the pool numba started: ours, or an earlier starter's
 
 
 def host_threads() -> int:

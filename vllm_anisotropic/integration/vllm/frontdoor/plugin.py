@@ -28,7 +28,6 @@ import os
 from vllm_anisotropic.integration.vllm.platform_fixes.amx import request_amx_permission
 from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV, install_collector
 from vllm_anisotropic.integration.vllm.engine.metrics import TRACE_ENV as TREE_TRACE_ENV
-from vllm_anisotropic.kernels.split import reserve_numba_threads
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,6 @@ def register() -> None:
     if _registered_pid == pid:
         return
     amx = request_amx_permission()
-    reserve_numba_threads()
     from vllm_anisotropic.integration.vllm.frontdoor.patches import apply
 
     apply()
