@@ -290,7 +290,7 @@ def test_path_rounds_for_slim_trees_and_the_recompute_for_bushy_ones():
         return _impl(6, 2, 64)._path_plan(plan, meta, block_size, torch.float32, "vec", tokens), meta
 
     # chain 1-2-3 with side branches 4 (under the root) and 5 (under node 1): 2 paths
-    (rounds, qrows, restore), meta = plan_for([[-1, 0, 1, 2, 0, 1]])
+    (rounds, qrows, restore, _), meta = plan_for([[-1, 0, 1, 2, 0, 1]])
     assert len(rounds) == 2
     first = 6 - 5  # query rows: root at 0, nodes 1..5 at rows 1..5
 

@@ -230,13 +230,16 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         order); a path queries only its nodes no earlier path (nor the leading chain, whose rows
         the first kernel call got right) covered: an ancestor-closed set, so a suffix of the path.
         Paths of one request overwrite the same positions, so round k holds the k-th path of
-        every tree request (one kernel call per round and layer). ``(rounds, queried, restore)``:
+        every tree request (one kernel call per round and layer). ``(rounds, queried, restore, span)``:
         per round, the slot of every K/V row it writes (-1: not written; so each write reads the
         layer's K/V where it is, no gather), its query rows (a slice of ``queried``),
         ``query_start_loc``, ``seq_lens``, the block table rows and the kernel's scheduler
         metadata; ``restore``: every node row's own slot, to put the tree back (the accepted
-        chain's KV is kept in place, ``kv_in_place``). Built in one compiled call
-        (``kernels/plan.py``, ``path_rounds``) over all ``num_tokens`` K/V rows.
+        chain's KV is kept in place, ``kv_in_place``); and ``span``: the slice ``queried`` is when
+        it holds consecutive rows in order (one tree request, the batch's last, whose paths'
+        rows follow each other: the rounds then read and write the layer's query and output rows
+        in place; None: gathered and scattered). Built in one compiled call (``kernels/plan.py``,
+        ``path_rounds``) over all ``num_tokens`` K/V rows.
         None: this step takes the recompute (bushy trees, or ``VLLM_ANISOTROPIC_TREE_ROWS``)."""
         key = ("paths", block_size, dtype, isa)
         if key in plan.cache:
@@ -276,18 +279,29 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             )
             rounds.append((slots[k], slice(q0, q1), qsl, sl, tables[p0:p1], meta))
             p0, q0 = p1, q1
-        return rounds, torch.from_numpy(queried), slots[-1]
+        first = int(queried[0]) if queried.shape[0] else 0
+        span = slice(first, first + queried.shape[0]) if np.array_equal(
+            queried, np.arange(first, first + queried.shape[0])) else None
+        return rounds, torch.from_numpy(queried), slots[-1], span
 
     def _tree_rows_paths(self, layer, query, key, value, kv_cache, paths, output) -> None:
-        """The tree rows by vLLM's own kernel, path round by path round (``_path_plan``)."""
+        """The tree rows by vLLM's own kernel, path round by path round (``_path_plan``). When
+        the queried rows are one span and the output has the query's dtype (as in the engine),
+        the kernel reads and writes the layer's rows in place (no gather, no scatter)."""
         num_blocks, num_kv_heads, block_size, two_hs = kv_cache.shape
         head_size = two_hs // 2
-        rounds, qrows, restore = paths
-        kc, vc = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
+        rounds, qrows, restore, span = paths
+        kc, vc = self._kv_halves(kv_cache)
         k = key.view(-1, num_kv_heads, head_size)
         v = value.view(-1, num_kv_heads, head_size)
-        qs = query.view(-1, self.num_heads, head_size)[qrows]
-        res = torch.empty_like(qs)
+        q3 = query.view(-1, self.num_heads, head_size)
+        o3 = output.view(output.shape[0], self.num_heads, head_size)
+        in_place = span is not None and output.dtype == query.dtype
+        if in_place:
+            qs, res = q3[span], o3[span]
+        else:
+            qs = q3.index_select(0, qrows)
+            res = torch.empty_like(qs)
         k_scale, v_scale = getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0)
         for slots, s_q, qsl, sl, bt, meta in rounds:
             ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, layer.isa, k_scale=k_scale,
@@ -298,9 +312,20 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 scheduler_metadata=meta, s_aux=None, k_scale=k_scale, v_scale=v_scale,
                 kv_cache_dtype=self.kv_cache_dtype,
             )
-        output.view(output.shape[0], self.num_heads, head_size)[qrows] = res.to(output.dtype)
+        if not in_place:
+            o3.index_copy_(0, qrows, res.to(output.dtype))
         ops.cpu_attn_reshape_and_cache(k, v, kc, vc, restore, layer.isa,
                                        k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=self.kv_cache_dtype)
+
+    def _kv_halves(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V halves of ``kv_cache`` as vLLM's kernels take them, kept while the
+        layer's cache is the same tensor (a view and a chunk cost ~3 us a layer and step)."""
+        held = getattr(self, "_halves", None)
+        if held is None or held[0] is not kv_cache:
+            num_blocks, num_kv_heads, block_size, two_hs = kv_cache.shape
+            held = self._halves = (kv_cache, *kv_cache.view(num_blocks, num_kv_heads, 2 * block_size,
+                                                            two_hs // 2).chunk(2, dim=2))
+        return held[1], held[2]
 
     def _gather_plan(self, plan, attn_metadata, block_size: int):
         """Per-step indices shared by all layers (built by the first layer):
