@@ -136,7 +136,7 @@ CORE: list[dict] = [
          tests=["tests/test_split_rows.py", "tests/test_kernels_harvest.py",
                 "tests/test_verifier_reference.py::test_bf16_and_float32_rows_argmaxed_as_torch"]),
     dict(target="vllm_anisotropic/kernels/split.py",
-         functions=["reserve_numba_threads", "_process_cores", "_threads_wanted", "_launch",
+         functions=["_size_pool", "_process_cores", "_threads_wanted", "_launch",
                     "host_threads", "row_threads", "run_rows"],
          tests=["tests/test_split_rows.py"]),
     dict(

@@ -59,17 +59,26 @@ def _size_pool() -> None:
     """numba's pool to a thread per CPU of the machine (a pass asks for its own count,
     ``row_threads``, and OpenMP starts threads as passes ask for them) if its threads have not
     started (no one ran a threaded kernel yet in this process) and ``NUMBA_NUM_THREADS`` is unset
-    (a value the user set is kept): the variable, numba's config reloaded from it (its check
-    passes: no thread yet) and the threading module's copy that its start reads."""
+    (a value the user set is kept). numba reads the count at its import into three places, each
+    set here: its config (reloaded from the variable, which later reloads then agree with; its
+    check passes, no thread yet), the threading module's copy that its start reads, and the bound
+    ``set_num_threads`` checks (a closure; a numba whose check has another shape keeps its pool,
+    and the passes one thread). The variable stays set: a process this one spawns inherits it."""
     import numba
     from numba.np.ufunc import parallel
 
     threads = max(len(os.sched_getaffinity(0)), os.cpu_count() or 1)
-    if parallel._is_initialized or "NUMBA_NUM_THREADS" in os.environ or threads <= parallel.NUM_THREADS:
-        return
-    os.environ["NUMBA_NUM_THREADS"] = str(threads)
-    numba.config.reload_config()
-    parallel.NUM_THREADS = numba.config.NUMBA_NUM_THREADS
+    check = parallel.snt_check
+    cells = dict(zip(check.__code__.co_freevars, check.__closure__ or ()))
+    with parallel._backend_init_thread_lock:  # no pool starts between the check and the sizing
+        if (parallel._is_initialized or "NUMBA_NUM_THREADS" in os.environ or threads <= parallel.NUM_THREADS
+                or set(cells) != {"NUMBA_NUM_THREADS", "msg"}):
+            return
+        os.environ["NUMBA_NUM_THREADS"] = str(threads)
+        numba.config.reload_config()
+        parallel.NUM_THREADS = numba.config.NUMBA_NUM_THREADS
+        cells["NUMBA_NUM_THREADS"].cell_contents = parallel.NUM_THREADS
+        cells["msg"].cell_contents = f"The number of threads must be between 1 and {parallel.NUM_THREADS}"
 
 
 def _process_cores() -> set[int]:
