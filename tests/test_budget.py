@@ -546,67 +546,6 @@ def test_a_chain_step_of_the_gate_keeps_each_chain_up_to_its_cap(tmp_path):
     assert reqs[0].spec_token_ids == [] and (b.metrics.chain_steps, b.metrics.steps_without_drafts) == (1, 1)
 
 
-def _chain_cut(tmp_path, cost, **engine):
-    """Requests a (5 drafts, a chain of 5) and b (3, 3) through a chain step under ``cost``."""
-    from vllm_anisotropic.allocator import CHAIN
-
-    b = _budget(tmp_path, cost, allocator_gate=True, cost_model_online=False, **engine)
-    b._allowed = CHAIN
-    reqs = [_req("a", 5), _req("b", 3)]
-    b.on_draft_ids(SimpleNamespace(req_ids=["a", "b"], tree_probs=[None, None], tree_chains=[5, 3]))
-    b.cut(reqs)
-    return b, reqs
-
-
-def test_a_chain_step_is_cut_by_the_cost_model_with_each_depths_value(tmp_path):
-    """Chain rows cost 4 ms each over a 10 ms step (the tree terms, 1 s a row, do not apply to
-    chains); the prior values 0.8, 0.64, 0.512 per depth: two requests keep two drafts each
-    ((2 + 2.88) / 0.034 = 143.5 tokens/s beats three each, 5.904 / 0.042 = 140.6, and one each,
-    3.6 / 0.026 = 138.5), under a flat cost all;
-    once depth after depth has been accepted, all under the steep cost too. Catches: the chain
-    step not cut, the values as per-depth rates instead of their running product, the tree
-    cost (its 1 s rows would keep nothing), the outcome not fed back."""
-    steep = CostModel.from_coefficients([0.0], base=0.01, slopes=[0.004], tree_row=1.0, tree_switch=1.0)
-    b, reqs = _chain_cut(tmp_path, steep, allocator_probe_every=0)
-    assert [r.spec_token_ids for r in reqs] == [[1, 2], [1, 2]]
-    assert (b.metrics.chain_drafts, b.metrics.last_budget) == (4, 4)
-    _, flat_reqs = _chain_cut(tmp_path, CostModel.from_coefficients([0.0], base=0.01), allocator_probe_every=0)
-    assert [len(r.spec_token_ids) for r in flat_reqs] == [5, 3]
-    out = _scheduled({"a": 3, "b": 3}, {"a": [1, 2], "b": [1, 2]})
-    b.on_scheduled(out)
-    b.on_output(out, SimpleNamespace(sampled_token_ids=[[7, 8, 9], [7]], req_id_to_index={"a": 0, "b": 1}))
-    np.testing.assert_allclose(b.chain_depths.tried, [2, 1, 0, 0, 0])
-    np.testing.assert_allclose(b.chain_depths.accepted, [1, 1, 0, 0, 0])
-    assert b._chain_kept == {}
-    for _ in range(40):
-        b.chain_depths.observe([5, 5], [5, 5])
-    b.on_draft_ids(SimpleNamespace(req_ids=["a", "b"], tree_probs=[None, None], tree_chains=[5, 3]))
-    from vllm_anisotropic.allocator import CHAIN
-
-    b._allowed = CHAIN
-    reqs = [_req("a", 5), _req("b", 3)]
-    b.cut(reqs)
-    assert [len(r.spec_token_ids) for r in reqs] == [5, 3]
-    assert b._chain_kept == {"a": 5, "b": 3}
-
-
-def test_a_chain_step_that_keeps_nothing_probes_one_draft_every_probe_every_th_time(tmp_path):
-    """Rows dearer than any value can pay: nothing kept, a step without drafts; with a probe
-    every step, the first request with a chain keeps one draft. Catches: the probe on the
-    wrong request (b has no chain), not counted, fired with probing off."""
-    dear = CostModel.from_coefficients([0.0], base=0.01, slopes=[1.0])
-    for every, expected in ((0, [[], [], []]), (1, [[], [1], []])):
-        from vllm_anisotropic.allocator import CHAIN
-
-        b = _budget(tmp_path, dear, allocator_gate=True, cost_model_online=False, allocator_probe_every=every)
-        b._allowed = CHAIN
-        reqs = [_req("b", 3), _req("a", 5), _req("c", 2)]
-        b.on_draft_ids(SimpleNamespace(req_ids=["b", "a", "c"], tree_probs=[None] * 3, tree_chains=[0, 5, 2]))
-        b.cut(reqs)
-        assert [r.spec_token_ids for r in reqs] == expected, every
-        assert (b.metrics.steps_without_drafts, b.metrics.probe_steps) == (1, every)
-
-
 def test_the_summary_line_reports_the_counters_per_step():
     from vllm_anisotropic.integration.vllm.engine.budget import BudgetMetrics
 

@@ -4,8 +4,7 @@ Scope: the core, which never imports vLLM: ``cost`` (step-latency model, fitted 
 and refined online), ``acceptance`` (node value -> calibrated P(on the accepted path), with
 ECHO's sparse gating), ``allocate`` (the per-step cut vector maximising expected tokens per
 second), ``gate`` (speculate at a batch size only where it measured faster than plain, with
-trees or with chains alone, whichever measured faster), ``chain_depths`` (the chain steps'
-acceptance by depth, their cut's values),
+trees or with chains alone, whichever measured faster),
 ``tree_probs`` (DraftTree <-> flat arrays), ``config`` (the tunables). The engine hook
 that calls them at the scheduler step lives in ``integration.vllm``.
 

@@ -158,7 +158,7 @@ class GateConfig(AllocatorModelConfig):
     window: int = Field(default=64, ge=4)
     """Recent steps per bucket whose median sets the clip (clipping starts after window / 4)."""
     chains: bool = False
-    """Measure chain steps (the proposer's chain alone: no branches, ranking or harvest)
+    """Measure chain steps (the proposer's chain alone: no branches, ranking, cut or harvest)
     as a third arm beside plain and tree steps, and speculate with the faster kind
     (``gate.SpeculationGate.kind``). The engine sets it for proposers that draft chains
     (``Proposer.drafts_chains``) unless ``allocator_chains`` is false."""

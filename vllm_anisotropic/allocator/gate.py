@@ -66,10 +66,9 @@ the gain at the defaults).
 context-match spine). The speculative arm splits in two kinds, measured apart: *tree* steps
 (the proposer's whole tree, ranked by the acceptance model, cut by the allocator, its rows
 harvested) and *chain* steps (each request's spine chain alone, up to ``chain_drafts`` tokens:
-no branches, no ranking or labelling, no harvest; a step then costs what vLLM's ``ngram``
-step costs, measured on the AMX Xeon at sixteen requests: 33.6 vs 33.4 ms for 19.5 tokens,
-against 41.3 ms for a GOOSE tree step; the engine cuts it with the cost model and each depth's
-measured value, ``chain_depths.py``). Where the gate speculates it picks the kind:
+no branches, no ranking or labelling, no cut, no harvest; a step then costs what vLLM's
+``ngram`` step costs, measured on the AMX Xeon at sixteen requests: 33.6 vs 33.4 ms for 19.5
+tokens, against 41.3 ms for a GOOSE tree step). Where the gate speculates it picks the kind:
 each kind first gets ``min_steps`` steps (the less measured one goes first, a tie to chains),
 then the faster one, trees only when they are faster by more than ``margin`` (ties go to the
 cheaper chains), the other explored every ``explore_every``-th speculative decision. The

@@ -57,7 +57,6 @@ import numpy as np
 
 from vllm_anisotropic.allocator import (CHAIN, PLAIN, TREE, CostModel, CostSample, GateConfig, SpeculationGate,
                                        allocate_flat, request_caps)
-from vllm_anisotropic.allocator.chain_depths import ChainDepths
 from vllm_anisotropic.integration.vllm.engine.faults import inject
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 
@@ -79,7 +78,7 @@ class BudgetMetrics:
 
     steps: int = 0  # decode steps where a request had drafts to cut, or the gate made plain
     steps_without_drafts: int = 0  # of which: the allocator kept no draft at all
-    chain_steps: int = 0  # of the steps: chain steps of the gate (the proposers' chains alone, unranked)
+    chain_steps: int = 0  # of the steps: chain steps of the gate (the proposers' chains alone, not cut)
     chain_drafts: int = 0  # draft tokens those chain steps verified
     probe_steps: int = 0
     gate_plain_steps: int = 0  # of the steps without drafts: those the measured gate made plain
@@ -169,9 +168,6 @@ class BatchBudget:
         self.metrics = BudgetMetrics()
         self.stats_path = stats_path
         self._kept: dict[str, float] = {}  # req_id -> predicted accepted of the kept prefix
-        # the chain steps' values by depth, and the drafts each request kept in the chain step in flight
-        self.chain_depths = ChainDepths(max(self.chain_drafts, 1))
-        self._chain_kept: dict[str, int] = {}
         self._ctx: dict[str, int] = {}  # req_id -> context length at the cut
         self._step: tuple | None = None  # (R, Q, T, C, D, t0, arm) of the step in flight
         self._unscored: list[tuple] = []  # measured steps whose cost-model error is not counted yet
@@ -214,7 +210,7 @@ class BatchBudget:
         """Cut ``request.spec_token_ids`` of the running requests (see module docstring)."""
         inject("allocator")
         self._t_cut = time.perf_counter()  # the step's time starts here: the cut is part of its cost
-        self._kept, self._ctx, self._chain_kept = {}, {}, {}
+        self._kept, self._ctx = {}, {}
         # decode requests (past their prompt) and the accepted tree tokens each re-runs
         # (owed tokens beyond the new root): the gate's arms (step 4)
         self._decoding = {r.request_id: r.num_tokens - r.num_computed_tokens - 1 for r in running
@@ -352,49 +348,24 @@ class BatchBudget:
             r.spec_token_ids = []
 
     def _chain_step(self, running) -> None:
-        """The gate chose a chain step: each request's chain as proposed (the workers drafted
-        chains alone, unranked), at most ``chain_drafts`` tokens, and of a tree that arrived
-        instead (the first step, before the workers heard of the gate) its leading chain; then
-        cut by the cost model with each depth's measured value (``_cut_chains``), so that a
-        chain step where query rows are dear (many requests on a CPU) verifies only what can
-        pay. A step that keeps nothing probes one draft every ``probe_every``-th time."""
+        """The gate chose a chain step: every request verifies its chain as proposed (the
+        workers drafted chains alone: no probabilities, no allocation), at most
+        ``chain_drafts`` tokens, and a tree that arrived instead (the first step, before the
+        workers heard of the gate) only its leading chain."""
         drafted = self._gate_step(running)
         if drafted is None:
             return
         m = self.metrics
         m.chain_steps += 1
-        lengths = np.fromiter((min(len(r.spec_token_ids), self.chains.get(r.request_id, 0), self.chain_drafts)
-                               for r in drafted), np.int64, len(drafted))
-        cuts = self._cut_chains(running, drafted, lengths) if lengths.any() else lengths
-        if not cuts.any():
-            m.steps_without_drafts += 1
-            if lengths.any() and self.probe_every and m.steps_without_drafts % self.probe_every == 0:
-                cuts[int(np.argmax(lengths > 0))] = 1  # the depths' values still learn (tree steps' probe)
-                m.probe_steps += 1
-        for r, n in zip(drafted, cuts.tolist()):
+        kept = 0
+        for r in drafted:
+            n = min(len(r.spec_token_ids), self.chains.get(r.request_id, 0), self.chain_drafts)
             r.spec_token_ids = r.spec_token_ids[:n]
-            if n:
-                self._chain_kept[r.request_id] = n
-        kept = int(cuts.sum())
+            kept += n
         m.chain_drafts += kept
         m.last_budget = kept
-
-    def _cut_chains(self, running, drafted, lengths: np.ndarray) -> np.ndarray:
-        """The chain step's cut: each chain's d-th draft valued at the measured ``reach_d``
-        (``chain_depths.ChainDepths``), chain rows costed as plain query rows (``_ChainCost``),
-        one allocation over the step as for trees."""
-        self._refresh_cost()
-        if self._chain_cost is None or self._chain_cost.cost is not self.cost:
-            self._chain_cost = _ChainCost(self.cost)
-        reach = self.chain_depths.reach()
-        flat = np.concatenate([reach[:n] for n in lengths.tolist()])
-        owed = sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in running)
-        alloc = allocate_flat(flat, lengths, self._chain_cost, num_reqs=len(running),
-                              fixed_query_tokens=max(owed, len(running)), token_budget=max(self.max_batched - owed, 0),
-                              max_per_request=self.max_per_request,
-                              headroom=[self.max_model_len - r.num_tokens - 1 for r in drafted],
-                              base_tokens=len(running))
-        return alloc.cuts.copy()
+        if not kept:
+            m.steps_without_drafts += 1
 
     # ------------------------------------------------------------------ 3
     @timed("scheduled")
@@ -465,12 +436,6 @@ class BatchBudget:
             rows = [index.get(rid) for rid in scheduler_output.num_scheduled_tokens]
             tokens = sum(len(sampled[i]) for i in rows if i is not None and i < len(sampled))
             self.gate.observe(r, arm, tokens, gate_seconds)
-        if self._chain_kept:  # a chain step's outcome: the depths' values (``_cut_chains``)
-            kept, self._chain_kept = self._chain_kept, {}
-            rows = [(n, index.get(rid)) for rid, n in kept.items()]
-            rows = [(n, len(sampled[i]) - 1) for n, i in rows if i is not None and i < len(sampled) and sampled[i]]
-            if rows:
-                self.chain_depths.observe(*zip(*rows))
         for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             i = index.get(rid)
             if not drafts or i is None or rid not in self._kept or i >= len(sampled):

@@ -237,7 +237,7 @@ _BUDGET_COUNTERS = {
     "budget_gate_plain_steps": ("gate_plain_steps",
                                 "steps the measured gate decoded plainly, nothing drafted (speculation measured slower at that batch size)"),
     "budget_chain_steps": ("chain_steps",
-                           "steps the measured gate made chain steps (each request's chain alone, unranked)"),
+                           "steps the measured gate made chain steps (each request's chain alone, not cut)"),
     "budget_chain_drafts": ("chain_drafts", "draft tokens the chain steps verified"),
     "budget_tree_rows": ("tree_rows", "draft nodes the allocator kept"),
     "budget_tree_rows_offered": ("tree_rows_offered", "draft nodes the proposers offered"),

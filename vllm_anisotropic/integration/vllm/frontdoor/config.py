@@ -131,10 +131,9 @@ class EngineTreeConfig(BaseModel):
     allocator_chains: bool = True
     """With the gate on, and for proposers that draft a chain alone (GOOSE: the context-match
     spine), the gate measures *chain steps* beside plain and tree steps: each request's chain of
-    at most ``allocator_chain_drafts`` tokens, with no branches, ranking or harvest, at the
-    host cost of vLLM's ``ngram`` step, cut by the cost model with each depth's measured value;
-    it speculates with whichever kind has measured faster at the batch size (docs/allocator.md).
-    false: tree steps only."""
+    at most ``allocator_chain_drafts`` tokens, with no branches, ranking, cut or harvest, at the
+    host cost of vLLM's ``ngram`` step; it speculates with whichever kind has measured faster
+    at the batch size (docs/allocator.md). false: tree steps only."""
 
     allocator_chain_drafts: int = Field(default=5, ge=1)
     """Most draft tokens of a chain step (vLLM's ``ngram`` with k = 5 is the chain method that
