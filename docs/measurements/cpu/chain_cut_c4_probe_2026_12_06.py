@@ -7,7 +7,7 @@ Run in a git worktree of 5cfb6e5 (chain steps cut) and of 280d737 (whole chains)
 
 SmolLM2-135M bf16, mbpp + math500 (8 prompts each by default, 128 tokens), goose-auto, in
 process; run as ``4`` and as ``64 64``.
-Output: chain_cut_c4_probe_2026_12_06.txt (AMD EPYC, 2 cores, AVX-512, no AMX, 04:00Z).
+Output: chain_cut_c4_probe_2026_12_06.txt (AMD EPYC, 2 cores, AVX-512, no AMX, 03:59-04:07Z).
 """
 import json, os, sys, tempfile
 from pathlib import Path
