@@ -61,8 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile-host", help="cProfile one offline batch in real vLLM: host time per step by phase",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dataset", default="humaneval")
-    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--dataset", default="humaneval", help="one dataset, or several comma-separated")
+    p.add_argument("--num-prompts", type=int, default=8,
+                   help="prompts from each dataset (2 datasets x 8 = 16 prompts)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--method", default="goose", help="a bench method name (vllm-anisotropic bench --help)")
     p.add_argument("--max-num-seqs", type=int, default=8)
