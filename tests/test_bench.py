@@ -424,6 +424,68 @@ def test_profile_host_counts_decode_steps_by_kind():
     assert "trees 6 (75%), chains 2 (25%), plain 0 (0%)" in format_report(report)
 
 
+def test_profile_host_splits_steps_by_the_gates_arm():
+    """profile-host's per-arm split: a step runs from one ``schedule`` call to the next and is
+    charged to the arm of the step scheduled; a schedule that ran no forward counts nowhere;
+    without the allocator, prompt tokens make ``other`` and drafts make ``drafts``."""
+    from types import SimpleNamespace
+
+    from vllm_anisotropic.bench.profile_host import StepProbe, format_report, step_arm
+    from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock
+
+    out = SimpleNamespace(scheduled_new_reqs=[], scheduled_spec_decode_tokens={}, num_scheduled_tokens={"a": 1, "b": 1})
+    assert step_arm(out) == "plain"
+    out.scheduled_spec_decode_tokens = {"a": [5, 6]}
+    out.num_scheduled_tokens = {"a": 3, "b": 1}
+    assert step_arm(out) == "drafts"
+    out.num_scheduled_tokens = {"a": 3, "b": 2}  # b runs a prompt chunk
+    assert step_arm(out) == "other"
+    out.num_scheduled_tokens, out.scheduled_new_reqs = {"a": 3, "b": 1}, ["c"]
+    assert step_arm(out) == "other"
+    budget = SimpleNamespace(_step=(8, 20, 4, 0, 2, 0.0, 2))
+    assert step_arm(out, budget) == "chains"  # the allocator's arm, whatever the output says
+    budget._step = (8, 8, 0, 0, 0, 0.0, 0)
+    assert step_arm(out, budget) == "plain"
+    budget._step = (8, 8, 0, 0, 0, 0.0, None)
+    assert step_arm(out, budget) == "other"
+    budget._step = None
+    assert step_arm(out, budget) == "other"
+
+    clock = HostClock()
+    probe = StepProbe.__new__(StepProbe)
+    probe.clocks = lambda: [clock]
+    probe.forward_s = probe.logits_s = 0.0
+    probe.steps = 0
+    probe.arms, probe._open = {}, None
+
+    def step(arm, forward, logits, phases):
+        probe._close_step(probe._snapshot())
+        probe._open = (arm, probe._snapshot())
+        probe.forward_s += forward
+        probe.logits_s += logits
+        probe.steps += 1 if forward else 0
+        for k, v in phases.items():
+            clock.add(k, v)
+
+    step("plain", 0.010, 0.002, {"cut": 0.0001})
+    step("trees", 0.030, 0.004, {"walk": 0.002, "topk": 0.001})
+    step("plain", 0.012, 0.002, {"cut": 0.0003})
+    step("other", 0.0, 0.0, {"stats": 0.5})  # an idle schedule: no forward, counted nowhere
+    arms = probe.by_arm()
+    assert set(arms) == {"plain", "trees"}
+    assert arms["plain"]["steps"] == 2 and arms["trees"]["steps"] == 1
+    assert arms["plain"]["forward_ms"] == pytest.approx(11.0) and arms["plain"]["logits_ms"] == pytest.approx(2.0)
+    assert arms["plain"]["plugin_host_ms"] == pytest.approx(0.2) and arms["plain"]["phases_ms"] == {"cut": pytest.approx(0.2)}
+    assert arms["trees"]["plugin_host_ms"] == pytest.approx(3.0)
+    assert arms["trees"]["plugin_host_no_topk_ms"] == pytest.approx(2.0)
+    report = {"steps": 3, "wall_ms": 1.0, "forward_ms": 0.5, "tree_rows_ms": 0.0, "outside_forward_ms": 0.5,
+              "logits_ms": 0.1, "plugin_host_ms": 0.2, "plugin_host_no_topk_ms": 0.1, "vllm_propose_ms": 0.0,
+              "phases_ms": {}, "decode_steps": {}, "by_arm": arms}
+    text = format_report(report)
+    assert "(of which the LM head 0.10)" in text
+    assert "plain       2 steps:" in text and "LM head 2.00, plugin host 0.200" in text and "walk 2.000" in text
+
+
 def test_demo_dtype_auto_is_bf16_only_with_native_bf16():
     """Emulated bf16 (no AMX, no AVX512-BF16) is 2-3x slower than float32 on vLLM's CPU build:
     ``--dtype auto`` picks float32 there and says why; explicit choices are kept."""

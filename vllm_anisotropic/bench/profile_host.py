@@ -4,14 +4,20 @@ Runs one offline batch with vLLM's engine core in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and prints, per engine step:
 
 * the wall time, the model forward (``_model_forward`` of vLLM's runner, timed here) and
-  everything else, for any method (plain decoding, vLLM's ngram, ours);
+  everything else, of which the LM head (``compute_logits``: every sampled row, so every verified
+  tree row; compute, on a CPU a GEMM that grows with the rows), for any method (plain decoding,
+  vLLM's ngram, ours);
 * the plugin's own host work phase by phase, from the clocks the per-step path keeps
   (``integration/vllm/engine/host_clock.py``: ``propose``, ``prepare``, ``plan``, ``walk``, ``kv``,
   ``harvest``, ``reply``, ``states`` in the worker; ``cut``, ``scheduled``, ``on_output``,
   ``update`` in the scheduler), their sum, and the tree rows' attention (compute inside the
   forward, listed apart); for vLLM's ngram, its ``propose``;
 * with the budget allocator on, the decode steps by what it made of them: trees, the measured
-  gate's chain steps, plain (no draft kept).
+  gate's chain steps, plain (no draft kept);
+* the same numbers per arm (``step_arm``): the measured gate's plain, tree and chain steps, and
+  ``other`` (prompt tokens, the gate's switch steps); without the allocator, ``plain`` and
+  ``drafts`` decode steps. A gate-plain step's plugin host work is what speculation costs a batch
+  size where the gate keeps it off.
 
 By default the batch also runs under ``cProfile`` (which slows Python code more than the torch
 kernels it calls: the shares are upper bounds) and prints its top functions;
@@ -154,6 +160,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# the measured gate's arms (allocator.gate PLAIN / TREE / CHAIN; None: no arm) as ``by_arm`` names them
+ARM_NAMES = {0: "plain", 1: "trees", 2: "chains", None: "other"}
+
+
+def step_arm(scheduler_output, budget=None) -> str:
+    """The arm of a scheduled step: with the plugin's allocator, its measured gate's
+    (``BatchBudget.on_scheduled``: ``plain``, ``trees``, ``chains``; ``other`` for steps with
+    prompt tokens and the gate's switch steps); without it, ``other`` for steps with prompt
+    tokens, else ``plain`` (no request verifies drafts) or ``drafts``."""
+    if budget is not None:
+        step = getattr(budget, "_step", None)
+        return ARM_NAMES.get(step[-1] if step else None, "other")
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    if scheduler_output.scheduled_new_reqs or any(
+            n > 1 + len(spec.get(rid, ())) for rid, n in scheduler_output.num_scheduled_tokens.items()):
+        return "other"
+    return "drafts" if any(spec.values()) else "plain"
+
+
 # the plugin's host phases (host_clock.py), worker then scheduler, in per-step order
 HOST_PHASES = ("states", "propose", "reply", "cut", "scheduled", "prepare", "plan", "walk", "kv", "harvest",
                "topk", "label", "finish", "on_output", "update", "stats")
@@ -183,6 +208,19 @@ class StepProbe:
                 self.steps += 1
 
         runner._model_forward = timed_forward
+        # the LM head over the sampled rows (every verified tree row): compute outside the forward
+        self.logits_s = 0.0
+        model = runner.model
+        compute_logits = model.compute_logits
+
+        def timed_logits(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return compute_logits(*args, **kwargs)
+            finally:
+                self.logits_s += time.perf_counter() - t0
+
+        model.compute_logits = timed_logits
         drafter = getattr(runner, "drafter", None)
         if drafter is not None and not hasattr(drafter, "host_clock") and hasattr(drafter, "propose"):
             propose = drafter.propose
@@ -210,6 +248,20 @@ class StepProbe:
 
             budget._chain_step = counted_chain_step
         self._kinds0 = self.step_kinds()
+        # per gate arm: each step's host clocks, forward and wall seconds, from the start of one
+        # ``schedule`` call to the start of the next (``by_arm``)
+        self.arms: dict[str, dict] = {}
+        self._open = None
+        schedule = self.scheduler.schedule
+
+        def schedule_by_arm(*args, **kwargs):
+            snap = self._snapshot()
+            self._close_step(snap)
+            out = schedule(*args, **kwargs)
+            self._open = (step_arm(out, budget), snap)
+            return out
+
+        self.scheduler.schedule = schedule_by_arm
 
     def step_kinds(self) -> dict[str, int]:
         """Decode steps so far by what the allocator made of them (its ``BudgetMetrics``): ``trees``
@@ -223,6 +275,47 @@ class StepProbe:
         plain = m.steps_without_drafts
         chains = getattr(m, "chain_steps", 0) - self.empty_chain_steps
         return {"trees": m.steps - chains - plain, "chains": chains, "plain": plain}
+
+    def _snapshot(self) -> tuple:
+        phases: dict[str, float] = {}
+        for clock in self.clocks():
+            for k, v in clock.seconds.items():
+                phases[k] = phases.get(k, 0.0) + v
+        return phases, self.forward_s, self.logits_s, self.steps, time.perf_counter()
+
+    def _close_step(self, snap: tuple) -> None:
+        """Adds the open step (``schedule`` to ``snap``) to its arm's sums; a ``schedule`` call
+        that ran no forward (an idle engine) counts nowhere."""
+        if self._open is None:
+            return
+        arm, (phases0, forward0, logits0, steps0, t0) = self._open
+        self._open = None
+        phases, forward, logits, steps, t = snap
+        if steps == steps0:
+            return
+        a = self.arms.setdefault(arm, {"steps": 0, "forward_s": 0.0, "logits_s": 0.0, "wall_s": 0.0, "phases_s": {}})
+        a["steps"] += steps - steps0
+        a["forward_s"] += forward - forward0
+        a["logits_s"] += logits - logits0
+        a["wall_s"] += t - t0
+        for k, v in phases.items():
+            a["phases_s"][k] = a["phases_s"].get(k, 0.0) + v - phases0.get(k, 0.0)
+
+    def by_arm(self) -> dict[str, dict]:
+        """Per arm (``step_arm``): steps, wall / forward / plugin host ms a step and the host
+        phases; a step runs from its ``schedule`` call to the next one (its cut, forward,
+        verification, harvest and the proposals for the step after it)."""
+        self._close_step(self._snapshot())
+        out = {}
+        for arm, a in sorted(self.arms.items()):
+            n = a["steps"]
+            host = sum(a["phases_s"].get(k, 0.0) for k in HOST_PHASES)
+            out[arm] = {"steps": n, "wall_ms": a["wall_s"] / n * 1e3, "forward_ms": a["forward_s"] / n * 1e3,
+                        "logits_ms": a["logits_s"] / n * 1e3, "plugin_host_ms": host / n * 1e3,
+                        "plugin_host_no_topk_ms": (host - a["phases_s"].get("topk", 0.0)) / n * 1e3,
+                        "phases_ms": {k: a["phases_s"][k] / n * 1e3 for k in HOST_PHASES
+                                      if a["phases_s"].get(k, 0.0) > 0}}
+        return out
 
     def clocks(self) -> list:
         out = []
@@ -248,6 +341,7 @@ class StepProbe:
             "wall_ms": seconds / n * 1e3,
             "forward_ms": self.forward_s / n * 1e3,
             "outside_forward_ms": (seconds - self.forward_s) / n * 1e3,
+            "logits_ms": self.logits_s / n * 1e3,
             "plugin_host_ms": host / n * 1e3,
             # what stays on the host where the logits live on a GPU: without the vocabulary pass
             "plugin_host_no_topk_ms": (host - phases.get("topk", 0.0)) / n * 1e3,
@@ -255,13 +349,14 @@ class StepProbe:
             "vllm_propose_ms": self.vllm_propose_s / n * 1e3,
             "phases_ms": {k: phases[k] / n * 1e3 for k in HOST_PHASES if k in phases},
             "decode_steps": kinds,
+            "by_arm": self.by_arm(),
         }
 
 
 def format_report(r: dict) -> str:
     lines = [f"{r['steps']} model steps: {r['wall_ms']:.2f} ms/step wall, model forward {r['forward_ms']:.2f} "
              f"(of which tree rows' attention {r['tree_rows_ms']:.2f}), outside the forward "
-             f"{r['outside_forward_ms']:.2f} ms/step",
+             f"{r['outside_forward_ms']:.2f} ms/step (of which the LM head {r.get('logits_ms', 0.0):.2f})",
              f"plugin's own host work {r['plugin_host_ms']:.3f} ms/step "
              f"({r['plugin_host_no_topk_ms']:.3f} without the harvest's vocabulary pass)"
              + (f"; vLLM's proposer {r['vllm_propose_ms']:.3f} ms/step" if r["vllm_propose_ms"] else "")]
@@ -271,4 +366,10 @@ def format_report(r: dict) -> str:
     if sum(kinds.values()):
         total = sum(kinds.values())
         lines.append("decode steps: " + ", ".join(f"{k} {v} ({v / total:.0%})" for k, v in kinds.items()))
+    for arm, a in (r.get("by_arm") or {}).items():
+        top = sorted(a["phases_ms"].items(), key=lambda kv: -kv[1])[:4]
+        lines.append(f"  {arm:<7} {a['steps']:5d} steps: wall {a['wall_ms']:.2f} ms/step, forward {a['forward_ms']:.2f}, "
+                     f"LM head {a['logits_ms']:.2f}, plugin host {a['plugin_host_ms']:.3f} "
+                     f"({a['plugin_host_no_topk_ms']:.3f} without the top-k)"
+                     + (": " + ", ".join(f"{k} {v:.3f}" for k, v in top) if top else ""))
     return "\n".join(lines)
