@@ -238,7 +238,8 @@ class AcceptanceModel:
         return self._params
 
     def _fit(self) -> tuple[np.ndarray, np.ndarray]:
-        """MAP Platt coefficients per key by damped Newton on the binned likelihood (vectorised).
+        """MAP Platt coefficients per key by damped Newton on the binned likelihood (compiled:
+        ``kernels.fit.newton_platt``).
 
         Objective per key (minimised): NLL(alpha, beta) + k/2 ((alpha - a0)^2 + (beta - 1)^2),
         k = prior_strength, a0 = prior_intercept; gradient g = sum_b (n_b s_b - a_b) [1, xbar_b]
@@ -257,13 +258,15 @@ class AcceptanceModel:
         alpha = np.full(n.shape[:2], cfg.prior_intercept)
         beta = np.ones(n.shape[:2])
         # keys without data keep the prior's MAP (alpha a0, beta 1); the others are fitted on the
-        # bins any of them uses (GOOSE fills 16 of the 36 keys); ~3.4 ms per refit on 16 keys using all bins
+        # bins any of them uses (GOOSE fills 16 of the 36 keys)
         active = n.sum(-1) > 0  # [S, D+1]
         if active.any():
             used = n[active].sum(0) > 0  # [num_bins]
-            alpha[active], beta[active] = _newton_platt(
-                n[active][:, used], a[active][:, used], xbar[active][:, used], k, cfg.newton_steps,
-                cfg.prior_intercept)
+            from vllm_anisotropic import kernels  # numba on first use, never at import (kernels/__init__.py)
+
+            alpha[active], beta[active] = kernels.load("fit").newton_platt(
+                n[active][:, used], a[active][:, used], xbar[active][:, used], float(k), int(cfg.newton_steps),
+                float(cfg.prior_intercept), _STEP_SIZES)
         if cfg.gating == "sparse":
             flat = self.key_status() == 1
             if flat.any():
@@ -304,54 +307,3 @@ class AcceptanceModel:
                 raise ValueError(f"{name} must have shape {model.count.shape}, got {arr.shape}")
             setattr(model, name, arr)
         return model
-
-
-def _newton_platt(n, a, xbar, k: float, steps: int, a0: float) -> tuple[np.ndarray, np.ndarray]:
-    """(alpha, beta) [num_keys]: MAP of ``AcceptanceModel._fit``'s objective for each key's
-    histogram (``n``, ``a``, ``xbar`` [num_keys, num_bins]) by projected Newton with backtracking;
-    the prior is centred on (``a0``, 1)."""
-    alpha = np.full(n.shape[0], float(a0))
-    beta = np.ones(n.shape[0])
-
-    def objective(al, be):  # [..., num_keys] negative log posterior (up to a constant)
-        z = al[..., None] + be[..., None] * xbar
-        softplus = np.maximum(z, 0.0) + np.log1p(np.exp(-np.abs(z)))
-        return (n * softplus - a * z).sum(-1) + 0.5 * k * ((al - a0) ** 2 + (be - 1.0) ** 2)
-
-    for _ in range(steps):
-        s = sigmoid(alpha[:, None] + beta[:, None] * xbar)
-        r = n * s - a  # [num_keys, num_bins] residual counts
-        h = n * s * (1.0 - s)
-        g0 = r.sum(-1) + k * (alpha - a0)
-        g1 = (r * xbar).sum(-1) + k * (beta - 1.0)
-        h00 = h.sum(-1) + k
-        h01 = (h * xbar).sum(-1)
-        h11 = (h * xbar * xbar).sum(-1) + k
-        det = h00 * h11 - h01 * h01  # > 0: k I makes the Hessian positive definite
-        step0 = (h11 * g0 - h01 * g1) / det
-        step1 = (h00 * g1 - h01 * g0) / det
-        # Projected Newton: where the joint step would take beta below 0 (a value that does not
-        # rank, or ranks backwards) and beta is already at 0, beta stays there and alpha takes
-        # its own Newton step.
-        held = (beta <= 0.0) & (beta - step1 < 0.0)
-        step0 = np.where(held, g0 / h00, step0)
-        step1 = np.where(held, 0.0, step1)
-        # Backtracking over step sizes 1, 1/2, ..., 1/32 and 0, the best per key: the full step
-        # overshoots where the logits are far from 0 (GOOSE spine values p_s^i reach logit -15),
-        # and a fixed-count undamped iteration then ends anywhere (it left a spine key accepted
-        # 37 % of the time predicting 0.002).
-        t = _STEP_SIZES[:, None]
-        cand_a = alpha - t * step0
-        cand_b = np.maximum(beta - t * step1, 0.0)
-        # One more candidate on the bound: beta = 0 and alpha's Newton step there. Near the bound
-        # (beta a hair above 0, the MAP at 0) the projected joint step moves alpha for a beta
-        # that the projection then discards, and the search above crawls (a key stalled at beta
-        # 9e-5, its objective 0.012 above the MAP).
-        s0 = sigmoid(alpha[:, None] + 0.0 * xbar)
-        bound_a = alpha - ((n * s0 - a).sum(-1) + k * (alpha - a0)) / ((n * s0 * (1.0 - s0)).sum(-1) + k)
-        cand_a = np.concatenate([cand_a, bound_a[None]])
-        cand_b = np.concatenate([cand_b, np.zeros_like(beta)[None]])
-        pick = np.argmin(objective(cand_a, cand_b), axis=0)  # [num_keys]
-        alpha = np.take_along_axis(cand_a, pick[None], 0)[0]
-        beta = np.take_along_axis(cand_b, pick[None], 0)[0]
-    return alpha, beta
