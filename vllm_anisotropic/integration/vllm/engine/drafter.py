@@ -204,7 +204,8 @@ class TreeDrafter:
         (after vLLM's start-up scan, which must not meet numba: ``kernels``), not in the first
         tree steps, where the whole batch waits: the proposal, the allocator's ranking
         (``rank_flat``), the harvest's top-k over logits rows of the model's dtype
-        (``logits_dtype``, CPU) and the table update it feeds. Measured in vLLM (SmolLM2-135M,
+        (``logits_dtype``, CPU), the table update it feeds and the acceptance model's refit
+        (``kernels.fit``; it compiled at the first labels, mid-batch, ~0.7 s). Measured in vLLM (SmolLM2-135M,
         16 requests, 2-core Xeon): a first tree step with the ranking, top-k and table update
         not loaded took 6.1 s with numba's disk cache empty and 0.3 s with it filled. One
         throwaway proposal, ranking and learning with a throwaway proposer of the same
@@ -232,6 +233,10 @@ class TreeDrafter:
                     for rows in (1, 16):
                         topk_scores(torch.zeros((rows, vocab_size), dtype=logits_dtype), k)
             learn([state], trees, np.zeros(trees.num_nodes, bool), out.prev_roots, top)
+        if self.acceptance is not None:  # its refit (kernels.fit), at the first labels: ~0.7 s to compile
+            model = type(self.acceptance)(self.acceptance.config)
+            model.update(np.ones(2, np.int64), np.ones(2, np.int64), np.array([0.5, 0.5]), np.array([True, False]))
+            model.parameters()
         logger.debug("vllm-anisotropic: proposer kernels loaded in %.2f s", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ pending trees
