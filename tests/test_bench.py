@@ -427,7 +427,8 @@ def test_profile_host_counts_decode_steps_by_kind():
 def test_profile_host_splits_steps_by_the_gates_arm():
     """profile-host's per-arm split: a step runs from one ``schedule`` call to the next and is
     charged to the arm of the step scheduled; a schedule that ran no forward counts nowhere;
-    without the allocator, prompt tokens make ``other`` and drafts make ``drafts``."""
+    prompt tokens make ``prompt``, a decode step the allocator gave no arm ``switch``, and without
+    the allocator drafts make ``drafts``."""
     from types import SimpleNamespace
 
     from vllm_anisotropic.bench.profile_host import StepProbe, format_report, step_arm
@@ -439,41 +440,50 @@ def test_profile_host_splits_steps_by_the_gates_arm():
     out.num_scheduled_tokens = {"a": 3, "b": 1}
     assert step_arm(out) == "drafts"
     out.num_scheduled_tokens = {"a": 3, "b": 2}  # b runs a prompt chunk
-    assert step_arm(out) == "other"
+    assert step_arm(out) == "prompt"
     out.num_scheduled_tokens, out.scheduled_new_reqs = {"a": 3, "b": 1}, ["c"]
-    assert step_arm(out) == "other"
-    budget = SimpleNamespace(_step=(8, 20, 4, 0, 2, 0.0, 2))
-    assert step_arm(out, budget) == "chains"  # the allocator's arm, whatever the output says
+    assert step_arm(out) == "prompt"
+    budget = SimpleNamespace(_step=(8, 20, 4, 0, 2, 0.0, None), _decoding={"a": 0, "b": 2})
+    assert step_arm(out, budget) == "prompt"  # a new request: prompt tokens, whatever the allocator says
+    out.scheduled_new_reqs = []
+    budget._decoding = {"a": 0}
+    assert step_arm(out, budget) == "prompt"  # b is not past its prompt
+    budget._decoding = {"a": 0, "b": 2}  # b re-runs two accepted tokens: a decode step
+    budget._step = (8, 20, 4, 0, 2, 0.0, 2)
+    assert step_arm(out, budget) == "chains"  # the allocator's arm, not the drafts it sees
     budget._step = (8, 8, 0, 0, 0, 0.0, 0)
     assert step_arm(out, budget) == "plain"
     budget._step = (8, 8, 0, 0, 0, 0.0, None)
-    assert step_arm(out, budget) == "other"
+    assert step_arm(out, budget) == "switch"
     budget._step = None
-    assert step_arm(out, budget) == "other"
+    assert step_arm(out, budget) == "switch"
 
     clock = HostClock()
     probe = StepProbe.__new__(StepProbe)
     probe.clocks = lambda: [clock]
     probe.forward_s = probe.logits_s = 0.0
-    probe.steps = 0
+    probe.steps = probe.tokens = 0
     probe.arms, probe._open = {}, None
 
-    def step(arm, forward, logits, phases):
+    def step(arm, forward, logits, phases, tokens=0):
         probe._close_step(probe._snapshot())
         probe._open = (arm, probe._snapshot())
         probe.forward_s += forward
         probe.logits_s += logits
         probe.steps += 1 if forward else 0
+        probe.tokens += tokens
         for k, v in phases.items():
             clock.add(k, v)
 
-    step("plain", 0.010, 0.002, {"cut": 0.0001})
-    step("trees", 0.030, 0.004, {"walk": 0.002, "topk": 0.001})
-    step("plain", 0.012, 0.002, {"cut": 0.0003})
-    step("other", 0.0, 0.0, {"stats": 0.5})  # an idle schedule: no forward, counted nowhere
+    step("plain", 0.010, 0.002, {"cut": 0.0001}, tokens=8)
+    step("trees", 0.030, 0.004, {"walk": 0.002, "topk": 0.001}, tokens=21)
+    step("plain", 0.012, 0.002, {"cut": 0.0003}, tokens=8)
+    step("prompt", 0.0, 0.0, {"stats": 0.5})  # an idle schedule: no forward, counted nowhere
     arms = probe.by_arm()
     assert set(arms) == {"plain", "trees"}
     assert arms["plain"]["steps"] == 2 and arms["trees"]["steps"] == 1
+    assert arms["plain"]["tokens"] == 16 and arms["trees"]["tokens"] == 21
+    assert arms["trees"]["tokens_per_s"] > 0
     assert arms["plain"]["forward_ms"] == pytest.approx(11.0) and arms["plain"]["logits_ms"] == pytest.approx(2.0)
     assert arms["plain"]["plugin_host_ms"] == pytest.approx(0.2) and arms["plain"]["phases_ms"] == {"cut": pytest.approx(0.2)}
     assert arms["trees"]["plugin_host_ms"] == pytest.approx(3.0)
@@ -483,7 +493,7 @@ def test_profile_host_splits_steps_by_the_gates_arm():
               "phases_ms": {}, "decode_steps": {}, "by_arm": arms}
     text = format_report(report)
     assert "(of which the LM head 0.10)" in text
-    assert "plain       2 steps:" in text and "LM head 2.00, plugin host 0.200" in text and "walk 2.000" in text
+    assert "plain       2 steps," in text and "LM head 2.00, plugin host 0.200" in text and "walk 2.000" in text
 
 
 def test_demo_dtype_auto_is_bf16_only_with_native_bf16():

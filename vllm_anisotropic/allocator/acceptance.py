@@ -264,9 +264,11 @@ class AcceptanceModel:
             used = n[active].sum(0) > 0  # [num_bins]
             from vllm_anisotropic import kernels  # numba on first use, never at import (kernels/__init__.py)
 
+            # C order whatever numpy's indexing returns (F for several keys): one compiled signature,
+            # the one the drafter's warm-up loads
+            rows = [np.ascontiguousarray(x[active][:, used]) for x in (n, a, xbar)]
             alpha[active], beta[active] = kernels.load("fit").newton_platt(
-                n[active][:, used], a[active][:, used], xbar[active][:, used], float(k), int(cfg.newton_steps),
-                float(cfg.prior_intercept), _STEP_SIZES)
+                *rows, float(k), int(cfg.newton_steps), float(cfg.prior_intercept), _STEP_SIZES)
         if cfg.gating == "sparse":
             flat = self.key_status() == 1
             if flat.any():

@@ -14,8 +14,8 @@ Runs one offline batch with vLLM's engine core in this process
   forward, listed apart); for vLLM's ngram, its ``propose``;
 * with the budget allocator on, the decode steps by what it made of them: trees, the measured
   gate's chain steps, plain (no draft kept);
-* the same numbers per arm (``step_arm``): the measured gate's plain, tree and chain steps, and
-  ``other`` (prompt tokens, the gate's switch steps); without the allocator, ``plain`` and
+* the same numbers per arm (``step_arm``): steps with prompt tokens, then the measured gate's
+  plain, tree and chain steps and its switch steps; without the allocator, ``plain`` and
   ``drafts`` decode steps. A gate-plain step's plugin host work is what speculation costs a batch
   size where the gate keeps it off.
 
@@ -161,21 +161,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 # the measured gate's arms (allocator.gate PLAIN / TREE / CHAIN; None: no arm) as ``by_arm`` names them
-ARM_NAMES = {0: "plain", 1: "trees", 2: "chains", None: "other"}
+ARM_NAMES = {0: "plain", 1: "trees", 2: "chains", None: "switch"}
 
 
 def step_arm(scheduler_output, budget=None) -> str:
-    """The arm of a scheduled step: with the plugin's allocator, its measured gate's
-    (``BatchBudget.on_scheduled``: ``plain``, ``trees``, ``chains``; ``other`` for steps with
-    prompt tokens and the gate's switch steps); without it, ``other`` for steps with prompt
-    tokens, else ``plain`` (no request verifies drafts) or ``drafts``."""
-    if budget is not None:
-        step = getattr(budget, "_step", None)
-        return ARM_NAMES.get(step[-1] if step else None, "other")
+    """The arm of a scheduled step: ``prompt`` for a step with prompt tokens (a new request, a
+    prefill chunk); else with the plugin's allocator its measured gate's
+    (``BatchBudget.on_scheduled``: ``plain``, ``trees``, ``chains``, or ``switch`` for the two
+    steps around a change of arm that no arm counts: the plain step that drafts for the next, the
+    one that re-runs what a speculative step accepted), without it ``plain`` (no request verifies
+    drafts) or ``drafts``."""
+    num = scheduler_output.num_scheduled_tokens
     spec = scheduler_output.scheduled_spec_decode_tokens
-    if scheduler_output.scheduled_new_reqs or any(
-            n > 1 + len(spec.get(rid, ())) for rid, n in scheduler_output.num_scheduled_tokens.items()):
-        return "other"
+    if budget is not None:  # its own test (on_scheduled): a request past its prompt re-runs tokens, not prompts
+        decoding = getattr(budget, "_decoding", {})
+        if scheduler_output.scheduled_new_reqs or not all(rid in decoding for rid in num):
+            return "prompt"
+        step = getattr(budget, "_step", None)
+        return ARM_NAMES.get(step[-1] if step else None, "switch")
+    if scheduler_output.scheduled_new_reqs or any(n > 1 + len(spec.get(rid, ())) for rid, n in num.items()):
+        return "prompt"
     return "drafts" if any(spec.values()) else "plain"
 
 
@@ -262,6 +267,14 @@ class StepProbe:
             return out
 
         self.scheduler.schedule = schedule_by_arm
+        self.tokens = 0  # tokens the steps emitted (sampled), for each arm's rate
+        update = self.scheduler.update_from_output
+
+        def counted_update(scheduler_output, model_runner_output, *args, **kwargs):
+            self.tokens += sum(len(t) for t in (getattr(model_runner_output, "sampled_token_ids", None) or ()))
+            return update(scheduler_output, model_runner_output, *args, **kwargs)
+
+        self.scheduler.update_from_output = counted_update
 
     def step_kinds(self) -> dict[str, int]:
         """Decode steps so far by what the allocator made of them (its ``BudgetMetrics``): ``trees``
@@ -281,20 +294,22 @@ class StepProbe:
         for clock in self.clocks():
             for k, v in clock.seconds.items():
                 phases[k] = phases.get(k, 0.0) + v
-        return phases, self.forward_s, self.logits_s, self.steps, time.perf_counter()
+        return phases, self.forward_s, self.logits_s, self.steps, getattr(self, "tokens", 0), time.perf_counter()
 
     def _close_step(self, snap: tuple) -> None:
         """Adds the open step (``schedule`` to ``snap``) to its arm's sums; a ``schedule`` call
         that ran no forward (an idle engine) counts nowhere."""
         if self._open is None:
             return
-        arm, (phases0, forward0, logits0, steps0, t0) = self._open
+        arm, (phases0, forward0, logits0, steps0, tokens0, t0) = self._open
         self._open = None
-        phases, forward, logits, steps, t = snap
+        phases, forward, logits, steps, tokens, t = snap
         if steps == steps0:
             return
-        a = self.arms.setdefault(arm, {"steps": 0, "forward_s": 0.0, "logits_s": 0.0, "wall_s": 0.0, "phases_s": {}})
+        a = self.arms.setdefault(arm, {"steps": 0, "tokens": 0, "forward_s": 0.0, "logits_s": 0.0, "wall_s": 0.0,
+                                       "phases_s": {}})
         a["steps"] += steps - steps0
+        a["tokens"] += tokens - tokens0
         a["forward_s"] += forward - forward0
         a["logits_s"] += logits - logits0
         a["wall_s"] += t - t0
@@ -302,15 +317,18 @@ class StepProbe:
             a["phases_s"][k] = a["phases_s"].get(k, 0.0) + v - phases0.get(k, 0.0)
 
     def by_arm(self) -> dict[str, dict]:
-        """Per arm (``step_arm``): steps, wall / forward / plugin host ms a step and the host
-        phases; a step runs from its ``schedule`` call to the next one (its cut, forward,
-        verification, harvest and the proposals for the step after it)."""
+        """Per arm (``step_arm``): steps, emitted tokens and their rate over the arm's wall time,
+        wall / forward / LM head / plugin host ms a step and the host phases; a step runs from its
+        ``schedule`` call to the next one (its cut, forward, verification, harvest, the
+        scheduler's update with the step's tokens, and the proposals for the step after it)."""
         self._close_step(self._snapshot())
         out = {}
         for arm, a in sorted(self.arms.items()):
             n = a["steps"]
             host = sum(a["phases_s"].get(k, 0.0) for k in HOST_PHASES)
-            out[arm] = {"steps": n, "wall_ms": a["wall_s"] / n * 1e3, "forward_ms": a["forward_s"] / n * 1e3,
+            out[arm] = {"steps": n, "tokens": a["tokens"],
+                        "tokens_per_s": a["tokens"] / a["wall_s"] if a["wall_s"] > 0 else 0.0,
+                        "wall_ms": a["wall_s"] / n * 1e3, "forward_ms": a["forward_s"] / n * 1e3,
                         "logits_ms": a["logits_s"] / n * 1e3, "plugin_host_ms": host / n * 1e3,
                         "plugin_host_no_topk_ms": (host - a["phases_s"].get("topk", 0.0)) / n * 1e3,
                         "phases_ms": {k: a["phases_s"][k] / n * 1e3 for k in HOST_PHASES
@@ -368,7 +386,8 @@ def format_report(r: dict) -> str:
         lines.append("decode steps: " + ", ".join(f"{k} {v} ({v / total:.0%})" for k, v in kinds.items()))
     for arm, a in (r.get("by_arm") or {}).items():
         top = sorted(a["phases_ms"].items(), key=lambda kv: -kv[1])[:4]
-        lines.append(f"  {arm:<7} {a['steps']:5d} steps: wall {a['wall_ms']:.2f} ms/step, forward {a['forward_ms']:.2f}, "
+        lines.append(f"  {arm:<7} {a['steps']:5d} steps, {a.get('tokens_per_s', 0.0):6.1f} tokens/s: "
+                     f"wall {a['wall_ms']:.2f} ms/step, forward {a['forward_ms']:.2f}, "
                      f"LM head {a['logits_ms']:.2f}, plugin host {a['plugin_host_ms']:.3f} "
                      f"({a['plugin_host_no_topk_ms']:.3f} without the top-k)"
                      + (": " + ", ".join(f"{k} {v:.3f}" for k, v in top) if top else ""))
