@@ -257,6 +257,7 @@ class StepProbe:
         # ``schedule`` call to the start of the next (``by_arm``)
         self.arms: dict[str, dict] = {}
         self._open = None
+        self.tokens = 0  # tokens the steps emitted (sampled), for each arm's rate
         schedule = self.scheduler.schedule
 
         def schedule_by_arm(*args, **kwargs):
@@ -267,7 +268,6 @@ class StepProbe:
             return out
 
         self.scheduler.schedule = schedule_by_arm
-        self.tokens = 0  # tokens the steps emitted (sampled), for each arm's rate
         update = self.scheduler.update_from_output
 
         def counted_update(scheduler_output, model_runner_output, *args, **kwargs):
@@ -289,12 +289,16 @@ class StepProbe:
         chains = getattr(m, "chain_steps", 0) - self.empty_chain_steps
         return {"trees": m.steps - chains - plain, "chains": chains, "plain": plain}
 
-    def _snapshot(self) -> tuple:
+    def _phases(self) -> dict[str, float]:
+        """Seconds so far per host phase, summed over the plugin's clocks."""
         phases: dict[str, float] = {}
         for clock in self.clocks():
             for k, v in clock.seconds.items():
                 phases[k] = phases.get(k, 0.0) + v
-        return phases, self.forward_s, self.logits_s, self.steps, getattr(self, "tokens", 0), time.perf_counter()
+        return phases
+
+    def _snapshot(self) -> tuple:
+        return self._phases(), self.forward_s, self.logits_s, self.steps, self.tokens, time.perf_counter()
 
     def _close_step(self, snap: tuple) -> None:
         """Adds the open step (``schedule`` to ``snap``) to its arm's sums; a ``schedule`` call
@@ -347,10 +351,7 @@ class StepProbe:
 
     def report(self, seconds: float) -> dict:
         n = max(self.steps, 1)
-        phases: dict[str, float] = {}
-        for clock in self.clocks():
-            for k, v in clock.seconds.items():
-                phases[k] = phases.get(k, 0.0) + v
+        phases = self._phases()
         host = sum(phases.get(k, 0.0) for k in HOST_PHASES)
         tree_rows = phases.get("tree_rows", 0.0)
         kinds = {k: v - self._kinds0.get(k, 0) for k, v in self.step_kinds().items()}
