@@ -134,6 +134,9 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "goose-nobackoff": {"method": "goose", "allocator_backoff": 0},
     "goose-never": {"method": "goose", "cost_model": "<steep>", "cost_model_online": False, "allocator_probe_every": 0,
                     "allocator_gate": False},
+    # the measured gate closed after its warm-up (speculation must double plain's rate, no exploring step):
+    # GOOSE + allocator's floor as the gate leaves it, where goose-never's drafts every step
+    "goose-closed": {"method": "goose", "allocator_gate_margin": 0.99, "allocator_gate_explore_every": 1_000_000},
     "tr-auto": {"method": "token_recycling"},
 }
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
