@@ -441,6 +441,30 @@ def test_acceptance_newton_kernel_reaches_a_map_on_the_bound_in_three_steps():
     assert abs((n * sigmoid(alpha[0]) - a).sum() + 4.0 * (alpha[0] + 1.0)) < 1e-6  # alpha's gradient vanishes
 
 
+def test_acceptance_newton_kernel_bound_steps_are_alphas_exact_newton_steps():
+    """The key above, one step at a time: each of its first three steps lands on the bound
+    (beta 0) at alpha's exact Newton step there, alpha - (sum n s - a + k (alpha - a0)) /
+    (sum n s (1 - s) + k) with s = sigmoid(alpha), written out here. A bound step with a
+    perturbed gradient or curvature (a sum started at 1, the prior term's sign or centre, the
+    curvature's k or s (1 - s) changed) still converges within a few steps, so only the iterates
+    themselves tell it apart (mutation survivors of 2026-12-06, docs/notebook/testing.md)."""
+    from vllm_anisotropic import kernels
+    from vllm_anisotropic.allocator.acceptance import _STEP_SIZES
+
+    n = np.array([[2044, 1296, 176, 154, 918, 1695, 2022, 361, 2698, 831, 435, 2067]], np.float64)
+    a = np.array([[1346, 876, 103, 104, 587, 1021, 1174, 218, 1444, 441, 213, 904]], np.float64)
+    xbar = np.array([[-19.9, -18.7, -17.7, -17.2, -15.2, -12.7, -10.8, -9.7, -7.8, -5.9, -3.4, 0.9]])
+    k, a0 = 4.0, -1.0
+    fit = kernels.load("fit").newton_platt
+    al = a0
+    for steps in (1, 2, 3):
+        s = sigmoid(al)
+        al = al - ((n * s - a).sum() + k * (al - a0)) / ((n * s * (1.0 - s)).sum() + k)
+        alpha, beta = fit(n, a, xbar, k, steps, a0, _STEP_SIZES)
+        assert beta[0] == 0.0, steps
+        assert alpha[0] == pytest.approx(al, rel=1e-12, abs=1e-12), (steps, alpha[0], al)
+
+
 def test_acceptance_newton_kernel_worked_example():
     """The kernel module's worked example: one bin, half accepted at logit 0, prior centre 0:
     alpha 0, beta 1 (beta moves no z there, the prior holds it)."""
