@@ -422,18 +422,24 @@ def test_acceptance_newton_kernel_meets_the_maps_conditions_key_by_key(seed):
     assert sig(800.0) == 1.0 and sig(-800.0) == 0.0 and sig(0.0) == 0.5
 
 
-def test_acceptance_newton_kernel_reaches_a_map_on_the_bound_in_three_steps():
-    """A key accepted more often at lower values (logits -20 to 1, ~29k nodes, prior 4): the MAP
-    sits on the bound (beta 0, alpha ~0.295). The bound candidate (beta 0, alpha's own Newton
-    step there) gets there within 3 steps (4e-6 off); without it the projected steps stall at
-    alpha ~15, with its gradient's sign flipped it is at 0.12 after 3 (found by a random search
-    over 300 such keys, 2026-12-06)."""
-    from vllm_anisotropic import kernels
-    from vllm_anisotropic.allocator.acceptance import _STEP_SIZES
-
+def _bound_key():
+    """(n, a, xbar) [1, 12] of one key accepted more often at lower values (logits -20 to 1,
+    ~29k nodes): with a prior of 4 centred at -1 its MAP sits on the bound (beta 0, alpha
+    ~0.295). Found by a random search over 300 such keys, 2026-12-06."""
     n = np.array([[2044, 1296, 176, 154, 918, 1695, 2022, 361, 2698, 831, 435, 2067]], np.float64)
     a = np.array([[1346, 876, 103, 104, 587, 1021, 1174, 218, 1444, 441, 213, 904]], np.float64)
     xbar = np.array([[-19.9, -18.7, -17.7, -17.2, -15.2, -12.7, -10.8, -9.7, -7.8, -5.9, -3.4, 0.9]])
+    return n, a, xbar
+
+
+def test_acceptance_newton_kernel_reaches_a_map_on_the_bound_in_three_steps():
+    """``_bound_key`` (its MAP on the bound, beta 0, alpha ~0.295): the bound candidate (beta 0,
+    alpha's own Newton step there) gets there within 3 steps (4e-6 off); without it the
+    projected steps stall at alpha ~15, with its gradient's sign flipped it is at 0.12 after 3."""
+    from vllm_anisotropic import kernels
+    from vllm_anisotropic.allocator.acceptance import _STEP_SIZES
+
+    n, a, xbar = _bound_key()
     fit = kernels.load("fit").newton_platt
     alpha, beta = fit(n, a, xbar, 4.0, 3, -1.0, _STEP_SIZES)
     assert beta[0] == 0.0 and alpha[0] == pytest.approx(0.295336, abs=1e-4)
@@ -442,7 +448,7 @@ def test_acceptance_newton_kernel_reaches_a_map_on_the_bound_in_three_steps():
 
 
 def test_acceptance_newton_kernel_bound_steps_are_alphas_exact_newton_steps():
-    """The key above, one step at a time: each of its first three steps lands on the bound
+    """``_bound_key``, one step at a time: each of its first three steps lands on the bound
     (beta 0) at alpha's exact Newton step there, alpha - (sum n s - a + k (alpha - a0)) /
     (sum n s (1 - s) + k) with s = sigmoid(alpha), written out here. A bound step with a
     perturbed gradient or curvature (a sum started at 1, the prior term's sign or centre, the
@@ -451,9 +457,7 @@ def test_acceptance_newton_kernel_bound_steps_are_alphas_exact_newton_steps():
     from vllm_anisotropic import kernels
     from vllm_anisotropic.allocator.acceptance import _STEP_SIZES
 
-    n = np.array([[2044, 1296, 176, 154, 918, 1695, 2022, 361, 2698, 831, 435, 2067]], np.float64)
-    a = np.array([[1346, 876, 103, 104, 587, 1021, 1174, 218, 1444, 441, 213, 904]], np.float64)
-    xbar = np.array([[-19.9, -18.7, -17.7, -17.2, -15.2, -12.7, -10.8, -9.7, -7.8, -5.9, -3.4, 0.9]])
+    n, a, xbar = _bound_key()
     k, a0 = 4.0, -1.0
     fit = kernels.load("fit").newton_platt
     al = a0
