@@ -39,6 +39,8 @@ goose-nobackoff  the allocator without the zero-cut backoff (``allocator_backoff
 goose-never  GOOSE whose allocator never keeps a draft (a steep cost-model file, no probes, no
              gate): the tree path's cost when it drafts every step and decodes plainly (the floor
              of the allocator's own zero cuts; a closed gate drafts nothing, so costs less)
+goose-closed GOOSE + allocator with the measured gate closed after each batch size's warm-up
+             (``allocator_gate_margin`` 0.99, no exploring step): the floor a closed gate leaves
 tr-auto      token recycling with the budget allocator
 draft_model-kN  vLLM's own draft-model method with the ``--draft`` model, N draft tokens a step
 dtree-K.L1.L2   this package's ``draft_tree`` with the ``--draft`` model: K branches of L2 tokens
@@ -134,8 +136,7 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "goose-nobackoff": {"method": "goose", "allocator_backoff": 0},
     "goose-never": {"method": "goose", "cost_model": "<steep>", "cost_model_online": False, "allocator_probe_every": 0,
                     "allocator_gate": False},
-    # the measured gate closed after its warm-up (speculation must double plain's rate, no exploring step):
-    # GOOSE + allocator's floor as the gate leaves it, where goose-never's drafts every step
+    # the gate closed after its warm-up: speculation must beat plain by 99 %, no exploring step
     "goose-closed": {"method": "goose", "allocator_gate_margin": 0.99, "allocator_gate_explore_every": 1_000_000},
     "tr-auto": {"method": "token_recycling"},
 }
