@@ -928,6 +928,55 @@ def test_compiled_batch_equals_its_numpy_definition(rows, cost, monotone, data):
         want.tree_rows, want.expected_tokens, want.seconds, want.rate, want.plain_rate, want.rate_upper, want.hull_gap)
 
 
+@FAST
+@given(st.lists(st.one_of(st.sampled_from([0.0, 0.05, 0.2, 0.5, 0.9, 1.0]), st.floats(0.0, 1.0)), min_size=0, max_size=8),
+       cost_models(spec_terms=True), st.data())
+def test_one_request_compiled_equals_its_numpy_definition(row, cost, data):
+    """One request (``kernels.allocate.allocate_one``, the engine's path at one request) decides
+    as the numpy scan through ``predict`` alone: the same cut and hull gap, the same rates (to
+    rounding: ``predict`` and the compiled cost add in another order), on lists that rise and
+    fall, under token budgets, contexts and a batch around the request."""
+    probs = [np.array(row, np.float64)]
+    kw = dict(token_budget=data.draw(st.one_of(st.none(), st.integers(0, 9))),
+              ctx_lens=np.array([data.draw(st.sampled_from([0.0, 40.0, 900.0]))]),
+              num_reqs=data.draw(st.integers(1, 64)), fixed_query_tokens=data.draw(st.integers(0, 70)),
+              max_per_request=data.draw(st.one_of(st.none(), st.integers(0, 8))))
+    fast, slow = allocate(probs, cost, **kw), allocate(probs, _PredictOnly(cost), **kw)
+    assert fast.hull_gap == slow.hull_gap
+    assert fast.rate == pytest.approx(slow.rate, rel=1e-12) and fast.plain_rate == pytest.approx(slow.plain_rate, rel=1e-12)
+    assert fast.rate_upper == fast.rate and fast.tree_rows == int(fast.cuts[0])
+    assert fast.expected_tokens == pytest.approx(true_rate(probs, fast.cuts, cost, num_reqs=kw["num_reqs"],
+                                                           q0=kw["fixed_query_tokens"], ctx=kw["ctx_lens"]) * fast.seconds)
+    rates = [true_rate(probs, np.array([n]), cost, num_reqs=kw["num_reqs"], q0=kw["fixed_query_tokens"], ctx=kw["ctx_lens"])
+             for n in range(slow.cuts[0] + 1)]
+    if max(rates[:-1], default=0.0) < rates[-1] * (1 - 1e-9):  # no near-tie below the definition's cut
+        assert fast.cuts.tolist() == slow.cuts.tolist()
+
+
+def test_one_request_worked_example_and_refusals():
+    """``_allocate_one``'s docstring example through the compiled path (gains [0.9, 0.1], cost
+    1 + 0.2 n s, base 1 -> rates [1, 1.58, 1.43] -> n = 1), the first of tied rates, the hull
+    gap of a rising list, and the refusals: a probability outside [0, 1] or a cost that is not
+    positive."""
+    a = allocate([np.array([0.9, 0.1])], CostModel.linear(1.0, 0.2), fixed_query_tokens=0)
+    assert a.cuts.tolist() == [1] and (a.expected_tokens, a.rate_upper) == (1.9, a.rate)
+    assert (round(a.rate, 4), round(a.plain_rate, 4), round(a.seconds, 4), a.hull_gap) == (1.5833, 1.0, 1.2, 0.0)
+    # rates [1, 1.5, 2.5]: kept whole; rates [1, 1.25, 1.25]: the first maximum (n = 1), as the batched scan's
+    assert allocate([np.array([0.5, 1.0])], CostModel.linear(1.0, 0.0), fixed_query_tokens=0).cuts.tolist() == [2]
+    tied = allocate([np.array([0.25, 0.0])], CostModel.linear(1.0, 0.0), fixed_query_tokens=0)
+    assert tied.cuts.tolist() == [1] and tied.rate == 1.25
+    # [0.1, 0.9, 0.2]: envelope [0.5, 0.5, 0.2], gap 0.4 after the first node
+    rising = allocate([np.array([0.1, 0.9, 0.2])], CostModel.linear(1.0, 0.01), fixed_query_tokens=0)
+    assert rising.hull_gap == pytest.approx(0.4, abs=1e-15) and rising.cuts.tolist() == [3]
+    assert allocate([np.array([0.9, 0.1])], CostModel.linear(1.0, 0.2), token_budget=0).cuts.tolist() == [0]
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"probs must be probabilities in \[0, 1\]"):
+            allocate([np.array([0.5, bad])], CostModel.linear(1.0, 0.05))
+    assert allocate([np.array([0.5, 1.5])], CostModel.linear(1.0, 0.05), max_per_request=1).cuts.tolist() == [1]
+    with pytest.raises(ValueError, match="positive seconds"):
+        allocate([np.array([0.9, 0.9, 0.9])], CostModel.linear(0.0, 0.0), fixed_query_tokens=0)
+
+
 def test_compiled_batch_worked_examples_and_refusals():
     """The compiled path on the module docstring's example (and step 6's bundling example), and
     its refusals: a probability outside [0, 1] (NaN included) or a cost that is not positive."""

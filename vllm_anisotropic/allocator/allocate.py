@@ -5,7 +5,7 @@ calibrated probabilities of its draft nodes in the tree's value order, the step-
 the step's caps, return per-request cuts n_i (n_i = 0: plain decoding for that request) that
 maximise the expected tokens per second of the step. With a compiled cost model
 (``CostModel.kernel_params``, the engine's) a batch's steps 2-6 run in one compiled call
-(``kernels.allocate.allocate_batch``); otherwise numpy (``_allocate_numpy``, also the
+(``kernels.allocate.allocate_batch``; one request's: ``allocate_one``); otherwise numpy (``_allocate_numpy``, also the
 definition that call is tested against). No trees, no vLLM (the engine hook applies the cuts
 with ``DraftTree.truncate(1 + n_i)``).
 
@@ -386,22 +386,19 @@ def _allocate_one(gain: np.ndarray, cost: StepCost, num_reqs: int, q0: int, base
     smaller n, as in the batched scan; the reported ``hull_gap`` is the request's own concave
     envelope's largest gap (the scan itself is exact and does not use it). Example: gains [0.9, 0.1], cost
     1 + 0.2 n s, base 1 -> rates [1, 1.58, 1.43] -> n = 1."""
-    _check_probs(gain)
     t_max = gain.size if token_budget is None else min(gain.size, max(int(token_budget), 0))
     params = getattr(cost, "kernel_params", None)
-    if params is not None:  # the cost model's own arithmetic, compiled (one call for every n)
-        out = np.empty((4, t_max + 1))
-        first = np.zeros(gain.size, np.int64)
-        first[:1] = 1
-        kernels.load("allocate").scan_prefixes(np.arange(t_max, dtype=np.int64), t_max, gain, gain,
-                                               np.full(gain.size, ctx), first, base, float(num_reqs), float(q0),
-                                               *params(), out[0], out[1], out[2], out[3])
-        num, sec = out[0], out[2]
-    else:
-        totals = np.arange(t_max + 1)  # [t_max + 1] candidate n
-        num = base + np.concatenate([[0.0], np.cumsum(gain[:t_max])])
-        sec = np.asarray(cost.predict(num_reqs, q0 + totals, totals, ctx * totals, np.minimum(totals, 1)),
-                         np.float64).reshape(-1)
+    if params is not None:  # the cost model's own arithmetic, compiled: the whole decision in one call
+        t, expected, seconds, plain_rate, hull_gap = kernels.load("allocate").allocate_one(
+            np.ascontiguousarray(gain, np.float64), t_max, float(ctx), base, float(num_reqs), float(q0), *params())
+        rate = expected / seconds
+        return Allocation(cuts=np.array([t], np.int64), tree_rows=t, expected_tokens=expected, seconds=seconds, rate=rate,
+                          plain_rate=plain_rate, rate_upper=rate, hull_gap=hull_gap)
+    _check_probs(gain)
+    totals = np.arange(t_max + 1)  # [t_max + 1] candidate n
+    num = base + np.concatenate([[0.0], np.cumsum(gain[:t_max])])
+    sec = np.asarray(cost.predict(num_reqs, q0 + totals, totals, ctx * totals, np.minimum(totals, 1)),
+                     np.float64).reshape(-1)
     if sec.shape != (t_max + 1,) or not sec.min() > 0:
         raise ValueError("cost.predict must return positive seconds for every total")
     rate = num / sec

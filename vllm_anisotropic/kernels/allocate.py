@@ -2,7 +2,8 @@
 envelopes of the requests' gain lists and the scan of every total T along a node order.
 
 Scope: ``allocate_batch``, the allocator's whole decision for a batch (``allocator.allocate``'s
-steps 2-6: envelopes, orders, scans and Dinkelbach rounds in one call), and its two loops:
+steps 2-6: envelopes, orders, scans and Dinkelbach rounds in one call), ``allocate_one`` (the
+same for one request: every prefix scored, no orders), and their two loops:
 ``concave_rows`` (the antitonic regression of each row, by pool-adjacent-
 violators: a stack of blocks, each new entry merged into the blocks before it while their mean
 is not larger) and ``scan_prefixes`` (cumulative gains and the step-cost model at every prefix
@@ -18,7 +19,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["allocate_batch", "concave_rows", "scan_prefixes", "step_seconds"]
+__all__ = ["allocate_batch", "allocate_one", "concave_rows", "scan_prefixes", "step_seconds"]
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -96,6 +97,45 @@ def scan_prefixes(order, t_max, gain, slope, node_ctx, first, base, num_reqs, q0
         num_hull[t] = h
         sec[t] = step_seconds(num_reqs, q0 + t, t, c, d, knots, at_knots, tail)
         sec_low[t] = step_seconds(num_reqs, q0 + t, t, c, 0, knots, at_knots, tail)
+
+
+@_jit
+def allocate_one(gain, t_max, ctx, base, num_reqs, q0, knots, at_knots, tail):
+    """``allocator.allocate`` for one request with a compiled cost model, in one call: every
+    prefix n = 0 .. ``t_max`` of ``gain`` (the request's capped list) scored, the first best
+    kept, and the hull gap of the whole list (``concave_rows``). The same arithmetic in the same
+    order as the prefix scan (``scan_prefixes`` with every node at context ``ctx``, the first
+    one speculating). A ``CostModel``'s seconds never fall as n grows (its weights are >= 0), so
+    the plain step's are the ones checked. Returns (n, expected tokens, seconds, plain rate, hull gap)."""
+    size = gain.shape[0]
+    for k in range(size):
+        v = gain[k]
+        if not (v >= 0.0 and v <= 1.0):  # NaN fails too
+            raise ValueError("probs must be probabilities in [0, 1]")
+    sec = step_seconds(num_reqs, q0, 0, 0.0, 0, knots, at_knots, tail)
+    if not sec > 0.0:
+        raise ValueError("cost.predict must return positive seconds for every total")
+    plain_rate = base / sec
+    best_t, best_num, best_sec, top = 0, base, sec, plain_rate
+    g = base
+    c = 0.0
+    for t in range(1, t_max + 1):
+        g += gain[t - 1]
+        c += ctx
+        sec = step_seconds(num_reqs, q0 + t, t, c, 1, knots, at_knots, tail)  # >= the plain step's (monotone)
+        rate = g / sec
+        if rate > top:
+            best_t, best_num, best_sec, top = t, g, sec, rate
+    hull = np.empty((1, size))
+    concave_rows(gain.reshape((1, size)), np.full(1, size, np.int64), hull)
+    hull_gap = 0.0
+    ch = 0.0
+    cp = 0.0
+    for k in range(size):
+        ch += hull[0, k]
+        cp += gain[k]
+        hull_gap = max(hull_gap, ch - cp)
+    return best_t, best_num, best_sec, plain_rate, hull_gap
 
 
 @_jit
