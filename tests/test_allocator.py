@@ -138,6 +138,87 @@ def test_nnls_kkt(seed):
     assert np.allclose(grad[x > 0], 0.0, atol=1e-9)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([0.0, 1e-6, 1e-2]))
+def test_nnls_normal_equals_nnls(seed, ridge):
+    """The compiled normal-equations NNLS (``kernels.fit.nnls_gram``, the cost model's refit)
+    reaches ``nnls``'s solution: the same support, the same coefficients to the rounding of
+    ``a^T a``, the KKT conditions; tall and square problems, with and without ridge rows."""
+    from vllm_anisotropic.allocator.cost import nnls_normal
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 9))
+    a = rng.normal(size=(int(rng.integers(n, 40)), n)) * rng.uniform(0.1, 10.0, size=n)
+    b = rng.normal(size=a.shape[0]) + a @ np.maximum(rng.normal(size=n), 0.0)
+    if ridge:
+        a, b = np.vstack([a, np.sqrt(ridge) * np.eye(n)]), np.concatenate([b, np.zeros(n)])
+    want, got = nnls(a, b), nnls_normal(a, b)
+    assert np.all(got >= 0) and (got > 0).tolist() == (want > 0).tolist()
+    assert np.allclose(got, want, rtol=1e-7, atol=1e-9 * max(np.abs(want).max(), 1.0))
+    grad = a.T @ (b - a @ got)
+    scale = max(np.abs(a.T @ b).max(), 1.0)
+    assert np.all(grad <= 1e-8 * scale) and np.allclose(grad[got > 0], 0.0, atol=1e-8 * scale)
+
+
+def test_nnls_normal_worked_examples_and_singular_fallback(monkeypatch):
+    """The docstring's example; a bound coefficient (the unconstrained optimum has x1 = -1: x1
+    stays at 0 and x0 is b's projection on column 0); a block that is not positive definite
+    (the kernel says so) and the SVD ``nnls`` answering in its place."""
+    from vllm_anisotropic import kernels
+    from vllm_anisotropic.allocator import cost as cost_module
+    from vllm_anisotropic.allocator.cost import nnls_normal
+
+    assert nnls_normal(np.eye(2), np.array([1.0, -1.0])).tolist() == [1.0, 0.0]
+    a = np.array([[1.0, 1.0], [0.0, 1.0], [1.0, 0.0]])
+    b = a @ np.array([2.0, -1.0])  # [1, -1, 2]
+    got = nnls_normal(a, b)
+    assert got[1] == 0.0 and got[0] == pytest.approx(1.5, rel=1e-12) and got.tolist() == pytest.approx(nnls(a, b).tolist())
+    # x1 enters first (gradient 2 > 1) and its block [[0]] is not positive definite
+    fit = kernels.load("fit")
+    assert not fit.nnls_gram(np.array([[1.0, 1.0], [1.0, 0.0]]), np.array([1.0, 2.0]), 1e-12, 16, np.empty(2))
+    assert fit.nnls_gram(np.array([[1.0, 0.5], [0.5, 1.0]]), np.array([1.0, 2.0]), 1e-12, 16, x := np.empty(2))
+    assert x.tolist() == pytest.approx([0.0, 2.0])  # at x1 = 2, x0's gradient 1 - 0.5 x1 is 0: it stays out
+
+    class _Refusing:
+        @staticmethod
+        def nnls_gram(*args):
+            return False
+
+    real = kernels.load
+    monkeypatch.setattr(cost_module.kernels, "load", lambda name: _Refusing if name == "fit" else real(name))
+    rng = np.random.default_rng(5)
+    a, b = rng.normal(size=(9, 4)), rng.normal(size=9)
+    assert nnls_normal(a, b).tolist() == nnls(a, b).tolist()
+
+
+def test_cost_refit_by_normal_equations_predicts_as_by_svd():
+    """A refit over an engine-like window (512 steps of 1-63 requests, tree rows, contexts) by
+    the compiled normal equations predicts what the SVD refit predicts, to 1e-12: the base and
+    the step overhead are one column on engine steps, so only their split (fixed by the ridge)
+    moves, at ~1e-5."""
+    from vllm_anisotropic.allocator import cost as cost_module
+
+    rng = np.random.default_rng(3)
+    model = CostModel.linear(0.02, 0.0007)
+    for _ in range(600):
+        r, t = int(rng.integers(1, 64)), int(rng.integers(0, 80))
+        model.update(CostSample(r, r + t, t, t * float(rng.integers(10, 3000)), min(r, t),
+                                0.02 + 0.0007 * (r + t) + 1e-4 * t + abs(rng.normal(0, 2e-3))), refit=False)
+    data, w, step = model._retained()
+    fast = cost_module._weighted_fit(data, w, model.knots, model.config.ridge, step)
+    x = cost_features(*data[:, :5].T, model.knots, step)
+    a_rows = np.sqrt(w) / data[:, 5]
+    scale = np.abs(x).max(axis=0)
+    live = scale > 0
+    xs = x[:, live] / scale[live]
+    a = np.vstack([xs * a_rows[:, None], np.sqrt(model.config.ridge) * np.eye(int(live.sum()))])
+    b = np.concatenate([data[:, 5] * a_rows, np.zeros(int(live.sum()))])
+    slow = np.zeros(x.shape[1])
+    slow[live] = nnls(a, b) / scale[live]
+    assert np.all(fast >= 0) and (fast > 0).tolist() == (slow > 0).tolist()
+    assert np.allclose(x @ fast, x @ slow, rtol=1e-12, atol=0.0)
+
+
 def _sweep(model: CostModel, rng, noise=0.0, n=None):
     """Steps at batch x nodes x prefill x context x (tree or chain drafts), as an engine would
     see them: chain drafts are plain query rows (T = 0) of speculating requests (D = R)."""

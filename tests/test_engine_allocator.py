@@ -112,6 +112,7 @@ _STEP_KERNELS = (
     "goose.proposal_inputs", "goose.spine_trees", "goose.learn_keys", "rank.rank_trees", "plan.step_rows",
     "plan.main_rows", "plan.path_rounds", "kv.move_slots", "walk.walk_rows", "emit.emit_rows", "emit.harvest_rows",
     "vocab.topk_probs", "table.update", "table.last_writes", "allocate.allocate_batch", "allocate.allocate_one",
+    "fit.nnls_gram",
 )
 # where the engine has threads (kernels.split): the step's top-k, walk and K/V moves
 _THREADS_KERNELS = ("vocab.topk_probs_threads", "walk.walk_rows_threads", "kv.move_slots_threads")

@@ -1,5 +1,6 @@
-"""Compiled refit of the acceptance model (``kernels.load("fit")``): the per-key Platt MAP of
-``allocator.acceptance.AcceptanceModel._fit`` in one call.
+"""Compiled refits of the allocator's models (``kernels.load("fit")``): the per-key Platt MAP of
+``allocator.acceptance.AcceptanceModel._fit`` in one call (``newton_platt``), and the cost model's
+non-negative least squares on its normal equations (``nnls_gram``, below).
 
 Scope: for each key (a row of the binned histograms ``n``, ``a``, ``xbar``) the MAP of
 
@@ -27,7 +28,7 @@ import math
 import numba
 import numpy as np
 
-__all__ = ["newton_platt"]
+__all__ = ["newton_platt", "nnls_gram"]
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -109,3 +110,104 @@ def newton_platt(n, a, xbar, k, steps, a0, step_sizes):
         alpha[key] = al
         beta[key] = be
     return alpha, beta
+
+
+@_jit
+def _solve_passive(gram, atb, passive, chol, z):
+    """``z`` = the least-squares coefficients on the ``passive`` columns (0 elsewhere): the
+    Cholesky factor of ``gram``'s passive block into ``chol``, then two triangular solves.
+    False where the block is not positive definite (dependent columns, no ridge)."""
+    n = atb.shape[0]
+    cols = np.flatnonzero(passive)
+    k = cols.shape[0]
+    for i in range(k):
+        for j in range(i + 1):
+            v = gram[cols[i], cols[j]]
+            for m in range(j):
+                v -= chol[i, m] * chol[j, m]
+            if i == j:
+                if not v > 0.0:
+                    return False
+                chol[i, i] = math.sqrt(v)
+            else:
+                chol[i, j] = v / chol[j, j]
+    y = np.empty(k)
+    for i in range(k):
+        v = atb[cols[i]]
+        for m in range(i):
+            v -= chol[i, m] * y[m]
+        y[i] = v / chol[i, i]
+    for i in range(k - 1, -1, -1):
+        v = y[i]
+        for m in range(i + 1, k):
+            v -= chol[m, i] * y[m]
+        y[i] = v / chol[i, i]
+    for i in range(n):
+        z[i] = 0.0
+    for i in range(k):
+        z[cols[i]] = y[i]
+    return True
+
+
+@_jit
+def nnls_gram(gram, atb, tol, max_iter, x):
+    """argmin_{x >= 0} ||a x - b||_2 from ``gram`` = a^T a [n, n] and ``atb`` = a^T b [n] into
+    ``x`` [n]: ``allocator.cost.nnls``'s active-set iteration (Lawson & Hanson 1974, Ch. 23;
+    the same pivot rule and tolerance ``tol``, at most ``max_iter`` outer steps) with each
+    sub-solve on the normal equations of the passive columns (Cholesky of an at most n x n block)
+    instead of an SVD of ``a``'s columns: a refit's cost no longer grows with ``a``'s rows past
+    the one product ``a^T a``. Returns False (``x`` unspecified) where a passive block is not
+    positive definite; the caller then solves by SVD. Example: ``gram`` I, ``atb`` [1, -1] ->
+    [1, 0]."""
+    n = atb.shape[0]
+    passive = np.zeros(n, np.bool_)
+    chol = np.empty((n, n))
+    z = np.zeros(n)
+    grad = np.empty(n)
+    for i in range(n):
+        x[i] = 0.0
+        grad[i] = atb[i]
+    for _ in range(max_iter):
+        j = -1
+        top = -np.inf
+        for i in range(n):  # the most violated KKT condition, the first of ties
+            if not passive[i] and grad[i] > top:
+                j, top = i, grad[i]
+        if j < 0 or top <= tol:
+            break
+        passive[j] = True
+        while True:
+            if not _solve_passive(gram, atb, passive, chol, z):
+                return False
+            feasible = True
+            for i in range(n):
+                if passive[i] and not z[i] > tol:
+                    feasible = False
+                    break
+            if feasible:
+                break
+            # step from x towards z until the first passive coefficient hits 0, drop it
+            alpha = np.inf
+            for i in range(n):
+                if passive[i] and z[i] <= tol:
+                    alpha = min(alpha, x[i] / (x[i] - z[i]))
+            empty = True
+            for i in range(n):
+                x[i] = x[i] + alpha * (z[i] - x[i])
+                passive[i] = passive[i] and x[i] > tol
+                if not passive[i]:
+                    x[i] = 0.0
+                else:
+                    empty = False
+            if empty:
+                for i in range(n):
+                    z[i] = 0.0
+                break
+        for i in range(n):
+            x[i] = z[i]
+        for i in range(n):
+            v = atb[i]
+            for m in range(n):
+                v -= gram[i, m] * x[m]
+            grad[i] = v
+    return True

@@ -57,6 +57,7 @@ import numpy as np
 
 from vllm_anisotropic.allocator import (CHAIN, PLAIN, TREE, CostModel, CostSample, GateConfig, SpeculationGate,
                                        allocate_flat, request_caps)
+from vllm_anisotropic.allocator.cost import nnls_normal
 from vllm_anisotropic.integration.vllm.engine.faults import inject
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
 
@@ -304,7 +305,8 @@ class BatchBudget:
         cache, at the scheduler's start rather than in the first tree step, where the whole
         batch waits for them (the workers' kernels: ``TreeDrafter.warm_up``). One allocation of
         one request and one of two, each with its chains-only cut, through ``_allocate``
-        itself; nothing of it is kept (``_chain_cost`` is made again for the fitted model)."""
+        itself, and one cost-model least squares; nothing of it is kept (``_chain_cost`` is made
+        again for the fitted model)."""
         if not self.enabled:
             return
         for batch in (1, 2):
@@ -314,6 +316,7 @@ class BatchBudget:
                         max_per_request=self.max_per_request, headroom=[self.max_model_len - 2] * batch,
                         base_tokens=batch)
             self._allocate(flat, lengths, np.ones(batch), np.ones(batch, np.int64), caps)
+        nnls_normal(np.eye(2), np.ones(2))  # the cost model's refit (kernels.fit.nnls_gram)
 
     def _refresh_cost(self) -> None:
         """Refit the cost model on the steps measured since its last fit (every
