@@ -160,6 +160,28 @@ def test_nnls_normal_equals_nnls(seed, ridge):
     assert np.all(grad <= 1e-8 * scale) and np.allclose(grad[got > 0], 0.0, atol=1e-8 * scale)
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 10_000))
+def test_nnls_gram_takes_the_definitions_path_step_by_step(seed):
+    """After every number k of outer steps (``max_iter`` k) the compiled iteration stands where
+    ``nnls`` stands after k: the same entering column, the same step towards the sub-solve and
+    the same columns dropped, not merely the same optimum at the end (a step length by the
+    largest ratio instead of the smallest, or a worst-first pivot, still ends at the optimum
+    when given enough steps)."""
+    from vllm_anisotropic import kernels
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 8))
+    a = rng.normal(size=(int(rng.integers(n, 20)), n))
+    b = rng.normal(size=a.shape[0])
+    tol = 10.0 * np.finfo(np.float64).eps * max(a.shape) * max(np.abs(a).sum(axis=0).max(), 1.0)
+    for k in range(1, 3 * n + 11):
+        x = np.empty(n)
+        assert kernels.load("fit").nnls_gram(a.T @ a, a.T @ b, tol, k, x)
+        want = nnls(a, b, max_iter=k)
+        assert np.allclose(x, want, rtol=1e-7, atol=1e-9 * max(np.abs(want).max(), 1.0)), (k, x, want)
+
+
 def test_nnls_normal_worked_examples_and_singular_fallback(monkeypatch):
     """The docstring's example; a bound coefficient (the unconstrained optimum has x1 = -1: x1
     stays at 0 and x0 is b's projection on column 0); a block that is not positive definite

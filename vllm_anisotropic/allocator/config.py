@@ -45,9 +45,9 @@ class CostModelConfig(AllocatorModelConfig):
     online data (the online window weighs ~1 / (1 - forget) = 100)."""
     refit_every: int = Field(default=32, ge=1)
     """Refit the coefficients after this many online samples. A refit (non-negative least
-    squares over the window) costs ~2 ms on a 2-core CPU, a third of that at 8 (the old
-    default: 0.25 ms a step at one request); 32 keeps it near 0.06 ms a step, well inside the
-    window's memory of ~100 steps."""
+    squares over the window, on its normal equations: ``kernels.fit.nnls_gram``) costs ~0.3-0.4
+    ms on a 2-core CPU (~0.9-1.1 ms by the SVD sub-solves it replaced); 32 keeps it near 0.01 ms
+    a step, well inside the window's memory of ~100 steps."""
 
 
 class AcceptanceConfig(AllocatorModelConfig):

@@ -169,14 +169,15 @@ def nnls_gram(gram, atb, tol, max_iter, x):
         grad[i] = atb[i]
     for _ in range(max_iter):
         j = -1
-        top = -np.inf
-        for i in range(n):  # the most violated KKT condition, the first of ties
+        top = tol
+        for i in range(n):  # the most violated KKT condition above tol, the first of ties
             if not passive[i] and grad[i] > top:
                 j, top = i, grad[i]
-        if j < 0 or top <= tol:
+        if j < 0:
             break
         passive[j] = True
         while True:
+            # the sub-solve (no passive column left: z = 0, and the loop ends)
             if not _solve_passive(gram, atb, passive, chol, z):
                 return False
             feasible = True
@@ -186,23 +187,16 @@ def nnls_gram(gram, atb, tol, max_iter, x):
                     break
             if feasible:
                 break
-            # step from x towards z until the first passive coefficient hits 0, drop it
+            # step from x towards z until the first passive coefficient hits 0, drop it (the
+            # others' x is not read again before x = z below)
             alpha = np.inf
             for i in range(n):
                 if passive[i] and z[i] <= tol:
                     alpha = min(alpha, x[i] / (x[i] - z[i]))
-            empty = True
             for i in range(n):
-                x[i] = x[i] + alpha * (z[i] - x[i])
-                passive[i] = passive[i] and x[i] > tol
-                if not passive[i]:
-                    x[i] = 0.0
-                else:
-                    empty = False
-            if empty:
-                for i in range(n):
-                    z[i] = 0.0
-                break
+                if passive[i]:
+                    x[i] += alpha * (z[i] - x[i])
+                    passive[i] = x[i] > tol
         for i in range(n):
             x[i] = z[i]
         for i in range(n):
