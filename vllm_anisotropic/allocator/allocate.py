@@ -5,8 +5,9 @@ calibrated probabilities of its draft nodes in the tree's value order, the step-
 the step's caps, return per-request cuts n_i (n_i = 0: plain decoding for that request) that
 maximise the expected tokens per second of the step. With a compiled cost model
 (``CostModel.kernel_params``, the engine's) a batch's steps 2-6 run in one compiled call
-(``kernels.allocate.allocate_batch``; one request's: ``allocate_one``); otherwise numpy (``_allocate_numpy``, also the
-definition that call is tested against). No trees, no vLLM (the engine hook applies the cuts
+(``kernels.allocate.allocate_batch``; one request's, ``allocate_one``); otherwise numpy
+(``_allocate_numpy``, also the definition the batch's call is tested against; one request's:
+``_allocate_one``'s own numpy branch). No trees, no vLLM (the engine hook applies the cuts
 with ``DraftTree.truncate(1 + n_i)``).
 
 Source: ECHO (arXiv 2604.09603): the super-tree under a verification cap (Sec. 3.1, Eq. 4),

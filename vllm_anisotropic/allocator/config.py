@@ -46,7 +46,7 @@ class CostModelConfig(AllocatorModelConfig):
     refit_every: int = Field(default=32, ge=1)
     """Refit the coefficients after this many online samples. A refit (non-negative least
     squares over the window, on its normal equations: ``kernels.fit.nnls_gram``) costs ~0.3-0.4
-    ms on a 2-core CPU (~0.9-1.1 ms by the SVD sub-solves it replaced); 32 keeps it near 0.01 ms
+    ms on a 2-core CPU (~0.7-1.1 ms by the SVD sub-solves it replaced); 32 keeps it near 0.01 ms
     a step, well inside the window's memory of ~100 steps."""
 
 

@@ -223,7 +223,7 @@ def nnls_normal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     Cholesky sub-solves of at most ``num_cols`` unknowns, the same pivot rule and tolerance; for
     ``a`` of full column rank (the cost fit's ridge rows make it so), where it agrees with
     ``nnls`` to the rounding of ``a^T a`` (its condition number squared). Falls back to ``nnls``
-    where a passive block is singular. ``nnls_normal([[1,0],[0,1]], [1,-1]) -> [1, 0]``."""
+    where a Cholesky pivot is not positive (a singular block). ``nnls_normal([[1,0],[0,1]], [1,-1]) -> [1, 0]``."""
     a = np.ascontiguousarray(a, np.float64)
     b = np.ascontiguousarray(b, np.float64)
     n = a.shape[1]

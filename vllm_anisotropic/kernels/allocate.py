@@ -3,7 +3,8 @@ envelopes of the requests' gain lists and the scan of every total T along a node
 
 Scope: ``allocate_batch``, the allocator's whole decision for a batch (``allocator.allocate``'s
 steps 2-6: envelopes, orders, scans and Dinkelbach rounds in one call), ``allocate_one`` (the
-same for one request: every prefix scored, no orders), and their two loops:
+same for one request: every prefix scored, no orders; it calls ``concave_rows`` and
+``step_seconds``), and ``allocate_batch``'s two loops:
 ``concave_rows`` (the antitonic regression of each row, by pool-adjacent-
 violators: a stack of blocks, each new entry merged into the blocks before it while their mean
 is not larger) and ``scan_prefixes`` (cumulative gains and the step-cost model at every prefix
@@ -105,8 +106,8 @@ def allocate_one(gain, t_max, ctx, base, num_reqs, q0, knots, at_knots, tail):
     prefix n = 0 .. ``t_max`` of ``gain`` (the request's capped list) scored, the first best
     kept, and the hull gap of the whole list (``concave_rows``). The same arithmetic in the same
     order as the prefix scan (``scan_prefixes`` with every node at context ``ctx``, the first
-    one speculating). A ``CostModel``'s seconds never fall as n grows (its weights are >= 0), so
-    the plain step's are the ones checked. Returns (n, expected tokens, seconds, plain rate, hull gap)."""
+    one speculating), and its refusal of seconds that are not positive at any n (a negative or
+    NaN ``ctx`` can make them so). Returns (n, expected tokens, seconds, plain rate, hull gap)."""
     size = gain.shape[0]
     for k in range(size):
         v = gain[k]
@@ -122,7 +123,9 @@ def allocate_one(gain, t_max, ctx, base, num_reqs, q0, knots, at_knots, tail):
     for t in range(1, t_max + 1):
         g += gain[t - 1]
         c += ctx
-        sec = step_seconds(num_reqs, q0 + t, t, c, 1, knots, at_knots, tail)  # >= the plain step's (monotone)
+        sec = step_seconds(num_reqs, q0 + t, t, c, 1, knots, at_knots, tail)
+        if not sec > 0.0:
+            raise ValueError("cost.predict must return positive seconds for every total")
         rate = g / sec
         if rate > top:
             best_t, best_num, best_sec, top = t, g, sec, rate

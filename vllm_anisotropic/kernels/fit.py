@@ -156,9 +156,10 @@ def nnls_gram(gram, atb, tol, max_iter, x):
     the same pivot rule and tolerance ``tol``, at most ``max_iter`` outer steps) with each
     sub-solve on the normal equations of the passive columns (Cholesky of an at most n x n block)
     instead of an SVD of ``a``'s columns: a refit's cost no longer grows with ``a``'s rows past
-    the one product ``a^T a``. Returns False (``x`` unspecified) where a passive block is not
-    positive definite; the caller then solves by SVD. Example: ``gram`` I, ``atb`` [1, -1] ->
-    [1, 0]."""
+    the one product ``a^T a``. Returns False (``x`` unspecified) where a Cholesky pivot is not
+    positive (a singular block; a nearly singular one may pass with a pivot of rounding noise:
+    the cost fit's ridge rows keep its blocks well away from that); the caller then solves by
+    SVD. Example: ``gram`` I, ``atb`` [1, -1] -> [1, 0]."""
     n = atb.shape[0]
     passive = np.zeros(n, np.bool_)
     chol = np.empty((n, n))
