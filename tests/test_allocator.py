@@ -1075,15 +1075,16 @@ def test_one_request_worked_example_and_refusals():
         with pytest.raises(ValueError, match=r"probs must be probabilities in \[0, 1\]"):
             allocate([np.array([0.5, bad])], CostModel.linear(1.0, 0.05))
     assert allocate([np.array([0.5, 1.5])], CostModel.linear(1.0, 0.05), max_per_request=1).cuts.tolist() == [1]
-    with pytest.raises(ValueError, match="positive seconds"):
-        allocate([np.array([0.9, 0.9, 0.9])], CostModel.linear(0.0, 0.0), fixed_query_tokens=0)
-    # seconds positive at n = 0, not beyond: a negative context with a context cost (0.01 - 0.1 n),
-    # and a NaN context; the numpy branch refuses both too
-    ctx_cost = CostModel.from_coefficients([0.0], base=0.01, tree_ctx=1e-3)
-    for ctx in (-100.0, float("nan")):
+    for budget in (None, 0):  # zero seconds at n = 0, with cuts to score and without
+        with pytest.raises(ValueError, match="positive seconds"):
+            allocate([np.array([0.9, 0.9, 0.9])], CostModel.linear(0.0, 0.0), fixed_query_tokens=0, token_budget=budget)
+    # seconds positive at n = 0, not at n = 1 (the last cut): a negative context with a context
+    # cost (0.5 - 0.25 x 2: exactly 0; 0.5 - 0.25 x 100), and a NaN context; the numpy branch refuses them too
+    ctx_cost = CostModel.from_coefficients([0.0], base=0.5, tree_ctx=0.25)
+    for ctx in (-2.0, -100.0, float("nan")):
         for model in (ctx_cost, _PredictOnly(ctx_cost)):
             with pytest.raises(ValueError, match="positive seconds"):
-                allocate([np.array([0.9, 0.5])], model, ctx_lens=np.array([ctx]), fixed_query_tokens=0)
+                allocate([np.array([0.9])], model, ctx_lens=np.array([ctx]), fixed_query_tokens=0)
 
 
 def test_compiled_batch_worked_examples_and_refusals():
