@@ -172,7 +172,7 @@ CORE: list[dict] = [
          tests=["tests/test_kernels_mutants.py", "tests/test_flat_trees.py", "tests/test_allocator.py"]),
     dict(target="vllm_anisotropic/kernels/allocate.py",
          functions=["concave_rows", "step_seconds", "scan_prefixes", "_best_of", "_scan_checked", "allocate_batch",
-                    "allocate_one"],
+                    "_hull_gap", "allocate_one"],
          tests=["tests/test_kernels_mutants.py", "tests/test_allocator.py"]),
     dict(target="vllm_anisotropic/integration/vllm/engine/kv_moves.py",
          functions=["KVMover.plain_offsets", "KVMover.from_layers", "KVMover.move", "gather_scatter",

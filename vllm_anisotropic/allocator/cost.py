@@ -504,5 +504,5 @@ def _weighted_fit(data: np.ndarray, weight: np.ndarray, knots: np.ndarray, ridge
     a = np.vstack([xs * row[:, None], np.sqrt(ridge) * np.eye(int(live.sum()))])
     b = np.concatenate([y * row, np.zeros(int(live.sum()))])
     w = np.zeros(x.shape[1])
-    w[live] = nnls_normal(a, b) / scale[live]  # compiled: a refit ~1 ms by SVD sub-solves (512 samples)
+    w[live] = nnls_normal(a, b) / scale[live]
     return w

@@ -57,6 +57,22 @@ def concave_rows(p, lengths, out):
 
 
 @_jit
+def _hull_gap(p, h):
+    """max over rows i and prefixes k of sum(h[i, :k]) - sum(p[i, :k]) (at least 0): how far a
+    row's concave envelope ``h`` (``concave_rows``) runs above its gains ``p``, the allocator's
+    bound on what a prefix cut loses; rows padded with zeros in both."""
+    gap = 0.0
+    for i in range(p.shape[0]):
+        ch = 0.0
+        cp = 0.0
+        for k in range(p.shape[1]):
+            ch += h[i, k]
+            cp += p[i, k]
+            gap = max(gap, ch - cp)
+    return gap
+
+
+@_jit
 def step_seconds(num_reqs, q, t, c, d, knots, at_knots, tail):
     """``CostModel.predict`` for one step: ``tail`` = (w0, w_request, last slope, b_on, b_on_r,
     b_t, b_c, b_spec, b_d, b_step)."""
@@ -129,16 +145,10 @@ def allocate_one(gain, t_max, ctx, base, num_reqs, q0, knots, at_knots, tail):
         rate = g / sec
         if rate > top:
             best_t, best_num, best_sec, top = t, g, sec, rate
+    row = gain.reshape((1, size))
     hull = np.empty((1, size))
-    concave_rows(gain.reshape((1, size)), np.full(1, size, np.int64), hull)
-    hull_gap = 0.0
-    ch = 0.0
-    cp = 0.0
-    for k in range(size):
-        ch += hull[0, k]
-        cp += gain[k]
-        hull_gap = max(hull_gap, ch - cp)
-    return best_t, best_num, best_sec, plain_rate, hull_gap
+    concave_rows(row, np.full(1, size, np.int64), hull)
+    return best_t, best_num, best_sec, plain_rate, _hull_gap(row, hull)
 
 
 @_jit
@@ -197,14 +207,7 @@ def allocate_batch(probs, lengths, caps, ctx, token_budget, base, num_reqs, q0, 
         at += lengths[i]
     h = np.empty((batch, width))
     concave_rows(p, caps, h)
-    hull_gap = 0.0
-    for i in range(batch):
-        ch = 0.0
-        cp = 0.0
-        for k in range(width):
-            ch += h[i, k]
-            cp += p[i, k]
-            hull_gap = max(hull_gap, ch - cp)
+    hull_gap = _hull_gap(p, h)
     n = 0
     for i in range(batch):
         n += caps[i]
