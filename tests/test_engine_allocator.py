@@ -110,8 +110,9 @@ def test_flat_cost_model_keeps_whole_trees(model_dir, prompts, plain, tmp_path):
 # rows and rounds, K/V moves, walk, emit and harvest, and the scheduler's cut
 _STEP_KERNELS = (
     "goose.proposal_inputs", "goose.spine_trees", "goose.learn_keys", "rank.rank_trees", "plan.step_rows",
-    "plan.main_rows", "plan.path_rounds", "kv.move_slots", "walk.walk_rows", "emit.emit_rows", "emit.harvest_rows",
+    "plan.scheduled_prefixes", "plan.gather_prefix", "plan.main_rows", "plan.path_rounds", "kv.move_slots", "walk.walk_rows", "emit.emit_rows", "emit.harvest_rows",
     "vocab.topk_probs", "table.update", "table.last_writes", "allocate.allocate_batch", "allocate.allocate_one",
+    "allocate.offer_budgets",
     "fit.nnls_gram",
 )
 # where the engine has threads (kernels.split): the step's top-k, walk and K/V moves

@@ -96,6 +96,7 @@ def test_rank_flat_equals_rank_trees(seed):
         a, b = int(flat.offsets[k]), int(flat.offsets[k + 1])
         np.testing.assert_allclose(p[a + 1 : b], probs[k], rtol=1e-12, atol=1e-15)
     assert np.all(p[flat.offsets[:-1]] == 1.0)
+    np.testing.assert_array_equal(flat.chain_prefix(), flat._chain_prefix())  # the kernel's, cached by rank_flat
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -19,13 +19,22 @@ from vllm_anisotropic.tree import DraftTree, FlatTrees
 
 # ------------------------------------------------------------------------------------ rank
 def _rank(trees, alpha, beta, max_depth):
-    """``kernels.rank.rank_trees`` on ``trees`` (a list of DraftTree): (changed, order, probs)."""
+    """``kernels.rank.rank_trees`` on ``trees`` (a list of DraftTree): (changed, order, probs);
+    the ranked node arrays it writes are checked here to be ``FlatTrees.permuted(order)``'s."""
     flat = FlatTrees.from_trees(trees)
     n = flat.num_nodes
     order, probs = np.full(n, -7, np.int64), np.full(n, np.nan)
+    nodes = (np.full(n, -7, np.int64), np.full(n, -7, np.int64), np.full(n, -7, np.int8), np.full(n, np.nan),
+             np.full(n, -7, np.int64))
+    chains = np.full(flat.num_trees, -7, np.int64)
     changed = kernels.load("rank").rank_trees(
-        flat.offsets, flat.tokens, flat.parents, flat.sources, np.clip(flat.values, 0.0, 1.0), flat.depths,
-        np.ascontiguousarray(alpha, np.float64), np.ascontiguousarray(beta, np.float64), max_depth, order, probs)
+        flat.offsets, flat.tokens, flat.parents, flat.sources, flat.values, flat.depths,
+        np.ascontiguousarray(alpha, np.float64), np.ascontiguousarray(beta, np.float64), max_depth, order, probs,
+        *nodes, chains)
+    want = flat.permuted(order)
+    for got, name in zip(nodes, ("tokens", "parents", "sources", "values", "depths")):
+        np.testing.assert_array_equal(got, getattr(want, name), err_msg=name)
+    np.testing.assert_array_equal(chains, want._chain_prefix(), err_msg="chains")
     return changed, order, probs
 
 
@@ -180,3 +189,31 @@ def test_scan_prefixes_equals_a_plain_loop_over_the_order():
             assert out[2, t] == pytest.approx(model.predict(num_reqs, q0 + t, t, c, d), rel=1e-12), t
             assert out[3, t] == pytest.approx(model.predict(num_reqs, q0 + t, t, c, 0), rel=1e-12), t
         assert np.all(np.isnan(out[:, t_max + 1:])), t_max
+
+
+# ------------------------------------------------------------------------------------ offers
+def test_offer_budgets_against_their_definition():
+    """``kernels.allocate.offer_budgets`` against the drafter's offer rule written out in numpy
+    (max(min_drafts, ceil(factor x mark)) drafts + the root; 0 without a mark or where the
+    drafts reach the room), on random marks (none, 0, fractional, exact multiples), rooms at,
+    below and above the drafts, and the docstring's example. The boundary cases a reversed
+    comparison or a floor for the ceil would pass are fixed: a mark whose drafts equal the room
+    (0), one below it, a mark of exactly 0 (min_drafts), a fractional product (rounded up)."""
+    off = kernels.load("allocate").offer_budgets
+
+    def run(marks, room, factor, min_drafts):
+        out = np.full(len(marks), -7, np.int64)
+        off(np.asarray(marks, np.float64), np.asarray(room, np.int64), float(factor), int(min_drafts), out)
+        return out.tolist()
+
+    assert run([5.0, -1.0, 2.0], [60, 60, 8], 3.0, 8) == [16, 0, 0]
+    assert run([3.0, 3.0, 0.0, 2.1, 2.1], [9, 10, 60, 60, 7], 3.0, 2) == [0, 10, 3, 8, 0]
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        n = int(rng.integers(1, 9))
+        marks = np.where(rng.random(n) < 0.2, -1.0, np.round(rng.uniform(0, 12, n) * rng.choice([1, 4], n)) / 4)
+        room = rng.integers(0, 40, n)
+        factor, min_drafts = float(rng.choice([0.5, 1.0, 1.5, 3.0])), int(rng.integers(1, 10))
+        drafts = np.maximum(min_drafts, np.ceil(factor * marks)).astype(np.int64)
+        want = np.where((marks < 0) | (drafts >= room), 0, drafts + 1)
+        assert run(marks, room, factor, min_drafts) == want.tolist()

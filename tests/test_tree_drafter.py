@@ -341,7 +341,9 @@ def test_scheduled_prefixes_against_their_definition_on_random_batches():
         cut, bad = _scheduled_prefixes(flat, counts, lists)
         want = flat.prefix(np.minimum(counts, room) + 1)
         assert cut.offsets.tolist() == want.offsets.tolist() and cut.tokens.tolist() == want.tokens.tolist()
-        assert cut.parents.tolist() == want.parents.tolist()
+        for name in ("parents", "sources", "values", "depths"):
+            np.testing.assert_array_equal(getattr(cut, name), getattr(want, name), err_msg=name)
+            assert getattr(cut, name).dtype == getattr(want, name).dtype
         wrong = [counts[t] > room[t] or lists[t][: room[t]] != flat.tree(t).tokens[1: 1 + min(counts[t], room[t])].tolist()
                  for t in range(flat.num_trees)]
         assert (None if not any(wrong) else wrong) == (None if bad is None else bad.tolist())

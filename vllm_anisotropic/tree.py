@@ -603,7 +603,14 @@ class FlatTrees:
 
     def chain_prefix(self) -> np.ndarray:
         """[num_trees] int64 c_k: nodes 1..c_k of tree k form a chain below its root
-        (``parents[1..c] == [0..c-1]``). ``parents [-1, 0, 1, 0, 2 | -1, 0]`` -> ``[2, 1]``."""
+        (``parents[1..c] == [0..c-1]``). ``parents [-1, 0, 1, 0, 2 | -1, 0]`` -> ``[2, 1]``.
+        Computed once (or given by whoever built the trees and knew it: ``allocator.rank_flat``)."""
+        chains = self.__dict__.get("_chain_lens")
+        if chains is None:
+            chains = self.__dict__["_chain_lens"] = self._chain_prefix()
+        return chains
+
+    def _chain_prefix(self) -> np.ndarray:
         local = np.arange(self.num_nodes) - np.repeat(self.offsets[:-1], self.sizes())
         off = (local > 0) & (self.parents != local - 1)
         # first node off the chain per tree (its local index), or the tree's size

@@ -216,10 +216,20 @@ def rank_flat(trees: FlatTrees, model: AcceptanceModel) -> tuple[FlatTrees, np.n
     alpha, beta = model.parameters()
     order = np.empty(n, np.int64)
     probs = np.empty(n, np.float64)
+    ranked = (np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, trees.sources.dtype), np.empty(n, np.float64),
+              np.empty(n, np.int64))
+    chains = np.empty(trees.num_trees, np.int64)
     changed = kernels.load("rank").rank_trees(
-        trees.offsets, trees.tokens, trees.parents, trees.sources, np.clip(trees.values, 0.0, 1.0), trees.depths,
-        alpha, beta, int(model.config.max_depth), order, probs)
-    return (trees.permuted(order) if changed else trees), probs
+        trees.offsets, trees.tokens, trees.parents, trees.sources, trees.values, trees.depths,
+        alpha, beta, int(model.config.max_depth), order, probs, *ranked, chains)
+    if not changed:
+        out = trees
+    elif trees.multiplicity is None and trees.draft_probs is None:
+        out = FlatTrees(trees.offsets, *ranked)  # the kernel's node arrays: permuted(order)'s
+    else:
+        out = trees.permuted(order)
+    out.__dict__["_chain_lens"] = chains  # chain_prefix() of the ranked trees, known here
+    return out, probs
 
 
 def cut_trees(trees: Sequence[DraftTree], cuts) -> list[DraftTree]:

@@ -11,16 +11,21 @@ is not larger) and ``scan_prefixes`` (cumulative gains and the step-cost model a
 of an order; the model is ``cost.CostModel.predict``, a piecewise-linear function of the query
 tokens plus linear terms, passed as arrays by ``CostModel.kernel_params``).
 
+Also ``offer_budgets``: the node budgets the drafter offers the proposer for the next step,
+from each request's recent kept drafts (``TreeDrafter._offers``).
+
 Example (``concave_rows``): ``[0.1, 0.9, 0.2]`` -> blocks [0.1], then 0.9 > 0.1 merges into
 [0.1, 0.9] (mean 0.5), then 0.2 < 0.5 stays -> ``[0.5, 0.5, 0.2]``.
 """
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 
-__all__ = ["allocate_batch", "allocate_one", "concave_rows", "scan_prefixes", "step_seconds"]
+__all__ = ["allocate_batch", "allocate_one", "concave_rows", "offer_budgets", "scan_prefixes", "step_seconds"]
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -286,3 +291,19 @@ def allocate_batch(probs, lengths, caps, ctx, token_budget, base, num_reqs, q0, 
     for u in range(t):
         cuts[rows[best_order[u]]] += 1
     return t, best[1], best[2], plain_rate, rate_upper, hull_gap
+
+
+@_jit
+def offer_budgets(marks, room, factor, min_drafts, out):
+    """``out[k]``: the node budget (root included) offered for request k's next proposal,
+    ``max(min_drafts, ceil(factor x marks[k])) + 1``; 0 (the proposer's own budget) where the
+    request has no mark yet (``marks[k] < 0``) or those drafts reach its ``room[k]``.
+    Example: marks ``[5.0, -1.0, 2.0]``, room ``[60, 60, 8]``, factor 3, min_drafts 8 ->
+    ``[16, 0, 0]``."""
+    for k in range(marks.shape[0]):
+        m = marks[k]
+        if m < 0:
+            out[k] = 0
+            continue
+        drafts = max(min_drafts, math.ceil(factor * m))
+        out[k] = 0 if drafts >= room[k] else drafts + 1

@@ -1,6 +1,7 @@
 """Compiled per-step plans of the tree attention (``kernels.load("plan")``), each one call for the
 whole step: ``scheduled_prefixes``, each pending tree cut to the drafts vLLM scheduled and
-checked against them (``integration/vllm/engine/drafter.py``, ``take_step``); ``step_rows``,
+checked against them, and ``gather_prefix``, the cut trees' node arrays
+(``integration/vllm/engine/drafter.py``, ``take_step``); ``step_rows``,
 where the step's draft nodes sit in the query and at which positions, and each tree's leading
 chain (``integration/vllm/engine/runner.py``, ``_prepare_inputs``); ``main_rows``, the CPU first
 attention call's rows without the tree rows off the leading chain, and ``path_rounds``, the CPU
@@ -15,7 +16,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["main_rows", "path_rounds", "scheduled_prefixes", "split_plan", "step_rows"]
+__all__ = ["gather_prefix", "main_rows", "path_rounds", "scheduled_prefixes", "split_plan", "step_rows"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -48,6 +49,33 @@ def scheduled_prefixes(offsets, tokens, counts, flat, keep, bad):
             num_bad += 1
         pos += c
     return num_bad, cut
+
+
+@numba.njit(cache=True, nogil=True)
+def gather_prefix(offsets, keep, tokens, parents, sources, values, depths):
+    """The first ``keep[t]`` nodes of each tree t (``1 <= keep[t] <=`` its size; ``scheduled_prefixes``'
+    keep): ``FlatTrees.prefix`` of a batch without multiplicities or draft laws, in one call.
+    Returns the cut batch's ``(offsets, tokens, parents, sources, values, depths)``.
+
+    Example: offsets ``[0, 3, 5]``, tokens ``[1, 2, 3 | 4, 5]``, keep ``[2, 1]`` -> offsets
+    ``[0, 2, 3]``, tokens ``[1, 2, 4]``."""
+    num = offsets.shape[0] - 1
+    out_offsets = np.empty(num + 1, np.int64)
+    out_offsets[0] = 0
+    for t in range(num):
+        out_offsets[t + 1] = out_offsets[t] + keep[t]
+    n = out_offsets[num]
+    out_tokens, out_parents = np.empty(n, tokens.dtype), np.empty(n, parents.dtype)
+    out_sources, out_values, out_depths = np.empty(n, sources.dtype), np.empty(n, values.dtype), np.empty(n, depths.dtype)
+    for t in range(num):
+        a, b = offsets[t], out_offsets[t]
+        for j in range(keep[t]):
+            out_tokens[b + j] = tokens[a + j]
+            out_parents[b + j] = parents[a + j]
+            out_sources[b + j] = sources[a + j]
+            out_values[b + j] = values[a + j]
+            out_depths[b + j] = depths[a + j]
+    return out_offsets, out_tokens, out_parents, out_sources, out_values, out_depths
 
 
 @numba.njit(cache=True, nogil=True)

@@ -40,10 +40,13 @@ def _cap(raw, parents, a, n, out, running):
 
 @_jit
 def rank_trees(offsets, tokens, parents, sources, values, depths, alpha, beta, max_depth,
-               out_order, out_probs):
+               out_order, out_probs, out_tokens, out_parents, out_sources, out_values, out_depths, out_chains):
     """Rank every tree (module docstring). Writes ``out_order [N]`` (the new node order as flat
-    indices, each tree in its own range) and ``out_probs [N]`` (the probabilities in the new
-    order, roots 1). Returns whether any tree's order changed."""
+    indices, each tree in its own range), ``out_probs [N]`` (the probabilities in the new
+    order, roots 1) and the ranked trees' node arrays (``out_tokens``, ``out_parents`` local,
+    ``out_sources``, ``out_values``, ``out_depths``: ``FlatTrees.permuted(out_order)``'s; a
+    tree that keeps its order is copied) and ``out_chains [T]``, each ranked tree's leading
+    chain (``FlatTrees.chain_prefix``). Returns whether any tree's order changed."""
     n_all = tokens.shape[0]
     raw = np.empty(n_all, np.float64)
     capped = np.empty(n_all, np.float64)
@@ -63,7 +66,6 @@ def rank_trees(offsets, tokens, parents, sources, values, depths, alpha, beta, m
             e = math.exp(z)
             raw[g] = e / (1.0 + e)
     changed = False
-    new_parents = np.empty(n_all, np.int64)
     raw2 = np.empty(n_all, np.float64)
     for t in range(offsets.shape[0] - 1):
         a, b = offsets[t], offsets[t + 1]
@@ -85,6 +87,11 @@ def rank_trees(offsets, tokens, parents, sources, values, depths, alpha, beta, m
         if not moved:
             for i in range(n):
                 out_probs[a + i] = capped[a + i]
+                out_tokens[a + i] = tokens[a + i]
+                out_parents[a + i] = parents[a + i]
+                out_sources[a + i] = sources[a + i]
+                out_values[a + i] = values[a + i]
+                out_depths[a + i] = depths[a + i]
             continue
         changed = True
         inverse = np.empty(n, np.int64)
@@ -92,7 +99,17 @@ def rank_trees(offsets, tokens, parents, sources, values, depths, alpha, beta, m
             inverse[order[i]] = i
         for i in range(n):
             old = order[i]
-            new_parents[a + i] = -1 if parents[a + old] < 0 else inverse[parents[a + old]]
+            out_parents[a + i] = -1 if parents[a + old] < 0 else inverse[parents[a + old]]
             raw2[a + i] = raw[a + old]
-        _cap(raw2, new_parents, a, n, out_probs, running)
+            out_tokens[a + i] = tokens[a + old]
+            out_sources[a + i] = sources[a + old]
+            out_values[a + i] = values[a + old]
+            out_depths[a + i] = depths[a + old]
+        _cap(raw2, out_parents, a, n, out_probs, running)
+    for t in range(offsets.shape[0] - 1):
+        a, b = offsets[t], offsets[t + 1]
+        c = 0
+        while a + c + 1 < b and out_parents[a + c + 1] == c:
+            c += 1
+        out_chains[t] = c
     return changed

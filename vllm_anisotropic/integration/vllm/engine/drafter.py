@@ -78,13 +78,11 @@ class _Proposal:
     modes: np.ndarray  # [R] int8 proposal modes (base.MODE_CODES)
     chains: bool  # a chain step's chains: verified without harvesting their rows
     void: bool = False  # another rank's drafts this rank has no tree for (``_void``)
-    _chain_lens: np.ndarray | None = None
 
     def chain_lens(self) -> np.ndarray:
-        """[R] leading chain of each tree (``FlatTrees.chain_prefix``), computed once."""
-        if self._chain_lens is None:
-            self._chain_lens = self.trees.chain_prefix()
-        return self._chain_lens
+        """[R] leading chain of each tree (``FlatTrees.chain_prefix``: computed once, or known
+        from the ranking)."""
+        return self.trees.chain_prefix()
 
 
 @dataclass
@@ -203,7 +201,7 @@ class TreeDrafter:
         """Load the step's compiled kernels of the workers' side now, at the worker's start
         (after vLLM's start-up scan, which must not meet numba: ``kernels``), not in the first
         tree steps, where the whole batch waits: the proposal, the allocator's ranking
-        (``rank_flat``), the harvest's top-k over logits rows of the model's dtype
+        (``rank_flat``) and offers, the harvest's top-k over logits rows of the model's dtype
         (``logits_dtype``, CPU), the table update it feeds and the acceptance model's refit
         (``kernels.fit``; it compiled at the first labels, mid-batch, ~0.7 s). Measured in vLLM (SmolLM2-135M,
         16 requests, 2-core Xeon): a first tree step with the ranking, top-k and table update
@@ -222,6 +220,7 @@ class TreeDrafter:
         trees = out.trees
         if self.acceptance is not None and trees.num_nodes > 1:
             trees, _ = rank_flat(trees, self.acceptance)
+        self._offers(["warm-up"], np.ones(1, np.int64))  # the offers' kernel (kernels.allocate.offer_budgets)
         learn = getattr(proposer, "learn_batch", None)
         if learn is not None:  # its keys and spine counts, and the harvest's top-k and table update
             top = None
@@ -422,9 +421,11 @@ class TreeDrafter:
         max(OFFER_MIN_DRAFTS, allocator_offer_factor x the request's kept mark) drafts."""
         if not self.offer_factor:
             return None
-        marks = np.array([self.kept_mark.get(r, -1.0) for r in ids])
-        drafts = np.maximum(OFFER_MIN_DRAFTS, np.ceil(self.offer_factor * marks)).astype(np.int64)
-        return np.where((marks < 0) | (drafts >= room), 0, drafts + 1)
+        marks = np.fromiter((self.kept_mark.get(r, -1.0) for r in ids), np.float64, len(ids))
+        out = np.empty(len(ids), np.int64)
+        _kernels.load("allocate").offer_budgets(marks, np.asarray(room, np.int64), self.offer_factor, OFFER_MIN_DRAFTS,
+                                                out)
+        return out
 
     def _offer(self, req_id: str, room: int) -> int | None:
         """Node budget (root included) of ``req_id``'s next proposal; None = the proposer's own."""
@@ -739,12 +740,20 @@ def _scheduled_prefixes(trees: FlatTrees, counts: np.ndarray, lists: list) -> tu
     and ``[T]`` bool: tree t has fewer draft nodes than ``counts[t]``, or its first ``counts[t]``
     draft tokens are not ``lists[t]``; ``bad`` None when every tree is fine (the common case).
     One compiled pass (``kernels.plan.scheduled_prefixes``); the trees are gathered only when a
-    tree is cut."""
+    tree is cut, in a second (``gather_prefix``; ``FlatTrees.prefix`` where the trees carry
+    multiplicities or draft laws)."""
     flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64)
     keep = np.empty(trees.num_trees, np.int64)
     bad = np.empty(trees.num_trees, bool)
-    num_bad, cut = _kernels.load("plan").scheduled_prefixes(trees.offsets, trees.tokens, counts, flat, keep, bad)
-    return (trees.prefix(keep) if cut else trees), (bad if num_bad else None)
+    plan = _kernels.load("plan")
+    num_bad, cut = plan.scheduled_prefixes(trees.offsets, trees.tokens, counts, flat, keep, bad)
+    bad = bad if num_bad else None
+    if not cut:
+        return trees, bad
+    if trees.multiplicity is not None or trees.draft_probs is not None:
+        return trees.prefix(keep), bad
+    return FlatTrees(*plan.gather_prefix(trees.offsets, keep, trees.tokens, trees.parents, trees.sources, trees.values,
+                                         trees.depths)), bad
 
 
 def _void(drafts) -> tuple[_Proposal, int]:

@@ -245,12 +245,14 @@ _DRAFT_STREAM = 0xD8AF7  # the draft-sampling stream's tag in request_law
 
 
 def warm_up_step_rows() -> None:
-    """Compile ``kernels.plan.step_rows`` and ``scheduled_prefixes`` (take_step's cut; or load
-    them from numba's disk cache) for the arrays a step passes them, at the worker's start
-    rather than in the first tree step: one two-node tree."""
+    """Compile ``kernels.plan.step_rows``, ``scheduled_prefixes`` and ``gather_prefix`` (take_step's
+    cut; or load them from numba's disk cache) for the arrays a step passes them, at the worker's
+    start rather than in the first tree step: one two-node tree."""
     one, offsets = np.ones(1, np.int64), np.array([0, 2], np.int64)
     plan = _kernels.load("plan")
     plan.scheduled_prefixes(offsets, one.repeat(2), one, one, np.empty_like(one), np.empty(1, bool))
+    plan.gather_prefix(offsets, one, one.repeat(2), np.array([-1, 0], np.int64), np.zeros(2, np.int8), np.ones(2),
+                       np.array([0, 1], np.int64))
     plan.step_rows(offsets, np.array([-1, 0], np.int64), np.array([0, 1], np.int64), one, np.empty_like(one),
                    np.empty((3, 1), np.int64), np.empty_like(one))
 
