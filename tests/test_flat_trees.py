@@ -92,7 +92,8 @@ def test_rank_flat_equals_rank_trees(seed):
     ranked, probs = rank_trees(trees, model)
     flat, p = rank_flat(FlatTrees.from_trees(trees), model)
     for k, t in enumerate(ranked):
-        assert flat.tree(k).tokens.tolist() == t.tokens.tolist() and flat.tree(k).parents.tolist() == t.parents.tolist()
+        for name in ("tokens", "parents", "sources", "values", "depths"):  # mixed sources, distinct values
+            np.testing.assert_array_equal(getattr(flat.tree(k), name), getattr(t, name), err_msg=name)
         a, b = int(flat.offsets[k]), int(flat.offsets[k + 1])
         np.testing.assert_allclose(p[a + 1 : b], probs[k], rtol=1e-12, atol=1e-15)
     assert np.all(p[flat.offsets[:-1]] == 1.0)

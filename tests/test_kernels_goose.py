@@ -219,3 +219,53 @@ def test_a_batch_of_several_tenants_equals_each_tenants_batch_alone():
             assert got.values.tolist() == want.values.tolist() and got.sources.tolist() == want.sources.tolist()
             for field in ("modes", "prev_roots", "spine_lens", "ngrams", "match_lengths", "consensus", "spine_ratios"):
                 assert getattr(batch, field)[i] == getattr(alone, field)[k], field
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 100_000), num=st.integers(1, 6), offer=st.integers(0, 30))
+def test_a_batch_ranked_in_its_build_call_equals_building_then_cutting_and_ranking(seed, num, offer):
+    """``propose_spine_trees`` with ``ranking`` (``kernels.goose.spine_trees_ranked``: the build,
+    the cut to ``keep`` and the allocator's ranking in one call) == the same batch built alone,
+    cut by ``FlatTrees.prefix(keep)`` and ranked by ``allocator.rank_flat``: the trees node for
+    node, the probabilities, the leading chains it caches (against ``FlatTrees``' own
+    definition) and every per-request figure (the whole tree's, before the cut). Twin tables
+    (a lookup moves the bigram stamps); keeps below, at and above the tree sizes; a calibration
+    that differs by source and depth. A batch over several tables comes back unranked."""
+    from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, rank_flat
+
+    rng = np.random.default_rng(seed)
+    vocab = 30
+    prop = get_proposer("goose", vocab_size=vocab, bigram_capacity=16)
+    prop.table.update(*_rows(rng, vocab, 60))
+    twin = get_proposer("goose", vocab_size=vocab, bigram_capacity=16)
+    twin.tables.default = copy.deepcopy(prop.table)
+    contexts = [rng.integers(0, 6 if rng.random() < 0.5 else vocab, int(rng.integers(1, 40))) for _ in range(num)]
+    token_ids = np.zeros((num, max(len(c) for c in contexts)), np.int32)
+    for r, c in enumerate(contexts):
+        token_ids[r, : len(c)] = c
+    lengths = [len(c) for c in contexts]
+    model = AcceptanceModel(AcceptanceConfig())
+    alpha, beta = model.parameters()
+    model._params = (alpha + rng.normal(0.0, 1.0, alpha.shape), beta * rng.uniform(0.5, 2.0, beta.shape))
+    alpha, beta = model.parameters()
+    keep = rng.integers(1, 70, num)
+    keep[rng.random(num) < 0.5] = 1 + int(rng.integers(0, 4))  # short cuts are common
+    states = [prop.new_request() for _ in range(num)]
+    twins = [twin.new_request() for _ in range(num)]
+    offers = [offer] * num
+    got = propose_spine_trees(states, token_ids, np.arange(num), lengths, offers,
+                              ranking=(keep, alpha, beta, model.config.max_depth))
+    plain = propose_spine_trees(twins, token_ids, np.arange(num), lengths, offers)
+    assert plain.probs is None
+    want, probs = rank_flat(plain.trees.prefix(keep), model)
+    for name in ("offsets", "tokens", "parents", "sources", "values", "depths"):
+        np.testing.assert_array_equal(getattr(got.trees, name), getattr(want, name), err_msg=name)
+    np.testing.assert_array_equal(got.probs, probs)
+    np.testing.assert_array_equal(got.trees.chain_prefix(), got.trees._chain_prefix())
+    for field in ("modes", "prev_roots", "spine_lens", "ngrams", "match_lengths", "consensus", "spine_ratios"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(plain, field), err_msg=field)
+    # two tenants: two tables, the trees come back whole and unranked
+    several = get_proposer("goose", vocab_size=vocab, bigram_capacity=16)
+    mixed = propose_spine_trees([several.new_request(t) for t in ("a", "b")], np.zeros((2, 8), np.int32),
+                                np.arange(2), [8, 8], ranking=(np.ones(2, np.int64), alpha, beta, 3))
+    assert mixed.probs is None and mixed.trees.num_trees == 2
