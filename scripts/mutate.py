@@ -111,8 +111,6 @@ CORE: list[dict] = [
     # learn_keys runs with --no-jit: GOOSE's harvest tests reach the vocabulary intrinsics (no pure-Python form)
     dict(target="vllm_anisotropic/kernels/goose.py", functions=["learn_keys"],
          tests=["tests/test_tree_drafter.py::test_learn_keys_against_their_definitions_on_random_batches"]),
-    dict(target="vllm_anisotropic/kernels/goose.py", functions=["spine_trees_ranked"],
-         tests=["tests/test_kernels_goose.py::test_a_batch_ranked_in_its_build_call_equals_building_then_cutting_and_ranking"]),
     dict(target="vllm_anisotropic/proposers/treebuild.py", functions=["TreeBuilder.add", "TreeBuilder.finish"], tests=_GOOSE_TESTS),
     dict(
         target="vllm_anisotropic/proposers/adjacency.py",

@@ -109,7 +109,7 @@ def test_flat_cost_model_keeps_whole_trees(model_dir, prompts, plain, tmp_path):
 # GOOSE with the allocator calls on the CPU: the workers' proposal, ranking, step rows, attention
 # rows and rounds, K/V moves, walk, emit and harvest, and the scheduler's cut
 _STEP_KERNELS = (
-    "goose.proposal_inputs", "goose.spine_trees", "goose.spine_trees_ranked", "goose.learn_keys", "rank.rank_trees", "plan.step_rows",
+    "goose.proposal_inputs", "goose.spine_trees", "goose.learn_keys", "rank.rank_trees", "plan.step_rows",
     "plan.scheduled_prefixes", "plan.gather_prefix", "plan.main_rows", "plan.path_rounds", "kv.move_slots", "walk.walk_rows", "emit.emit_rows", "emit.harvest_rows",
     "vocab.topk_probs", "table.update", "table.last_writes", "allocate.allocate_batch", "allocate.allocate_one",
     "allocate.offer_budgets",

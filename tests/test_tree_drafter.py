@@ -496,19 +496,14 @@ def test_goose_gets_offers_on_tree_steps_and_limits_on_chain_steps(monkeypatch):
     d = _drafter(allocator_chain_drafts=3, allocator_offer_factor=2.0, num_speculative_tokens=16)
     calls = []
     real = d.proposer.propose_batch
-    monkeypatch.setattr(d.proposer, "propose_batch",
-                        lambda *a, **k: calls.append((*a[4:], k.get("ranking"))) or real(*a, **k))
+    monkeypatch.setattr(d.proposer, "propose_batch", lambda *a: calls.append(a[4:]) or real(*a))
     tokens, lengths = _tokens([30, 30])
     d.kept_mark = {"a": 5.0}
     d.propose_trees(["a", "b"], [True] * 2, [[1]] * 2, lengths, tokens)
     d.propose_trees(["a", "b"], [True] * 2, [[1]] * 2, lengths, tokens, chains=True)
-    (offers, limits, ranking), (offers2, limits2, ranking2) = calls
+    (offers, limits), (offers2, limits2) = calls
     assert offers.tolist() == [11, 0] and limits is None
-    # a tree step's trees come back cut to the room (16 drafts + the root) and ranked
-    keep, alpha, beta, depth = ranking
-    assert keep.tolist() == [17, 17] and depth == d.acceptance.config.max_depth
-    assert alpha is d.acceptance.parameters()[0] and beta is d.acceptance.parameters()[1]
-    assert offers2 is None and limits2.tolist() == [3, 3] and ranking2 is None
+    assert offers2 is None and limits2.tolist() == [3, 3]
 
 
 def test_trees_with_one_draft_are_labelled_and_counted_root_only_ones_are_not():

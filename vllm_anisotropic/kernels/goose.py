@@ -5,9 +5,7 @@ call builds the trees (or the linear bypass chains) of all the step's requests t
 adjacency table, and writes them back to back in value order. ``spine_trees`` (the engine's
 path) also takes each request's spine from its context match or the store's draft and applies
 Algorithm 2's routing (bypass test, spine ratio tier of p_s) with the caller's policy values
-(``proposers.goose.propose_spine_trees``); ``spine_trees_ranked`` does the same, then cuts and
-ranks the trees for the allocator (``kernels.rank``) in the same call; ``build_trees`` is given
-spines and modes.
+(``proposers.goose.propose_spine_trees``); ``build_trees`` is given spines and modes.
 
 Source: GOOSE (arXiv 2604.02047) Algorithm 1 lines 1-13 and Appendix C.1: spine laid first
 (values p_s ** i), first-level branches (root: its top b_r successors; spine node i: its top a_i,
@@ -31,11 +29,8 @@ import numpy as np
 
 from vllm_anisotropic.kernels import table as tk
 from vllm_anisotropic.kernels.match import match_tokens
-from vllm_anisotropic.kernels.plan import gather_prefix
-from vllm_anisotropic.kernels.rank import rank_trees
 
-__all__ = ["build_trees", "harmonic_widths", "learn_keys", "proposal_inputs", "spine_trees", "spine_trees_ranked", "TREE",
-           "CHAIN"]
+__all__ = ["build_trees", "harmonic_widths", "learn_keys", "proposal_inputs", "spine_trees", "TREE", "CHAIN"]
 
 TREE, CHAIN = 0, 1  # per-request mode of ``build_trees``: a spine tree, or the spine alone
 _ROOT, _SPINE, _BRANCH = 0, 1, 2  # NodeSource codes (tree.NodeSource)
@@ -404,39 +399,6 @@ def spine_trees(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, coun
         out_offsets[r + 1] = pos
     return (out_offsets, out_tokens[:pos], out_parents[:pos], out_sources[:pos], out_values[:pos], out_depths[:pos],
             out_stats, out_ratios)
-
-
-@_jit
-def spine_trees_ranked(uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters, vocab, use_bigram,
-                       token_ids, rows, lengths, roots, prevs, match, store_ngrams, store_lens, store_starts,
-                       store_tokens, limits, budgets, p_s, chains, policy, tiers, codes, max_depth, rho, min_score,
-                       spine_branches, keep, alpha, beta, rank_depth):
-    """``spine_trees``, then each tree cut to its first ``min(keep[r], its size)`` nodes (the
-    drafter's room; value order: a prefix is a subtree; ``out_stats`` stay the whole tree's), then
-    ranked for the allocator (``kernels.rank.rank_trees`` with ``alpha``, ``beta``, ``rank_depth``):
-    ``allocator.rank_flat`` of ``FlatTrees.prefix(keep)`` of ``spine_trees``' trees, in one call.
-    Returns ``(offsets, tokens, parents, sources, values, depths, stats, ratios, probs, chains)``:
-    the ranked trees, ``spine_trees``' stats and ratios, each node's probability (roots 1) and
-    each ranked tree's leading chain (``FlatTrees.chain_prefix``)."""
-    offsets, tokens, parents, sources, values, depths, stats, ratios = spine_trees(
-        uni_ids, uni_scores, bi_keys, bi_stamps, bi_ids, bi_scores, counters, vocab, use_bigram, token_ids, rows,
-        lengths, roots, prevs, match, store_ngrams, store_lens, store_starts, store_tokens, limits, budgets, p_s,
-        chains, policy, tiers, codes, max_depth, rho, min_score, spine_branches)
-    num = offsets.shape[0] - 1
-    cut = np.empty(num, np.int64)
-    for r in range(num):
-        cut[r] = min(keep[r], offsets[r + 1] - offsets[r])
-    offsets, tokens, parents, sources, values, depths = gather_prefix(offsets, cut, tokens, parents, sources, values,
-                                                                     depths)  # (a copy where nothing is cut)
-    n = tokens.shape[0]
-    order = np.empty(n, np.int64)
-    probs = np.empty(n, np.float64)
-    out_tokens, out_parents, out_depths = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
-    out_sources, out_values = np.empty(n, sources.dtype), np.empty(n, np.float64)
-    out_chains = np.empty(num, np.int64)
-    rank_trees(offsets, tokens, parents, sources, values, depths, alpha, beta, rank_depth, order, probs, out_tokens,
-               out_parents, out_sources, out_values, out_depths, out_chains)
-    return offsets, out_tokens, out_parents, out_sources, out_values, out_depths, stats, ratios, probs, out_chains
 
 
 @_jit

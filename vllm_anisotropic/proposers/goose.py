@@ -183,24 +183,16 @@ class GooseBatch:
     match_lengths: np.ndarray  # [R] int64 its backward match length
     consensus: np.ndarray  # [R] bool >= 2 n-gram lengths agree on the first draft token
     spine_ratios: np.ndarray  # [R] float64 the spine ratio r of each tree (Sec. 4.3 tier)
-    # [num_nodes] float64 the allocator's probability of each node (roots 1) when the batch was
-    # ranked with its building (``ranking``); None: the trees are in the builder's value order
-    probs: np.ndarray | None = None
 
 
 def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows, lengths, max_nodes=None,
-                        chain_drafts=None, ranking=None) -> GooseBatch:
+                        chain_drafts=None) -> GooseBatch:
     """GOOSE proposals (Algorithm 2 routing + Algorithm 1) for a batch of requests at once.
 
     ``token_ids`` ``[*, max_len]``: request r's context is ``token_ids[rows[r], :lengths[r]]``
     (vLLM's token array, read in place), its last token the root. ``max_nodes`` ``[R]``: each
     call's node budget below the proposer's own (<= 0: the proposer's). ``chain_drafts`` ``[R]``:
     a chain step (each request's spine alone, at most that many tokens) instead of trees.
-    ``ranking`` ``(keep [R], alpha, beta, max_depth)``: cut tree r to its first ``keep[r]`` nodes
-    (>= 1) and rank the trees for the allocator in the build's call
-    (``kernels.goose.spine_trees_ranked``: ``allocator.rank_flat`` of ``FlatTrees.prefix(keep)``;
-    ``GooseBatch.probs`` set); taken when the batch reads one table, else the trees come back
-    whole and unranked (``probs`` None) for the caller to cut and rank.
 
     Stages: one compiled call for every request's budget, draft limit, root and context match
     (``kernels.goose.proposal_inputs``, the match ``kernels.match.match_tokens``'); the
@@ -229,11 +221,6 @@ def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows,
     groups: dict[int, list[int]] = {}
     for r, s in enumerate(states):
         groups.setdefault(id(s.table), []).append(r)
-    if len(groups) == 1 and ranking is not None and not chains:
-        trees, stats, ratios, probs = _ranked_spine_trees(states[0].table, cfg, token_ids, per_request, store_tokens,
-                                                          policy, tiers, ranking)
-        return GooseBatch(trees, stats[:, 0].astype(np.int8), prevs, stats[:, 1], stats[:, 2], stats[:, 3],
-                          stats[:, 4].astype(bool), ratios, probs)
     parts = []
     for members in groups.values():
         idx = None if len(groups) == 1 else np.asarray(members, np.int64)
@@ -304,22 +291,6 @@ def _spine_trees(table, cfg, token_ids, per_request: tuple, store_tokens, chains
         limits, budgets, p_s, bool(chains), policy, tiers, _MODE_CODES, int(cfg.max_depth),
         float(cfg.spine_branch_ratio), float(cfg.min_branch_score), bool(cfg.spine_branches))
     return FlatTrees(offsets, tokens, parents, sources, values, depths), stats, ratios
-
-
-def _ranked_spine_trees(table, cfg, token_ids, per_request: tuple, store_tokens, policy, tiers, ranking) -> tuple:
-    """``kernels.goose.spine_trees_ranked`` over one table: (trees, stats [R, 5], ratios [R], probs
-    [num_nodes]); the trees carry their leading chains (``FlatTrees.chain_prefix``)."""
-    rows, lengths, roots, prevs, match, ngrams, lens, starts, limits, budgets, p_s = per_request
-    keep, alpha, beta, rank_depth = ranking
-    offsets, tokens, parents, sources, values, depths, stats, ratios, probs, chains = kernels.load(
-        "goose").spine_trees_ranked(
-        *_table_args(table), token_ids, rows, lengths, roots, prevs, match, ngrams, lens, starts, store_tokens,
-        limits, budgets, p_s, False, policy, tiers, _MODE_CODES, int(cfg.max_depth), float(cfg.spine_branch_ratio),
-        float(cfg.min_branch_score), bool(cfg.spine_branches), np.asarray(keep, np.int64), alpha, beta,
-        int(rank_depth))
-    trees = FlatTrees(offsets, tokens, parents, sources, values, depths)
-    trees.__dict__["_chain_lens"] = chains  # chain_prefix() of the ranked trees, known here
-    return trees, stats, ratios, probs
 
 
 # ``kernels.goose.spine_trees``' proposal codes: plain, tree, bypass (``base.MODE_CODES``)
@@ -395,7 +366,6 @@ class GooseProposer(Proposer):
     """GOOSE (and its ablations, via ``GooseConfig`` switches)."""
 
     name = "goose"
-    ranks_in_batch = True  # propose_batch takes ``ranking``: the allocator's cut and order in the build's call
 
     def __init__(self, config: GooseConfig | None = None, vocab_size: int | None = None) -> None:
         self.config = config or GooseConfig()
@@ -427,10 +397,8 @@ class GooseProposer(Proposer):
         """The table of requests without a tenant (None without ``shared_table``)."""
         return self.tables.default
 
-    def propose_batch(self, states, token_ids, rows, lengths, max_nodes=None, chain_drafts=None,
-                      ranking=None) -> GooseBatch:
-        """``propose_spine_trees`` (``ranking``: cut and ranked in the build's call)."""
-        return propose_spine_trees(states, token_ids, rows, lengths, max_nodes, chain_drafts, ranking)
+    def propose_batch(self, states, token_ids, rows, lengths, max_nodes=None, chain_drafts=None) -> GooseBatch:
+        return propose_spine_trees(states, token_ids, rows, lengths, max_nodes, chain_drafts)
 
     def learn_batch(self, states, trees: FlatTrees, on_path: np.ndarray, prev_roots: np.ndarray,
                     rows: Callable[[np.ndarray | None], TopKRows] | None) -> None:

@@ -220,11 +220,6 @@ class TreeDrafter:
         trees = out.trees
         if self.acceptance is not None and trees.num_nodes > 1:
             trees, _ = rank_flat(trees, self.acceptance)
-            if getattr(proposer, "ranks_in_batch", False):  # built and ranked in one call (a tree step's)
-                alpha, beta = self.acceptance.parameters()
-                proposer.propose_batch([state], tokens, np.zeros(1, np.int64), np.array([tokens.shape[1]], np.int64),
-                                       ranking=(np.array([trees.num_nodes], np.int64), alpha, beta,
-                                                self.acceptance.config.max_depth))
         self._offers(["warm-up"], np.ones(1, np.int64))  # the offers' kernel (kernels.allocate.offer_budgets)
         learn = getattr(proposer, "learn_batch", None)
         if learn is not None:  # its keys and spine counts, and the harvest's top-k and table update
@@ -314,10 +309,10 @@ class TreeDrafter:
         ids = [req_ids[i] for i in drafting]
         states = self._states_of(drafting, ids, laws)
         room = np.maximum(np.minimum(self.max_draft_tokens, self.max_model_len - lengths - 1), 0)
-        trees, modes, prev_roots, probs = self._propose(states, ids, token_ids_cpu, rows, lengths, room, chains)
+        trees, modes, prev_roots = self._propose(states, ids, token_ids_cpu, rows, lengths, room, chains)
         self._count_draft_kv()
         cap = getattr(self.proposer, "max_tree_nodes", None)  # a proposer's guaranteed bound: cut only near the end
-        if probs is None and (cap is None or int(room.min()) + 1 < cap):
+        if cap is None or int(room.min()) + 1 < cap:
             trees = trees.prefix(room + 1)
         if trees.draft_probs is not None and self.acceptance is not None:
             # sampled draft-model trees: the allocator's probabilities (and any reordering by
@@ -326,9 +321,9 @@ class TreeDrafter:
             # the multi-draft verifiers assume, docs/verifiers.md)
             trees = FlatTrees(trees.offsets, trees.tokens, trees.parents, trees.sources, np.ones(trees.num_nodes),
                               trees.depths, trees.multiplicity, trees.draft_probs)
+        probs = None
         if self.acceptance is not None and not chains:
-            if probs is None:  # not ranked with its building (the proposer's batch call)
-                trees, probs = rank_flat(trees, self.acceptance)
+            trees, probs = rank_flat(trees, self.acceptance)
             offered = np.flatnonzero(trees.sizes() > 1)
             self.unlabelled.offer(trees, offered, [ids[k] for k in offered.tolist()], lengths[offered])
         proposal = _Proposal(trees, probs, prev_roots, modes, chains)
@@ -400,22 +395,15 @@ class TreeDrafter:
         return states
 
     def _propose(self, states, ids, token_ids_cpu, rows, lengths, room, chains):
-        """(trees, modes, prev_roots, probs) of the drafting requests: one batched call when the
-        proposer has one (GOOSE), else one ``propose`` per request. ``probs``: the allocator's
-        node probabilities where the proposer cut the trees to the room and ranked them in its
-        batch call (``ranks_in_batch``), else None (the caller cuts and ranks)."""
+        """(trees, modes, prev_roots) of the drafting requests: one batched call when the
+        proposer has one (GOOSE), else one ``propose`` per request."""
         if chains:
             limits = np.minimum(self.chain_drafts, room)
         offers = None if chains else self._offers(ids, room)
         batch = getattr(self.proposer, "propose_batch", None)
         if batch is not None:
-            if self.acceptance is not None and not chains and getattr(self.proposer, "ranks_in_batch", False):
-                alpha, beta = self.acceptance.parameters()
-                out = batch(states, token_ids_cpu, rows, lengths, offers, None,
-                            ranking=(room + 1, alpha, beta, self.acceptance.config.max_depth))
-                return out.trees, out.modes, out.prev_roots, out.probs
             out = batch(states, token_ids_cpu, rows, lengths, offers, limits if chains else None)
-            return out.trees, out.modes, out.prev_roots, None
+            return out.trees, out.modes, out.prev_roots
         trees, modes = [], []
         for k, state in enumerate(states):
             context = token_ids_cpu[rows[k], :lengths[k]]
@@ -426,7 +414,7 @@ class TreeDrafter:
             trees.append(tree)
             modes.append(MODE_CODES.get(getattr(getattr(state, "last_info", None), "mode", None), _PLAIN))
         prev_roots = np.where(lengths >= 2, token_ids_cpu[rows, np.maximum(lengths - 2, 0)], -1).astype(np.int64)
-        return FlatTrees.from_trees(trees), np.asarray(modes, np.int8), prev_roots, None
+        return FlatTrees.from_trees(trees), np.asarray(modes, np.int8), prev_roots
 
     def _offers(self, ids, room) -> np.ndarray | None:
         """Node budgets (root included) of the next proposals, 0 = the proposer's own: at most
