@@ -194,8 +194,8 @@ def test_scan_prefixes_equals_a_plain_loop_over_the_order():
 # ------------------------------------------------------------------------------------ offers
 def test_offer_budgets_against_their_definition():
     """``kernels.allocate.offer_budgets`` against the drafter's offer rule written out in numpy
-    (max(min_drafts, ceil(factor x mark)) drafts + the root; 0 without a mark or where the
-    drafts reach the room), on random marks (none, 0, fractional, exact multiples), rooms at,
+    (max(min_drafts, ceil(factor x mark)) drafts + the root; 0 without a mark (negative or NaN)
+    or where the drafts reach the room, infinite and huge marks included), on random marks (none, 0, fractional, exact multiples), rooms at,
     below and above the drafts, and the docstring's example. The boundary cases a reversed
     comparison or a floor for the ceil would pass are fixed: a mark whose drafts equal the room
     (0), one below it, a mark of exactly 0 (min_drafts), a fractional product (rounded up)."""
@@ -208,6 +208,9 @@ def test_offer_budgets_against_their_definition():
 
     assert run([5.0, -1.0, 2.0], [60, 60, 8], 3.0, 8) == [16, 0, 0]
     assert run([3.0, 3.0, 0.0, 2.1, 2.1], [9, 10, 60, 60, 7], 3.0, 2) == [0, 10, 3, 8, 0]
+    # no mark (NaN), and marks whose drafts pass any room (infinite, huge): the proposer's own;
+    # a room the minimum reaches though the product does not (min_drafts 8 >= room 8)
+    assert run([np.nan, np.inf, 1e300, 1.0, 1.0], [60, 60, 60, 8, 9], 3.0, 8) == [0, 0, 0, 0, 9]
     rng = np.random.default_rng(5)
     for _ in range(300):
         n = int(rng.integers(1, 9))

@@ -90,7 +90,7 @@ def test_pending_reads_of_the_allocator():
     assert parents["zz"] == [] and len(parents["a"]) == len(drafts[0]) and parents["a"][0] == 0
     assert all(0 <= p <= j for j, p in enumerate(parents["a"]))  # local parents, root 0, before the node
     proposal, k = d.pending["b"]
-    assert d.pending_chains(["a", "b", "zz"])[1:] == [int(proposal.trees.chain_prefix()[k]), 0]
+    assert d.pending_chains(["a", "b", "zz"])[1:] == [int(proposal.trees._chain_prefix()[k]), 0]  # the definition
     assert d.pending_chains(["a"])[0] >= 1
     off = _drafter(allocator="off")
     off.propose_trees(["a"], [True], [[1]], lengths[:1], tokens[:1])

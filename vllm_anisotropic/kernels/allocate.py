@@ -297,12 +297,13 @@ def allocate_batch(probs, lengths, caps, ctx, token_budget, base, num_reqs, q0, 
 def offer_budgets(marks, room, factor, min_drafts, out):
     """``out[k]``: the node budget (root included) offered for request k's next proposal,
     ``max(min_drafts, ceil(factor x marks[k])) + 1``; 0 (the proposer's own budget) where the
-    request has no mark yet (``marks[k] < 0``) or those drafts reach its ``room[k]``.
+    request has no mark (``marks[k]`` negative or NaN) or those drafts reach its ``room[k]``
+    (tested before the ceil, so an infinite or huge mark never meets an integer conversion).
     Example: marks ``[5.0, -1.0, 2.0]``, room ``[60, 60, 8]``, factor 3, min_drafts 8 ->
     ``[16, 0, 0]``."""
     for k in range(marks.shape[0]):
         m = marks[k]
-        if m < 0:
+        if not m >= 0 or factor * m >= room[k]:
             out[k] = 0
             continue
         drafts = max(min_drafts, math.ceil(factor * m))

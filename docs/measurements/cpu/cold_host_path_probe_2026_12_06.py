@@ -3,7 +3,7 @@
 A CPU forward streams the model's weights (smollm2-135m bf16: ~270 MB) through the caches, so the
 host code that follows runs with its code and data evicted. This probe times three pieces of the
 propose stage at one request back to back (warm) and after a sweep of S MiB (cold):
-``one ufunc`` (``a + 1`` on 5 floats), ``offers`` (the drafter's ``_offers`` arithmetic, 7 numpy
+``one ufunc`` (``a + 1`` on 5 floats), ``offers`` (the drafter's ``_offers`` arithmetic, about ten numpy
 calls), ``propose+rank`` (``propose_spine_trees`` + ``rank_flat`` on a 400-token context).
 
 Usage: PYTHONPATH=. .venv/bin/python docs/measurements/cpu/cold_host_path_probe_2026_12_06.py   (~1 min)
