@@ -79,11 +79,6 @@ class _Proposal:
     chains: bool  # a chain step's chains: verified without harvesting their rows
     void: bool = False  # another rank's drafts this rank has no tree for (``_void``)
 
-    def chain_lens(self) -> np.ndarray:
-        """[R] leading chain of each tree (``FlatTrees.chain_prefix``: computed once, or known
-        from the ranking)."""
-        return self.trees.chain_prefix()
-
 
 @dataclass
 class StepTrees:
@@ -257,7 +252,7 @@ class TreeDrafter:
         out = []
         for r in req_ids:
             entry = self.pending.get(r)
-            out.append(0 if entry is None else int(entry[0].chain_lens()[entry[1]]))
+            out.append(0 if entry is None else int(entry[0].trees.chain_prefix()[entry[1]]))  # cached on the trees
         return out
 
     def pending_parents(self, req_ids: Sequence[str]) -> dict[str, list[int]]:
