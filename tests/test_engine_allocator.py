@@ -107,12 +107,12 @@ def test_flat_cost_model_keeps_whole_trees(model_dir, prompts, plain, tmp_path):
 
 # the entry points of the per-step path's compiled kernels (kernels/__init__.py) that a step of
 # GOOSE with the allocator calls on the CPU: the workers' proposal, ranking, step rows, attention
-# rows and rounds, K/V moves, walk, emit and harvest, and the scheduler's cut
+# rows and rounds, K/V moves, walk, emit and harvest, the label queue, and the scheduler's cut
 _STEP_KERNELS = (
     "goose.proposal_inputs", "goose.spine_trees", "goose.learn_keys", "rank.rank_trees", "plan.step_rows",
     "plan.scheduled_prefixes", "plan.gather_prefix", "plan.main_rows", "plan.path_rounds", "kv.move_slots", "walk.walk_rows", "emit.emit_rows", "emit.harvest_rows",
     "vocab.topk_probs", "table.update", "table.last_writes", "allocate.allocate_batch", "allocate.allocate_one",
-    "allocate.offer_budgets",
+    "allocate.offer_budgets", "label.queue_trees", "label.take_labels",
     "fit.nnls_gram",
 )
 # where the engine has threads (kernels.split): the step's top-k, walk and K/V moves

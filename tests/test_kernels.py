@@ -30,7 +30,7 @@ def test_the_plugin_and_the_core_import_no_numba():
 def test_load_names_the_valid_modules():
     from vllm_anisotropic import kernels
 
-    with pytest.raises(ValueError, match="allocate, emit, fit, goose, kv, match, plan, rank, table, vocab, walk"):
+    with pytest.raises(ValueError, match="allocate, emit, fit, goose, kv, label, match, plan, rank, table, vocab, walk"):
         kernels.load("nope")
 
 

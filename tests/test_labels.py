@@ -1,7 +1,9 @@
-"""The label queue (``integration/vllm/engine/labels.py``) against its definition: each offered
-tree with at least one draft, once ``min(its depth, label_depth)`` tokens follow its root in its
-request's row, is labelled by ``continuation_labels`` from exactly those tokens, once; the
-others wait; a dropped request's trees are never labelled."""
+"""The label queue (``integration/vllm/engine/labels.py``, ``kernels/label.py``) against its
+definition: each offered tree with at least one draft, once ``min(its depth, label_depth)`` tokens
+follow its root in its request's row, is labelled by ``continuation_labels`` from exactly those
+tokens, once, and taught to the acceptance model as ``AcceptanceModel.update`` would; the others
+wait; a dropped request's trees are never labelled, not even under a later request that reuses
+its id."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import numpy as np
 import pytest
 from random_trees import random_trees
 
-from vllm_anisotropic.allocator import continuation_labels
+from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels
+from vllm_anisotropic.integration.vllm.engine import labels as labels_module
 from vllm_anisotropic.integration.vllm.engine.labels import LabelQueue
-from vllm_anisotropic.tree import FlatTrees
+from vllm_anisotropic.kernels import load
+from vllm_anisotropic.tree import DraftTree, FlatTrees
 
 
 def _labels_by_definition(waiting, row_of, num_tokens, token_ids, label_depth):
@@ -26,50 +30,72 @@ def _labels_by_definition(waiting, row_of, num_tokens, token_ids, label_depth):
             continuations.append(token_ids[i, start : start + need])
         else:
             left.append((req, tree, start))
-    return continuation_labels(trees, continuations), left
+    return (continuation_labels(trees, continuations) if trees else None), left
+
+
+def _with_values(rng, tree):
+    """``tree`` with random values: mostly in (0, 1), some 0, 1 and outside [0, 1] (clipped)."""
+    v = rng.random(tree.num_nodes)
+    v[rng.random(tree.num_nodes) < 0.1] = 0.0
+    v[rng.random(tree.num_nodes) < 0.1] = 1.0
+    v[rng.random(tree.num_nodes) < 0.05] = 1.5
+    v[rng.random(tree.num_nodes) < 0.05] = -0.5
+    return DraftTree(tokens=tree.tokens, parents=tree.parents, sources=tree.sources, values=v)
+
+
+def _assert_same_model(got: AcceptanceModel, want: AcceptanceModel, where):
+    assert np.array_equal(got.count, want.count), where
+    assert np.array_equal(got.accepted, want.accepted), where
+    np.testing.assert_allclose(got.logit_sum, want.logit_sum, rtol=1e-12, atol=1e-12, err_msg=str(where))
+    assert (got._updates, got._stale_updates, got._params is None) == (want._updates, want._stale_updates, want._params is None)
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_the_queue_labels_what_one_tree_at_a_time_labels(seed):
-    """Four proposals of random trees for requests a-e (root-only trees not offered), then
-    labelling passes with the batch missing a request, a request dropped, and rows growing by
-    0-4 tokens a pass: every pass's labels equal the definition's (same nodes, same order by
-    proposal and tree), and the same trees wait."""
+    """Five proposals of random trees (mixed sources, random values, three tokens so that paths
+    are accepted) for requests a-f (root-only trees not offered), then labelling passes with the
+    batch missing a request, request c dropped while its trees wait and f arriving after (it gets
+    c's id only once they are gone), rows growing by 0-4 tokens a pass: after every pass the
+    model taught by the queue equals one taught the definition's labels by ``update`` (counts
+    exactly; sums of logits to rounding), and the same trees wait."""
     rng = np.random.default_rng(seed)
     label_depth = int(rng.integers(1, 9))
+    config = AcceptanceConfig(max_depth=int(rng.integers(1, 9)), num_bins=int(rng.integers(4, 64)),
+                              logit_min=-float(rng.uniform(1, 10)), logit_max=float(rng.uniform(1, 10)),
+                              decay=float(rng.choice([1.0, 0.9])))
+    got_model, want_model = AcceptanceModel(config), AcceptanceModel(config)
     q = LabelQueue(label_depth)
-    reqs = ["a", "b", "c", "d", "e"]
-    token_ids = rng.integers(0, 50, (len(reqs), 200))
+    reqs = ["a", "b", "c", "d", "e", "f"]
+    token_ids = rng.integers(0, 3, (len(reqs), 200))
     num_tokens = rng.integers(5, 40, len(reqs))
     waiting = []
     dropped = set()
-    for step in range(7):
-        if step < 4:  # a proposal: one tree per request of a random subset
-            ids = [r for r in reqs if rng.random() < 0.8 and r not in dropped]
-            trees = [random_trees(rng)[0] for _ in ids]
+    for step in range(8):
+        if step == 3:
+            q.drop("c")
+            dropped.add("c")
+            waiting = [w for w in waiting if w[0] != "c"]
+        if step < 5:  # a proposal: one tree per request of a random subset
+            ids = [r for r in reqs if rng.random() < 0.8 and r not in dropped and (r != "f" or step >= 3)]
+            trees = [_with_values(rng, t) for t in (random_trees(rng, sources=True, vocab=3)[0] for _ in ids)]
             flat = FlatTrees.from_trees(trees)
             offered = np.flatnonzero(flat.sizes() > 1)
             starts = np.array([num_tokens[reqs.index(r)] for r in ids], np.int64)
             q.offer(flat, offered, [ids[k] for k in offered.tolist()], starts[offered])
             waiting += [(ids[k], trees[k], int(starts[k])) for k in offered.tolist()]
-        if step == 3:
-            q.drop("c")
-            dropped.add("c")
-            waiting = [w for w in waiting if w[0] != "c"]
         num_tokens = num_tokens + rng.integers(0, 5, len(reqs))
-        batch = [r for r in reqs if r != "e" or step >= 5]  # e outside the batch until pass 5
+        batch = [r for r in reqs if r != "e" or step >= 6]  # e outside the batch until pass 6
         order = rng.permutation(len(batch))
         batch = [batch[i] for i in order]
         rows = [reqs.index(r) for r in batch]
-        got = q.take(batch, num_tokens[rows], token_ids[rows])
+        got = q.take(batch, num_tokens[rows], token_ids[rows], config)
         want, waiting = _labels_by_definition(waiting, {r: i for i, r in enumerate(batch)}, num_tokens[rows],
                                               token_ids[rows], label_depth)
-        if len(want[0]) == 0 and got is None:
-            pass
-        else:
-            assert got is not None
-            for g, w in zip(got, want):
-                assert g.tolist() == w.tolist(), (seed, step)
+        assert (got is None) == (want is None), (seed, step)
+        if want is not None:
+            got_model.add(got)
+            want_model.update(*want)
+        _assert_same_model(got_model, want_model, (seed, step))
         for r in reqs:
             assert q.waiting(r) == sum(1 for w in waiting if w[0] == r), (seed, step, r)
         assert q.requests() == {w[0] for w in waiting}
@@ -78,18 +104,53 @@ def test_the_queue_labels_what_one_tree_at_a_time_labels(seed):
 
 def test_worked_example():
     """The module docstring's: a's tree of depth 3 waits at 2 known tokens, b's of depth 2 is
-    labelled from tokens 20..21 of its row."""
-    from vllm_anisotropic.tree import DraftTree
-
+    labelled from tokens 20..21 of its row (its depth-1 nodes: token 8 rejected, token 9
+    accepted)."""
     a = DraftTree(tokens=[1, 5, 6, 7], parents=[-1, 0, 1, 2])
     b = DraftTree(tokens=[1, 8, 9], parents=[-1, 0, 0])
+    config = AcceptanceConfig()
     q = LabelQueue(8)
     q.offer(FlatTrees.from_trees([a, b]), np.array([0, 1]), ["a", "b"], np.array([10, 20]))
     rows = np.zeros((2, 40), np.int64)
     rows[1, 20:22] = [9, 3]
-    sources, depths, values, labels = q.take(["a", "b"], np.array([12, 22]), rows)
-    assert depths.tolist() == [1, 1] and labels.tolist() == [False, True]
+    hist = q.take(["a", "b"], np.array([12, 22]), rows, config)
+    count, accepted = hist[0].sum(axis=-1), hist[1].sum(axis=-1)  # [source, depth]
+    assert count.sum() == 2 and count[:, 1].sum() == 2 and accepted.sum() == 1
     assert q.waiting("a") == 1 and q.waiting("b") == 0 and q.requests() == {"a"}
     rows[0, 10:13] = [5, 6, 0]
-    assert q.take(["a", "b"], np.array([13, 22]), rows)[3].tolist() == [True, True, False]
-    assert not q and q.take(["a"], np.array([50]), rows) is None
+    hist = q.take(["a", "b"], np.array([13, 22]), rows, config)
+    assert hist[1].sum(axis=(0, 2)).tolist()[:4] == [0, 1, 1, 0] and hist[0].sum() == 3  # 5, 6 accepted; 7 not
+    assert not q and q.take(["a"], np.array([50]), rows, config) is None
+
+
+def test_a_bad_node_is_refused_as_the_model_refuses_it():
+    """A labelled node with a NaN value raises ValueError (``AcceptanceModel.update`` does);
+    an infinite one is clipped to 1, as the definition clips it."""
+    tree = DraftTree(tokens=[1, 2], parents=[-1, 0], values=[1.0, np.nan])
+    q = LabelQueue(8)
+    q.offer(FlatTrees.from_trees([tree]), np.array([0]), ["a"], np.array([0]))
+    with pytest.raises(ValueError, match="NaN"):
+        q.take(["a"], np.array([1]), np.array([[2]]), AcceptanceConfig())
+    with pytest.raises(ValueError):
+        AcceptanceModel().update(*continuation_labels([tree], [np.array([2])]))
+    inf = DraftTree(tokens=[1, 2], parents=[-1, 0], values=[1.0, np.inf])
+    q.offer(FlatTrees.from_trees([inf]), np.array([0]), ["a"], np.array([0]))
+    got, want = AcceptanceModel(), AcceptanceModel()
+    got.add(q.take(["a"], np.array([1]), np.array([[2]]), AcceptanceConfig()))
+    want.update(*continuation_labels([inf], [np.array([2])]))
+    _assert_same_model(got, want, "inf")
+
+
+def test_the_queue_grows_and_its_columns_are_the_kernels():
+    """Many proposals before a pass: the stores grow (their first sizes are 64 trees, 512
+    nodes) and every tree is labelled once; the column counts are the kernel module's."""
+    kernels = load("label")
+    assert (labels_module._TREE_COLUMNS, labels_module._NODE_COLUMNS) == (kernels.TREE_COLUMNS, kernels.NODE_COLUMNS)
+    config = AcceptanceConfig()
+    q = LabelQueue(4)
+    chain = DraftTree(tokens=[0, 1, 1, 1, 1, 1, 1, 1, 1, 1], parents=[-1, 0, 1, 2, 3, 4, 5, 6, 7, 8])
+    for k in range(100):
+        q.offer(FlatTrees.from_trees([chain]), np.array([0]), [f"r{k}"], np.array([0]))
+    assert q.waiting("r99") == 1 and q._nodes.shape[0] >= 1000 and q._trees.shape[0] >= 100
+    hist = q.take([f"r{k}" for k in range(100)], np.full(100, 4), np.ones((100, 4), np.int64), config)
+    assert hist[0].sum() == 400 and hist[1].sum() == 400 and not q

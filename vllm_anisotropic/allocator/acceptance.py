@@ -134,10 +134,10 @@ class AcceptanceModel:
         if not cfg.logit_max > cfg.logit_min:
             raise ValueError("logit_max must exceed logit_min")
         shape = (NUM_SOURCES, cfg.max_depth + 1, cfg.num_bins)
-        # [num_sources, max_depth + 1, num_bins] decayed counts: observations, accepted, sum of logit(v)
-        self.count = np.zeros(shape)
-        self.accepted = np.zeros(shape)
-        self.logit_sum = np.zeros(shape)
+        # [num_sources, max_depth + 1, num_bins] decayed counts: observations, accepted, sum of
+        # logit(v); views of one array, so that an update decays and adds them in one call each
+        self.histograms = np.zeros((3,) + shape)
+        self.count, self.accepted, self.logit_sum = self.histograms
         self._params: tuple[np.ndarray, np.ndarray] | None = None  # (alpha, beta) [num_sources, max_depth + 1]
         self._stale_updates = 0  # updates since the last fit (refit after config.refit_every)
         self._updates = 0  # updates ever: the first refits come after 1, 2, 4, ... of them
@@ -170,14 +170,21 @@ class AcceptanceModel:
         y = np.asarray(on_accepted_path, np.float64).reshape(-1)
         if y.shape != s.shape:
             raise ValueError("on_accepted_path needs one entry per node")
-        if self.config.decay < 1.0:
-            for arr in (self.count, self.accepted, self.logit_sum):
-                arr *= self.config.decay
         flat = np.ravel_multi_index((s, d, b), self.count.shape)  # [num_nodes]
         size = self.count.size
-        self.count += np.bincount(flat, minlength=size).reshape(self.count.shape)
-        self.accepted += np.bincount(flat, weights=y, minlength=size).reshape(self.count.shape)
-        self.logit_sum += np.bincount(flat, weights=x, minlength=size).reshape(self.count.shape)
+        self.add(np.stack([np.bincount(flat, minlength=size), np.bincount(flat, weights=y, minlength=size),
+                           np.bincount(flat, weights=x, minlength=size)]).reshape(self.histograms.shape))
+
+    def add(self, histograms: np.ndarray) -> None:
+        """Add one update's nodes as histograms ``[3, num_sources, max_depth + 1, num_bins]``
+        (counts, accepted counts, sums of logit(value) by ``_keys``' keys), as ``update`` bins
+        them: the engine's label queue bins its nodes in one compiled pass
+        (``kernels.label.take_labels``)."""
+        if histograms.shape != self.histograms.shape:
+            raise ValueError(f"histograms must have shape {self.histograms.shape}, got {histograms.shape}")
+        if self.config.decay < 1.0:
+            self.histograms *= self.config.decay
+        self.histograms += histograms
         self._stale_updates += 1
         self._updates += 1
         # refit after config.refit_every updates, and sooner while the data are few (after
@@ -307,5 +314,5 @@ class AcceptanceModel:
             arr = np.asarray(d[name], np.float64)
             if arr.shape != model.count.shape:
                 raise ValueError(f"{name} must have shape {model.count.shape}, got {arr.shape}")
-            setattr(model, name, arr)
+            getattr(model, name)[...] = arr  # (a view of model.histograms)
         return model

@@ -227,8 +227,13 @@ class TreeDrafter:
                     for rows in (1, 16):
                         topk_scores(torch.zeros((rows, vocab_size), dtype=logits_dtype), k)
             learn([state], trees, np.zeros(trees.num_nodes, bool), out.prev_roots, top)
-        if self.acceptance is not None:  # its refit (kernels.fit), at the first labels: ~0.7 s to compile
+        if self.acceptance is not None:  # the label queue's kernels and the refit (kernels.fit, ~0.7 s to compile)
             model = type(self.acceptance)(self.acceptance.config)
+            queue = LabelQueue(self.label_depth)
+            queue.offer(trees, np.arange(trees.num_trees), ["warm-up"] * trees.num_trees, np.zeros(trees.num_trees, np.int64))
+            histograms = queue.take(["warm-up"], np.full(1, tokens.shape[1], np.int64), tokens, model.config)
+            if histograms is not None:
+                model.add(histograms)
             model.update(np.ones(2, np.int64), np.ones(2, np.int64), np.array([0.5, 0.5]), np.array([True, False]))
             model.parameters()
         logger.debug("vllm-anisotropic: proposer kernels loaded in %.2f s", time.perf_counter() - t0)
@@ -294,7 +299,7 @@ class TreeDrafter:
             # until the next step's _update_states, which runs the deferred work first
             ids = list(req_ids)
             self._deferred.append(("label", ids, functools.partial(
-                self._label, ids, num_tokens_no_spec[: len(ids)].copy(), token_ids_cpu)))
+                self._label, ids, num_tokens_no_spec[: len(ids)].astype(np.int64), token_ids_cpu)))  # a copy
         drafting = self._drafting_rows(req_ids, eligible, sampled_token_ids, chains)
         self.proposer.begin_step(len(drafting))
         if not drafting:
@@ -440,9 +445,9 @@ class TreeDrafter:
         """Feed the acceptance model every offered tree whose next ``label_depth`` tokens (or as
         many as its depth) are now known, labelled from those tokens (``labels.LabelQueue``,
         ``allocator.flat_continuation_labels``): verified or cut, every node teaches the model."""
-        labels = self.unlabelled.take(req_ids, num_tokens_no_spec, token_ids_cpu)
-        if labels is not None:
-            self.acceptance.update(*labels)
+        histograms = self.unlabelled.take(req_ids, num_tokens_no_spec, token_ids_cpu, self.acceptance.config)
+        if histograms is not None:
+            self.acceptance.add(histograms)
             self.acceptance.parameters()  # a due refit here, not in the next proposal's ranking
 
     def take_step(self, req_ids: Sequence[str], scheduled: dict) -> StepTrees | None:
