@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from random_trees import random_trees
 
-from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels
+from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, continuation_labels, flat_continuation_labels
 from vllm_anisotropic.integration.vllm.engine import labels as labels_module
 from vllm_anisotropic.integration.vllm.engine.labels import LabelQueue
 from vllm_anisotropic.kernels import load
-from vllm_anisotropic.tree import DraftTree, FlatTrees
+from vllm_anisotropic.tree import DraftTree, FlatTrees, NodeSource
 
 
 def _labels_by_definition(waiting, row_of, num_tokens, token_ids, label_depth):
@@ -53,7 +53,8 @@ def _assert_same_model(got: AcceptanceModel, want: AcceptanceModel, where):
 @pytest.mark.parametrize("seed", range(40))
 def test_the_queue_labels_what_one_tree_at_a_time_labels(seed):
     """Five proposals of random trees (mixed sources, random values, three tokens so that paths
-    are accepted) for requests a-f (root-only trees not offered), then labelling passes with the
+    are accepted) for requests a-f (root-only trees offered in half the seeds, as the warm-up
+    offers them: labelled at once, with nothing to label), then labelling passes with the
     batch missing a request, request c dropped while its trees wait and f arriving after (it gets
     c's id only once they are gone), rows growing by 0-4 tokens a pass: after every pass the
     model taught by the queue equals one taught the definition's labels by ``update`` (counts
@@ -79,7 +80,7 @@ def test_the_queue_labels_what_one_tree_at_a_time_labels(seed):
             ids = [r for r in reqs if rng.random() < 0.8 and r not in dropped and (r != "f" or step >= 3)]
             trees = [_with_values(rng, t) for t in (random_trees(rng, sources=True, vocab=3)[0] for _ in ids)]
             flat = FlatTrees.from_trees(trees)
-            offered = np.flatnonzero(flat.sizes() > 1)
+            offered = np.flatnonzero(flat.sizes() > (seed % 2))
             starts = np.array([num_tokens[reqs.index(r)] for r in ids], np.int64)
             q.offer(flat, offered, [ids[k] for k in offered.tolist()], starts[offered])
             waiting += [(ids[k], trees[k], int(starts[k])) for k in offered.tolist()]
@@ -98,6 +99,8 @@ def test_the_queue_labels_what_one_tree_at_a_time_labels(seed):
         _assert_same_model(got_model, want_model, (seed, step))
         for r in reqs:
             assert q.waiting(r) == sum(1 for w in waiting if w[0] == r), (seed, step, r)
+        # the stores hold exactly the waiting trees (a take compacts them: no gap, no leak)
+        assert (q._num_trees, q._num_nodes) == (len(waiting), sum(w[1].num_nodes for w in waiting)), (seed, step)
         assert q.requests() == {w[0] for w in waiting}
         assert bool(q) == bool(waiting)
 
@@ -123,16 +126,22 @@ def test_worked_example():
     assert not q and q.take(["a"], np.array([50]), rows, config) is None
 
 
-def test_a_bad_node_is_refused_as_the_model_refuses_it():
-    """A labelled node with a NaN value raises ValueError (``AcceptanceModel.update`` does);
-    an infinite one is clipped to 1, as the definition clips it."""
-    tree = DraftTree(tokens=[1, 2], parents=[-1, 0], values=[1.0, np.nan])
+@pytest.mark.parametrize("bad", ["nan", "root source", "unknown source"])
+def test_a_bad_node_is_refused_as_the_model_refuses_it(bad):
+    """A labelled node with a NaN value or a source that is not a draft's (the root's, or past
+    the last) raises ValueError naming how many (``AcceptanceModel.update`` raises too); an
+    infinite value is clipped to 1, as the definition clips it."""
+    values = np.array([1.0, np.nan if bad == "nan" else 0.5, 0.5])
+    sources = np.array([0, 1, 2], np.int8)
+    if bad != "nan":
+        sources[1] = 0 if bad == "root source" else len(NodeSource)
+    flat = FlatTrees(np.array([0, 3]), np.array([1, 2, 3]), np.array([-1, 0, 0]), sources, values, np.array([0, 1, 1]))
     q = LabelQueue(8)
-    q.offer(FlatTrees.from_trees([tree]), np.array([0]), ["a"], np.array([0]))
-    with pytest.raises(ValueError, match="NaN"):
+    q.offer(flat, np.array([0]), ["a"], np.array([0]))
+    with pytest.raises(ValueError, match="^label queue: 1 labelled node"):
         q.take(["a"], np.array([1]), np.array([[2]]), AcceptanceConfig())
     with pytest.raises(ValueError):
-        AcceptanceModel().update(*continuation_labels([tree], [np.array([2])]))
+        AcceptanceModel().update(*flat_continuation_labels(flat, np.array([2]), np.array([1])))
     inf = DraftTree(tokens=[1, 2], parents=[-1, 0], values=[1.0, np.inf])
     q.offer(FlatTrees.from_trees([inf]), np.array([0]), ["a"], np.array([0]))
     got, want = AcceptanceModel(), AcceptanceModel()
@@ -143,7 +152,8 @@ def test_a_bad_node_is_refused_as_the_model_refuses_it():
 
 def test_the_queue_grows_and_its_columns_are_the_kernels():
     """Many proposals before a pass: the stores grow (their first sizes are 64 trees, 512
-    nodes) and every tree is labelled once; the column counts are the kernel module's."""
+    nodes) and every tree is labelled once, a tree of 100 nodes too (past the kernel's first
+    scratch of 64); the column counts are the kernel module's."""
     kernels = load("label")
     assert (labels_module._TREE_COLUMNS, labels_module._NODE_COLUMNS) == (kernels.TREE_COLUMNS, kernels.NODE_COLUMNS)
     config = AcceptanceConfig()
@@ -154,3 +164,45 @@ def test_the_queue_grows_and_its_columns_are_the_kernels():
     assert q.waiting("r99") == 1 and q._nodes.shape[0] >= 1000 and q._trees.shape[0] >= 100
     hist = q.take([f"r{k}" for k in range(100)], np.full(100, 4), np.ones((100, 4), np.int64), config)
     assert hist[0].sum() == 400 and hist[1].sum() == 400 and not q
+    long = DraftTree(tokens=[0] + [1] * 99, parents=list(range(-1, 99)))
+    q = LabelQueue(200)
+    q.offer(FlatTrees.from_trees([long]), np.array([0]), ["r"], np.array([0]))
+    row = np.ones((1, 120), np.int64)
+    row[0, 97] = 0  # depths 1..97 accepted, 98 and 99 not
+    got, want = AcceptanceModel(), AcceptanceModel()
+    got.add(q.take(["r"], np.array([99]), row, got.config))
+    want.update(*continuation_labels([long], [row[0, :99]]))
+    _assert_same_model(got, want, "long")
+    assert got.accepted.sum() == 97
+
+
+def test_one_proposal_larger_than_twice_the_stores():
+    """One proposal of 150 trees of 10 nodes (1,500 nodes; the stores start at 64 trees and 512
+    nodes, so doubling once is not enough): every tree is queued and labelled."""
+    chain = DraftTree(tokens=[0] + [1] * 9, parents=list(range(-1, 9)))
+    q = LabelQueue(9)
+    q.offer(FlatTrees.from_trees([chain] * 150), np.arange(150), [f"r{k}" for k in range(150)], np.zeros(150, np.int64))
+    assert q.waiting("r149") == 1 and q._num_nodes == 1500
+    hist = q.take([f"r{k}" for k in range(150)], np.full(150, 9), np.ones((150, 9), np.int64), AcceptanceConfig())
+    assert hist[0].sum() == 1350 == hist[1].sum() and not q
+
+
+def test_a_dropped_requests_id_waits_for_its_trees_to_go():
+    """c is dropped while its tree waits: a request arriving before the next pass gets a new id
+    (neither c's nor a live request's), the pass labels a's and d's trees, never c's, and the
+    request after it reuses c's id."""
+    tree = DraftTree(tokens=[0, 1, 1], parents=[-1, 0, 1])  # needs 2 tokens
+    flat = FlatTrees.from_trees([tree] * 3)
+    q = LabelQueue(8)
+    q.offer(flat, np.arange(3), ["a", "b", "c"], np.zeros(3, np.int64))
+    c_id = q._ids["c"]
+    q.drop("c")
+    q.offer(FlatTrees.from_trees([tree]), np.array([0]), ["d"], np.zeros(1, np.int64))
+    assert len({q._ids[r] for r in "abd"} | {c_id}) == 4
+    assert (q.waiting("a"), q.waiting("b"), q.waiting("c"), q.waiting("d")) == (1, 1, 0, 1)
+    rows = np.ones((4, 8), np.int64)
+    hist = q.take(["a", "b", "c", "d"], np.array([2, 1, 2, 2]), rows, AcceptanceConfig())  # b has 1 token: waits
+    assert hist[0].sum() == 4 and hist[1].sum() == 4  # a's and d's nodes, both accepted
+    assert q.requests() == {"b"} and q._num_trees == 1
+    q.offer(FlatTrees.from_trees([tree]), np.array([0]), ["e"], np.zeros(1, np.int64))
+    assert q._ids["e"] == c_id

@@ -72,30 +72,29 @@ def queue_trees(offsets, tokens, parents, depths, sources, values, index, reques
 
 
 @_jit
-def take_labels(trees, num_trees, nodes, node_values, batch_requests, num_tokens, token_ids, alive, waiting,
+def take_labels(trees, num_trees, nodes, node_values, batch_requests, num_tokens, token_ids, waiting,
                 logit_min, logit_max, num_sources, max_depth, num_bins):
     """Label every queued tree whose request is in the batch (``batch_requests [rows]``: each
     batch row's request id, -1 for none; ``num_tokens [rows]``, ``token_ids [rows, max_len]``
     its row) and has ``need`` tokens after the tree's start, in queue order: a draft node at
     depth ``d <= need`` is accepted when its token is the row's ``start + d - 1``-th and its
-    parent's is accepted (the root is). Trees of requests with ``alive[id]`` 0 (dropped) go
-    unlabelled; the others wait, moved to the front of the stores.
+    parent's is accepted (the root is); ``waiting[id]`` counts it off. Trees of requests with
+    ``waiting[id]`` -1 (dropped) go unlabelled; the others wait, moved to the front of the stores.
 
-    Returns ``(trees left, nodes left, trees labelled, bad nodes, histograms)``: ``histograms
+    Returns ``(trees left, nodes left, any tree labelled, bad nodes, histograms)``: ``histograms
     [3, num_sources, max_depth + 1, num_bins]`` the labelled nodes' counts, accepted counts and
     sums of logit(value) by (source, depth bucket, logit bin), each node's value clipped to [0, 1]
     first (``AcceptanceModel._keys``); ``bad nodes`` the labelled nodes whose source is not a
     draft source or whose value is NaN (left out; the model's ``_keys`` refuses them)."""
     hist = np.zeros((3, num_sources, max_depth + 1, num_bins))
-    num_ids = alive.shape[0]
-    row_of = np.full(num_ids, -1, np.int64)
+    row_of = np.full(waiting.shape[0], -1, np.int64)
     for i in range(batch_requests.shape[0]):
         r = batch_requests[i]
         if r >= 0:
             row_of[r] = i
     width = (logit_max - logit_min)
     bad = 0
-    labelled = 0
+    labelled = False
     kept = 0
     kept_nodes = 0
     on_path = np.zeros(64, np.bool_)
@@ -105,11 +104,11 @@ def take_labels(trees, num_trees, nodes, node_values, batch_requests, num_tokens
         req = trees[t, TREE_REQUEST]
         start = trees[t, TREE_START]
         need = trees[t, TREE_NEED]
-        if not alive[req]:
+        if waiting[req] < 0:
             continue
         row = row_of[req]
         if row >= 0 and num_tokens[row] - start >= need:
-            labelled += 1
+            labelled = True
             waiting[req] -= 1
             if on_path.shape[0] < size:
                 on_path = np.zeros(2 * size, np.bool_)
@@ -118,16 +117,14 @@ def take_labels(trees, num_trees, nodes, node_values, batch_requests, num_tokens
                 node = first + j
                 d = nodes[node, NODE_DEPTH]
                 if d > need:
-                    on_path[j] = False
-                    continue
+                    continue  # (nor is any node below it: on_path[j] is never read)
                 on_path[j] = on_path[nodes[node, NODE_PARENT]] and nodes[node, NODE_TOKEN] == token_ids[row, start + d - 1]
                 s = nodes[node, NODE_SOURCE]
                 v = node_values[node]
                 if s <= 0 or s >= num_sources or v != v:
                     bad += 1
                     continue
-                v = min(max(v, 0.0), 1.0)
-                v = min(max(v, _EPS), 1.0 - _EPS)
+                v = min(max(v, _EPS), 1.0 - _EPS)  # (the clip to [0, 1] first changes nothing after it)
                 x = math.log(v) - math.log1p(-v)
                 b = math.floor((x - logit_min) / width * num_bins)
                 b = int(min(max(b, 0.0), num_bins - 1.0))
@@ -137,8 +134,9 @@ def take_labels(trees, num_trees, nodes, node_values, batch_requests, num_tokens
                     hist[1, s, db, b] += 1.0
                 hist[2, s, db, b] += x
             continue
-        # waits: move it (and its nodes) to the front; never ahead of where it is
-        if kept != t or kept_nodes != first:
+        # waits: move it (and its nodes) to the front; never ahead of where it is (the stores are
+        # contiguous: a tree moves exactly when its nodes do)
+        if kept != t:
             for c in range(trees.shape[1]):
                 trees[kept, c] = trees[t, c]
             trees[kept, TREE_FIRST] = kept_nodes

@@ -31,8 +31,8 @@ __all__ = ["LabelQueue"]
 _TREE_COLUMNS, _NODE_COLUMNS = 5, 4  # kernels.label.TREE_COLUMNS, NODE_COLUMNS (checked by the tests)
 
 
-def _grown(arr: np.ndarray, rows: int) -> np.ndarray:
-    """``arr`` with at least ``rows`` rows (doubling), its contents kept."""
+def _grown(arr: np.ndarray, rows: int = 0) -> np.ndarray:
+    """``arr`` with twice its rows, or ``rows`` if more, its contents kept."""
     out = np.zeros((max(rows, 2 * arr.shape[0]),) + arr.shape[1:], arr.dtype)
     out[: arr.shape[0]] = arr
     return out
@@ -51,8 +51,7 @@ class LabelQueue:
         self._ids: dict[str, int] = {}  # request -> its id while it may have trees queued
         self._free: list[int] = []  # ids to reuse
         self._dead: list[int] = []  # ids of dropped requests whose trees are still queued
-        self._alive = np.zeros(16, np.uint8)  # [id] 1 while the request is not dropped
-        self._waiting = np.zeros(16, np.int64)  # [id] its queued trees
+        self._waiting = np.zeros(16, np.int64)  # [id] its queued trees; -1: dropped, trees still queued
 
     def __bool__(self) -> bool:
         return self._num_trees > 0
@@ -60,7 +59,7 @@ class LabelQueue:
     def waiting(self, req_id: str) -> int:
         """How many of ``req_id``'s trees wait for their labels."""
         i = self._ids.get(req_id)
-        return 0 if i is None else int(self._waiting[i])
+        return 0 if i is None else int(self._waiting[i])  # (never -1: a dropped request has no id)
 
     def requests(self) -> set[str]:
         """The requests with a tree waiting."""
@@ -72,11 +71,11 @@ class LabelQueue:
             if self._free:
                 i = self._free.pop()
             else:
-                i = len(self._ids) + len(self._dead)
-                if i >= self._alive.shape[0]:
-                    self._alive, self._waiting = _grown(self._alive, i + 1), _grown(self._waiting, i + 1)
+                i = len(self._ids) + len(self._dead)  # (ids are handed out in order: one past the last)
+                if i >= self._waiting.shape[0]:
+                    self._waiting = _grown(self._waiting)
             self._ids[req_id] = i
-            self._alive[i] = 1
+            self._waiting[i] = 0
         return i
 
     def offer(self, trees: FlatTrees, index: np.ndarray, req_ids: Sequence[str], starts: np.ndarray) -> None:
@@ -102,9 +101,8 @@ class LabelQueue:
         i = self._ids.pop(req_id, None)
         if i is None:
             return
-        self._alive[i] = 0
         if self._waiting[i]:
-            self._waiting[i] = 0
+            self._waiting[i] = -1
             self._dead.append(i)  # reused once a take has removed its trees
         else:
             self._free.append(i)
@@ -122,9 +120,8 @@ class LabelQueue:
         get = self._ids.get
         batch = np.fromiter((get(r, -1) for r in req_ids), np.int64, len(req_ids))
         kept, kept_nodes, labelled, bad, hist = load("label").take_labels(
-            self._trees, self._num_trees, self._nodes, self._values, batch, num_tokens, token_ids,
-            self._alive, self._waiting, config.logit_min, config.logit_max, len(NodeSource), config.max_depth,
-            config.num_bins)
+            self._trees, self._num_trees, self._nodes, self._values, batch, num_tokens, token_ids, self._waiting,
+            config.logit_min, config.logit_max, len(NodeSource), config.max_depth, config.num_bins)
         self._num_trees, self._num_nodes = kept, kept_nodes
         if self._dead:
             self._free += self._dead
