@@ -89,15 +89,18 @@ def test_caps_tokens_owed_and_headroom(tmp_path):
 def test_probe_every_nth_step_without_drafts(tmp_path):
     steep = CostModel.from_coefficients([0.0], base=0.01, tree_row=1.0)
     b = _budget(tmp_path, steep, cost_model_online=False, allocator_probe_every=3)
-    kept = []
+    kept, expected = [], []
     for _ in range(6):
         reqs = [_req("a", 4), _req("b", 4)]
         _offer(b, {"a": [0.3, 0.2, 0.1, 0.1], "b": [0.6, 0.1, 0.1, 0.1]})
         b.cut(reqs)
         kept.append([len(r.spec_token_ids) for r in reqs])
-    # steps 3 and 6 probe the single most likely first node (request b's)
+        expected.append(dict(b._kept))
+    # steps 3 and 6 probe the single most likely first node (request b's), its expected
+    # accepted drafts its probability
     assert kept == [[0, 0], [0, 0], [0, 1], [0, 0], [0, 0], [0, 1]]
-    assert b.metrics.probe_steps == 2
+    assert expected == [{}, {}, {"b": 0.6}, {}, {}, {"b": 0.6}]
+    assert b.metrics.probe_steps == 2 and b.metrics.tree_rows == 2
 
 
 def test_off_cuts_nothing(tmp_path):

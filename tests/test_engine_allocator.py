@@ -112,7 +112,7 @@ _STEP_KERNELS = (
     "goose.proposal_inputs", "goose.spine_trees", "goose.learn_keys", "rank.rank_trees", "plan.step_rows",
     "plan.scheduled_prefixes", "plan.gather_prefix", "plan.main_rows", "plan.path_rounds", "kv.move_slots", "walk.walk_rows", "emit.emit_rows", "emit.harvest_rows",
     "vocab.topk_probs", "table.update", "table.last_writes", "allocate.allocate_batch", "allocate.allocate_one",
-    "allocate.offer_budgets", "label.queue_trees", "label.take_labels",
+    "allocate.offer_budgets", "allocate.cut_accounts", "label.queue_trees", "label.take_labels",
     "fit.nnls_gram",
 )
 # where the engine has threads (kernels.split): the step's top-k, walk and K/V moves

@@ -220,3 +220,39 @@ def test_offer_budgets_against_their_definition():
         drafts = np.maximum(min_drafts, np.ceil(factor * marks)).astype(np.int64)
         want = np.where((marks < 0) | (drafts >= room), 0, drafts + 1)
         assert run(marks, room, factor, min_drafts) == want.tolist()
+
+
+def test_cut_accounts_against_their_definition():
+    """``kernels.allocate.cut_accounts`` against the cut's metrics written out in numpy (as
+    ``BatchBudget.cut`` computed them: ``request_caps``, prefix sums, their differences at each
+    cut and cap), on random lists with cuts from 0 to the cap, caps set by the list, the
+    per-request maximum (or none) and a headroom that may be negative, and the docstring's
+    example. Kept drafts and their sum exactly; the given-up sum to rounding (numpy sums it
+    pairwise)."""
+    from vllm_anisotropic.allocator import request_caps
+
+    acc = kernels.load("allocate").cut_accounts
+
+    def run(flat, lengths, max_per_request, headroom, cuts):
+        kept = np.full(len(lengths), -7.0)
+        out = acc(np.asarray(flat, np.float64), np.asarray(lengths, np.int64), max_per_request,
+                  np.asarray(headroom, np.int64), np.asarray(cuts, np.int64), kept)
+        return out, kept
+
+    (caps, given_up, drafts), kept = run([0.9, 0.5, 0.8], [2, 1], -1, [9, 9], [1, 0])
+    assert (caps, drafts, kept.tolist()) == (3, 1, [0.9, 0.0]) and given_up == pytest.approx(1.3)
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        n = int(rng.integers(1, 7))
+        lengths = rng.integers(0, 9, n)
+        flat = rng.random(int(lengths.sum()))
+        max_per_request = int(rng.choice([-1, 0, 1, 3, 20]))
+        headroom = rng.integers(-2, 10, n)
+        cap = request_caps(lengths, None if max_per_request < 0 else max_per_request, headroom)
+        cuts = np.array([rng.integers(0, c + 1) for c in cap], np.int64)
+        sums = np.concatenate([[0.0], np.cumsum(flat)])
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        (caps, given_up, drafts), kept = run(flat, lengths, max_per_request, headroom, cuts)
+        assert (caps, drafts) == (int(cap.sum()), int(cuts.sum()))
+        assert np.array_equal(kept, sums[starts + cuts] - sums[starts])
+        assert given_up == pytest.approx(float(np.sum(sums[starts + cap] - sums[starts + cuts])), rel=1e-12, abs=1e-12)

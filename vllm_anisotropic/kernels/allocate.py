@@ -12,7 +12,8 @@ of an order; the model is ``cost.CostModel.predict``, a piecewise-linear functio
 tokens plus linear terms, passed as arrays by ``CostModel.kernel_params``).
 
 Also ``offer_budgets``: the node budgets the drafter offers the proposer for the next step,
-from each request's recent kept drafts (``TreeDrafter._offers``).
+from each request's recent kept drafts (``TreeDrafter._offers``); ``cut_accounts``: the cut's
+metrics after the allocation (``BatchBudget.cut``).
 
 Example (``concave_rows``): ``[0.1, 0.9, 0.2]`` -> blocks [0.1], then 0.9 > 0.1 merges into
 [0.1, 0.9] (mean 0.5), then 0.2 < 0.5 stays -> ``[0.5, 0.5, 0.2]``.
@@ -25,7 +26,7 @@ import math
 import numba
 import numpy as np
 
-__all__ = ["allocate_batch", "allocate_one", "concave_rows", "offer_budgets", "scan_prefixes", "step_seconds"]
+__all__ = ["allocate_batch", "allocate_one", "concave_rows", "cut_accounts", "offer_budgets", "scan_prefixes", "step_seconds"]
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -308,3 +309,39 @@ def offer_budgets(marks, room, factor, min_drafts, out):
             continue
         drafts = max(min_drafts, math.ceil(factor * m))
         out[k] = 0 if drafts >= room[k] else drafts + 1
+
+
+@_jit
+def cut_accounts(flat, lengths, max_per_request, headroom, cuts, kept):
+    """The accounts of a step's cut (``BatchBudget.cut``'s metrics), request i's list being the
+    next ``lengths[i]`` entries of ``flat``: ``kept[i]``, the expected accepted drafts of its
+    first ``cuts[i]`` entries, as a difference of ``flat``'s prefix sums (``np.cumsum``'s order).
+    Returns ``(caps, given up, drafts)``: the requests' caps summed (``allocate.request_caps``
+    with ``max_per_request``, -1 for none, and ``headroom``), the expected accepted drafts
+    between each cut and its cap, and ``cuts`` summed. Example: ``flat [0.9, 0.5, 0.8]``,
+    lengths ``[2, 1]``, no max, headroom ``[9, 9]``, cuts ``[1, 0]`` -> kept ``[0.9, 0.0]``,
+    ``(3, 1.3, 1)``."""
+    total = 0.0  # the running prefix sum of flat
+    caps = 0
+    given_up = 0.0
+    drafts = 0
+    start = 0
+    for i in range(lengths.shape[0]):
+        n = lengths[i]
+        cap = n if max_per_request < 0 else min(n, max_per_request)
+        cap = min(cap, max(headroom[i], 0))
+        at_start = total
+        at_cut = total
+        at_cap = total
+        for k in range(n):
+            total += flat[start + k]
+            if k + 1 == cuts[i]:
+                at_cut = total
+            if k + 1 == cap:
+                at_cap = total
+        kept[i] = at_cut - at_start
+        given_up += at_cap - at_cut
+        caps += cap
+        drafts += cuts[i]
+        start += n
+    return caps, given_up, drafts

@@ -55,8 +55,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from vllm_anisotropic import kernels
 from vllm_anisotropic.allocator import (CHAIN, PLAIN, TREE, CostModel, CostSample, GateConfig, SpeculationGate,
-                                       allocate_flat, request_caps)
+                                       allocate_flat)
 from vllm_anisotropic.allocator.cost import nnls_normal
 from vllm_anisotropic.integration.vllm.engine.faults import inject
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
@@ -253,34 +254,36 @@ class BatchBudget:
         lengths = np.fromiter((len(p) for p in probs), np.int64, len(probs))
         flat = np.clip(np.concatenate(probs), 0.0, 1.0)
         ctx = np.fromiter((r.num_computed_tokens for r in reqs), np.float64, len(reqs))
+        headroom = np.fromiter((self.max_model_len - r.num_tokens - 1 for r in reqs), np.int64, len(reqs))
         caps = dict(num_reqs=len(running), fixed_query_tokens=max(owed, len(running)),
                     token_budget=max(self.max_batched - owed, 0), max_per_request=self.max_per_request,
-                    headroom=[self.max_model_len - r.num_tokens - 1 for r in reqs], base_tokens=len(running))
+                    headroom=headroom, base_tokens=len(running))
         chains = np.fromiter((self.chains.get(r.request_id, 0) for r in reqs), np.int64, len(reqs))
         alloc = self._allocate(flat, lengths, ctx, chains, caps)
         cuts = alloc.cuts.copy()
         m = self.metrics
         m.steps += 1
         m.tree_rows_offered += int(flat.size)
-        request_cap = request_caps(lengths, caps["max_per_request"], caps["headroom"])
-        m.tree_rows_within_caps += min(int(request_cap.sum()), caps["token_budget"])
-        # E_i(n), the expected accepted drafts of request i's first n nodes: prefix sums
-        sums = np.zeros(flat.size + 1)
-        np.cumsum(flat, out=sums[1:])
-        starts = np.zeros(len(reqs), np.int64)
-        np.cumsum(lengths[:-1], out=starts[1:])
-        m.given_up_accepted += float(np.sum(sums[starts + request_cap] - sums[starts + alloc.cuts]))
-        if cuts.sum() == 0:
+        # E_i(n), the expected accepted drafts of request i's first n nodes, at its cut (kept)
+        # and at its cap (what the cut gave up), in one compiled call
+        kept = np.empty(len(reqs))
+        within_caps, given_up, drafts = kernels.load("allocate").cut_accounts(
+            flat, lengths, -1 if self.max_per_request is None else int(self.max_per_request), headroom, cuts, kept)
+        m.tree_rows_within_caps += min(within_caps, caps["token_budget"])
+        m.given_up_accepted += given_up
+        if drafts == 0:
             m.steps_without_drafts += 1
             if self.probe_every and m.steps_without_drafts % self.probe_every == 0:
+                starts = np.concatenate([[0], np.cumsum(lengths[:-1])])
                 best = int(np.argmax(flat[starts]))
                 cuts[best] = 1
+                kept[best] = flat[starts[best]]
+                drafts = 1
                 m.probe_steps += 1
-        m.last_budget = int(cuts.sum())
+        m.last_budget = int(drafts)
         m.tree_rows += m.last_budget
         m.last_predicted_speedup = float(alloc.speedup)
-        kept = (sums[starts + cuts] - sums[starts]).tolist()
-        for r, n, e, c in zip(reqs, cuts.tolist(), kept, ctx.tolist()):
+        for r, n, e, c in zip(reqs, cuts.tolist(), kept.tolist(), ctx.tolist()):
             r.spec_token_ids = r.spec_token_ids[:n]
             if n:
                 self._kept[r.request_id] = e
@@ -305,7 +308,7 @@ class BatchBudget:
         cache, at the scheduler's start rather than in the first tree step, where the whole
         batch waits for them (the workers' kernels: ``TreeDrafter.warm_up``). One allocation of
         one request and one of two, each with its chains-only cut, through ``_allocate``
-        itself, and one cost-model least squares; nothing of it is kept (``_chain_cost`` is made
+        itself, and its accounts, and one cost-model least squares; nothing of it is kept (``_chain_cost`` is made
         again for the fitted model)."""
         if not self.enabled:
             return
@@ -315,7 +318,9 @@ class BatchBudget:
             caps = dict(num_reqs=batch, fixed_query_tokens=batch, token_budget=max(self.max_batched - batch, 0),
                         max_per_request=self.max_per_request, headroom=[self.max_model_len - 2] * batch,
                         base_tokens=batch)
-            self._allocate(flat, lengths, np.ones(batch), np.ones(batch, np.int64), caps)
+            alloc = self._allocate(flat, lengths, np.ones(batch), np.ones(batch, np.int64), caps)
+            kernels.load("allocate").cut_accounts(flat, lengths, -1, np.full(batch, 9, np.int64), alloc.cuts.copy(),
+                                                  np.empty(batch))  # the cut's accounts
         nnls_normal(np.eye(2), np.ones(2))  # the cost model's refit (kernels.fit.nnls_gram)
 
     def _refresh_cost(self) -> None:
