@@ -89,7 +89,8 @@ def test_the_queue_labels_what_one_tree_at_a_time_labels(seed):
         order = rng.permutation(len(batch))
         batch = [batch[i] for i in order]
         rows = [reqs.index(r) for r in batch]
-        got = q.take(batch, num_tokens[rows], token_ids[rows], config)
+        rows_of_batch = token_ids[rows].astype(np.int32 if seed % 3 == 0 else np.int64)  # vLLM's rows are int32
+        got = q.take(batch, num_tokens[rows], rows_of_batch, config)
         want, waiting = _labels_by_definition(waiting, {r: i for i, r in enumerate(batch)}, num_tokens[rows],
                                               token_ids[rows], label_depth)
         assert (got is None) == (want is None), (seed, step)
@@ -126,16 +127,17 @@ def test_worked_example():
     assert not q and q.take(["a"], np.array([50]), rows, config) is None
 
 
-@pytest.mark.parametrize("bad", ["nan", "root source", "unknown source"])
+@pytest.mark.parametrize("bad", ["nan", "root source", "unknown source", "depth 0"])
 def test_a_bad_node_is_refused_as_the_model_refuses_it(bad):
-    """A labelled node with a NaN value or a source that is not a draft's (the root's, or past
-    the last) raises ValueError naming how many (``AcceptanceModel.update`` raises too); an
-    infinite value is clipped to 1, as the definition clips it."""
+    """A labelled node with a NaN value, a source that is not a draft's (the root's, or past
+    the last) or a depth below 1 raises ValueError naming how many (``AcceptanceModel.update``
+    raises too); an infinite value is clipped to 1, as the definition clips it."""
     values = np.array([1.0, np.nan if bad == "nan" else 0.5, 0.5])
     sources = np.array([0, 1, 2], np.int8)
-    if bad != "nan":
+    if bad.endswith("source"):
         sources[1] = 0 if bad == "root source" else len(NodeSource)
-    flat = FlatTrees(np.array([0, 3]), np.array([1, 2, 3]), np.array([-1, 0, 0]), sources, values, np.array([0, 1, 1]))
+    depths = np.array([0, 0 if bad == "depth 0" else 1, 1])
+    flat = FlatTrees(np.array([0, 3]), np.array([1, 2, 3]), np.array([-1, 0, 0]), sources, values, depths)
     q = LabelQueue(8)
     q.offer(flat, np.array([0]), ["a"], np.array([0]))
     with pytest.raises(ValueError, match="^label queue: 1 labelled node"):
@@ -206,3 +208,36 @@ def test_a_dropped_requests_id_waits_for_its_trees_to_go():
     assert q.requests() == {"b"} and q._num_trees == 1
     q.offer(FlatTrees.from_trees([tree]), np.array([0]), ["e"], np.zeros(1, np.int64))
     assert q._ids["e"] == c_id
+
+
+def test_calls_that_do_not_fit_are_refused():
+    """An offer whose trees, requests and starts differ in number, a pass with fewer token counts
+    or rows than requests, and a ready tree whose tokens would run past its row: ValueError,
+    never a read or write outside the arrays."""
+    tree = DraftTree(tokens=[0, 1, 1], parents=[-1, 0, 1])  # needs 2 tokens
+    q = LabelQueue(8)
+    with pytest.raises(ValueError, match="one request and one start per tree"):
+        q.offer(FlatTrees.from_trees([tree]), np.array([0]), ["a", "b"], np.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="one request and one start per tree"):
+        q.offer(FlatTrees.from_trees([tree]), np.array([0]), ["a"], np.zeros(2, np.int64))
+    q.offer(FlatTrees.from_trees([tree]), np.array([0]), ["a"], np.array([3]))
+    with pytest.raises(ValueError, match="2 requests, 1 token counts"):
+        q.take(["a", "b"], np.array([5]), np.ones((2, 8), np.int64), AcceptanceConfig())
+    with pytest.raises(ValueError, match="2 requests, 2 token counts, 1 token rows"):
+        q.take(["a", "b"], np.array([5, 5]), np.ones((1, 8), np.int64), AcceptanceConfig())
+    with pytest.raises(ValueError, match="past their row"):
+        q.take(["a"], np.array([5]), np.ones((1, 4), np.int64), AcceptanceConfig())  # needs columns 3..4
+
+
+def test_a_request_dropped_and_offered_again_under_its_name():
+    """a's tree waits, a is dropped and a tree is offered again for "a" before the pass: only the
+    new tree is labelled (the old one never against the new request's row)."""
+    old = DraftTree(tokens=[0, 5, 5], parents=[-1, 0, 1])
+    new = DraftTree(tokens=[0, 1], parents=[-1, 0])
+    q = LabelQueue(8)
+    q.offer(FlatTrees.from_trees([old]), np.array([0]), ["a"], np.array([0]))
+    q.drop("a")
+    q.offer(FlatTrees.from_trees([new]), np.array([0]), ["a"], np.array([0]))
+    assert q.waiting("a") == 1
+    hist = q.take(["a"], np.array([2]), np.array([[1, 5]]), AcceptanceConfig())
+    assert hist[0].sum() == 1 and hist[1].sum() == 1 and not q  # new's one node, accepted

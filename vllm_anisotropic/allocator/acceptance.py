@@ -36,7 +36,8 @@ so with no data alpha = a0 = 0, beta = 1 and P = v exactly: the model is usable 
 step and moves to the data as they arrive (refits after updates 1, 2, 4, ... and then every
 ``refit_every``: GOOSE's first values over-rate their nodes many times over). Sufficient
 statistics are per-key histograms over logit(v) (counts n_b, accepted a_b, sum of logits):
-memory is fixed (4 sources x (max_depth+1) x num_bins), an update is one ``bincount``, and the
+memory is fixed (4 sources x (max_depth+1) x num_bins), an update is a ``bincount`` each (the engine's
+label queue bins its nodes itself and ``add``s the histograms), and the
 MAP is a fixed number of vectorised Newton steps on the binned likelihood
 sum_b [a_b log s_b + (n_b - a_b) log(1 - s_b)], s_b = sigmoid(alpha + beta xbar_b), with xbar_b
 the mean logit of the bin.
@@ -134,13 +135,28 @@ class AcceptanceModel:
         if not cfg.logit_max > cfg.logit_min:
             raise ValueError("logit_max must exceed logit_min")
         shape = (NUM_SOURCES, cfg.max_depth + 1, cfg.num_bins)
-        # [num_sources, max_depth + 1, num_bins] decayed counts: observations, accepted, sum of
-        # logit(v); views of one array, so that an update decays and adds them in one call each
+        # [3, num_sources, max_depth + 1, num_bins] decayed counts: observations, accepted, sum of
+        # logit(v) (``count``, ``accepted``, ``logit_sum``): one array, so that an update decays and
+        # adds them in one call each
         self.histograms = np.zeros((3,) + shape)
-        self.count, self.accepted, self.logit_sum = self.histograms
         self._params: tuple[np.ndarray, np.ndarray] | None = None  # (alpha, beta) [num_sources, max_depth + 1]
         self._stale_updates = 0  # updates since the last fit (refit after config.refit_every)
         self._updates = 0  # updates ever: the first refits come after 1, 2, 4, ... of them
+
+    @property
+    def count(self) -> np.ndarray:
+        """[num_sources, max_depth + 1, num_bins] decayed observations (a view of ``histograms``)."""
+        return self.histograms[0]
+
+    @property
+    def accepted(self) -> np.ndarray:
+        """The decayed accepted observations (a view of ``histograms``)."""
+        return self.histograms[1]
+
+    @property
+    def logit_sum(self) -> np.ndarray:
+        """The decayed sums of logit(value) (a view of ``histograms``)."""
+        return self.histograms[2]
 
     # ------------------------------------------------------------------ indexing
     def _keys(self, sources, depths, values) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -317,7 +317,7 @@ def cut_accounts(flat, lengths, max_per_request, headroom, cuts, kept):
     next ``lengths[i]`` entries of ``flat``: ``kept[i]``, the expected accepted drafts of its
     first ``cuts[i]`` entries, as a difference of ``flat``'s prefix sums (``np.cumsum``'s order).
     Returns ``(caps, given up, drafts)``: the requests' caps summed (``allocate.request_caps``
-    with ``max_per_request``, -1 for none, and ``headroom``), the expected accepted drafts
+    with ``max_per_request``, -1 for none (the engine's is never negative), and ``headroom``), the expected accepted drafts
     between each cut and its cap, and ``cuts`` summed. Example: ``flat [0.9, 0.5, 0.8]``,
     lengths ``[2, 1]``, no max, headroom ``[9, 9]``, cuts ``[1, 0]`` -> kept ``[0.9, 0.0]``,
     ``(3, 1.3, 1)``."""

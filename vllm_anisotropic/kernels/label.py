@@ -44,7 +44,8 @@ def queue_trees(offsets, tokens, parents, depths, sources, values, index, reques
     after its ``num_trees`` trees and ``num_nodes`` nodes (the caller made room), tree k of
     ``index`` for request id ``requests[k]`` proposed at ``starts[k]`` tokens; each needs
     ``min(its deepest depth, label_depth)`` tokens after its root. ``waiting[id]`` counts the
-    request's queued trees. Returns the node count after."""
+    request's queued trees. ``index``: distinct trees, in range (the caller's room for the nodes
+    is the whole batch's). Returns the node count after."""
     t = num_trees
     n = num_nodes
     for k in range(index.shape[0]):
@@ -85,7 +86,8 @@ def take_labels(trees, num_trees, nodes, node_values, batch_requests, num_tokens
     [3, num_sources, max_depth + 1, num_bins]`` the labelled nodes' counts, accepted counts and
     sums of logit(value) by (source, depth bucket, logit bin), each node's value clipped to [0, 1]
     first (``AcceptanceModel._keys``); ``bad nodes`` the labelled nodes whose source is not a
-    draft source or whose value is NaN (left out; the model's ``_keys`` refuses them)."""
+    draft source, whose value is NaN or whose depth is below 1 (left out; the model's ``_keys``
+    refuses them), and the ready trees whose tokens run past their row (a caller's bug)."""
     hist = np.zeros((3, num_sources, max_depth + 1, num_bins))
     row_of = np.full(waiting.shape[0], -1, np.int64)
     for i in range(batch_requests.shape[0]):
@@ -110,6 +112,9 @@ def take_labels(trees, num_trees, nodes, node_values, batch_requests, num_tokens
         if row >= 0 and num_tokens[row] - start >= need:
             labelled = True
             waiting[req] -= 1
+            if start + need > token_ids.shape[1]:
+                bad += 1  # tokens past the request's row: a caller's bug
+                continue
             if on_path.shape[0] < size:
                 on_path = np.zeros(2 * size, np.bool_)
             on_path[0] = True
@@ -118,12 +123,12 @@ def take_labels(trees, num_trees, nodes, node_values, batch_requests, num_tokens
                 d = nodes[node, NODE_DEPTH]
                 if d > need:
                     continue  # (nor is any node below it: on_path[j] is never read)
-                on_path[j] = on_path[nodes[node, NODE_PARENT]] and nodes[node, NODE_TOKEN] == token_ids[row, start + d - 1]
                 s = nodes[node, NODE_SOURCE]
                 v = node_values[node]
-                if s <= 0 or s >= num_sources or v != v:
+                if d < 1 or s <= 0 or s >= num_sources or v != v:
                     bad += 1
                     continue
+                on_path[j] = on_path[nodes[node, NODE_PARENT]] and nodes[node, NODE_TOKEN] == token_ids[row, start + d - 1]
                 v = min(max(v, _EPS), 1.0 - _EPS)  # (the clip to [0, 1] first changes nothing after it)
                 x = math.log(v) - math.log1p(-v)
                 b = math.floor((x - logit_min) / width * num_bins)

@@ -197,8 +197,8 @@ class TreeDrafter:
         (after vLLM's start-up scan, which must not meet numba: ``kernels``), not in the first
         tree steps, where the whole batch waits: the proposal, the allocator's ranking
         (``rank_flat``) and offers, the harvest's top-k over logits rows of the model's dtype
-        (``logits_dtype``, CPU), the table update it feeds and the acceptance model's refit
-        (``kernels.fit``; it compiled at the first labels, mid-batch, ~0.7 s). Measured in vLLM (SmolLM2-135M,
+        (``logits_dtype``, CPU), the table update it feeds, the label queue (``kernels.label``) and
+        the acceptance model's refit (``kernels.fit``; it compiled at the first labels, mid-batch, ~0.7 s). Measured in vLLM (SmolLM2-135M,
         16 requests, 2-core Xeon): a first tree step with the ranking, top-k and table update
         not loaded took 6.1 s with numba's disk cache empty and 0.3 s with it filled. One
         throwaway proposal, ranking and learning with a throwaway proposer of the same

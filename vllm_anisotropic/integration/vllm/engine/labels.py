@@ -79,9 +79,12 @@ class LabelQueue:
         return i
 
     def offer(self, trees: FlatTrees, index: np.ndarray, req_ids: Sequence[str], starts: np.ndarray) -> None:
-        """Trees ``index`` of ``trees``, of requests ``req_ids`` that had ``starts`` tokens when they
-        were proposed, wait for ``min(their depth, label_depth)`` more tokens."""
+        """Trees ``index`` of ``trees`` (distinct), of requests ``req_ids`` that had ``starts``
+        tokens when they were proposed, wait for ``min(their depth, label_depth)`` more tokens."""
         count = len(req_ids)
+        if len(index) != count or len(starts) != count:
+            raise ValueError(f"one request and one start per tree: {len(index)} trees, {count} requests, "
+                             f"{len(starts)} starts")
         if count == 0:
             return
         ids = np.fromiter(map(self._id, req_ids), np.int64, count)
@@ -113,10 +116,13 @@ class LabelQueue:
         as histograms ``[3, sources, max_depth + 1, num_bins]`` (counts, accepted, sums of logits)
         by ``config``'s (an ``AcceptanceConfig``) keys, or None when no tree is ready. Trees of
         requests outside the batch keep waiting; dropped ones go. Raises ValueError (as
-        ``AcceptanceModel.update`` does) on a labelled node with a NaN value or a source that is
-        not a draft's; the pass's labels are lost then."""
+        ``AcceptanceModel.update`` does) on a labelled node with a NaN value, a source that is
+        not a draft's or a depth below 1, or a ready tree whose tokens run past its row; the
+        pass's labels are lost then."""
         from vllm_anisotropic.tree import NodeSource
 
+        if len(num_tokens) < len(req_ids) or len(token_ids) < len(req_ids):
+            raise ValueError(f"{len(req_ids)} requests, {len(num_tokens)} token counts, {len(token_ids)} token rows")
         get = self._ids.get
         batch = np.fromiter((get(r, -1) for r in req_ids), np.int64, len(req_ids))
         kept, kept_nodes, labelled, bad, hist = load("label").take_labels(
@@ -127,6 +133,6 @@ class LabelQueue:
             self._free += self._dead
             self._dead = []
         if bad:
-            raise ValueError(f"label queue: {bad} labelled node(s) with a NaN value or a source that is not a draft's "
-                             f"(SPINE, BRANCH, DRAFT): values must be probabilities")
+            raise ValueError(f"label queue: {bad} labelled node(s) with a NaN value, a source that is not a draft's "
+                             f"(SPINE, BRANCH, DRAFT) or a depth below 1, or tree(s) whose tokens run past their row")
         return hist if labelled else None
