@@ -225,7 +225,7 @@ def test_calls_that_do_not_fit_are_refused():
         q.take(["a", "b"], np.array([5]), np.ones((2, 8), np.int64), AcceptanceConfig())
     with pytest.raises(ValueError, match="2 requests, 2 token counts, 1 token rows"):
         q.take(["a", "b"], np.array([5, 5]), np.ones((1, 8), np.int64), AcceptanceConfig())
-    with pytest.raises(ValueError, match="past their row"):
+    with pytest.raises(ValueError, match="^label queue: 1 labelled .*past their row"):
         q.take(["a"], np.array([5]), np.ones((1, 4), np.int64), AcceptanceConfig())  # needs columns 3..4
 
 
