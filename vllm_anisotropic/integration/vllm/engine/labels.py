@@ -24,11 +24,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from vllm_anisotropic.kernels import load
-from vllm_anisotropic.tree import FlatTrees
+from vllm_anisotropic.tree import FlatTrees, NodeSource
 
 __all__ = ["LabelQueue"]
 
 _TREE_COLUMNS, _NODE_COLUMNS = 5, 4  # kernels.label.TREE_COLUMNS, NODE_COLUMNS (checked by the tests)
+_NUM_SOURCES = len(NodeSource)  # the histograms' first key
 
 
 def _grown(arr: np.ndarray, rows: int = 0) -> np.ndarray:
@@ -119,15 +120,13 @@ class LabelQueue:
         ``AcceptanceModel.update`` does) on a labelled node with a NaN value, a source that is
         not a draft's or a depth below 1, or a ready tree whose tokens run past its row; the
         pass's labels are lost then."""
-        from vllm_anisotropic.tree import NodeSource
-
         if len(num_tokens) < len(req_ids) or len(token_ids) < len(req_ids):
             raise ValueError(f"{len(req_ids)} requests, {len(num_tokens)} token counts, {len(token_ids)} token rows")
         get = self._ids.get
         batch = np.fromiter((get(r, -1) for r in req_ids), np.int64, len(req_ids))
         kept, kept_nodes, labelled, bad, hist = load("label").take_labels(
             self._trees, self._num_trees, self._nodes, self._values, batch, num_tokens, token_ids, self._waiting,
-            config.logit_min, config.logit_max, len(NodeSource), config.max_depth, config.num_bins)
+            config.logit_min, config.logit_max, _NUM_SOURCES, config.max_depth, config.num_bins)
         self._num_trees, self._num_nodes = kept, kept_nodes
         if self._dead:
             self._free += self._dead
