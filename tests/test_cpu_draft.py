@@ -7,7 +7,8 @@ wrong positions (a lane at its column instead of its depth), a RoPE cache read p
 (positions beyond the config's ``max_position_embeddings``), the residual added twice or not
 at all, gate and up swapped, a chunked MLP that writes a chunk at the wrong rows, padded rows
 left in a GEMM's output, a GEMM call at a row count outside the buckets, and a model the fused
-loop does not handle taken anyway.
+loop does not handle taken anyway; with ``draft_quantization: int8``, a fused GEMM left in
+float or one whose quantization wrecks the logits.
 """
 
 from __future__ import annotations
@@ -58,6 +59,23 @@ def test_fused_layers_give_transformers_logits(arch):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(got[-1][0], got[-1][1])  # lanes differ: a mix-up would show
+
+
+def test_int8_fused_layers_stay_near_the_float_logits():
+    """``draft_quantization: int8`` on the fused loop (every GEMM int8, the head too): the same
+    forwards as above, logits within a few per cent of the float ones and the same argmax on
+    nearly every row, but not the float logits (each layer quantized, not only the head)."""
+    path = build_tiny_model(arch="qwen2", seed=1, block_std=0.1)
+    ref, lm = DraftLM(path), DraftLM(path)
+    assert use_vllm_cpu_layers(lm, "int8") and use_vllm_cpu_gemm(lm.model, "int8") == 1
+    assert all(hasattr(gemm.layer, "int8_scales") for layer in lm.layers_forward.layers
+               for gemm in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    g = torch.Generator().manual_seed(2)
+    contexts = [torch.randint(1, lm.vocab_size, (n,), generator=g).tolist() for n in (CHUNK_ROWS + 44, 3, 40, 1)]
+    for a, b in zip(_forwards(lm, contexts), _forwards(ref, contexts)):
+        rel = (a - b).abs().amax(-1) / b.abs().amax(-1)
+        assert 1e-4 < rel.median() < 0.05 and rel.max() < 0.15, rel
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
 
 
 def test_models_the_fused_loop_does_not_cover_keep_transformers():

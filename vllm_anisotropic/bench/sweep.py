@@ -65,6 +65,8 @@ NAME+recompute  a tree method whose CPU tree rows always take the masked float32
 NAME+rowsgemm  any of the above with bf16 linear layers on this package's rows GEMM kernel
              up to 16 rows a step (``VLLM_ANISOTROPIC_CPU_GEMM=rows``, cpu_rows_gemm.py;
              experimental): compare ``plain+rowsgemm`` with ``goose-auto+rowsgemm``
+NAME+q8      a ``dtree-*`` method with q's linear layers in int8 (``"draft_quantization": "int8"``:
+             int8 weights and rows through vLLM's oneDNN int8 GEMM; CPU only)
 NAME+src     any of the above with its engine importing ``vllm_anisotropic`` from the source tree
              ``--src`` names (e.g. a ``git worktree`` of an earlier commit) instead of this one:
              ``--methods plain,goose-auto,goose-auto+src --src /tmp/before`` is a before/after A/B
@@ -152,7 +154,8 @@ SYNC = "+sync"
 RECOMPUTE = "+recompute"
 ROWSGEMM = "+rowsgemm"
 SRC = "+src"
-MODIFIERS = (IOMP, SYNC, RECOMPUTE, ROWSGEMM, SRC)
+Q8 = "+q8"
+MODIFIERS = (IOMP, SYNC, RECOMPUTE, ROWSGEMM, SRC, Q8)
 
 
 _DRAFT_METHOD = re.compile(r"^(?:draft_model-k(?P<k>[1-9]\d*)|dtree-(?P<b>[1-9])\.(?P<t>\d)\.(?P<l>\d)|dtree-(?P<auto>auto)"
@@ -219,7 +222,10 @@ def resolve_config(method: str, tmp_dir: Path, draft: str | None = None,
     token and tree row costs 1 s, so the allocator keeps no draft in any step. A draft-model
     method's config names ``draft`` (and ``dtree-sel``'s ``selector``)."""
     if base_method(method) not in METHODS:
-        return draft_method_config(method, draft, selector)
+        spec = draft_method_config(method, draft, selector)
+        if spec is not None and Q8 in modifiers(method):
+            spec = {**spec, "draft_quantization": "int8"}
+        return spec
     spec = METHODS[base_method(method)]
     if spec is None or spec.get("cost_model") != "<steep>":
         return spec
@@ -241,6 +247,8 @@ def unavailable_reason(method: str, draft: str | None = None, src: Path | None =
         return "no libiomp5.so in this environment (pip install intel-openmp)"
     if SRC in modifiers(method) and src is None:
         return "a +src method needs --src (a source tree holding vllm_anisotropic/)"
+    if Q8 in modifiers(method) and not base_method(method).startswith("dtree-"):
+        return "+q8 sets draft_tree's draft_quantization: a dtree-* method only"
     if ROWSGEMM in modifiers(method):
         from vllm_anisotropic.cpu_rows_gemm import unavailable_reason as rows_reason
 
@@ -585,7 +593,8 @@ def run(args: argparse.Namespace) -> int:
     bad = [m for m in methods if not valid_method(m)]
     if bad:
         raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}, draft_model-kN, dtree-K.L1.L2, dtree-auto, dtree-default, dtree-sel "
-                         f"(each also as NAME{IOMP}, NAME{SYNC}, NAME{RECOMPUTE}, NAME{ROWSGEMM} and NAME{SRC})")
+                         f"(each also as NAME{IOMP}, NAME{SYNC}, NAME{RECOMPUTE}, NAME{ROWSGEMM}, NAME{SRC} and, "
+                         f"dtree-* only, NAME{Q8})")
     if args.src is not None and not Path(args.src, "vllm_anisotropic", "__init__.py").is_file():
         raise SystemExit(f"--src {args.src}: no vllm_anisotropic/__init__.py there")
     if args.src is not None and any(SRC in modifiers(m) for m in methods) and (missing := src_missing_modules(args.src)):

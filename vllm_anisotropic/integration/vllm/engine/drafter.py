@@ -130,8 +130,14 @@ class TreeDrafter:
         if isinstance(self.proposer, DraftTreeProposer):
             # q's decoder layers on vLLM's CPU kernels where it can (cpu_draft.py), its other
             # linears (the output head; all of them otherwise) through vLLM's CPU GEMM (cpu_gemm.py)
-            fused = use_vllm_cpu_layers(self.proposer.lm)
-            use_vllm_cpu_gemm(self.proposer.lm.model)
+            from vllm.platforms import current_platform
+
+            quantization = self.proposer.config.draft_quantization
+            if quantization != "none" and not current_platform.is_cpu():
+                raise ValueError(f"draft_tree's draft_quantization {quantization!r} runs on vLLM's CPU platform only "
+                                 f"(this worker's: {current_platform.device_type}); use \"none\"")
+            fused = use_vllm_cpu_layers(self.proposer.lm, quantization)
+            use_vllm_cpu_gemm(self.proposer.lm.model, quantization)
             if fused:
                 logger.info("draft model: GEMMs warmed up at %d row counts in %.1f s", len(BUCKETS),
                             warm_up(self.proposer.lm))

@@ -98,6 +98,11 @@ METHODS: dict[str, tuple[str, ...]] = {
     # cpu_gemm.use_vllm_cpu_gemm: draft_tree's q takes vLLM's CPU GEMM per linear layer (it then
     # calls the ``cpu_linear(x, weight, bias)`` the dispatch sets on the layer)
     "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm": ("layer", "remove_weight"),
+    # cpu_gemm.dispatch_linear with draft_quantization int8: vLLM's oneDNN int8 GEMM (W8A8)
+    "vllm._custom_ops:create_onednn_scaled_mm": ("weight", "weight_scales", "output_type", "dynamic_quant", "use_azp",
+                                                 "primitive_cache_size"),
+    "vllm._custom_ops:onednn_scaled_int8_quant": ("input", "scale", "azp", "symmetric"),
+    "vllm._custom_ops:onednn_scaled_mm": ("dnnl_handler", "x", "output", "input_scale", "input_zp", "input_zp_adj", "bias"),
     # cpu_draft.FusedLayers: q's decoder layers on vLLM's CPU ops
     "vllm._custom_ops:rms_norm": ("out", "input", "weight", "epsilon"),
     "vllm._custom_ops:fused_add_rms_norm": ("input", "residual", "weight", "epsilon"),

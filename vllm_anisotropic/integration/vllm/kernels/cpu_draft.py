@@ -33,7 +33,7 @@ import logging
 
 import torch
 
-from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import BUCKETS, CHUNK_ROWS, padded_linear
+from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import BUCKETS, CHUNK_ROWS, dispatch_linear, padded_linear
 from vllm_anisotropic.proposers.draft_common import attention_dims
 
 __all__ = ["use_vllm_cpu_layers", "warm_up"]
@@ -65,19 +65,17 @@ def unsupported(model) -> str | None:
 
 
 class _Gemm:
-    """One linear layer ``x @ weight.T + bias`` through vLLM's CPU GEMM dispatch (the weight
-    packed once)."""
+    """One linear layer ``x @ weight.T + bias`` through vLLM's CPU GEMM (the weight packed once;
+    ``quantization``: ``cpu_gemm.dispatch_linear``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str = "none") -> None:
         self.layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
                                      dtype=weight.dtype, device=weight.device)
         with torch.no_grad():
             self.layer.weight.copy_(weight)
             if bias is not None:
                 self.layer.bias.copy_(bias)
-        dispatch_cpu_unquantized_gemm(self.layer, remove_weight=True)
+        dispatch_linear(self.layer, quantization)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return padded_linear(self.layer, x)  # at a few row counts (cpu_gemm.bucket_rows)
@@ -92,14 +90,14 @@ class _Unfused(torch.nn.Module):
 
 
 class _Layer:
-    def __init__(self, layer) -> None:
+    def __init__(self, layer, quantization: str = "none") -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = _Gemm(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
                          None if attn.q_proj.bias is None
-                         else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
-        self.o = _Gemm(attn.o_proj.weight, attn.o_proj.bias)
-        self.gate_up = _Gemm(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None)
-        self.down = _Gemm(mlp.down_proj.weight, None)
+                         else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]), quantization)
+        self.o = _Gemm(attn.o_proj.weight, attn.o_proj.bias, quantization)
+        self.gate_up = _Gemm(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization)
+        self.down = _Gemm(mlp.down_proj.weight, None, quantization)
         self.sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         self.intermediate = mlp.gate_proj.out_features
         self.scaling = attn.scaling
@@ -115,7 +113,7 @@ class FusedLayers:
     """q's decoder (embedding, layers, final norm) as ``DraftLM.layers_forward``: ``(ids [T],
     positions [T], plan) -> hidden [T, hidden]`` (module docstring)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, quantization: str = "none") -> None:
         config = model.config
         decoder = model.model
         self.embed = decoder.embed_tokens
@@ -125,7 +123,7 @@ class FusedLayers:
         self.rope_scale = float(getattr(decoder.rotary_emb, "attention_scaling", 1.0))
         self.dtype = model.dtype
         self.cos_sin = self._rope(int(config.max_position_embeddings))
-        self.layers = [_Layer(layer) for layer in decoder.layers]
+        self.layers = [_Layer(layer, quantization) for layer in decoder.layers]
 
     def _rope(self, positions: int) -> torch.Tensor:
         """vLLM's cos / sin cache for positions 0..``positions`` - 1: ``[positions, rotary_dim]``,
@@ -178,9 +176,10 @@ class FusedLayers:
         return out
 
 
-def use_vllm_cpu_layers(lm) -> bool:
+def use_vllm_cpu_layers(lm, quantization: str = "none") -> bool:
     """q's (``proposers.draft_model.DraftLM``) decoder through ``FusedLayers`` when it can
-    (module docstring); False, with the reason logged, where it keeps transformers' path."""
+    (module docstring; ``quantization``: ``cpu_gemm.dispatch_linear``); False, with the reason
+    logged, where it keeps transformers' path."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -190,7 +189,7 @@ def use_vllm_cpu_layers(lm) -> bool:
         logger.info("draft model: transformers' decoder (no fused CPU layers for %s)", why)
         return False
     with torch.no_grad():
-        lm.layers_forward = FusedLayers(lm.model)
+        lm.layers_forward = FusedLayers(lm.model, quantization)
     logger.info("draft model: %d decoder layers on vLLM's CPU kernels", len(lm.layers_forward.layers))
     return True
 

@@ -16,6 +16,14 @@ module and bias; its weight is replaced by the packed copy (``remove_weight``), 
 not double, except a weight shared with another module (q's tied embedding and output head):
 that one stays for the other module, and the packed copy is extra (151,936 x 896 bf16 = 272 MB
 for Qwen2.5-0.5B).
+
+**int8** (``draft_quantization: int8``): each weight quantized once to int8 per output channel
+(symmetric, the row's largest magnitude at 127) and each call's rows to int8 per row (vLLM's
+dynamic per-token quantization), multiplied by vLLM's oneDNN int8 GEMM
+(``create_onednn_scaled_mm`` / ``onednn_scaled_mm``, the kernel of vLLM's own W8A8 checkpoints on
+CPUs), output in the activations' dtype. A decode forward of q reads every weight once, so
+it is bound by memory: half the bytes of bf16. Only q's drafts change (the target verifies every
+one, so the output does not); how many the target accepts is measured (docs/draft_tree.md).
 """
 
 from __future__ import annotations
@@ -24,15 +32,19 @@ import logging
 
 import torch
 
-__all__ = ["BUCKETS", "CHUNK_ROWS", "bucket_rows", "padded_linear", "use_vllm_cpu_gemm"]
+__all__ = ["BUCKETS", "CHUNK_ROWS", "QUANTIZATIONS", "bucket_rows", "dispatch_linear", "padded_linear",
+           "use_vllm_cpu_gemm"]
 
 logger = logging.getLogger(__name__)
 
 
-def use_vllm_cpu_gemm(model: torch.nn.Module) -> int:
-    """Route every plain ``nn.Linear`` of ``model`` through vLLM's CPU GEMM dispatch; returns how
-    many layers were routed (0 off the CPU platform)."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+QUANTIZATIONS = ("none", "int8")  # draft_tree's ``draft_quantization`` (module docstring)
+_ROWS_A_PASS = 16_384  # weight rows quantized at a time (the float32 copy of a 151,936-row head: 545 MB)
+
+
+def use_vllm_cpu_gemm(model: torch.nn.Module, quantization: str = "none") -> int:
+    """Route every plain ``nn.Linear`` of ``model`` through vLLM's CPU GEMM (``dispatch_linear``);
+    returns how many layers were routed (0 off the CPU platform)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -41,11 +53,53 @@ def use_vllm_cpu_gemm(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module) is not torch.nn.Linear or module.weight.device.type != "cpu":
             continue
-        dispatch_cpu_unquantized_gemm(module, remove_weight=True)
+        dispatch_linear(module, quantization)
         module.forward = _routed_forward(module)
         routed += 1
-    logger.info("draft model: %d linear layers use vLLM's CPU GEMM", routed)
+    logger.info("draft model: %d linear layers use vLLM's CPU GEMM%s", routed,
+                " (int8)" if quantization == "int8" else "")
     return routed
+
+
+def dispatch_linear(layer: torch.nn.Linear, quantization: str = "none") -> None:
+    """Give ``layer`` vLLM's CPU kernel as ``layer.cpu_linear(x, weight, bias)`` and drop its
+    weight (the kernel holds its own packed copy): ``none`` vLLM's unquantized dispatch
+    (``dispatch_cpu_unquantized_gemm``), ``int8`` its oneDNN int8 GEMM (module docstring)."""
+    if quantization == "none":
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    elif quantization == "int8":
+        _dispatch_int8(layer)
+    else:
+        raise ValueError(f"draft_quantization {quantization!r}: one of {', '.join(QUANTIZATIONS)}")
+
+
+@torch.no_grad()
+def _dispatch_int8(layer: torch.nn.Linear) -> None:
+    from vllm import _custom_ops as ops
+
+    weight = layer.weight.detach()
+    dtype, out_features = weight.dtype, weight.shape[0]
+    quantized = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(out_features, 1, dtype=torch.float32)
+    for i in range(0, out_features, _ROWS_A_PASS):
+        rows = weight[i : i + _ROWS_A_PASS].float()
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
+        quantized[i : i + _ROWS_A_PASS] = torch.round(rows / scale).clamp(-127, 127).to(torch.int8)
+        scales[i : i + _ROWS_A_PASS] = scale
+    # the kernel packs the weight [in, out] (a transposed view) but reads the scales in place:
+    # they live as long as the layer
+    handler = ops.create_onednn_scaled_mm(quantized.t(), scales, dtype, True, False, 32)
+    layer.int8_scales = scales
+
+    def cpu_linear(x: torch.Tensor, _weight, bias: torch.Tensor | None) -> torch.Tensor:
+        x_q, x_scales, _ = ops.onednn_scaled_int8_quant(x.contiguous())
+        out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+        return ops.onednn_scaled_mm(handler, x_q, out, x_scales, None, None, bias)
+
+    layer.cpu_linear = cpu_linear
+    layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
 CHUNK_ROWS = 256  # most rows per GEMM call (``padded_linear``)
