@@ -7,7 +7,8 @@ left on torch's linear while its weight was removed (an empty weight: the forwar
 the dispatch reaching non-CPU or non-Linear modules. With ``draft_quantization: int8``: a layer
 left in float (its error would be the float kernel's), scales taken per tensor or per column
 instead of per output row, activations not quantized per row, a dropped bias, the weight
-scales freed while the kernel still reads them.
+scales freed while the kernel still reads them, a weight quantized in passes of rows that skip
+or overlap rows.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import gc
 import pytest
 import torch
 
+from vllm_anisotropic.integration.vllm.kernels import cpu_gemm
 from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import dispatch_linear, use_vllm_cpu_gemm
 from vllm_anisotropic.models.tiny import build_tiny_model
 from vllm_anisotropic.proposers.draft_model import DraftLM
@@ -64,7 +66,7 @@ def _int8_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_layers_compute_the_int8_product(dtype):
+def test_int8_layers_compute_the_int8_product(dtype, monkeypatch):
     """An int8 layer gives the product of the rounded weight and rows (to the float32
     accumulation's rounding), not the float product (its error is the quantization's, orders
     above the float kernel's), and keeps the bias; the scales it reads in place outlive the
@@ -77,6 +79,7 @@ def test_int8_layers_compute_the_int8_product(dtype):
     with torch.no_grad():
         layer.weight.copy_(weight)
         layer.bias.copy_(bias)
+    monkeypatch.setattr(cpu_gemm, "_ROWS_A_PASS", 40)  # the weight quantized in passes of 40, 40 and 16 rows
     dispatch_linear(layer, "int8")
     assert layer.weight.numel() == 0  # the kernel holds the only copy
     gc.collect()
@@ -101,3 +104,16 @@ def test_int8_routes_every_linear_and_unknown_quantizations_are_refused():
     assert all(hasattr(m, "int8_scales") for m in lm.model.modules() if type(m) is torch.nn.Linear)
     with pytest.raises(ValueError, match="draft_quantization 'int4': one of none, int8"):
         dispatch_linear(torch.nn.Linear(8, 8), "int4")
+
+
+def test_auto_quantization_is_int8_on_a_cpu_with_vnni_only(monkeypatch):
+    for vnni in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda vnni=vnni: vnni)
+        assert cpu_gemm.resolve_quantization("auto", cpu_platform=True) == ("int8" if vnni else "none")
+        assert cpu_gemm.resolve_quantization("auto", cpu_platform=False) == "none"
+        assert cpu_gemm.resolve_quantization("none", cpu_platform=False) == "none"
+        assert cpu_gemm.resolve_quantization("int8", cpu_platform=True) == "int8"
+    with pytest.raises(ValueError, match="'int8' runs on vLLM's CPU platform only"):
+        cpu_gemm.resolve_quantization("int8", cpu_platform=False)
+    with pytest.raises(ValueError, match="'fp8': one of auto, none, int8"):
+        cpu_gemm.resolve_quantization("fp8", cpu_platform=True)

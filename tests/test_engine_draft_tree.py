@@ -19,6 +19,8 @@ different blocks: it agrees with the target often, not always). Engine runs in f
 * Tensor parallelism 2: greedy identical to TP = 2 plain, sampled requests keep both ranks'
   drafts and walks in step, with a selector whose shape changes with q's root entropy.
 * A selector (``"selector": PATH``) drafts its shape in the engine, output still plain vLLM's.
+* q in int8 and in its dtype (``draft_quantization``, the default and the other setting):
+  other drafts, about as many accepted, output plain vLLM's.
 * Front door: a draft whose tokenizer differs from the target's is refused when the engine is
   built, naming the mismatch; unknown keys and a verifier that needs one branch are refused.
 """
@@ -60,10 +62,16 @@ def greedy_plain(pair, tiny_prompts):
     return job, run_offline_job(job, env=IN_PROCESS)
 
 
-def test_greedy_output_is_plain_vllm_s(pair, greedy_plain):
-    job, plain = greedy_plain
-    spec = run_offline_job(job.model_copy(update={"speculative_config": {
+@pytest.fixture(scope="module")
+def greedy_tree(pair, greedy_plain):
+    job, _ = greedy_plain
+    return run_offline_job(job.model_copy(update={"speculative_config": {
         "method": "draft_tree", "model": pair[1], **SHAPE, "allocator": "off"}}), env=IN_PROCESS)
+
+
+def test_greedy_output_is_plain_vllm_s(greedy_plain, greedy_tree):
+    _, plain = greedy_plain
+    spec = greedy_tree
     print(f"greedy draft_tree: {spec.spec}, tau {spec.spec.tau:.2f}")
     assert spec.spec.num_accepted_tokens > 50, spec.spec  # the draft's trees were accepted
     for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)):
@@ -71,6 +79,26 @@ def test_greedy_output_is_plain_vllm_s(pair, greedy_plain):
     # q's KV reserved out of vLLM's (worker.py): by default the share in which q holds as many
     # tokens as the target's cache; q has the target's architecture and dtype here, so half
     assert abs(spec.kv_cache_blocks - plain.kv_cache_blocks / 2) <= 1, (spec.kv_cache_blocks, plain.kv_cache_blocks)
+
+
+def test_greedy_with_the_other_draft_quantization_stays_plain_vllm_s(pair, greedy_plain, greedy_tree):
+    """``draft_quantization``: the run above takes the default (``auto``: q in int8 on a CPU with
+    VNNI, cpu_gemm.py, else in its dtype); this one the other setting, so both run on every
+    machine. Same shape, other trees (another count of drafts or of accepted ones: the key
+    reached q), about as many accepted, the output plain vLLM's."""
+    from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import resolve_quantization
+
+    other = "none" if resolve_quantization("auto", cpu_platform=True) == "int8" else "int8"
+    job, plain = greedy_plain
+    spec = run_offline_job(job.model_copy(update={"speculative_config": {
+        "method": "draft_tree", "model": pair[1], **SHAPE, "allocator": "off", "draft_quantization": other}}),
+        env=IN_PROCESS)
+    print(f"greedy draft_tree, q {other}: {spec.spec}; default: {greedy_tree.spec}")
+    drafted = (spec.spec.num_draft_tokens, spec.spec.num_accepted_tokens)
+    assert drafted != (greedy_tree.spec.num_draft_tokens, greedy_tree.spec.num_accepted_tokens), drafted
+    low, high = sorted((spec.spec.num_accepted_tokens, greedy_tree.spec.num_accepted_tokens))
+    assert low > 0.8 * high, (spec.spec, greedy_tree.spec)
+    assert spec.token_ids == plain.token_ids
 
 
 def test_greedy_with_a_selector_drafts_its_shape_and_stays_plain_vllm_s(pair, greedy_plain, tmp_path):
@@ -193,6 +221,10 @@ def test_bad_draft_tree_options_are_refused_by_name(pair):
     TreeSpecConfig.build("draft_tree", {"model": draft, "verifier": "block", "branches": 1})
     with pytest.raises(ValueError, match="verifier"):
         TreeSpecConfig.build("draft_tree", {"model": draft, "verifier": "greedy"})
+    with pytest.raises(ValueError, match="draft_quantization"):
+        TreeSpecConfig.build("draft_tree", {"model": draft, "draft_quantization": "int4"})
+    assert TreeSpecConfig.build("draft_tree", {"model": draft, "draft_quantization": "int8"}).proposer_options[
+        "draft_quantization"] == "int8"
     with pytest.raises(ValueError, match="greedy"):
         TreeSpecConfig.build("goose", {"verifier": "traversal"})
     with pytest.raises(ValueError, match="sampling_verifier takes only 'none'"):

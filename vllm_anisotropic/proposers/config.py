@@ -179,12 +179,13 @@ class DraftTreeConfig(ProposerConfig):
     draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype q runs in; ``"auto"``: the target's (vLLM's ``--dtype``), float32 outside the engine.
     On a CPU without native bf16 (AVX2 only) a bf16 q is emulated: ``"float32"`` is faster there."""
-    draft_quantization: Literal["none", "int8"] = "none"
+    draft_quantization: Literal["auto", "none", "int8"] = "auto"
     """``"int8"``: q's linear layers (the output head included) with int8 weights (per output
     channel) and int8 activations (per row, at each call) through vLLM's oneDNN int8 GEMM, on
     vLLM's CPU platform only (refused elsewhere). A decode forward of q reads half the bytes
     (integration/vllm/kernels/cpu_gemm.py); its drafts may differ, the output cannot (the target
-    verifies every draft)."""
+    verifies every draft). ``"auto"``: int8 on vLLM's CPU platform where the CPU has VNNI (int8
+    dot products: AVX-512 VNNI, as on the CPUs it was measured on), else ``"none"``."""
     draft_device: Literal["auto", "cpu"] = "auto"
     """Device of q's weights and KV: ``"auto"``, the worker's (its GPU on a GPU worker, the CPU
     on vLLM's CPU build); ``"cpu"``: the host (on a GPU worker nothing is then reserved out of

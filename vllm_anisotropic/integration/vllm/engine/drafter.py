@@ -43,7 +43,7 @@ from vllm_anisotropic import kernels as _kernels
 from vllm_anisotropic.allocator import AcceptanceConfig, AcceptanceModel, rank_flat
 from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
 from vllm_anisotropic.integration.vllm.kernels.cpu_draft import use_vllm_cpu_layers, warm_up
-from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import BUCKETS, use_vllm_cpu_gemm
+from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import BUCKETS, resolve_quantization, use_vllm_cpu_gemm
 from vllm_anisotropic.integration.vllm.engine.faults import inject, report, tp_size
 from vllm_anisotropic.integration.vllm.engine.faults import tp_rank as _tp_rank
 from vllm_anisotropic.integration.vllm.engine.host_clock import HostClock, timed
@@ -132,10 +132,7 @@ class TreeDrafter:
             # linears (the output head; all of them otherwise) through vLLM's CPU GEMM (cpu_gemm.py)
             from vllm.platforms import current_platform
 
-            quantization = self.proposer.config.draft_quantization
-            if quantization != "none" and not current_platform.is_cpu():
-                raise ValueError(f"draft_tree's draft_quantization {quantization!r} runs on vLLM's CPU platform only "
-                                 f"(this worker's: {current_platform.device_type}); use \"none\"")
+            quantization = resolve_quantization(self.proposer.config.draft_quantization, current_platform.is_cpu())
             fused = use_vllm_cpu_layers(self.proposer.lm, quantization)
             use_vllm_cpu_gemm(self.proposer.lm.model, quantization)
             if fused:

@@ -17,7 +17,7 @@ not double, except a weight shared with another module (q's tied embedding and o
 that one stays for the other module, and the packed copy is extra (151,936 x 896 bf16 = 272 MB
 for Qwen2.5-0.5B).
 
-**int8** (``draft_quantization: int8``): each weight quantized once to int8 per output channel
+**int8** (``draft_quantization: int8``, and ``auto`` on a CPU with VNNI): each weight quantized once to int8 per output channel
 (symmetric, the row's largest magnitude at 127) and each call's rows to int8 per row (vLLM's
 dynamic per-token quantization), multiplied by vLLM's oneDNN int8 GEMM
 (``create_onednn_scaled_mm`` / ``onednn_scaled_mm``, the kernel of vLLM's own W8A8 checkpoints on
@@ -33,12 +33,12 @@ import logging
 import torch
 
 __all__ = ["BUCKETS", "CHUNK_ROWS", "QUANTIZATIONS", "bucket_rows", "dispatch_linear", "padded_linear",
-           "use_vllm_cpu_gemm"]
+           "resolve_quantization", "use_vllm_cpu_gemm"]
 
 logger = logging.getLogger(__name__)
 
 
-QUANTIZATIONS = ("none", "int8")  # draft_tree's ``draft_quantization`` (module docstring)
+QUANTIZATIONS = ("none", "int8")  # what draft_tree's ``draft_quantization`` resolves to (module docstring)
 _ROWS_A_PASS = 16_384  # weight rows quantized at a time (the float32 copy of a 151,936-row head: 545 MB)
 
 
@@ -59,6 +59,20 @@ def use_vllm_cpu_gemm(model: torch.nn.Module, quantization: str = "none") -> int
     logger.info("draft model: %d linear layers use vLLM's CPU GEMM%s", routed,
                 " (int8)" if quantization == "int8" else "")
     return routed
+
+
+def resolve_quantization(key: str, cpu_platform: bool) -> str:
+    """What q's linear layers run in for draft_tree's ``draft_quantization`` ``key``: ``auto`` is
+    ``int8`` on vLLM's CPU platform where the CPU has VNNI (``torch.cpu._is_vnni_supported``),
+    else ``none``; ``int8`` off the CPU platform is refused."""
+    if key == "auto":
+        return "int8" if cpu_platform and torch.cpu._is_vnni_supported() else "none"
+    if key not in QUANTIZATIONS:
+        raise ValueError(f"draft_quantization {key!r}: one of auto, {', '.join(QUANTIZATIONS)}")
+    if key != "none" and not cpu_platform:
+        raise ValueError(f"draft_tree's draft_quantization {key!r} runs on vLLM's CPU platform only; use \"none\" "
+                         f"or \"auto\"")
+    return key
 
 
 def dispatch_linear(layer: torch.nn.Linear, quantization: str = "none") -> None:
