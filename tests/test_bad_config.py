@@ -225,3 +225,25 @@ def test_a_window_size_with_the_window_off_is_not_refused(engine_args_cls, tiny_
     config = engine_args_cls(model=model_with(tiny_model_dir, "qwen2_5_0_5b", tmp_path), speculative_config=GOOSE,
                              enforce_eager=True, max_model_len=1024).create_engine_config()
     assert config.speculative_config.method == "goose"
+
+
+def test_an_int8_draft_off_the_cpu_platform_is_refused_when_the_engine_is_built(engine_args_cls, tiny_model_dir,
+                                                                                 monkeypatch):
+    """``draft_quantization: int8`` runs on vLLM's CPU platform only: on another, the engine's
+    config check refuses it by name (before any worker loads q), naming what is valid there."""
+    from vllm.platforms import current_platform
+
+    from vllm_anisotropic.integration.vllm.frontdoor import patches
+
+    spec = {"method": "draft_tree", "model": str(tiny_model_dir), "draft_quantization": "int8"}
+    config = engine_args_cls(model=str(tiny_model_dir), speculative_config=spec, enforce_eager=True,
+                             max_model_len=1024).create_engine_config()  # on the CPU platform: valid
+    assert patches._stored_options(config)["draft_quantization"] == "int8"
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    with pytest.raises(ValueError) as info:
+        patches.check_and_install(config)
+    assert "draft_quantization 'int8' off vLLM's CPU platform (valid here: 'auto', 'none')" in str(info.value)
+    config.additional_config[KEY]["options"]["draft_quantization"] = "auto"
+    with pytest.raises(ValueError) as info:  # still refused (the platform itself), but not for the draft
+        patches.check_and_install(config)
+    assert "draft_quantization" not in str(info.value)

@@ -358,15 +358,17 @@ def test_recompute_variant_sets_the_tree_rows_mode(monkeypatch):
 
 
 def test_q8_variant_quantizes_draft_tree_s_q_only(tmp_path):
-    """``NAME+q8``: a dtree method's config gains ``draft_quantization: int8``, the rest of it
-    unchanged; on any other method it is refused, naming why."""
+    """``NAME+q8`` / ``NAME+qnone``: a dtree method's config gains ``draft_quantization`` int8 /
+    none, the rest of it unchanged; on any other method, or both at once, refused, naming why."""
     for method in ("dtree-default", "dtree-1.3.0", "dtree-auto"):
         plain_q = sweep.resolve_config(method, tmp_path, draft="D")
         assert sweep.valid_method(method + "+q8")
         assert sweep.resolve_config(method + "+q8", tmp_path, draft="D") == {**plain_q, "draft_quantization": "int8"}
         assert sweep.unavailable_reason(method + "+q8", draft="D") is None
+        assert sweep.resolve_config(method + "+qnone", tmp_path, draft="D") == {**plain_q, "draft_quantization": "none"}
     assert "dtree-* method only" in sweep.unavailable_reason("goose-auto+q8")
-    assert "dtree-* method only" in sweep.unavailable_reason("draft_model-k2+q8", draft="D")
+    assert "dtree-* method only" in sweep.unavailable_reason("draft_model-k2+qnone", draft="D")
+    assert "one draft_quantization a method" in sweep.unavailable_reason("dtree-default+q8+qnone", draft="D")
 
 
 def test_environment_names_the_cpu_model_and_its_vector_extensions(tmp_path):

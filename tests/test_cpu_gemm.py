@@ -65,7 +65,7 @@ def _int8_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out if bias is None else out + bias.double()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int8_layers_compute_the_int8_product(dtype, monkeypatch):
     """An int8 layer gives the product of the rounded weight and rows (to the float32
     accumulation's rounding), not the float product (its error is the quantization's, orders
@@ -92,7 +92,7 @@ def test_int8_layers_compute_the_int8_product(dtype, monkeypatch):
     scale = exact.abs().amax(1, keepdim=True)
     err_int8 = ((got.double() - want).abs() / scale).max().item()
     err_float = ((got.double() - exact).abs() / scale).max().item()
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # a bf16 output rounds to 2^-8 of its magnitude
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # a bf16 output rounds to 2^-8 of its magnitude (fp16 2^-11)
     assert err_int8 < tol, err_int8
     assert 1e-3 < err_float < 0.05, err_float  # quantized (not the float kernel), but close
 
@@ -113,7 +113,13 @@ def test_auto_quantization_is_int8_on_a_cpu_with_vnni_only(monkeypatch):
         assert cpu_gemm.resolve_quantization("auto", cpu_platform=False) == "none"
         assert cpu_gemm.resolve_quantization("none", cpu_platform=False) == "none"
         assert cpu_gemm.resolve_quantization("int8", cpu_platform=True) == "int8"
-    with pytest.raises(ValueError, match="'int8' runs on vLLM's CPU platform only"):
+    with pytest.raises(ValueError, match="'int8' runs on vLLM's CPU platform with its oneDNN kernels only"):
         cpu_gemm.resolve_quantization("int8", cpu_platform=False)
+    from vllm import _custom_ops as ops
+
+    monkeypatch.setattr(ops, "_supports_onednn", False)  # a CPU build without oneDNN (e.g. POWER)
+    assert cpu_gemm.resolve_quantization("auto", cpu_platform=True) == "none"
+    with pytest.raises(ValueError, match="oneDNN kernels only"):
+        cpu_gemm.resolve_quantization("int8", cpu_platform=True)
     with pytest.raises(ValueError, match="'fp8': one of auto, none, int8"):
         cpu_gemm.resolve_quantization("fp8", cpu_platform=True)

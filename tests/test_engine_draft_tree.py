@@ -81,19 +81,23 @@ def test_greedy_output_is_plain_vllm_s(greedy_plain, greedy_tree):
     assert abs(spec.kv_cache_blocks - plain.kv_cache_blocks / 2) <= 1, (spec.kv_cache_blocks, plain.kv_cache_blocks)
 
 
-def test_greedy_with_the_other_draft_quantization_stays_plain_vllm_s(pair, greedy_plain, greedy_tree):
+def test_greedy_with_the_other_draft_quantization_stays_plain_vllm_s(pair, greedy_plain, greedy_tree, tmp_path):
     """``draft_quantization``: the run above takes the default (``auto``: q in int8 on a CPU with
     VNNI, cpu_gemm.py, else in its dtype); this one the other setting, so both run on every
     machine. Same shape, other trees (another count of drafts or of accepted ones: the key
     reached q), about as many accepted, the output plain vLLM's."""
     from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import resolve_quantization
 
+    from vllm_anisotropic.integration.vllm.engine.metrics import STATS_ENV
+
     other = "none" if resolve_quantization("auto", cpu_platform=True) == "int8" else "int8"
     job, plain = greedy_plain
+    stats = tmp_path / "stats.json"
     spec = run_offline_job(job.model_copy(update={"speculative_config": {
         "method": "draft_tree", "model": pair[1], **SHAPE, "allocator": "off", "draft_quantization": other}}),
-        env=IN_PROCESS)
+        env={**IN_PROCESS, STATS_ENV: str(stats)})
     print(f"greedy draft_tree, q {other}: {spec.spec}; default: {greedy_tree.spec}")
+    assert json.loads(stats.read_text())["draft_quantization"] == other
     drafted = (spec.spec.num_draft_tokens, spec.spec.num_accepted_tokens)
     assert drafted != (greedy_tree.spec.num_draft_tokens, greedy_tree.spec.num_accepted_tokens), drafted
     low, high = sorted((spec.spec.num_accepted_tokens, greedy_tree.spec.num_accepted_tokens))

@@ -381,6 +381,9 @@ def main(argv=None) -> None:
                     help="the target's and q's linear layers on torch's GEMM, or on vLLM's CPU GEMM as the "
                          "engine runs them (integration/vllm/kernels/cpu_gemm.py; the CPU platform only; with "
                          "--time-only q's decoder also as the engine runs it, kernels/cpu_draft.py)")
+    ap.add_argument("--draft-quantization", default="auto", choices=["auto", "none", "int8"],
+                    help="with --linears vllm: q's linear layers as draft_tree's draft_quantization runs them "
+                         "(auto: int8 on a CPU with VNNI, as the engine's default; written into the timing record)")
     ap.add_argument("--out", help="JSONL, appended")
     ap.add_argument("--summarize", metavar="JSONL", help="print the tables of a finished run (.jsonl or .jsonl.gz) and exit")
     args = ap.parse_args(argv)
@@ -398,13 +401,18 @@ def main(argv=None) -> None:
     target = Target(args.target, dtype)
     draft = DraftLM(args.draft, dtype=dtype)
     if args.linears == "vllm":
-        from vllm_anisotropic.integration.vllm.kernels.cpu_draft import use_vllm_cpu_layers
-        from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import use_vllm_cpu_gemm
+        from vllm.platforms import current_platform
 
+        from vllm_anisotropic.integration.vllm.kernels.cpu_draft import use_vllm_cpu_layers
+        from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import resolve_quantization, use_vllm_cpu_gemm
+
+        quantization = resolve_quantization(args.draft_quantization, current_platform.is_cpu())
         if args.time_only:  # q's forwards as the engine runs them (the roots' sessions need transformers' layers)
-            use_vllm_cpu_layers(draft)
-        if not (use_vllm_cpu_gemm(target.model) and use_vllm_cpu_gemm(draft.model)):
+            use_vllm_cpu_layers(draft, quantization)
+        if not (use_vllm_cpu_gemm(target.model) and use_vllm_cpu_gemm(draft.model, quantization)):
             ap.error("--linears vllm: vLLM's platform is not the CPU")
+    else:
+        quantization = "none"
     gen = torch.Generator().manual_seed(args.seed)
     jobs = []
     for ds in args.datasets.split(","):
@@ -413,7 +421,8 @@ def main(argv=None) -> None:
             jobs.append((ds, i, target.tokenizer.encode(text, add_special_tokens=False)))
     with open(args.out, "a") as f:
         if args.time or args.time_only:
-            rec = {"kind": "timing", "dtype": args.dtype, "linears": args.linears, "cpu": cpu_model(),
+            rec = {"kind": "timing", "dtype": args.dtype, "linears": args.linears, "draft_quantization": quantization,
+                   "cpu": cpu_model(),
                    "threads": torch.get_num_threads(),
                    **time_passes(target, draft, jobs[0][2], args.k_max, args.l1_max, args.l2_max,
                                  batch_sizes=tuple(int(b) for b in args.time_batch_sizes.split(",")),

@@ -51,7 +51,8 @@ dtree-default  ``draft_tree`` as a user gets it: ``{"method": "draft_tree", "mod
              (the default selector and the budget allocator with its gate)
 dtree-sel    ``dtree-default`` with the selector directory ``--selector`` names instead of the
              shipped one (a selector fresh from ``vllm-anisotropic selector train``)
-             (q runs in the engine's dtype in every dtree method: ``draft_dtype`` "auto")
+             (q runs in the engine's dtype in every dtree method: ``draft_dtype`` "auto"; its linear
+             layers as ``draft_quantization`` "auto" takes them: int8 on a CPU with VNNI)
 NAME+iomp    any of the above with Intel's OpenMP runtime preloaded into its engine processes
              (``LD_PRELOAD`` = the ``libiomp5.so`` of this environment, vLLM's documented CPU
              set-up; without it vLLM warns that speculative decoding on CPU loses throughput)
@@ -66,7 +67,8 @@ NAME+rowsgemm  any of the above with bf16 linear layers on this package's rows G
              up to 16 rows a step (``VLLM_ANISOTROPIC_CPU_GEMM=rows``, cpu_rows_gemm.py;
              experimental): compare ``plain+rowsgemm`` with ``goose-auto+rowsgemm``
 NAME+q8      a ``dtree-*`` method with q's linear layers in int8 (``"draft_quantization": "int8"``:
-             int8 weights and rows through vLLM's oneDNN int8 GEMM; CPU only)
+             int8 weights and rows through vLLM's oneDNN int8 GEMM; CPU only); ``NAME+qnone``
+             the same in q's dtype (``"none"``): the two sides of an A/B whatever "auto" takes
 NAME+src     any of the above with its engine importing ``vllm_anisotropic`` from the source tree
              ``--src`` names (e.g. a ``git worktree`` of an earlier commit) instead of this one:
              ``--methods plain,goose-auto,goose-auto+src --src /tmp/before`` is a before/after A/B
@@ -155,7 +157,8 @@ RECOMPUTE = "+recompute"
 ROWSGEMM = "+rowsgemm"
 SRC = "+src"
 Q8 = "+q8"
-MODIFIERS = (IOMP, SYNC, RECOMPUTE, ROWSGEMM, SRC, Q8)
+QNONE = "+qnone"
+MODIFIERS = (IOMP, SYNC, RECOMPUTE, ROWSGEMM, SRC, Q8, QNONE)
 
 
 _DRAFT_METHOD = re.compile(r"^(?:draft_model-k(?P<k>[1-9]\d*)|dtree-(?P<b>[1-9])\.(?P<t>\d)\.(?P<l>\d)|dtree-(?P<auto>auto)"
@@ -166,7 +169,8 @@ def draft_method_config(method: str, draft: str | None, selector: str | None = N
     """The speculative config of a draft-model method name (``draft_model-k4``, ``dtree-2.2.2``),
     or None if ``method`` is not one. ``draft``: the draft model's directory, ``selector`` the
     selector directory of ``dtree-sel``. q runs in the engine's dtype in both (``draft_tree``'s
-    ``draft_dtype`` "auto"; vLLM's ``draft_model``)."""
+    ``draft_dtype`` "auto"; vLLM's ``draft_model``; q's linear layers as ``draft_quantization``
+    "auto" takes them unless ``+q8`` / ``+qnone`` say)."""
     m = _DRAFT_METHOD.match(base_method(method))
     if m is None:
         return None
@@ -223,8 +227,9 @@ def resolve_config(method: str, tmp_dir: Path, draft: str | None = None,
     method's config names ``draft`` (and ``dtree-sel``'s ``selector``)."""
     if base_method(method) not in METHODS:
         spec = draft_method_config(method, draft, selector)
-        if spec is not None and Q8 in modifiers(method):
-            spec = {**spec, "draft_quantization": "int8"}
+        for modifier, value in ((Q8, "int8"), (QNONE, "none")):
+            if spec is not None and modifier in modifiers(method):
+                spec = {**spec, "draft_quantization": value}
         return spec
     spec = METHODS[base_method(method)]
     if spec is None or spec.get("cost_model") != "<steep>":
@@ -247,8 +252,10 @@ def unavailable_reason(method: str, draft: str | None = None, src: Path | None =
         return "no libiomp5.so in this environment (pip install intel-openmp)"
     if SRC in modifiers(method) and src is None:
         return "a +src method needs --src (a source tree holding vllm_anisotropic/)"
-    if Q8 in modifiers(method) and not base_method(method).startswith("dtree-"):
-        return "+q8 sets draft_tree's draft_quantization: a dtree-* method only"
+    if {Q8, QNONE} & modifiers(method) and not base_method(method).startswith("dtree-"):
+        return "+q8 / +qnone set draft_tree's draft_quantization: a dtree-* method only"
+    if {Q8, QNONE} <= modifiers(method):
+        return "+q8 and +qnone together: one draft_quantization a method"
     if ROWSGEMM in modifiers(method):
         from vllm_anisotropic.cpu_rows_gemm import unavailable_reason as rows_reason
 
@@ -594,7 +601,7 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise SystemExit(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}, draft_model-kN, dtree-K.L1.L2, dtree-auto, dtree-default, dtree-sel "
                          f"(each also as NAME{IOMP}, NAME{SYNC}, NAME{RECOMPUTE}, NAME{ROWSGEMM}, NAME{SRC} and, "
-                         f"dtree-* only, NAME{Q8})")
+                         f"dtree-* only, NAME{Q8} and NAME{QNONE})")
     if args.src is not None and not Path(args.src, "vllm_anisotropic", "__init__.py").is_file():
         raise SystemExit(f"--src {args.src}: no vllm_anisotropic/__init__.py there")
     if args.src is not None and any(SRC in modifiers(m) for m in methods) and (missing := src_missing_modules(args.src)):

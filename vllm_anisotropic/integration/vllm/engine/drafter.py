@@ -182,6 +182,8 @@ class TreeDrafter:
         # tree counters -> stats file (VLLM_ANISOTROPIC_TREE_STATS), /metrics and the log (metrics.py)
         self.metrics = TreeMetrics()
         if isinstance(self.proposer, DraftTreeProposer):
+            self.metrics.draft_quantization = quantization
+        if isinstance(self.proposer, DraftTreeProposer):
             self.metrics.selector_shapes = self.proposer.shape_counts  # the proposer counts, the sink writes
         self.sink = MetricsSink(self.metrics, rank=_tp_rank())
         self.host_clock = HostClock()  # the worker's host work per phase (host_clock.py)

@@ -93,6 +93,7 @@ class TreeMetrics:
     without_trees: dict[str, int] = field(default_factory=dict)  # reason -> requests decoded without trees (runner.ineligible_reason)
     requests: dict[str, list[int]] = field(default_factory=dict)  # traces (TRACE_ENV only)
     selector_shapes: dict[str, int] = field(default_factory=dict)  # draft_tree: "K,L1,L2" -> request-steps the selector chose it
+    draft_quantization: str = ""  # draft_tree: what q's linear layers run in ("none", "int8"; cpu_gemm.resolve_quantization)
 
     def record_step(self, trees: FlatTrees, on_path: np.ndarray, num_accepted: np.ndarray, modes: np.ndarray,
                     req_ids: Sequence[str], trace: bool) -> None:

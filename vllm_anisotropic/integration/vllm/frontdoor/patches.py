@@ -241,6 +241,14 @@ def _patch_create_speculative_config(engine_args_cls, supported: bool) -> None:
 
 
 # ---------------------------------------------------------------- 4 + 5: VllmConfig
+def _stored_options(vllm_config) -> dict:
+    """The tree method's proposer options as the front door stored them (patch 3), or {}."""
+    from vllm_anisotropic.integration.vllm.frontdoor.config import ADDITIONAL_CONFIG_KEY
+
+    stored = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    return dict(stored.get("options") or {}) if isinstance(stored, dict) else {}
+
+
 def check_and_install(vllm_config) -> None:
     """Refuse unsupported combinations; select our worker and scheduler (process 0)."""
     import vllm.envs as envs
@@ -279,6 +287,8 @@ def check_and_install(vllm_config) -> None:
         problems.append("KV connectors (kv_transfer_config; valid: unset)")
     if envs.VLLM_USE_V2_MODEL_RUNNER:
         problems.append("the V2 model runner (unset VLLM_USE_V2_MODEL_RUNNER or set it to 0)")
+    if _stored_options(vllm_config).get("draft_quantization") == "int8" and not current_platform.is_cpu():
+        problems.append("draft_tree's draft_quantization 'int8' off vLLM's CPU platform (valid here: 'auto', 'none')")
     kv_dtype = str(vllm_config.cache_config.cache_dtype)
     if kv_dtype not in ("auto", "bfloat16", "float16", "float32"):
         problems.append(f"kv_cache_dtype {kv_dtype!r} (valid: 'auto', 'bfloat16', 'float16', 'float32')")

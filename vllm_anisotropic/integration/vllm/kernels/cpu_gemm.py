@@ -63,15 +63,18 @@ def use_vllm_cpu_gemm(model: torch.nn.Module, quantization: str = "none") -> int
 
 def resolve_quantization(key: str, cpu_platform: bool) -> str:
     """What q's linear layers run in for draft_tree's ``draft_quantization`` ``key``: ``auto`` is
-    ``int8`` on vLLM's CPU platform where the CPU has VNNI (``torch.cpu._is_vnni_supported``),
-    else ``none``; ``int8`` off the CPU platform is refused."""
+    ``int8`` on vLLM's CPU platform where the CPU has VNNI (``torch.cpu._is_vnni_supported``)
+    and vLLM's build its oneDNN kernels (``_supports_onednn``; not on every architecture), else
+    ``none``; ``int8`` without both is refused."""
+    from vllm import _custom_ops as ops
+
     if key == "auto":
-        return "int8" if cpu_platform and torch.cpu._is_vnni_supported() else "none"
+        return "int8" if cpu_platform and ops._supports_onednn and torch.cpu._is_vnni_supported() else "none"
     if key not in QUANTIZATIONS:
         raise ValueError(f"draft_quantization {key!r}: one of auto, {', '.join(QUANTIZATIONS)}")
-    if key != "none" and not cpu_platform:
-        raise ValueError(f"draft_tree's draft_quantization {key!r} runs on vLLM's CPU platform only; use \"none\" "
-                         f"or \"auto\"")
+    if key != "none" and not (cpu_platform and ops._supports_onednn):
+        raise ValueError(f"draft_tree's draft_quantization {key!r} runs on vLLM's CPU platform with its oneDNN "
+                         f"kernels only; use \"none\" or \"auto\"")
     return key
 
 
