@@ -238,7 +238,7 @@ def test_an_int8_draft_off_the_cpu_platform_is_refused_when_the_engine_is_built(
     spec = {"method": "draft_tree", "model": str(tiny_model_dir), "draft_quantization": "int8"}
     config = engine_args_cls(model=str(tiny_model_dir), speculative_config=spec, enforce_eager=True,
                              max_model_len=1024).create_engine_config()  # on the CPU platform: valid
-    assert patches._stored_options(config)["draft_quantization"] == "int8"
+    assert config.additional_config[KEY]["options"]["draft_quantization"] == "int8"
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     with pytest.raises(ValueError) as info:
         patches.check_and_install(config)

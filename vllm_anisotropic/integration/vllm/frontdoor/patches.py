@@ -241,21 +241,19 @@ def _patch_create_speculative_config(engine_args_cls, supported: bool) -> None:
 
 
 # ---------------------------------------------------------------- 4 + 5: VllmConfig
-def _stored_options(vllm_config) -> dict:
-    """The tree method's proposer options as the front door stored them (patch 3), or {}."""
-    from vllm_anisotropic.integration.vllm.frontdoor.config import ADDITIONAL_CONFIG_KEY
-
-    stored = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
-    return dict(stored.get("options") or {}) if isinstance(stored, dict) else {}
-
-
 def check_and_install(vllm_config) -> None:
     """Refuse unsupported combinations; select our worker and scheduler (process 0)."""
     import vllm.envs as envs
     from vllm.platforms import current_platform
 
+    from vllm_anisotropic.integration.vllm.frontdoor.config import ADDITIONAL_CONFIG_KEY, TreeSpecConfig
+
     spec = vllm_config.speculative_config
     method = spec.method
+    # The tunables normally arrive through create_speculative_config; a SpeculativeConfig
+    # built by hand gets the defaults (or whatever additional_config holds), validated here.
+    additional = vllm_config.additional_config
+    tree = TreeSpecConfig.from_additional_config(method, additional) if isinstance(additional, dict) else None
     problems = []
     on_gpu = current_platform.is_cuda()
     if not (current_platform.is_cpu() or on_gpu):
@@ -287,7 +285,7 @@ def check_and_install(vllm_config) -> None:
         problems.append("KV connectors (kv_transfer_config; valid: unset)")
     if envs.VLLM_USE_V2_MODEL_RUNNER:
         problems.append("the V2 model runner (unset VLLM_USE_V2_MODEL_RUNNER or set it to 0)")
-    if _stored_options(vllm_config).get("draft_quantization") == "int8" and not current_platform.is_cpu():
+    if tree is not None and tree.proposer_options.get("draft_quantization") == "int8" and not current_platform.is_cpu():
         problems.append("draft_tree's draft_quantization 'int8' off vLLM's CPU platform (valid here: 'auto', 'none')")
     kv_dtype = str(vllm_config.cache_config.cache_dtype)
     if kv_dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -307,13 +305,7 @@ def check_and_install(vllm_config) -> None:
         )
     # the private vLLM names the tree worker, runner, scheduler, sampler and attention rely on
     vllm_surface.check_vllm_surface("cuda" if on_gpu else "cpu")
-    # The tunables normally arrive through create_speculative_config; a SpeculativeConfig
-    # built by hand gets the defaults (or whatever additional_config holds), validated here.
-    from vllm_anisotropic.integration.vllm.frontdoor.config import ADDITIONAL_CONFIG_KEY, TreeSpecConfig
-
-    additional = vllm_config.additional_config
-    if isinstance(additional, dict):
-        tree = TreeSpecConfig.from_additional_config(method, additional)
+    if tree is not None:
         additional[ADDITIONAL_CONFIG_KEY] = tree.to_additional_config()
     vllm_config.parallel_config.worker_cls = GPU_WORKER_CLS if on_gpu else WORKER_CLS
     vllm_config.scheduler_config.scheduler_cls = SCHEDULER_CLS
