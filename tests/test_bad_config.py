@@ -247,3 +247,34 @@ def test_an_int8_draft_off_the_cpu_platform_is_refused_when_the_engine_is_built(
     with pytest.raises(ValueError) as info:  # still refused (the platform itself), but not for the draft
         patches.check_and_install(config)
     assert "draft_quantization" not in str(info.value)
+
+
+def test_auto_takes_the_shipped_selector_timed_with_what_q_runs_in(engine_args_cls, tiny_model_dir, tmp_path,
+                                                                   monkeypatch):
+    """The front door resolves ``"selector": "auto"`` to the pair's shipped selector whose pass
+    times were measured with q in the quantization the workers will run (``draft_quantization``,
+    ``auto`` resolved as the worker resolves it): the int8-timed one for int8, the other for none."""
+    import json
+    import shutil
+
+    from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import resolve_quantization
+    from vllm_anisotropic.selector import shipped
+    from vllm_anisotropic.selector.shipped import model_fingerprint
+
+    fp = model_fingerprint(tiny_model_dir)
+    fake = tmp_path / "shipped"
+    for d in sorted(shipped.SHIPPED_DIR.glob("*/")):  # the package's selectors, re-paired with the tiny model
+        shutil.copytree(d, fake / d.name)
+        doc = json.loads((fake / d.name / "selector.json").read_text())
+        doc["pair"] = {**doc["pair"], "target_fingerprint": fp, "draft_fingerprint": fp}
+        (fake / d.name / "selector.json").write_text(json.dumps(doc))
+    by_quantization = {json.loads((d / "selector.json").read_text()).get("draft_quantization", "none"): d
+                       for d in fake.iterdir()}
+    assert set(by_quantization) == {"none", "int8"}
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", fake)
+    for asked in ("none", "int8", "auto"):
+        spec = {"method": "draft_tree", "model": str(tiny_model_dir), "draft_quantization": asked}
+        config = engine_args_cls(model=str(tiny_model_dir), speculative_config=spec, enforce_eager=True,
+                                 max_model_len=1024).create_engine_config()
+        runs = resolve_quantization(asked, cpu_platform=True)
+        assert config.additional_config[KEY]["options"]["selector"] == str(by_quantization[runs]), asked

@@ -267,6 +267,33 @@ def test_examples_from_grid_records(tmp_path):
         load_examples([str(tmp_path / "no_timing.jsonl")])
 
 
+def test_train_command_stores_what_q_ran_in_when_timed(tmp_path):
+    """``selector train`` writes the timing record's ``draft_quantization`` into the file (the
+    shipped selector of a pair is chosen by it, test_selector_runtime.py): that of ``--timing``
+    when given, else the records' own, ``none`` for a timing record from before the key."""
+    import argparse
+
+    from vllm_anisotropic.selector.train import add_parser, run_train
+
+    actions = action_grid(2)
+    roots = [{"kind": "root", "temperature": 0.0, "dataset": "humaneval", "prompt": i, "context_len": 99,
+              "features": {"entropy_q": 0.1 * i, "context_len": 99},
+              "values": {f"{k},{l1},{l2}": {"greedy": 1.0 + l1 + k * l2} for k, l1, l2 in actions}} for i in range(6)]
+    grid = tmp_path / "grid.jsonl"
+    grid.write_text("\n".join(json.dumps(r) for r in [TIMING, *roots]))
+    int8 = tmp_path / "time_int8.jsonl"
+    int8.write_text(json.dumps({**TIMING, "draft_quantization": "int8"}))
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    for timing, expect in ((None, "none"), (str(int8), "int8")):
+        out = tmp_path / f"sel-{expect}"
+        argv = ["selector", "train", "--records", str(grid), "--out", str(out), "--folds", "0", "--epochs", "5", "--max-drafts", "2"]
+        assert run_train(parser.parse_args(argv + (["--timing", timing] if timing else []))) == 0
+        doc = json.loads((out / JSON_NAME).read_text())
+        assert doc["draft_quantization"] == expect
+        assert doc["timing"] == (None if timing is None else "time_int8.jsonl")
+
+
 def test_a_signal_in_an_extra_feature_column_is_learned():
     # bench.selector_prev trains on the shipped features plus extra columns: the network is
     # sized from the data, and the decisive signal may sit in a column past the shipped four

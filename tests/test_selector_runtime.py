@@ -227,6 +227,20 @@ def test_auto_finds_the_selector_of_its_pair_only(draft_dir, tmp_path):
     assert resolve_selector("auto", target_dir, draft_dir, shape_given=True, shipped=shipped) == "off"
     assert resolve_selector("auto", "org/hub-name", draft_dir, shape_given=False, shipped=shipped) == "off"
     assert resolve_selector("off", target_dir, draft_dir, shape_given=False, shipped=shipped) == "off"
+    # a second selector of the pair, timed with q in int8: taken when q runs in int8, not otherwise
+    int8 = constant_selector(shipped, (3, 0, 2), pair={"target_fingerprint": model_fingerprint(target_dir),
+                                                       "draft_fingerprint": model_fingerprint(draft_dir)})
+    doc = json.loads((int8 / JSON_NAME).read_text())
+    (int8 / JSON_NAME).write_text(json.dumps({**doc, "draft_quantization": "int8"}))
+    assert int8.name > found.name  # the int8 one sorts last: taken by its quantization, not its place
+    assert shipped_selector(target_dir, draft_dir, shipped, quantization="int8") == int8
+    assert shipped_selector(target_dir, draft_dir, shipped, quantization="none") == found
+    assert shipped_selector(target_dir, draft_dir, shipped) == found
+    assert resolve_selector("auto", target_dir, draft_dir, shape_given=False, shipped=shipped,
+                            quantization="int8") == str(int8)
+    # only the int8 one left: q in bf16 still gets the pair's selector rather than none
+    shutil.rmtree(found)
+    assert shipped_selector(target_dir, draft_dir, shipped, quantization="none") == int8
 
 
 def test_fingerprint_survives_resaving_and_the_shipped_selector_loads(tmp_path):

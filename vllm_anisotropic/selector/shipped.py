@@ -6,6 +6,11 @@ matches the engine's target and draft models, else the fixed shape. A model is r
 values of its first weight tensor (by name), so a fine-tune of the same architecture is not
 taken for the model the selector was trained on, and re-saving the same weights (another
 safetensors header, another tensor order) still matches.
+
+A pair may ship one selector per ``draft_quantization`` that q's pass times were measured in
+(``selector.json``'s ``draft_quantization``, from its timing record; ``"none"`` when absent):
+the shapes that pay depend on what a draft forward costs, and q in int8 costs ~0.6x of bf16 on a
+CPU (docs/draft_tree.md). The one of q's resolved quantization is taken, else another of the pair.
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def shipped_selector(target_dir: str | Path, draft_dir: str | Path, shipped: Path | None = None) -> Path | None:
-    """The shipped selector directory trained for this (target, draft) pair, or None."""
+def shipped_selector(target_dir: str | Path, draft_dir: str | Path, shipped: Path | None = None,
+                     quantization: str = "none") -> Path | None:
+    """The shipped selector directory trained for this (target, draft) pair, or None; of the
+    pair's, the one timed with q in ``quantization`` if there is one (module docstring)."""
     candidates = sorted((shipped or SHIPPED_DIR).glob("*/selector.json"))
     if not candidates:
         return None
@@ -56,20 +63,22 @@ def shipped_selector(target_dir: str | Path, draft_dir: str | Path, shipped: Pat
         pair = {"target_fingerprint": model_fingerprint(target_dir), "draft_fingerprint": model_fingerprint(draft_dir)}
     except (ValueError, OSError):
         return None  # not a local checkpoint (a hub name): no shipped selector can be matched
+    matches = []
     for path in candidates:
-        doc_pair = json.loads(path.read_text()).get("pair") or {}
-        if all(doc_pair.get(k) == v for k, v in pair.items()):
-            return path.parent
-    return None
+        doc = json.loads(path.read_text())
+        if all((doc.get("pair") or {}).get(k) == v for k, v in pair.items()):
+            matches.append((doc.get("draft_quantization", "none") != quantization, path.parent))
+    return min(matches)[1] if matches else None
 
 
 def resolve_selector(value: str, target_dir: str | Path, draft_dir: str | Path, shape_given: bool,
-                     shipped: Path | None = None) -> str:
-    """``"auto"`` -> the shipped selector of the pair, or ``"off"`` (also when the request fixed
-    a shape: ``trunk``, ``branches`` or ``branch_length`` given); any other value unchanged."""
+                     shipped: Path | None = None, quantization: str = "none") -> str:
+    """``"auto"`` -> the shipped selector of the pair (for q in ``quantization``: ``shipped_selector``),
+    or ``"off"`` (also when the request fixed a shape: ``trunk``, ``branches`` or ``branch_length``
+    given); any other value unchanged."""
     if value != "auto":
         return value
     if shape_given:
         return "off"
-    found = shipped_selector(target_dir, draft_dir, shipped)
+    found = shipped_selector(target_dir, draft_dir, shipped, quantization)
     return str(found) if found is not None else "off"

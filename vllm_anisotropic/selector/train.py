@@ -415,7 +415,10 @@ def run_train(args) -> int:
         report = cross_validate(ex, args.verifier, folds=args.folds, seed=args.seed, epochs=args.epochs)
         print(format_report(args.verifier, report))
     sel = fit(ex, np.arange(len(ex)), args.verifier, seed=args.seed, epochs=args.epochs, progress=True)
+    # what q ran in when its pass times were measured (shipped.py picks a pair's selector by it)
+    quantizations = {t.get("draft_quantization", "none") for t in ex.timings}
     sel.meta.update({"pair": _pair(args.target, args.draft), "records": [Path(p).name for p in paths],
+                     "draft_quantization": quantizations.pop() if len(quantizations) == 1 else "mixed",
                      "batch_sizes": list(batch_sizes), "timing": Path(args.timing).name if args.timing else None,
                      "held_out": report})
     out = sel.save(args.out)

@@ -206,10 +206,12 @@ def _patch_create_speculative_config(engine_args_cls, supported: bool) -> None:
             # "auto": the selector shipped for this (target, draft) pair, if any (only the front
             # door knows the target); the workers then load the resolved directory or none
             asked = ours.get("selector", "auto")
+            quantization = _draft_quantization(ours.get("draft_quantization", "auto"))
             ours["selector"] = resolve_selector(asked, self.model, ours["model"],
-                                                shape_given=bool(set(SHAPE_KEYS) & set(ours)))
+                                                shape_given=bool(set(SHAPE_KEYS) & set(ours)), quantization=quantization)
             if asked == "auto":
-                logger.info("draft_tree selector 'auto' -> %s", ours["selector"] if ours["selector"] != "off"
+                logger.info("draft_tree selector 'auto' (q in %s) -> %s", quantization,
+                            ours["selector"] if ours["selector"] != "off"
                             else "off (no shipped selector for this target and draft, or a shape was given)")
         additional = dict(self.additional_config or {})
         if ours and ADDITIONAL_CONFIG_KEY in additional:
@@ -238,6 +240,19 @@ def _patch_create_speculative_config(engine_args_cls, supported: bool) -> None:
         return original(self, *args, **kwargs)
 
     engine_args_cls.create_speculative_config = _mark(create_speculative_config)
+
+
+def _draft_quantization(key) -> str:
+    """What the workers will run q's linears in (``cpu_gemm.resolve_quantization``), for choosing
+    the shipped selector timed with it; ``"none"`` for a value the engine's checks refuse later."""
+    from vllm.platforms import current_platform
+
+    from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import resolve_quantization
+
+    try:
+        return resolve_quantization(str(key), current_platform.is_cpu())
+    except ValueError:
+        return "none"
 
 
 # ---------------------------------------------------------------- 4 + 5: VllmConfig

@@ -68,11 +68,12 @@ def resolve_quantization(key: str, cpu_platform: bool) -> str:
     ``none``; ``int8`` without both is refused."""
     from vllm import _custom_ops as ops
 
+    onednn = bool(getattr(ops, "_supports_onednn", False))
     if key == "auto":
-        return "int8" if cpu_platform and ops._supports_onednn and torch.cpu._is_vnni_supported() else "none"
+        return "int8" if cpu_platform and onednn and torch.cpu._is_vnni_supported() else "none"
     if key not in QUANTIZATIONS:
         raise ValueError(f"draft_quantization {key!r}: one of auto, {', '.join(QUANTIZATIONS)}")
-    if key != "none" and not (cpu_platform and ops._supports_onednn):
+    if key != "none" and not (cpu_platform and onednn):
         raise ValueError(f"draft_tree's draft_quantization {key!r} runs on vLLM's CPU platform with its oneDNN "
                          f"kernels only; use \"none\" or \"auto\"")
     return key
