@@ -102,12 +102,16 @@ def test_cells_record_the_gates_decode_steps_from_the_allocators_stats_file(tmp_
     stats = tmp_path / "tree_stats.json"
     monkeypatch.setenv(metrics.STATS_ENV, str(stats))
     assert metrics.budget_stats_path() == f"{stats}.budget"
-    assert sweep_engine.budget_counters() == {}  # no allocator: no file
+    assert sweep_engine.budget_counters() == {} and sweep_engine.gate_rates() == {}  # no allocator: no file
     fields = {"steps": 40, "steps_without_drafts": 15, "gate_plain_steps": 12, "chain_steps": 5, "chain_drafts": 9,
               "tree_rows": 70, "cost_samples": 3}
     Path(metrics.budget_stats_path()).write_text(json.dumps(fields))
+    assert sweep_engine.gate_rates() == {}  # the gate off
     got = sweep_engine.budget_counters()
     assert got == {k: v for k, v in fields.items() if k in sweep_engine.BUDGET_FIELDS}
+    gate = {"1": {"plain_rate": 4.4, "plain_steps": 30, "spec_rate": 3.9, "spec_steps": 9, "decisions": 40}}
+    Path(metrics.budget_stats_path()).write_text(json.dumps({**fields, "gate": gate}))
+    assert sweep_engine.gate_rates() == gate and sweep_engine.budget_counters() == got
     assert sweep_engine.step_kinds(got) == {"trees": 23, "chains": 5, "plain": 12}
     assert sweep_engine.step_kinds({"steps": 0, "gate_plain_steps": 0, "chain_steps": 0}) == {}
     records = [_rec("plain", 8, 0, 40.0), _rec("plain", 8, 1, 40.0),

@@ -75,16 +75,28 @@ def spec_counters(llm) -> dict[str, int]:
     return out
 
 
-def budget_counters() -> dict[str, int]:
-    """The allocator's counters so far (``BUDGET_FIELDS``), from its stats file; {} without one
-    (no tree method, or the allocator off)."""
+def _budget_stats() -> dict:
     path = os.environ.get(STATS_ENV)
     try:
         with open(f"{path}.budget", encoding="utf-8") as f:
-            data = json.load(f)
+            return json.load(f)
     except (TypeError, OSError, ValueError):
         return {}
-    return {k: int(data.get(k, 0)) for k in BUDGET_FIELDS}
+
+
+def budget_counters() -> dict[str, int]:
+    """The allocator's counters so far (``BUDGET_FIELDS``), from its stats file; {} without one
+    (no tree method, or the allocator off)."""
+    data = _budget_stats()
+    return {k: int(data.get(k, 0)) for k in BUDGET_FIELDS} if data else {}
+
+
+def gate_rates() -> dict:
+    """The measured gate's state so far, per batch-size bucket (``SpeculationGate.rates``: each
+    arm's rate and steps, the decisions), from the allocator's stats file; {} without one. A
+    cell records it as it stands at the cell's end (since the engine started, not the cell's
+    share): why a gate stayed closed or open is read from it."""
+    return _budget_stats().get("gate") or {}
 
 
 def step_kinds(budget: dict[str, int]) -> dict[str, int]:
@@ -150,6 +162,7 @@ def run_job(job: SweepJob, out_file: Path) -> None:
             "accepted_tokens": accepted, "startup_seconds": startup,
             "output_sha1": [hashlib.sha1(json.dumps(o).encode()).hexdigest()[:12] for o in outputs],
             **({"budget": budget, "decode_steps": step_kinds(budget)} if budget.get("steps") else {}),
+            **({"gate": gate} if (gate := gate_rates()) else {}),
         }
         with open(out_file, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
