@@ -238,6 +238,8 @@ def test_file_round_trip_and_refusals(tmp_path):
     assert "outside" in broken("grid", edit_json(actions=[[5, 0, 0]] + [list(a) for a in ex.actions[1:]]))
     assert "missing" in broken("missing", lambda d: (d / WEIGHTS_NAME).unlink())
     assert "not valid JSON" in broken("json", lambda d: (d / JSON_NAME).write_text("{"))
+    for cap in (0, 2.5, "2", True):
+        assert f"max_batch_size {cap!r}" in broken(f"cap-{cap}", edit_json(max_batch_size=cap))
     # weights that fit another grid: the checksum matches (recomputed) but the shapes do not
     def fewer_actions(d):
         doc = json.loads((d / JSON_NAME).read_text())
@@ -292,6 +294,12 @@ def test_train_command_stores_what_q_ran_in_when_timed(tmp_path):
         doc = json.loads((out / JSON_NAME).read_text())
         assert doc["draft_quantization"] == expect
         assert doc["timing"] == (None if timing is None else "time_int8.jsonl")
+        assert "max_batch_size" not in doc and ShapeSelector.load(out).max_batch_size is None
+    # --max-batch-size: stored, and read back as the selector's bound
+    assert run_train(parser.parse_args(argv + ["--max-batch-size", "2"])) == 0
+    assert ShapeSelector.load(out).max_batch_size == 2
+    with pytest.raises(SystemExit, match="--max-batch-size must be an integer >= 1, got 0"):
+        run_train(parser.parse_args(argv + ["--max-batch-size", "0"]))
 
 
 def test_a_signal_in_an_extra_feature_column_is_learned():

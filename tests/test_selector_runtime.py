@@ -211,6 +211,22 @@ def test_config_budget_and_refusals(draft_dir, tmp_path):
         proposer_config("draft_tree", model=draft_dir, selector=str(broken))
 
 
+def test_no_drafting_above_the_selectors_batch_bound(draft_dir, tmp_path):
+    """A selector with ``max_batch_size`` 2 drafts (its chain of 3, at every entropy) in steps of
+    1 or 2 drafting requests and in none above: ``may_draft_rows`` answers no for every request
+    there, so the drafter runs no q at all; without the bound, it drafts at every batch size."""
+    sel = ShapeSelector.load(constant_selector(tmp_path, (1, 3, 0)))
+    assert sel.max_batch_size is None
+    assert all(sel.may_draft(100, 0.0, 1.0, b) for b in (1, 2, 3, 8, 64))
+    sel.meta["max_batch_size"] = 2
+    assert sel.may_draft(100, 0.0, 1.0, 1) and sel.may_draft(100, 0.7, 0.9, 2)
+    assert not any(sel.may_draft(100, t, 1.0, b) for b in (3, 8, 64) for t in (0.0, 0.7))
+    assert sel.may_draft_rows([50, 900], [0.0, 0.7], [1.0, 1.0], 2).tolist() == [True, True]
+    assert sel.may_draft_rows([50, 900], [0.0, 0.7], [1.0, 1.0], 3).tolist() == [False, False]
+    proposer = get_proposer("draft_tree", model=draft_dir, selector=str(sel.save(tmp_path / "capped")))
+    assert proposer.selector.max_batch_size == 2
+
+
 def test_auto_finds_the_selector_of_its_pair_only(draft_dir, tmp_path):
     target_dir = str(build_tiny_model(seed=2, block_std=0.1))
     other_dir = str(build_tiny_model(seed=3, block_std=0.1))

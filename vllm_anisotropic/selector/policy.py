@@ -87,6 +87,14 @@ class ShapeSelector:
     def max_drafts(self) -> int:
         return max(l1 + k * l2 for k, l1, l2 in self.actions)
 
+    @property
+    def max_batch_size(self) -> int | None:
+        """The most requests drafting in a step at which this selector drafts at all (``selector
+        train --max-batch-size``, from runs in vLLM: what the labels leave out, q's catch-up of new
+        prompts above all, can make a wide batch's drafting lose although its labels pay); None:
+        no bound."""
+        return self.meta.get("max_batch_size")
+
     @torch.no_grad()
     def logits(self, features: np.ndarray) -> torch.Tensor:
         """[n, A] logits of raw features [n, F] (or [F])."""
@@ -125,8 +133,10 @@ class ShapeSelector:
         deviations) gives a shape with drafts, the drafter skips q's root forward and decodes the
         step plainly, as the selector would have chosen (e.g. a wide batch, where each request's
         drafting costs more than the shared verification saves). One pass of the network for the
-        whole step, not one per request."""
+        whole step, not one per request. None at all above ``max_batch_size``."""
         n = len(context_lens)
+        if self.max_batch_size is not None and batch_size > self.max_batch_size:
+            return np.zeros(n, bool)
         col = FEATURES.index("entropy_q")
         mean, std = float(self.mean[col]), float(self.std[col])
         rows = np.repeat(np.stack([features_of(0.0, c, t, p, batch_size)
@@ -180,6 +190,10 @@ class ShapeSelector:
         if not actions or bad:
             raise SelectorFileError(f"selector {str(meta_path)!r}: actions {bad or '[]'} are outside the (K, L1, L2) "
                                     f"grid K 1..{K_MAX}, L1 0..{L1_MAX}, L2 0..{L2_MAX} (K 1 when L2 is 0)")
+        cap = doc.get("max_batch_size")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise SelectorFileError(f"selector {str(meta_path)!r}: max_batch_size {cap!r} is not an integer >= 1 "
+                                    f"(or absent: no bound)")
         digest = hashlib.sha256(weights.read_bytes()).hexdigest()
         if digest != doc.get("weights_sha256"):
             raise SelectorFileError(f"selector {str(weights)!r} does not match the checksum in {JSON_NAME} "

@@ -369,6 +369,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--timing", default=None,
                    help="a draft_tree_grid --time-only JSONL whose timing record replaces the record files' (it "
                         "must hold the target forwards of every batch size, --time-batch-sizes)")
+    t.add_argument("--max-batch-size", type=int, default=None,
+                   help="draft only in steps of at most this many drafting requests (stored in the file; from runs "
+                        "in vLLM where wider batches lost: what the labels leave out, docs/selector.md); default: no bound")
     t.add_argument("--target", default=None, help="name of the target model, stored in the file")
     t.add_argument("--draft", default=None, help="name of the draft model, stored in the file")
     t.set_defaults(func=run_train)
@@ -406,6 +409,8 @@ def run_train(args) -> int:
         raise SystemExit(f"--batch-sizes must be comma-separated integers >= 1, got {args.batch_sizes!r}") from None
     if not batch_sizes or min(batch_sizes) < 1:
         raise SystemExit(f"--batch-sizes must be comma-separated integers >= 1, got {args.batch_sizes!r}")
+    if args.max_batch_size is not None and args.max_batch_size < 1:
+        raise SystemExit(f"--max-batch-size must be an integer >= 1, got {args.max_batch_size}")
     try:
         ex = load_examples(paths, max_drafts=args.max_drafts or None, batch_sizes=batch_sizes, timing=timing)
     except ValueError as e:
@@ -420,7 +425,7 @@ def run_train(args) -> int:
     sel.meta.update({"pair": _pair(args.target, args.draft), "records": [Path(p).name for p in paths],
                      "draft_quantization": quantizations.pop() if len(quantizations) == 1 else "mixed",
                      "batch_sizes": list(batch_sizes), "timing": Path(args.timing).name if args.timing else None,
-                     "held_out": report})
+                     "held_out": report, **({"max_batch_size": args.max_batch_size} if args.max_batch_size else {})})
     out = sel.save(args.out)
     print(f"saved {out} ({len(ex.actions)} actions, {len(ex)} roots)")
     return 0
