@@ -217,19 +217,20 @@ def test_drafter_tells_the_proposer_how_many_requests_draft_this_step():
             seen.append(("propose", int(context[-1])))
             return DraftTree.chain([7], root_token=int(context[-1]))
 
-    proposer = SimpleNamespace(begin_step=lambda n: seen.append(("begin", n)), new_request=lambda tenant=None: Chain())
+    proposer = SimpleNamespace(begin_step=lambda n, batch: seen.append(("begin", n, batch)),
+                               new_request=lambda tenant=None: Chain())
     d = _bare_drafter(acceptance=None, unlabelled=LabelQueue(0), states={}, tenants={}, proposer=proposer, disabled=set(), _proposals=0,
                       metrics=TreeMetrics(), max_draft_tokens=4, max_model_len=64, offer_factor=0.0)
     d.skip = {"c": 2}
     tokens = np.arange(1, 5 * 64 + 1).reshape(5, 64)
     out = d.propose_trees(["a", "b", "c", "d", "e"], [True, True, True, False, True],
                           [[1], [], [1], [1], [1]], np.full(5, 10), tokens)
-    assert seen[0] == ("begin", 2) and [x for x, _ in seen].count("propose") == 2, seen  # rows a and e
+    assert seen[0] == ("begin", 2, 5) and [x[0] for x in seen].count("propose") == 2, seen  # rows a and e of 5
     assert out == [[7], [], [], [], [7]] and d.skip["c"] == 1
     d.disabled = {"e"}  # a contained fault turned e's trees off
     seen.clear()
     out = d.propose_trees(["a", "e"], [True, True], [[1], [1]], np.full(2, 10), tokens)
-    assert seen[0] == ("begin", 1) and out == [[7], []]
+    assert seen[0] == ("begin", 1, 2) and out == [[7], []]
 
 
 def test_drafter_offers_what_the_allocator_has_been_keeping():

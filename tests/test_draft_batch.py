@@ -14,6 +14,8 @@ step one).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -273,6 +275,31 @@ def test_a_batched_step_skips_q_for_each_request_the_selector_would_not_draft_fo
         _same(out.trees.tree(i), state.propose(tokens[i, : lengths[i]]))
     assert [out.trees.tree(i).num_nodes > 1 for i in range(4)] == [True, False, True, False]
     assert [s.session.forwarded > 0 for s in sa] == [True, False, True, False]
+
+
+def test_no_request_drafts_in_a_step_wider_than_the_selectors_bound(draft_dir, tmp_path):
+    """A selector bounded at two requests (``max_batch_size``): in a step of three requests, or of
+    one drafting request among three, no request drafts and q runs no forward at all (fails if
+    the bound is read from the drafting requests alone, or not at all); in a step of two, both
+    draft the selector's chain of 3."""
+    from test_selector_runtime import constant_selector
+
+    path = constant_selector(tmp_path, (1, 3, 0))
+    doc = json.loads((path / "selector.json").read_text())
+    (path / "selector.json").write_text(json.dumps({**doc, "max_batch_size": 2}))
+    proposer = get_proposer("draft_tree", model=draft_dir, selector=str(path))
+    calls = _forwards(proposer)
+    tokens, lengths = _contexts([12, 13, 14], seed=8)
+    for drafting, batch in ((3, 3), (1, 3)):
+        states = [proposer.new_request() for _ in range(drafting)]
+        proposer.begin_step(drafting, batch)
+        out = proposer.propose_batch(states, tokens, np.arange(drafting), lengths[:drafting])
+        assert all(out.trees.tree(i).num_nodes == 1 for i in range(drafting)), (drafting, batch)
+        assert not calls and all(s.session is None or s.session.forwarded == 0 for s in states)
+    states = [proposer.new_request() for _ in range(2)]
+    proposer.begin_step(2, 2)
+    out = proposer.propose_batch(states, tokens, np.arange(2), lengths[:2])
+    assert [out.trees.tree(i).num_nodes for i in range(2)] == [4, 4] and calls
 
 
 def test_kv_bytes_per_token_is_what_the_cache_holds(draft_dir):

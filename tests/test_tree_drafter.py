@@ -434,7 +434,7 @@ class _Proposer:
     def new_request(self, tenant=None):
         return _State(self, tenant)
 
-    def begin_step(self, n):
+    def begin_step(self, n, batch=None):
         pass
 
 

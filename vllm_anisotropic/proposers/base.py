@@ -138,6 +138,7 @@ class Proposer(abc.ABC):
         their trees); default: no."""
         return False
 
-    def begin_step(self, num_requests: int) -> None:
+    def begin_step(self, num_requests: int, batch_requests: int | None = None) -> None:
         """The next ``num_requests`` ``propose`` calls draft one engine step's trees (the engine's
-        drafter says so first); default: nothing to adapt."""
+        drafter says so first), of the step's ``batch_requests`` (all its requests, drafting or not;
+        None: ``num_requests``); default: nothing to adapt."""

@@ -75,7 +75,7 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
     if proposer.selector is not None and n:  # one pass of the selector's network for the step
         temps, top_ps = zip(*(s.selector_sampling() for s in states))  # not q's laws (``_laws``)
         may = proposer.selector.may_draft_rows([len(c) for c in contexts], temps, top_ps,
-                                               proposer.step_requests).tolist()
+                                               proposer.step_requests, proposer.step_batch).tolist()
     for r, state in enumerate(states):
         if state.wants_q(contexts[r], budgets[r], may[r]):
             drafting.append(r)

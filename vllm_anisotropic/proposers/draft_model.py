@@ -315,7 +315,8 @@ class DraftTreeState(RequestState):
             self.last_info = ProposalInfo(ProposalMode.PLAIN)
             return False
         if selector is not None and may_draft is None:
-            may_draft = selector.may_draft(len(context_tokens), *self.selector_sampling(), self.proposer.step_requests)
+            may_draft = selector.may_draft(len(context_tokens), *self.selector_sampling(), self.proposer.step_requests,
+                                           self.proposer.step_batch)
         if selector is not None and not may_draft:
             self.proposer.count_shape(NO_DRAFTS)
             self.last_info = ProposalInfo(ProposalMode.PLAIN)
@@ -377,8 +378,10 @@ class DraftTreeProposer(Proposer):
                 logger.info("draft_tree: selector %s was trained for verifier %r; sampled requests are verified by %r "
                             "(the output law is the same, the shapes may pay less)", config.selector,
                             self.selector.verifier, config.verifier)
-        # requests drafting in the current engine step (the selector's batch-size feature)
+        # requests drafting in the current engine step (the selector's batch-size feature), and
+        # all the step's requests (what the selector's ``max_batch_size`` bounds: begin_step)
         self.step_requests = 1
+        self.step_batch = 1
         # "K,L1,L2" -> request-steps the selector chose it (a plain dict: the metrics' asdict copies
         # it, and dataclasses.asdict rebuilds a Counter from (key, value) pairs as new keys)
         self.shape_counts: dict[str, int] = {}
@@ -398,8 +401,9 @@ class DraftTreeProposer(Proposer):
             raise ValueError("draft_tree drafts no chains alone")
         return propose_draft_trees(self, states, token_ids, rows, lengths, max_nodes)
 
-    def begin_step(self, num_requests: int) -> None:
+    def begin_step(self, num_requests: int, batch_requests: int | None = None) -> None:
         self.step_requests = max(1, int(num_requests))
+        self.step_batch = max(self.step_requests, int(batch_requests or 0))
         self.step += 1
 
     @property

@@ -89,10 +89,10 @@ class ShapeSelector:
 
     @property
     def max_batch_size(self) -> int | None:
-        """The most requests drafting in a step at which this selector drafts at all (``selector
-        train --max-batch-size``, from runs in vLLM: what the labels leave out, q's catch-up of new
-        prompts above all, can make a wide batch's drafting lose although its labels pay); None:
-        no bound."""
+        """The most requests an engine step may have, drafting or not, for this selector to draft
+        at all (``selector train --max-batch-size``, from runs in vLLM by concurrency: what the
+        labels leave out, q's catch-up of new prompts above all, can make a wide batch's drafting
+        lose although its labels pay); None: no bound."""
         return self.meta.get("max_batch_size")
 
     @torch.no_grad()
@@ -121,21 +121,25 @@ class ShapeSelector:
         k, l1, l2 = self.actions[index]
         return [DelayedShape(branches=k, trunk=l1, branch_length=l2)] * len(features)
 
-    def may_draft(self, context_len: int, temperature: float, top_p: float, batch_size: int) -> bool:
+    def may_draft(self, context_len: int, temperature: float, top_p: float, batch_size: int,
+                  batch_requests: int | None = None) -> bool:
         """Whether some root entropy of q makes the selector draft here (``may_draft_rows`` of one
         request)."""
-        return bool(self.may_draft_rows([context_len], [temperature], [top_p], batch_size)[0])
+        return bool(self.may_draft_rows([context_len], [temperature], [top_p], batch_size, batch_requests)[0])
 
-    def may_draft_rows(self, context_lens, temperatures, top_ps, batch_size: int) -> np.ndarray:
+    def may_draft_rows(self, context_lens, temperatures, top_ps, batch_size: int,
+                       batch_requests: int | None = None) -> np.ndarray:
         """[n] bool: for request r of a step (its context length, temperature, top-p), whether some
         root entropy of q makes the selector draft. Everything but the entropy is known before q
         runs; when no entropy (``ENTROPY_PROBES`` values over the training mean +- 4 standard
         deviations) gives a shape with drafts, the drafter skips q's root forward and decodes the
         step plainly, as the selector would have chosen (e.g. a wide batch, where each request's
         drafting costs more than the shared verification saves). One pass of the network for the
-        whole step, not one per request. None at all above ``max_batch_size``."""
+        whole step, not one per request. ``batch_size``: the step's drafting requests (the
+        feature); ``batch_requests``: all its requests (None: ``batch_size``), none of which
+        drafts when they are more than ``max_batch_size``."""
         n = len(context_lens)
-        if self.max_batch_size is not None and batch_size > self.max_batch_size:
+        if self.max_batch_size is not None and max(batch_size, batch_requests or 0) > self.max_batch_size:
             return np.zeros(n, bool)
         col = FEATURES.index("entropy_q")
         mean, std = float(self.mean[col]), float(self.std[col])

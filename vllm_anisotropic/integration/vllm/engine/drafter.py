@@ -306,7 +306,7 @@ class TreeDrafter:
             self._deferred.append(("label", ids, functools.partial(
                 self._label, ids, num_tokens_no_spec[: len(ids)].astype(np.int64), token_ids_cpu)))  # a copy
         drafting = self._drafting_rows(req_ids, eligible, sampled_token_ids, chains)
-        self.proposer.begin_step(len(drafting))
+        self.proposer.begin_step(len(drafting), len(req_ids))
         if not drafting:
             return [[] for _ in req_ids]
         rows = np.asarray(drafting, np.int64)

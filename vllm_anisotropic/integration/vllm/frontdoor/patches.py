@@ -206,7 +206,7 @@ def _patch_create_speculative_config(engine_args_cls, supported: bool) -> None:
             # "auto": the selector shipped for this (target, draft) pair, if any (only the front
             # door knows the target); the workers then load the resolved directory or none
             asked = ours.get("selector", "auto")
-            quantization = _draft_quantization(ours.get("draft_quantization", "auto"))
+            quantization = _draft_quantization(ours.get("draft_quantization", "auto")) if asked == "auto" else "none"
             ours["selector"] = resolve_selector(asked, self.model, ours["model"],
                                                 shape_given=bool(set(SHAPE_KEYS) & set(ours)), quantization=quantization)
             if asked == "auto":
