@@ -257,6 +257,8 @@ def test_auto_takes_the_shipped_selector_timed_with_what_q_runs_in(engine_args_c
     import json
     import shutil
 
+    import torch
+
     from vllm_anisotropic.integration.vllm.kernels.cpu_gemm import resolve_quantization
     from vllm_anisotropic.selector import shipped
     from vllm_anisotropic.selector.shipped import model_fingerprint
@@ -272,9 +274,14 @@ def test_auto_takes_the_shipped_selector_timed_with_what_q_runs_in(engine_args_c
                        for d in fake.iterdir()}
     assert set(by_quantization) == {"none", "int8"}
     monkeypatch.setattr(shipped, "SHIPPED_DIR", fake)
-    for asked in ("none", "int8", "auto"):
+    from vllm import _custom_ops as ops
+
+    assert ops._supports_onednn, "vLLM's CPU build has its oneDNN kernels (the int8 q needs them)"
+    for vnni, asked, runs in ((True, "none", "none"), (True, "int8", "int8"), (True, "auto", "int8"),
+                              (False, "auto", "none"), (False, "int8", "int8")):
+        monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda vnni=vnni: vnni)
+        assert resolve_quantization(asked, cpu_platform=True) == runs  # what the workers will run
         spec = {"method": "draft_tree", "model": str(tiny_model_dir), "draft_quantization": asked}
         config = engine_args_cls(model=str(tiny_model_dir), speculative_config=spec, enforce_eager=True,
                                  max_model_len=1024).create_engine_config()
-        runs = resolve_quantization(asked, cpu_platform=True)
-        assert config.additional_config[KEY]["options"]["selector"] == str(by_quantization[runs]), asked
+        assert config.additional_config[KEY]["options"]["selector"] == str(by_quantization[runs]), (vnni, asked)

@@ -244,11 +244,13 @@ def test_auto_finds_the_selector_of_its_pair_only(draft_dir, tmp_path):
     assert resolve_selector("auto", "org/hub-name", draft_dir, shape_given=False, shipped=shipped) == "off"
     assert resolve_selector("off", target_dir, draft_dir, shape_given=False, shipped=shipped) == "off"
     # a second selector of the pair, timed with q in int8: taken when q runs in int8, not otherwise
-    int8 = constant_selector(shipped, (3, 0, 2), pair={"target_fingerprint": model_fingerprint(target_dir),
+    int8 = constant_selector(shipped, (1, 1, 0), pair={"target_fingerprint": model_fingerprint(target_dir),
                                                        "draft_fingerprint": model_fingerprint(draft_dir)})
     doc = json.loads((int8 / JSON_NAME).read_text())
     (int8 / JSON_NAME).write_text(json.dumps({**doc, "draft_quantization": "int8"}))
-    assert int8.name > found.name  # the int8 one sorts last: taken by its quantization, not its place
+    # the int8 one sorts first: the one without the key is taken for "none" by reading its absence
+    # as "none", not by its place
+    assert int8.name < found.name
     assert shipped_selector(target_dir, draft_dir, shipped, quantization="int8") == int8
     assert shipped_selector(target_dir, draft_dir, shipped, quantization="none") == found
     assert shipped_selector(target_dir, draft_dir, shipped) == found
@@ -276,3 +278,7 @@ def test_fingerprint_survives_resaving_and_the_shipped_selector_loads(tmp_path):
     for d in shipped:
         sel = ShapeSelector.load(d)
         assert sel.max_drafts <= 8 and {"target_fingerprint", "draft_fingerprint"} <= set(sel.meta["pair"])
+    # the pair's two: q not quantized (no bound) and q in int8 (bounded at two requests, docs/selector.md)
+    by_q = {ShapeSelector.load(d).meta.get("draft_quantization", "none"): ShapeSelector.load(d) for d in shipped}
+    assert set(by_q) == {"none", "int8"} and by_q["none"].meta["pair"] == by_q["int8"].meta["pair"]
+    assert by_q["int8"].max_batch_size == 2 and by_q["none"].max_batch_size is None

@@ -133,6 +133,11 @@ class TreeDrafter:
             from vllm.platforms import current_platform
 
             quantization = resolve_quantization(self.proposer.config.draft_quantization, current_platform.is_cpu())
+            selector = self.proposer.selector
+            if selector is not None and selector.meta.get("draft_quantization", "none") != quantization:
+                logger.warning("draft_tree: selector %s was timed with q in %r; q runs in %r here (its shapes may "
+                               "pay less: docs/selector.md)", self.proposer.config.selector,
+                               selector.meta.get("draft_quantization", "none"), quantization)
             fused = use_vllm_cpu_layers(self.proposer.lm, quantization)
             use_vllm_cpu_gemm(self.proposer.lm.model, quantization)
             if fused:
