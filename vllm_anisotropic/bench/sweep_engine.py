@@ -79,9 +79,10 @@ def _budget_stats() -> dict:
     path = os.environ.get(STATS_ENV)
     try:
         with open(f"{path}.budget", encoding="utf-8") as f:
-            return json.load(f)
+            data = json.load(f)
     except (TypeError, OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def budget_counters() -> dict[str, int]:

@@ -199,7 +199,8 @@ class DraftTreeConfig(ProposerConfig):
     target's)."""
     selector: str = "auto"
     """(K, L1, L2) chosen per request-step by a learned selector (``vllm_anisotropic.selector``):
-    ``"auto"`` takes the selector shipped for this target and draft pair, if there is one and no
+    ``"auto"`` takes the selector shipped for this target and draft pair (of the pair's, the one
+    timed with q in what ``draft_quantization`` resolves to: ``selector.shipped``), if there is one and no
     shape key (``trunk``, ``branches``, ``branch_length``) is given, else the fixed shape;
     ``"off"`` the fixed shape; or the directory of a selector (``vllm-anisotropic selector train``)."""
 

@@ -11,12 +11,14 @@ File format (a directory; never pickle)::
 
     selector.json          format, version, features (names, mean, std), actions, verifier,
                            hidden sizes, the pair it was trained for, the sha256 of the weights,
-                           the training summary
+                           the training summary, draft_quantization (what q ran in when timed),
+                           max_batch_size (optional: no drafting in wider steps)
     selector.safetensors   the MLP's tensors
 
 ``ShapeSelector.load`` refuses (``SelectorFileError``, naming the file and the problem) a missing
 file, a file of another format or version, features this code does not compute, actions outside
-the paper's grid, weights whose checksum or shapes do not match.
+the paper's grid, weights whose checksum or shapes do not match, a max_batch_size that is not an
+integer >= 1.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ safetensors header, another tensor order) still matches.
 A pair may ship one selector per ``draft_quantization`` that q's pass times were measured in
 (``selector.json``'s ``draft_quantization``, from its timing record; ``"none"`` when absent):
 the shapes that pay depend on what a draft forward costs, and q in int8 costs ~0.6x of bf16 on a
-CPU (docs/draft_tree.md). The one of q's resolved quantization is taken, else another of the pair.
+CPU (docs/notebook/draft_tree.md, "q in int8"). The one of q's resolved quantization is taken, else another of the pair.
 """
 
 from __future__ import annotations
