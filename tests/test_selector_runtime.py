@@ -227,6 +227,21 @@ def test_no_drafting_above_the_selectors_batch_bound(draft_dir, tmp_path):
     assert proposer.selector.max_batch_size == 2
 
 
+def test_may_draft_reads_a_shapes_drafts_from_its_trunk_and_branches(tmp_path):
+    """``may_draft`` says yes for a selector that always picks branches without a trunk (K 3, L1 0,
+    L2 2: six drafts, none on a trunk) and no for one that always picks plain decoding (1, 0, 0):
+    fails if a shape's drafts are counted as L1 - K L2 or L1 alone, or plain counted as drafting."""
+    assert ShapeSelector.load(constant_selector(tmp_path, (3, 0, 2))).may_draft(100, 0.0, 1.0, 1)
+    actions = [(1, 0, 0), (1, 3, 0)]
+    n = 64
+    e = np.ones((n, 2))
+    e[:, 0] = 4.0  # plain decoding pays most at every root
+    ex = Examples(np.random.default_rng(0).normal(1.0, 0.5, (n, 5)), {"traversal": e},
+                  np.tile([step_time(a, TIMING) for a in actions], (n, 1)), np.array([str(i) for i in range(n)]), actions)
+    plain = fit(ex, np.arange(n), "traversal", epochs=200, lr=1e-2)
+    assert not any(plain.may_draft(100, t, 1.0, b) for b in (1, 4) for t in (0.0, 0.7))
+
+
 def test_auto_finds_the_selector_of_its_pair_only(draft_dir, tmp_path):
     target_dir = str(build_tiny_model(seed=2, block_std=0.1))
     other_dir = str(build_tiny_model(seed=3, block_std=0.1))
