@@ -294,6 +294,6 @@ def test_fingerprint_survives_resaving_and_the_shipped_selector_loads(tmp_path):
         sel = ShapeSelector.load(d)
         assert sel.max_drafts <= 8 and {"target_fingerprint", "draft_fingerprint"} <= set(sel.meta["pair"])
     # the pair's two: q not quantized (no bound) and q in int8 (bounded at two requests, docs/selector.md)
-    by_q = {ShapeSelector.load(d).meta.get("draft_quantization", "none"): ShapeSelector.load(d) for d in shipped}
+    by_q = {sel.draft_quantization: sel for sel in map(ShapeSelector.load, shipped)}
     assert set(by_q) == {"none", "int8"} and by_q["none"].meta["pair"] == by_q["int8"].meta["pair"]
     assert by_q["int8"].max_batch_size == 2 and by_q["none"].max_batch_size is None

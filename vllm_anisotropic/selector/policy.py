@@ -90,6 +90,12 @@ class ShapeSelector:
         return max(l1 + k * l2 for k, l1, l2 in self.actions)
 
     @property
+    def draft_quantization(self) -> str:
+        """What q's linear layers ran in when the labels' pass times were measured (``selector
+        train`` writes it from the timing record; ``"none"`` for a file from before the key)."""
+        return self.meta.get("draft_quantization", "none")
+
+    @property
     def max_batch_size(self) -> int | None:
         """The most requests an engine step may have, drafting or not, for this selector to draft
         at all (``selector train --max-batch-size``, from runs in vLLM by concurrency: what the

@@ -370,7 +370,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="a draft_tree_grid --time-only JSONL whose timing record replaces the record files' (it "
                         "must hold the target forwards of every batch size, --time-batch-sizes)")
     t.add_argument("--max-batch-size", type=int, default=None,
-                   help="draft only in steps of at most this many drafting requests (stored in the file; from runs "
+                   help="draft only in engine steps of at most this many requests, drafting or not (stored in the file; from runs "
                         "in vLLM where wider batches lost: what the labels leave out, docs/selector.md); default: no bound")
     t.add_argument("--target", default=None, help="name of the target model, stored in the file")
     t.add_argument("--draft", default=None, help="name of the draft model, stored in the file")

@@ -134,10 +134,10 @@ class TreeDrafter:
 
             quantization = resolve_quantization(self.proposer.config.draft_quantization, current_platform.is_cpu())
             selector = self.proposer.selector
-            if selector is not None and selector.meta.get("draft_quantization", "none") != quantization:
+            if selector is not None and selector.draft_quantization != quantization:
                 logger.warning("draft_tree: selector %s was timed with q in %r; q runs in %r here (its shapes may "
                                "pay less: docs/selector.md)", self.proposer.config.selector,
-                               selector.meta.get("draft_quantization", "none"), quantization)
+                               selector.draft_quantization, quantization)
             fused = use_vllm_cpu_layers(self.proposer.lm, quantization)
             use_vllm_cpu_gemm(self.proposer.lm.model, quantization)
             if fused:
@@ -188,7 +188,6 @@ class TreeDrafter:
         self.metrics = TreeMetrics()
         if isinstance(self.proposer, DraftTreeProposer):
             self.metrics.draft_quantization = quantization
-        if isinstance(self.proposer, DraftTreeProposer):
             self.metrics.selector_shapes = self.proposer.shape_counts  # the proposer counts, the sink writes
         self.sink = MetricsSink(self.metrics, rank=_tp_rank())
         self.host_clock = HostClock()  # the worker's host work per phase (host_clock.py)
