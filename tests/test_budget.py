@@ -876,14 +876,15 @@ def test_the_arm_of_a_step_from_its_requests(tmp_path):
     assert b._step[2] == 0
 
 
-def _decode_step(b, propose_s=0.0):
+def _decode_step(b, propose_s=0.0, resume_s=0.0):
     """One decode step of request "a" (two drafts offered) through cut, on_scheduled, on_output."""
     reqs = [_req("a", 2)]
     _offer(b, {"a": [0.9, 0.8]})
     b.cut(reqs)
     out = _scheduled({"a": 1 + len(reqs[0].spec_token_ids)}, {"a": reqs[0].spec_token_ids})
     b.on_scheduled(out)
-    b.on_output(out, SimpleNamespace(sampled_token_ids=[[1, 2]], req_id_to_index={"a": 0}, tree_propose_s=propose_s))
+    b.on_output(out, SimpleNamespace(sampled_token_ids=[[1, 2]], req_id_to_index={"a": 0}, tree_propose_s=propose_s,
+                                     tree_resume_s=resume_s))
 
 
 def test_proposing_time_is_charged_to_the_step_that_verifies_it(tmp_path):
@@ -903,6 +904,26 @@ def test_proposing_time_is_charged_to_the_step_that_verifies_it(tmp_path):
                 SimpleNamespace(sampled_token_ids=[], req_id_to_index={}, tree_propose_s=0.2))
     _decode_step(b)
     assert seen[-1][3] >= 0.2
+
+
+def test_the_draft_models_resume_is_charged_to_neither_arm(tmp_path):
+    """Of the proposing time carried to the next step, the draft model's catch-up of tokens decoded
+    without it (``tree_resume_s``: a new prompt, a plain block) is prompt work: the gate sees the
+    rest, after a decode step and after a step that scheduled nothing. Catches: the resume left
+    in, subtracted from the wrong step, or dropped on the empty-step path."""
+    b = _gated(TREE, tmp_path)
+    seen = []
+    b.gate.observe = lambda *args: seen.append(args)
+    _decode_step(b, propose_s=0.3, resume_s=0.25)
+    _decode_step(b)
+    assert 0.05 <= seen[1][3] < 0.2
+    b = _gated(TREE, tmp_path)
+    b.gate.observe = lambda *args: seen.append(args)
+    b.on_scheduled(SimpleNamespace(num_scheduled_tokens={}))
+    b.on_output(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}),
+                SimpleNamespace(sampled_token_ids=[], req_id_to_index={}, tree_propose_s=0.3, tree_resume_s=0.25))
+    _decode_step(b)
+    assert 0.05 <= seen[-1][3] < 0.2
 
 
 def test_measured_steps_are_scored_in_batches_of_64(tmp_path):

@@ -437,6 +437,9 @@ class _Proposer:
     def begin_step(self, n, batch=None):
         pass
 
+    def take_resume_seconds(self):
+        return 0.0
+
 
 def _chain(root, n):
     """Root ``root`` and the n tokens after it (mod V), one chain."""

@@ -79,7 +79,7 @@ def _make(drafter, requests=None, **overrides) -> _Runner:
     r.model_config = SimpleNamespace(seed=5)
     r._sampling_trees, r._logprobs_trees, r._sampled_grammar_trees, r._draft_model = True, True, True, False
     r._tree_step, r._tree_plan, r._kv_mover = None, None, None
-    r._eligible_cache, r._structured, r.row_edits, r._propose_s = {}, set(), {}, 0.0
+    r._eligible_cache, r._structured, r.row_edits, r._propose_s, r._resume_s = {}, set(), {}, 0.0, 0.0
     for k, v in overrides.items():
         setattr(r, k, v)
     return r
@@ -191,6 +191,9 @@ def test_propose_rests_chains_or_trees_as_the_gate_says_and_contains_a_failure()
     drafts = r.propose_draft_token_ids(SimpleNamespace(tree_propose=TREE), sampled)
     assert drafts == [[11, 12, 13], [31 % V + 1, 31 % V + 2], [41 % V + 1, 41 % V + 2]]
     assert 0 < r._propose_s < 5.0 and "propose" in r.host_clock.seconds
+    r.drafter.proposer.take_resume_seconds = lambda: 0.125  # the draft model's catch-up, carried
+    r.propose_draft_token_ids(SimpleNamespace(tree_propose=TREE), sampled)
+    assert r._resume_s == 0.125
     assert r.propose_draft_token_ids(SimpleNamespace(tree_propose=PLAIN), sampled) == [[], [], []]
     assert r.drafter.pending == {}  # rested: no pending tree
     chains = r.propose_draft_token_ids(SimpleNamespace(tree_propose=CHAIN), sampled)
@@ -303,14 +306,15 @@ def test_sample_tokens_sends_calibration_once_the_drafting_time_and_the_next_dra
     out = SimpleNamespace(sampled_token_ids=[[1]])
     r = _make(_proposed(), output=out, draft_ids=SimpleNamespace(req_ids=["a"]))
     r._cost_calibration = [(1, 1, 0, 0, 0, 0.01)]
-    r._propose_s = 0.25
+    r._propose_s, r._resume_s = 0.25, 0.125
     assert r.sample_tokens(None) is out
     assert out.cost_calibration == [(1, 1, 0, 0, 0, 0.01)] and out.tree_propose_s == 0.25
+    assert out.tree_resume_s == 0.125 and r._resume_s == 0.0
     assert out.tree_drafts is r.draft_ids and r._cost_calibration is None and r._propose_s == 0.0
     again = SimpleNamespace(sampled_token_ids=[[2]])
     r.output = again
     r.sample_tokens(None)
-    assert not hasattr(again, "cost_calibration") and not hasattr(again, "tree_propose_s")
+    assert not any(hasattr(again, k) for k in ("cost_calibration", "tree_propose_s", "tree_resume_s"))
     # vLLM's shared empty output is never written to (its drafts stay for vLLM's own RPC)
     r.output, r._propose_s, r._cost_calibration = EMPTY_MODEL_RUNNER_OUTPUT, 0.5, [(1,)]
     assert r.sample_tokens(None) is EMPTY_MODEL_RUNNER_OUTPUT

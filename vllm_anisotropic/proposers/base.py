@@ -138,6 +138,13 @@ class Proposer(abc.ABC):
         their trees); default: no."""
         return False
 
+    def take_resume_seconds(self) -> float:
+        """Seconds of its drafting since the last call that were prompt work: a draft model
+        catching up on tokens the target decoded without it (a new prompt, steps decoded plainly
+        while the measured gate or the selector kept them plain). The gate counts them in neither
+        arm, as it counts no prefill step (``budget.BatchBudget.on_output``); default: none."""
+        return 0.0
+
     def begin_step(self, num_requests: int, batch_requests: int | None = None) -> None:
         """The next ``num_requests`` ``propose`` calls draft one engine step's trees (the engine's
         drafter says so first), of the step's ``batch_requests`` (all its requests, drafting or not;

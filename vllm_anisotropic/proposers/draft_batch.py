@@ -16,12 +16,21 @@ on q's KV of all requests (``draft_kv.DraftKV``: request b in row b for the step
    followed by at most max(L1) + max(L2) - 1 forwards; a row with nothing to run at a depth
    adds no token.
 
+A catch-up in which some row runs more tokens than a speculative step can leave it (its accepted
+drafts off q's trunk and the root: ``max_drafts`` + 1) resumes q after tokens the target decoded
+without it (a new prompt; steps the measured gate or the selector kept plain): its seconds are
+prompt work, which the gate counts in neither arm (``Proposer.take_resume_seconds``). Without
+that, a closed gate's single exploring step paid q's catch-up of every token decoded since, and
+the speculative arm could read slower than plain where speculation paid (the trap of
+docs/notebook/selector.md, T = 0.7 at one request).
+
 The rows keep each request's context and trunk; the lanes are overwritten by the next step.
 A request whose row does not fit q's KV bound drafts nothing this step (``DraftKV.fit``).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,7 +105,12 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
         order = sorted(drafting, key=lambda r: states[r].session.slot)  # row b: slot b
         group = [states[r] for r in order]
         ordered = [contexts[r] for r in order]
-        logits = _catch_up(kv, [s.session for s in group], ordered)
+        t0 = time.perf_counter()
+        logits, most = _catch_up(kv, [s.session for s in group], ordered)
+        if most > proposer.max_drafts + 1:  # more than a speculative step leaves: a resume
+            if logits.is_cuda:
+                torch.cuda.synchronize(logits.device)
+            proposer.resume_s += time.perf_counter() - t0
         root_laws = _laws(logits, [s.sampling for s in group])
         shapes = proposer.step_shapes(group, ordered, root_laws)
         drawn = _delayed_trees(kv, shapes, group, root_laws, [int(c[-1]) for c in ordered])
@@ -117,14 +131,15 @@ def _run(kv, sessions: list, tokens: list[list[int]]) -> torch.Tensor:
     return logits
 
 
-def _catch_up(kv, sessions: list, contexts: list) -> torch.Tensor:
+def _catch_up(kv, sessions: list, contexts: list) -> tuple[torch.Tensor, int]:
     """Each session (row b) cropped to its common prefix with its context (the root always runs
     again), then the rest of every context (a new prompt, accepted tokens, the root) in one packed
-    forward: the root logits [rows, vocab]."""
+    forward: the root logits [rows, vocab], and the most tokens a row ran."""
     contexts = [[int(t) for t in c] for c in contexts]
     for session, context in zip(sessions, contexts):
         session.keep_common(context)
-    return _run(kv, sessions, [context[len(s.tokens):] for s, context in zip(sessions, contexts)])
+    rest = [context[len(s.tokens):] for s, context in zip(sessions, contexts)]
+    return _run(kv, sessions, rest), max(len(t) for t in rest)
 
 
 def _delayed_trees(kv, shapes: list, states: list, laws: torch.Tensor, roots: list) -> list:

@@ -369,6 +369,7 @@ class DraftTreeProposer(Proposer):
         self._kv = None
         self.kv_bound: int | None = None
         self.step = 0  # drafting steps (begin_step), the sessions' LRU clock
+        self.resume_s = 0.0  # seconds of q's catch-ups of tokens decoded without it (take_resume_seconds)
         # the learned (K, L1, L2) selector; "auto" is resolved by the engine's front door (it knows
         # the target): left unresolved here, it means the fixed shape
         self.selector = None
@@ -400,6 +401,10 @@ class DraftTreeProposer(Proposer):
         if chain_drafts is not None:
             raise ValueError("draft_tree drafts no chains alone")
         return propose_draft_trees(self, states, token_ids, rows, lengths, max_nodes)
+
+    def take_resume_seconds(self) -> float:
+        seconds, self.resume_s = self.resume_s, 0.0
+        return seconds
 
     def begin_step(self, num_requests: int, batch_requests: int | None = None) -> None:
         self.step_requests = max(1, int(num_requests))

@@ -40,7 +40,9 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    (``on_scheduled``). The workers' seconds spent proposing the next step's drafts
    (``tree_propose_s``, timed by the runner) are moved out of the step that proposed them:
    the cost model never sees them (they are sunk when the allocator cuts), the gate charges
-   them to the step that verifies the drafts.
+   them to the step that verifies the drafts, less the draft model's catch-up of tokens the
+   target decoded without it (``tree_resume_s``: a new prompt, a plain block; prompt work,
+   ``proposers.draft_batch``), which the gate counts in neither arm.
    Predicted vs realized accepted drafts feed the metrics.
 
 Cost-model start: a linear prior (``PRIOR_BASE_S`` + ``PRIOR_PER_TOKEN_S`` per query token)
@@ -423,11 +425,12 @@ class BatchBudget:
         # the workers' time proposing the next step's drafts: a cost of the next step (the gate
         # charges it there), sunk when the allocator cuts (the cost model leaves it out)
         propose_s = float(getattr(model_runner_output, "tree_propose_s", 0.0) or 0.0)
+        resume_s = float(getattr(model_runner_output, "tree_resume_s", 0.0) or 0.0)
         if step is not None:
             r, q, t, c, d, t0, arm = step
             seconds = now - t0 - propose_s
             gate_seconds = seconds + self._propose_carry
-            self._propose_carry = propose_s
+            self._propose_carry = propose_s - resume_s
             if seconds > 0:
                 # scored and fitted in batches (``_score``; ``_refresh_cost`` at the next cut that
                 # allocates): a step the gate keeps plain pays for no prediction and no fit
@@ -437,7 +440,7 @@ class BatchBudget:
                 if self.online:
                     self.cost.update(CostSample(r, q, t, c, d, seconds), refit=False)
         else:
-            self._propose_carry += propose_s
+            self._propose_carry += propose_s - resume_s
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         if step is not None and arm is not None and self.gate is not None and sampled:

@@ -317,6 +317,7 @@ class TreeRunnerMixin:
         self._structured: set[str] = set()  # tree requests with a grammar (their trees' parents go to the scheduler)
         self.row_edits: dict[str, RowEdits] = {}  # tree requests with logit_bias / allowed_token_ids
         self._propose_s = 0.0  # seconds drafting since the last output (sent as tree_propose_s)
+        self._resume_s = 0.0  # of them, a draft model's catch-up of tokens decoded without it (tree_resume_s)
         # tensor parallelism: the CPU group on which the ranks agree on each step's verifiable
         # trees after a fault on one rank (faults.agree, in the sampler); None with one rank
         self.tree_ranks = tp_group()
@@ -573,8 +574,11 @@ class TreeRunnerMixin:
         # seconds this step spent drafting for the next one (the gate charges them to the next
         # step: budget.BatchBudget.on_output)
         propose_s, self._propose_s = self._propose_s, 0.0
+        resume_s, self._resume_s = self._resume_s, 0.0
         if propose_s and carries:
             out.tree_propose_s = propose_s
+            if resume_s:
+                out.tree_resume_s = resume_s
         # The next step's drafts travel with this reply (scheduler.TreeScheduler applies them
         # in update_from_output), so the engine core skips vLLM's second RPC of the step
         # (``take_draft_token_ids`` in ``EngineCore.post_step``; patches.py patch 6).
@@ -614,6 +618,7 @@ class TreeRunnerMixin:
             self.drafter.contain("propose", ids)
             drafts = [[] for _ in req_ids]
         self._propose_s += time.perf_counter() - t0
+        self._resume_s += self.drafter.proposer.take_resume_seconds()
         return drafts
 
 
