@@ -104,7 +104,7 @@ def test_cells_record_the_gates_decode_steps_from_the_allocators_stats_file(tmp_
     assert metrics.budget_stats_path() == f"{stats}.budget"
     assert sweep_engine.budget_counters() == {} and sweep_engine.gate_rates() == {}  # no allocator: no file
     fields = {"steps": 40, "steps_without_drafts": 15, "gate_plain_steps": 12, "chain_steps": 5, "chain_drafts": 9,
-              "tree_rows": 70, "cost_samples": 3}
+              "tree_rows": 70, "draft_resume_seconds": 1.25, "cost_samples": 3}
     Path(metrics.budget_stats_path()).write_text(json.dumps(fields))
     assert sweep_engine.gate_rates() == {}  # the gate off
     got = sweep_engine.budget_counters()

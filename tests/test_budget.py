@@ -916,7 +916,7 @@ def test_the_draft_models_resume_is_charged_to_neither_arm(tmp_path):
     b.gate.observe = lambda *args: seen.append(args)
     _decode_step(b, propose_s=0.3, resume_s=0.25)
     _decode_step(b)
-    assert 0.05 <= seen[1][3] < 0.2
+    assert 0.05 <= seen[1][3] < 0.2 and b.metrics.draft_resume_seconds == 0.25  # counted (a metric)
     b = _gated(TREE, tmp_path)
     b.gate.observe = lambda *args: seen.append(args)
     b.on_scheduled(SimpleNamespace(num_scheduled_tokens={}))

@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field
 # file is that path + ".budget" (metrics.budget_stats_path)
 STATS_ENV = "VLLM_ANISOTROPIC_TREE_STATS"
 # the allocator's integer counters recorded per cell (BudgetMetrics fields, also in older trees)
-BUDGET_FIELDS = ("steps", "steps_without_drafts", "gate_plain_steps", "chain_steps", "chain_drafts", "tree_rows")
+BUDGET_FIELDS = ("steps", "steps_without_drafts", "gate_plain_steps", "chain_steps", "chain_drafts", "tree_rows",
+                 "draft_resume_seconds")
 
 
 class SweepJob(BaseModel):
@@ -85,11 +86,11 @@ def _budget_stats() -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def budget_counters() -> dict[str, int]:
+def budget_counters() -> dict[str, float]:
     """The allocator's counters so far (``BUDGET_FIELDS``), from its stats file; {} without one
     (no tree method, or the allocator off)."""
     data = _budget_stats()
-    return {k: int(data.get(k, 0)) for k in BUDGET_FIELDS} if data else {}
+    return {k: data.get(k, 0) for k in BUDGET_FIELDS} if data else {}
 
 
 def gate_rates() -> dict:

@@ -97,6 +97,7 @@ class BudgetMetrics:
     last_budget: int = 0  # tree rows kept in the latest step
     grammar_pruned_nodes: int = 0  # offered draft nodes a structured-output grammar rejected (tree_grammar.py)
     grammar_reordered_trees: int = 0  # of the pruned trees, those whose kept nodes the workers moved to the front
+    draft_resume_seconds: float = 0.0  # the draft model's catch-ups of tokens decoded without it (no gate arm's)
     last_predicted_speedup: float = 1.0
 
     def summary_line(self) -> str:
@@ -426,6 +427,7 @@ class BatchBudget:
         # charges it there), sunk when the allocator cuts (the cost model leaves it out)
         propose_s = float(getattr(model_runner_output, "tree_propose_s", 0.0) or 0.0)
         resume_s = float(getattr(model_runner_output, "tree_resume_s", 0.0) or 0.0)
+        m.draft_resume_seconds += resume_s
         if step is not None:
             r, q, t, c, d, t0, arm = step
             seconds = now - t0 - propose_s
