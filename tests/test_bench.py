@@ -51,6 +51,31 @@ def test_closed_loop_keeps_the_concurrency_and_the_prompt_order(concurrency):
     assert len(engine.added) == 10 and seconds >= 0
 
 
+@pytest.mark.parametrize("warmup, runs", [("each", [1, 2, 4]), ("largest", [4])])
+def test_the_warm_up_runs_at_each_concurrency_or_the_largest(warmup, runs):
+    """``--warmup each`` fills every measured batch size before the cells (the gate's warm-up
+    there), ``largest`` the largest alone. Catches: one concurrency only, or every one at the
+    largest."""
+    job = sweep_engine.SweepJob(model="m", method="plain", speculative_config=None, cell_prompts=[["p"]],
+                                cells=[(0, 1)], warmup_prompts=["a" * (i + 1) for i in range(8)], max_tokens=4,
+                                concurrency=[4, 1, 2], warmup=warmup)
+    engine = _Engine()
+    peaks = []
+    engine_step = engine.step
+    def step():  # the most requests in flight during each concurrency's loop
+        peaks[-1] = max(peaks[-1], len(engine.live))
+        return engine_step()
+    engine.step = step
+    add = engine.add_request
+    def add_request(rid, prompt, params):
+        if rid.endswith("-0"):
+            peaks.append(0)
+        add(rid, prompt, params)
+    engine.add_request = add_request
+    assert sweep_engine.warm_up(engine, job, None) == runs
+    assert peaks == runs and len(engine.added) == 8 * len(runs)
+
+
 def test_cells_get_disjoint_prompts_mixed_from_every_dataset():
     sizes = sweep.cell_sizes([1, 8], repeats=2, per_cell=6)
     assert sizes == [6, 16, 6, 16]  # at least twice the concurrency

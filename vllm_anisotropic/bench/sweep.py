@@ -2,7 +2,9 @@
 concurrency, in real vLLM.
 
 For each method one vLLM engine is started (its own process, ``max_num_seqs`` = the largest
-concurrency) and, after a short warm-up, runs one cell per (repeat, concurrency) as a closed
+concurrency) and, after a short warm-up (``--warmup``: 16-token requests sampled as the cells'
+are, at each concurrency by default: the measured gate's warm-up at each batch size then falls
+mostly before the cells, as on a server that has run a while), runs one cell per (repeat, concurrency) as a closed
 loop: ``c`` requests in flight, a new one admitted as soon as one finishes
 (``LLMEngine.add_request`` / ``step``). Every cell has prompts of its own (``--num-prompts``
 from each dataset, at least twice the concurrency in all, drawn in turn from the datasets; the
@@ -571,6 +573,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--order", default="interleaved", choices=["interleaved", "grouped"],
                    help="interleaved: one engine per (repeat, method), methods in turn within each repeat "
                         "(drift of the machine lands on every method alike); grouped: one engine per method")
+    p.add_argument("--warmup", default="each", choices=["each", "largest"],
+                   help="each: before the cells, short requests at every --concurrency (the measured gate's "
+                        "warm-up at each batch size done, as on a server that has run a while); largest: at the "
+                        "largest alone (smaller batch sizes start cold in their first cell)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (0: greedy, outputs compared with plain's; > 0: seeded per prompt)")
@@ -633,7 +639,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     base = {"model": args.model, "draft": args.draft, "dataset": args.dataset, "split": split_of(datasets),
-            "prompt_offset": args.prompt_offset,
+            "prompt_offset": args.prompt_offset, "warmup": args.warmup,
             "dtype": args.dtype, "environment": environment(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -658,6 +664,7 @@ def run(args: argparse.Namespace) -> int:
             job = sweep_engine.SweepJob(model=str(model_dir), method=method,
                            speculative_config=resolve_config(method, Path(tmp), draft_dir, args.selector),
                            cells=[c for c, _ in mine], cell_prompts=[p for _, p in mine], warmup_prompts=warmup,
+                           warmup=args.warmup,
                            max_tokens=args.max_tokens, concurrency=args.concurrency,
                            temperature=args.temperature, top_p=args.top_p,
                            llm_kwargs={**CPU_LLM_DEFAULTS, "dtype": args.dtype, **extra, **method_llm_kwargs(method)},

@@ -21,7 +21,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,6 +46,9 @@ class SweepJob(BaseModel):
     cells: list[tuple[int, int]]
     """(repeat, concurrency) of each cell, in order."""
     warmup_prompts: list[str]
+    warmup: Literal["each", "largest"] = "each"
+    """Warm up at each concurrency of the job (``each``, its buckets' gate warmed as on a server
+    that has run a while) or at the largest alone (``largest``: smaller batch sizes start cold)."""
     max_tokens: int = Field(ge=1)
     concurrency: list[int]
     temperature: float = Field(default=0.0, ge=0.0)
@@ -133,6 +136,16 @@ def closed_loop(engine, prompts: list[str], params, concurrency: int, tag: str) 
     return outputs, time.perf_counter() - started
 
 
+def warm_up(engine, job: SweepJob, params) -> list[int]:
+    """Run the warm-up's prompts (``params``: short, sampled as the cells' are) at each concurrency
+    of ``job`` in increasing order, or at the largest alone (``job.warmup``): first steps, and the
+    measured gate's warm-up at those batch sizes. Returns the concurrencies run."""
+    run = sorted(set(job.concurrency)) if job.warmup == "each" else [max(job.concurrency)]
+    for conc in run:
+        closed_loop(engine, job.warmup_prompts, params, conc, f"warm{conc}")
+    return run
+
+
 def run_job(job: SweepJob, out_file: Path) -> None:
     """Start vLLM once for ``job.method`` and append one record per cell to ``out_file``."""
     from vllm import LLM, SamplingParams
@@ -145,8 +158,7 @@ def run_job(job: SweepJob, out_file: Path) -> None:
     startup = time.perf_counter() - started
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p)
-    # warm-up on prompts of its own: short requests at the largest concurrency (first steps)
-    closed_loop(engine, job.warmup_prompts, SamplingParams(max_tokens=16, temperature=0.0), max(job.concurrency), "warm")
+    warm_up(engine, job, SamplingParams(max_tokens=16, temperature=job.temperature, top_p=job.top_p))
     for i, ((repeat, conc), prompts) in enumerate(zip(job.cells, job.cell_prompts)):
         before, budget_before = spec_counters(llm), budget_counters()
         outputs, seconds = closed_loop(engine, prompts, params, conc, f"r{repeat}c{conc}")
