@@ -51,14 +51,15 @@ def test_closed_loop_keeps_the_concurrency_and_the_prompt_order(concurrency):
     assert len(engine.added) == 10 and seconds >= 0
 
 
-@pytest.mark.parametrize("warmup, runs", [("each", [1, 2, 4]), ("largest", [4])])
-def test_the_warm_up_runs_at_each_concurrency_or_the_largest(warmup, runs):
-    """``--warmup each`` fills every measured batch size before the cells (the gate's warm-up
-    there), ``largest`` the largest alone. Catches: one concurrency only, or every one at the
-    largest."""
+@pytest.mark.parametrize("warmup, concurrency, runs", [("each", [4, 1, 2], [1, 2, 4]), ("largest", [4, 1, 2], [4]),
+                                                      ("each", [16, 1, 32], [1, 8])])
+def test_the_warm_up_runs_at_each_concurrency_or_the_largest(warmup, concurrency, runs):
+    """``--warmup each`` fills every measured batch size up to the warm-up's 8 prompts before the
+    cells (the gate's warm-up there), ``largest`` the largest alone. Catches: one concurrency
+    only, every one at the largest, or the same loop of 8 run again for each larger one."""
     job = sweep_engine.SweepJob(model="m", method="plain", speculative_config=None, cell_prompts=[["p"]],
                                 cells=[(0, 1)], warmup_prompts=["a" * (i + 1) for i in range(8)], max_tokens=4,
-                                concurrency=[4, 1, 2], warmup=warmup)
+                                concurrency=concurrency, warmup=warmup)
     engine = _Engine()
     peaks = []
     engine_step = engine.step

@@ -189,24 +189,33 @@ def test_a_released_session_is_rebuilt_from_the_context(draft_dir):
     assert sa[0].session.tokens == sb[0].session.tokens and len(sa[0].session.tokens) == lengths[0] + 1
 
 
-def test_q_catching_up_more_than_a_speculative_step_leaves_is_timed_as_a_resume(draft_dir):
-    """q's catch-up of a new prompt, or of more tokens than one speculative step can leave it (its
-    ``max_drafts`` accepted off its trunk and the root), is a resume: its seconds go to
-    ``take_resume_seconds`` (the gate counts them in neither arm); a catch-up of at most
-    ``max_drafts`` + 1 tokens is the speculative step's own. Catches: the bound off by one either
-    way, the time left uncounted or counted twice (not reset when taken)."""
+def test_q_catching_up_a_request_the_gate_rested_is_timed_as_a_resume(draft_dir):
+    """The catch-up forward of a step with a request marked ``resuming`` (the gate rested it: the
+    engine's drafter marks it) is timed as a resume (``take_resume_seconds``; the gate counts it in
+    neither arm) and clears the mark; a new prompt or a long catch-up without the mark is the
+    speculative step's own; a marked request q does not run for keeps its mark. Catches: the time
+    left uncounted or counted twice (not reset when taken), counted without a mark, the mark
+    never cleared or cleared when q did not run."""
     (pa, sa), _ = _twins(draft_dir, 2, branches=2, trunk=1, branch_length=2, selector="off")
     tokens, lengths = _contexts([20, 9], seed=6)
-    pa.propose_batch(sa, tokens, np.arange(2), lengths)  # two new prompts
-    assert pa.take_resume_seconds() > 0 and pa.take_resume_seconds() == 0.0
-    steady = pa.max_drafts + 1
-    for lag, resumed in ((steady, False), (steady + 1, True), (1, False)):
+    pa.propose_batch(sa, tokens, np.arange(2), lengths)  # two new prompts, not rested
+    assert pa.take_resume_seconds() == 0.0
+
+    def extend(lag):
+        nonlocal lengths
         for i in range(2):  # tokens q has not run: the first differs from q's trunk token
             trunk = sa[i].session.tokens[lengths[i]]
             tokens[i, lengths[i]:lengths[i] + lag] = trunk + 1 + np.arange(lag)
-        lengths += lag
-        pa.propose_batch(sa, tokens, np.arange(2), lengths)
-        assert (pa.take_resume_seconds() > 0) == resumed, lag
+        lengths = lengths + lag
+
+    extend(12)  # more than any speculative step leaves, but not rested
+    pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    assert pa.take_resume_seconds() == 0.0
+    extend(3)
+    sa[0].resuming = sa[1].resuming = True
+    pa.propose_batch(sa, tokens, np.arange(2), lengths, np.array([0, 1]))  # q runs for request 0 alone
+    assert pa.take_resume_seconds() > 0 and pa.take_resume_seconds() == 0.0
+    assert [s.resuming for s in sa] == [False, True]
 
 
 MODES = {0: "plain", 1: "tree", 2: "bypass", 3: "chain"}

@@ -212,6 +212,25 @@ def test_rest_drops_pending_trees_and_drafts_nothing():
     assert d.rest(["a", "zz"]) == [[], []] and set(d.pending) == {"b"}
 
 
+def test_requests_the_gate_rested_resume_drafting_marked_until_they_draft():
+    """A request the gate rested is marked ``resuming`` when it next drafts (a draft model's
+    catch-up then is a resume, not the speculative arm's cost); one not rested is not; the mark
+    waits while the request does not draft and goes with a finished request. Catches: every
+    request marked, the mark never set, or dropped before the request drafts."""
+    d = _stubbed(lambda n: _chain(n % V, 2), allocator="off")
+    tokens, lengths = _tokens([30, 31, 32])
+    d.propose_trees(["a", "b", "c"], [True] * 3, [[1]] * 3, lengths, tokens)
+    assert not any(d.states[r].resuming for r in "abc") and not d.rested
+    d.rest(["a", "c"])
+    d.propose_trees(["a", "b", "c"], [True, True, False], [[1]] * 3, lengths, tokens)  # c not eligible
+    assert [d.states[r].resuming for r in "ab"] == [True, False] and d.rested == {"c"}
+    d.states["a"].resuming = False  # (the proposer clears the mark when q catches up)
+    d.propose_trees(["a"], [True], [[1]], lengths, tokens)
+    assert not d.states["a"].resuming
+    d.drop("c")
+    assert not d.rested
+
+
 def test_contain_disables_requests_once_and_counts_every_fault():
     d = _drafter(allocator="off")
     tokens, lengths = _tokens([30])
@@ -405,6 +424,8 @@ def _ancestors(tree, j):
 
 
 class _State:
+    resuming = False  # as DraftTreeState's (the drafter marks the gate's rested requests)
+
     def __init__(self, owner, tenant):
         self.owner, self.tenant, self.law = owner, tenant, None
         self.harvest_top_k = owner.top_k

@@ -3,8 +3,9 @@ concurrency, in real vLLM.
 
 For each method one vLLM engine is started (its own process, ``max_num_seqs`` = the largest
 concurrency) and, after a short warm-up (``--warmup``: 16-token requests sampled as the cells'
-are, at each concurrency by default: the measured gate's warm-up at each batch size then falls
-mostly before the cells, as on a server that has run a while), runs one cell per (repeat, concurrency) as a closed
+are, at each concurrency up to 8 by default: the measured gate's warm-up at those batch sizes
+then falls mostly before the cells, as on a server that has run a while; one wave of 8 such
+requests covers only part of it at 8), runs one cell per (repeat, concurrency) as a closed
 loop: ``c`` requests in flight, a new one admitted as soon as one finishes
 (``LLMEngine.add_request`` / ``step``). Every cell has prompts of its own (``--num-prompts``
 from each dataset, at least twice the concurrency in all, drawn in turn from the datasets; the
@@ -574,9 +575,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="interleaved: one engine per (repeat, method), methods in turn within each repeat "
                         "(drift of the machine lands on every method alike); grouped: one engine per method")
     p.add_argument("--warmup", default="each", choices=["each", "largest"],
-                   help="each: before the cells, short requests at every --concurrency (the measured gate's "
-                        "warm-up at each batch size done, as on a server that has run a while); largest: at the "
-                        "largest alone (smaller batch sizes start cold in their first cell)")
+                   help="each: before the cells, 8 short requests at every --concurrency up to 8 (the measured "
+                        "gate's warm-up at those batch sizes mostly done, as on a server that has run a while); "
+                        "largest: at the largest alone (smaller batch sizes start cold in their first cell)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (0: greedy, outputs compared with plain's; > 0: seeded per prompt)")

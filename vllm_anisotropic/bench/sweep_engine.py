@@ -47,8 +47,9 @@ class SweepJob(BaseModel):
     """(repeat, concurrency) of each cell, in order."""
     warmup_prompts: list[str]
     warmup: Literal["each", "largest"] = "each"
-    """Warm up at each concurrency of the job (``each``, its buckets' gate warmed as on a server
-    that has run a while) or at the largest alone (``largest``: smaller batch sizes start cold)."""
+    """Warm up at each concurrency of the job up to the warm-up's prompts (``each``: the gate's
+    warm-up at those batch sizes mostly done before the cells, as on a server that has run a
+    while) or at the largest alone (``largest``: smaller batch sizes start cold)."""
     max_tokens: int = Field(ge=1)
     concurrency: list[int]
     temperature: float = Field(default=0.0, ge=0.0)
@@ -139,8 +140,10 @@ def closed_loop(engine, prompts: list[str], params, concurrency: int, tag: str) 
 def warm_up(engine, job: SweepJob, params) -> list[int]:
     """Run the warm-up's prompts (``params``: short, sampled as the cells' are) at each concurrency
     of ``job`` in increasing order, or at the largest alone (``job.warmup``): first steps, and the
-    measured gate's warm-up at those batch sizes. Returns the concurrencies run."""
-    run = sorted(set(job.concurrency)) if job.warmup == "each" else [max(job.concurrency)]
+    measured gate's warm-up at those batch sizes. A concurrency above the number of warm-up
+    prompts (8) runs as that number: larger batch sizes start cold. Returns the concurrencies run."""
+    n = len(job.warmup_prompts)
+    run = sorted({min(c, n) for c in job.concurrency}) if job.warmup == "each" else [max(job.concurrency)]
     for conc in run:
         closed_loop(engine, job.warmup_prompts, params, conc, f"warm{conc}")
     return run

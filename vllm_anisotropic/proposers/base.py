@@ -139,10 +139,10 @@ class Proposer(abc.ABC):
         return False
 
     def take_resume_seconds(self) -> float:
-        """Seconds of its drafting since the last call that were prompt work: a draft model
-        catching up on tokens the target decoded without it (a new prompt, steps decoded plainly
-        while the measured gate or the selector kept them plain). The gate counts them in neither
-        arm, as it counts no prefill step (``budget.BatchBudget.on_output``); default: none."""
+        """Seconds of its drafting since the last call that were resumes: a draft model catching
+        up on what the target decoded while the measured gate rested its requests (the plain
+        steps' tokens, the prompts that arrived meanwhile). A cost of the gate's switch, which
+        the gate counts in neither arm (``budget.BatchBudget.on_output``); default: none."""
         return 0.0
 
     def begin_step(self, num_requests: int, batch_requests: int | None = None) -> None:

@@ -16,13 +16,17 @@ on q's KV of all requests (``draft_kv.DraftKV``: request b in row b for the step
    followed by at most max(L1) + max(L2) - 1 forwards; a row with nothing to run at a depth
    adds no token.
 
-A catch-up in which some row runs more tokens than a speculative step can leave it (its accepted
-drafts off q's trunk and the root: ``max_drafts`` + 1) resumes q after tokens the target decoded
-without it (a new prompt; steps the measured gate or the selector kept plain): its seconds are
-prompt work, which the gate counts in neither arm (``Proposer.take_resume_seconds``). Without
-that, a closed gate's single exploring step paid q's catch-up of every token decoded since, and
-the speculative arm could read slower than plain where speculation paid (the trap of
-docs/notebook/selector.md, T = 0.7 at one request).
+A catch-up with a row whose request the measured gate rested since q last ran for it
+(``DraftTreeState.resuming``, set by the engine's drafter: the tokens of the gate's plain steps,
+and the prompt of a request that arrived during them) is a **resume**: its seconds are a cost of
+the gate's switch, not of speculating, and the gate counts them in neither arm
+(``Proposer.take_resume_seconds``). Without that, a closed gate's single exploring step paid
+q's catch-up of every token decoded since, and of every prompt that arrived since, and the
+speculative arm could read slower than plain where speculation paid (the trap of
+docs/notebook/selector.md, T = 0.7 at one request). A new prompt while the gate speculates, or
+tokens a request decoded without q while the gate let it draft (the selector or the allocator's
+backoff kept it plain), are the speculative arm's own cost. After a rest every request of the
+step resumes (the gate decides for the whole step), so the forward timed is the resuming rows'.
 
 The rows keep each request's context and trunk; the lanes are overwritten by the next step.
 A request whose row does not fit q's KV bound drafts nothing this step (``DraftKV.fit``).
@@ -105,12 +109,13 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
         order = sorted(drafting, key=lambda r: states[r].session.slot)  # row b: slot b
         group = [states[r] for r in order]
         ordered = [contexts[r] for r in order]
+        resuming = [s for s in group if s.resuming]
         t0 = time.perf_counter()
-        logits, most = _catch_up(kv, [s.session for s in group], ordered)
-        if most > proposer.max_drafts + 1:  # more than a speculative step leaves: a resume
-            if logits.is_cuda:
-                torch.cuda.synchronize(logits.device)
+        logits = _catch_up(kv, [s.session for s in group], ordered)  # q's rows back on the host: no sync
+        if resuming:  # the gate rested these requests: their catch-up is a resume
             proposer.resume_s += time.perf_counter() - t0
+            for s in resuming:
+                s.resuming = False
         root_laws = _laws(logits, [s.sampling for s in group])
         shapes = proposer.step_shapes(group, ordered, root_laws)
         drawn = _delayed_trees(kv, shapes, group, root_laws, [int(c[-1]) for c in ordered])
@@ -131,15 +136,14 @@ def _run(kv, sessions: list, tokens: list[list[int]]) -> torch.Tensor:
     return logits
 
 
-def _catch_up(kv, sessions: list, contexts: list) -> tuple[torch.Tensor, int]:
+def _catch_up(kv, sessions: list, contexts: list) -> torch.Tensor:
     """Each session (row b) cropped to its common prefix with its context (the root always runs
     again), then the rest of every context (a new prompt, accepted tokens, the root) in one packed
-    forward: the root logits [rows, vocab], and the most tokens a row ran."""
+    forward: the root logits [rows, vocab]."""
     contexts = [[int(t) for t in c] for c in contexts]
     for session, context in zip(sessions, contexts):
         session.keep_common(context)
-    rest = [context[len(s.tokens):] for s, context in zip(sessions, contexts)]
-    return _run(kv, sessions, rest), max(len(t) for t in rest)
+    return _run(kv, sessions, [context[len(s.tokens):] for s, context in zip(sessions, contexts)])
 
 
 def _delayed_trees(kv, shapes: list, states: list, laws: torch.Tensor, roots: list) -> list:

@@ -270,6 +270,10 @@ def check_same_vocabulary(draft_dir: str | Path, target_dir: str | Path) -> None
 class DraftTreeState(RequestState):
     """One request: its q session, sampling law and generator (set by the engine's drafter)."""
 
+    # the measured gate rested the request since q last ran for it (set by the engine's drafter,
+    # cleared by the batched step that catches q up: a resume, ``draft_batch``)
+    resuming: bool = False
+
     def __init__(self, proposer: "DraftTreeProposer") -> None:
         self.proposer = proposer
         self.session = proposer.lm.new_session()
@@ -369,7 +373,7 @@ class DraftTreeProposer(Proposer):
         self._kv = None
         self.kv_bound: int | None = None
         self.step = 0  # drafting steps (begin_step), the sessions' LRU clock
-        self.resume_s = 0.0  # seconds of q's catch-ups of tokens decoded without it (take_resume_seconds)
+        self.resume_s = 0.0  # seconds of q's catch-ups of rested requests (take_resume_seconds)
         # the learned (K, L1, L2) selector; "auto" is resolved by the engine's front door (it knows
         # the target): left unresolved here, it means the fixed shape
         self.selector = None

@@ -40,9 +40,9 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    (``on_scheduled``). The workers' seconds spent proposing the next step's drafts
    (``tree_propose_s``, timed by the runner) are moved out of the step that proposed them:
    the cost model never sees them (they are sunk when the allocator cuts), the gate charges
-   them to the step that verifies the drafts, less the draft model's catch-up of tokens the
-   target decoded without it (``tree_resume_s``: a new prompt, a plain block; prompt work,
-   ``proposers.draft_batch``), which the gate counts in neither arm.
+   them to the step that verifies the drafts, less the draft model's catch-up of what the
+   target decoded while the gate rested drafting (``tree_resume_s``, ``proposers.draft_batch``):
+   a cost of the switch, which the gate counts in neither arm.
    Predicted vs realized accepted drafts feed the metrics.
 
 Cost-model start: a linear prior (``PRIOR_BASE_S`` + ``PRIOR_PER_TOKEN_S`` per query token)
@@ -97,7 +97,7 @@ class BudgetMetrics:
     last_budget: int = 0  # tree rows kept in the latest step
     grammar_pruned_nodes: int = 0  # offered draft nodes a structured-output grammar rejected (tree_grammar.py)
     grammar_reordered_trees: int = 0  # of the pruned trees, those whose kept nodes the workers moved to the front
-    draft_resume_seconds: float = 0.0  # the draft model's catch-ups of tokens decoded without it (no gate arm's)
+    draft_resume_seconds: float = 0.0  # the draft model's catch-ups after the gate rested drafting (no arm's)
     last_predicted_speedup: float = 1.0
 
     def summary_line(self) -> str:

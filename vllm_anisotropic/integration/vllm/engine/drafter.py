@@ -156,6 +156,9 @@ class TreeDrafter:
         # req_id -> kept draft nodes of its pending tree after its grammar pruned it (the
         # scheduler's ``tree_kept``, tree_grammar.py): that tree's kept nodes go first in take_step
         self.reorders: dict[str, list[int]] = {}
+        # requests the measured gate rested (``rest``) since they last drafted: a draft model's
+        # catch-up when they draft again is a resume, counted in neither of the gate's arms
+        self.rested: set[str] = set()
         self.chain_drafts = int(self.config.engine.allocator_chain_drafts)
         # budget allocator (budget.py): calibrated P(node on the accepted path) of each pending
         # tree's draft list, learned from every offered tree; None when the allocator is off
@@ -317,6 +320,11 @@ class TreeDrafter:
         lengths = np.asarray(num_tokens_no_spec[rows], np.int64)
         ids = [req_ids[i] for i in drafting]
         states = self._states_of(drafting, ids, laws)
+        if self.rested:  # a draft model's catch-up after the gate's rest is a resume (draft_batch)
+            for r, state in zip(ids, states):
+                if r in self.rested and hasattr(state, "resuming"):
+                    state.resuming = True
+            self.rested.difference_update(ids)
         room = np.maximum(np.minimum(self.max_draft_tokens, self.max_model_len - lengths - 1), 0)
         trees, modes, prev_roots = self._propose(states, ids, token_ids_cpu, rows, lengths, room, chains)
         self._count_draft_kv()
@@ -445,9 +453,11 @@ class TreeDrafter:
         """No drafts for the next step (the scheduler's measured gate keeps it plain): no tree,
         no scoring, no labelling; the adjacency tables harvest nothing until drafting resumes
         (a plain step then costs what plain decoding costs). Offered trees waiting for their
-        labels keep waiting: the tokens they need stay in the request's context."""
+        labels keep waiting: the tokens they need stay in the request's context. The requests
+        are marked rested: a draft model's catch-up when they draft again is a resume."""
         for r in req_ids:
             self.pending.pop(r, None)
+        self.rested.update(req_ids)
         return [[] for _ in req_ids]
 
     def _label(self, req_ids, num_tokens_no_spec, token_ids_cpu) -> None:
@@ -644,6 +654,7 @@ class TreeDrafter:
             self._deferred.append(("finish", [req_id], functools.partial(
                 state.finish, None if context_tokens is None else np.array(context_tokens))))
         self.tenants.pop(req_id, None)
+        self.rested.discard(req_id)
         self._forget_pending(req_id)
         self.zero_streak.pop(req_id, None)
         self.skip.pop(req_id, None)

@@ -241,8 +241,8 @@ _BUDGET_COUNTERS = {
                            "steps the measured gate made chain steps (each request's chain alone, not cut)"),
     "budget_chain_drafts": ("chain_drafts", "draft tokens the chain steps verified"),
     "budget_draft_resume_seconds": ("draft_resume_seconds",
-                                    "draft_tree: seconds the draft model caught up on tokens decoded without it "
-                                    "(new prompts, plain blocks; counted in neither arm of the measured gate)"),
+                                    "draft_tree: seconds the draft model caught up on what the target decoded while "
+                                    "the measured gate rested drafting (counted in neither of its arms)"),
     "budget_tree_rows": ("tree_rows", "draft nodes the allocator kept"),
     "budget_tree_rows_offered": ("tree_rows_offered", "draft nodes the proposers offered"),
     "budget_tree_rows_within_caps": ("tree_rows_within_caps",

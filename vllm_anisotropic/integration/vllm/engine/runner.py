@@ -317,7 +317,7 @@ class TreeRunnerMixin:
         self._structured: set[str] = set()  # tree requests with a grammar (their trees' parents go to the scheduler)
         self.row_edits: dict[str, RowEdits] = {}  # tree requests with logit_bias / allowed_token_ids
         self._propose_s = 0.0  # seconds drafting since the last output (sent as tree_propose_s)
-        self._resume_s = 0.0  # of them, a draft model's catch-up of tokens decoded without it (tree_resume_s)
+        self._resume_s = 0.0  # of them, a draft model's catch-up after the gate rested drafting (tree_resume_s)
         # tensor parallelism: the CPU group on which the ranks agree on each step's verifiable
         # trees after a fault on one rank (faults.agree, in the sampler); None with one rank
         self.tree_ranks = tp_group()
