@@ -51,12 +51,13 @@ def test_closed_loop_keeps_the_concurrency_and_the_prompt_order(concurrency):
     assert len(engine.added) == 10 and seconds >= 0
 
 
-@pytest.mark.parametrize("warmup, concurrency, runs", [("each", [4, 1, 2], [1, 2, 4]), ("largest", [4, 1, 2], [4]),
-                                                      ("each", [16, 1, 32], [1, 8])])
+@pytest.mark.parametrize("warmup, concurrency, runs", [("each", [4, 1, 2], [4, 1, 2]), ("largest", [4, 1, 2], [4]),
+                                                      ("each", [16, 1, 32], [8, 1]), ("each", [1], [1])])
 def test_the_warm_up_runs_at_each_concurrency_or_the_largest(warmup, concurrency, runs):
     """``--warmup each`` fills every measured batch size up to the warm-up's 8 prompts before the
-    cells (the gate's warm-up there), ``largest`` the largest alone. Catches: one concurrency
-    only, every one at the largest, or the same loop of 8 run again for each larger one."""
+    cells (the gate's warm-up there), the largest first (it takes the engine's cold first
+    steps), ``largest`` the largest alone. Catches: one concurrency only, every one at the
+    largest, the same loop of 8 run again for each larger one, or the smallest first."""
     job = sweep_engine.SweepJob(model="m", method="plain", speculative_config=None, cell_prompts=[["p"]],
                                 cells=[(0, 1)], warmup_prompts=["a" * (i + 1) for i in range(8)], max_tokens=4,
                                 concurrency=concurrency, warmup=warmup)

@@ -3,9 +3,10 @@ concurrency, in real vLLM.
 
 For each method one vLLM engine is started (its own process, ``max_num_seqs`` = the largest
 concurrency) and, after a short warm-up (``--warmup``: 16-token requests sampled as the cells'
-are, at each concurrency up to 8 by default: the measured gate's warm-up at those batch sizes
-then falls mostly before the cells, as on a server that has run a while; one wave of 8 such
-requests covers only part of it at 8), runs one cell per (repeat, concurrency) as a closed
+are, at the largest concurrency, then by default at each other one up to 8: the engine's cold
+first steps land at the largest, and the measured gate's warm-up at each batch size falls mostly
+before the cells, as on a server that has run a while; one wave of 8 such requests covers only
+part of it at 8), runs one cell per (repeat, concurrency) as a closed
 loop: ``c`` requests in flight, a new one admitted as soon as one finishes
 (``LLMEngine.add_request`` / ``step``). Every cell has prompts of its own (``--num-prompts``
 from each dataset, at least twice the concurrency in all, drawn in turn from the datasets; the

@@ -138,12 +138,16 @@ def closed_loop(engine, prompts: list[str], params, concurrency: int, tag: str) 
 
 
 def warm_up(engine, job: SweepJob, params) -> list[int]:
-    """Run the warm-up's prompts (``params``: short, sampled as the cells' are) at each concurrency
-    of ``job`` in increasing order, or at the largest alone (``job.warmup``): first steps, and the
-    measured gate's warm-up at those batch sizes. A concurrency above the number of warm-up
-    prompts (8) runs as that number: larger batch sizes start cold. Returns the concurrencies run."""
+    """Run the warm-up's prompts (``params``: short, sampled as the cells' are) at the largest
+    concurrency of ``job``, then (``job.warmup`` "each") at each other one in increasing order:
+    the engine's first steps, and the measured gate's warm-up at those batch sizes. The largest
+    goes first so that the engine's cold first steps (q's first forwards, the acceptance model
+    before any label) land in its bucket, not in one request's, whose gate they closed for ~80
+    steps in a run (2026-12-07). A concurrency above the number of warm-up prompts (8) runs as
+    that number: larger batch sizes start cold. Returns the concurrencies run."""
     n = len(job.warmup_prompts)
-    run = sorted({min(c, n) for c in job.concurrency}) if job.warmup == "each" else [max(job.concurrency)]
+    largest = min(max(job.concurrency), n) if job.warmup == "each" else max(job.concurrency)
+    run = [largest] + (sorted({min(c, n) for c in job.concurrency} - {largest}) if job.warmup == "each" else [])
     for conc in run:
         closed_loop(engine, job.warmup_prompts, params, conc, f"warm{conc}")
     return run
