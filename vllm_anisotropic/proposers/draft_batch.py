@@ -26,7 +26,8 @@ speculative arm could read slower than plain where speculation paid (the trap of
 docs/notebook/selector.md, T = 0.7 at one request). A new prompt while the gate speculates, or
 tokens a request decoded without q while the gate let it draft (the selector or the allocator's
 backoff kept it plain), are the speculative arm's own cost. After a rest every request of the
-step resumes (the gate decides for the whole step), so the forward timed is the resuming rows'.
+step resumes (the gate decides for the whole step), so the forward timed is the resuming rows'
+alone, but for a prompt that arrives in the very step drafting resumes: it is timed with them.
 
 The rows keep each request's context and trunk; the lanes are overwritten by the next step.
 A request whose row does not fit q's KV bound drafts nothing this step (``DraftKV.fit``).
