@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # = integration.vllm.engine.metrics.STATS_ENV (tests/test_bench.py checks); the allocator's
 # file is that path + ".budget" (metrics.budget_stats_path)
 STATS_ENV = "VLLM_ANISOTROPIC_TREE_STATS"
-# the allocator's integer counters recorded per cell (BudgetMetrics fields, also in older trees)
+# the allocator's counters recorded per cell (BudgetMetrics fields; draft_resume_seconds is not in older trees)
 BUDGET_FIELDS = ("steps", "steps_without_drafts", "gate_plain_steps", "chain_steps", "chain_drafts", "tree_rows",
                  "draft_resume_seconds")
 
@@ -145,9 +145,11 @@ def warm_up(engine, job: SweepJob, params) -> list[int]:
     before any label) land in its bucket, not in one request's, whose gate they closed for ~80
     steps in a run (2026-12-07). A concurrency above the number of warm-up prompts (8) runs as
     that number: larger batch sizes start cold. Returns the concurrencies run."""
-    n = len(job.warmup_prompts)
-    largest = min(max(job.concurrency), n) if job.warmup == "each" else max(job.concurrency)
-    run = [largest] + (sorted({min(c, n) for c in job.concurrency} - {largest}) if job.warmup == "each" else [])
+    if job.warmup == "largest":
+        run = [max(job.concurrency)]
+    else:
+        sizes = sorted({min(c, len(job.warmup_prompts)) for c in job.concurrency})
+        run = sizes[-1:] + sizes[:-1]
     for conc in run:
         closed_loop(engine, job.warmup_prompts, params, conc, f"warm{conc}")
     return run
