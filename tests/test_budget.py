@@ -981,3 +981,33 @@ def test_tokens_owed_enter_the_step_s_fixed_cost(tmp_path):
     _offer(b, {"b": [0.6, 0.5, 0.4]})
     b.cut(reqs)
     assert reqs[1].spec_token_ids == []
+
+
+def test_the_repay_ratio_is_the_gates_saving_a_token_over_a_caught_up_tokens_seconds(tmp_path):
+    """``repay_next`` (sent as ``tree_repay``): the gate's seconds saved an output token at the
+    batch size over the draft model's seconds a caught-up token (``tree_catchup``, the later
+    measures weighing most); none before any catch-up is measured, while the gate gives no
+    saving, or when the next step is plain. Catches: the ratio inverted, the catch-up seconds
+    and tokens swapped, a ratio sent for a plain step or kept from an earlier step."""
+    from vllm_anisotropic.allocator import PLAIN
+    from vllm_anisotropic.integration.vllm.engine.budget import CATCHUP_DECAY
+
+    b = _gated(TREE, tmp_path)
+    b.gate.decide = lambda n: TREE
+    b.gate.token_saving_s = lambda n: 0.1 if n == 1 else None
+    _decode_step(b)
+    assert b.repay_next is None  # no catch-up measured yet
+    b.on_output(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}),
+                SimpleNamespace(sampled_token_ids=[], req_id_to_index={}, tree_catchup=(0.4, 100)))
+    _decode_step(b)
+    assert b.repay_next == pytest.approx(0.1 / 0.004)  # 25 caught-up tokens a remaining token
+    b.on_output(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}),
+                SimpleNamespace(sampled_token_ids=[], req_id_to_index={}, tree_catchup=(0.2, 100)))
+    _decode_step(b)
+    s, t = CATCHUP_DECAY * 0.4 + 0.2, CATCHUP_DECAY * 100 + 100
+    assert b.repay_next == pytest.approx(0.1 * t / s)
+    b.cut([_req("a", 2), _req("b", 2)])  # two requests: no saving known there
+    assert b.repay_next is None
+    b.gate.decide = lambda n: PLAIN
+    b.cut([_req("a", 2)])
+    assert b.propose_next == PLAIN and b.repay_next is None

@@ -218,6 +218,63 @@ def test_q_catching_up_a_request_the_gate_rested_is_timed_as_a_resume(draft_dir)
     assert [s.resuming for s in sa] == [False, True]
 
 
+def test_a_long_catch_up_the_requests_remaining_tokens_cannot_repay_is_left_out(draft_dir):
+    """With a repay ratio (``proposer.repay``), a request whose catch-up is longer than a drafting
+    step leaves drafts only where its ``remaining`` tokens x the ratio cover the catch-up; else
+    its tree is the root alone, q does not run for it (its resume mark kept), and ``unrepaid``
+    counts it. A request drafting every step, a ratio of None or an unknown remainder never
+    stop q. Long catch-ups (>= CATCHUP_MIN_TOKENS tokens a forward) are measured
+    (``take_catchup``), short ones not. Catches: the comparison reversed or against the context
+    length instead of the lag, a short per-step catch-up held back, the rule applied without a
+    ratio, the refusal leaving q's session or the mark changed, the measure taken of every
+    forward or of none."""
+    from vllm_anisotropic.proposers.draft_batch import CATCHUP_MIN_TOKENS
+
+    (pa, sa), _ = _twins(draft_dir, 2, branches=2, trunk=1, branch_length=2, selector="off")
+    tokens, lengths = _contexts([CATCHUP_MIN_TOKENS, 9], seed=7)
+    pa.repay = 1.0
+    sa[0].remaining, sa[1].remaining = 100, 2  # a new prompt of 64 tokens, one of 9 (lag 9 > 6)
+    out = pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    assert out.trees.sizes().tolist()[1] == 1 and sa[1].session.forwarded == 0 and pa.unrepaid == 1
+    assert out.trees.sizes().tolist()[0] > 1 and pa.take_catchup()[1] == CATCHUP_MIN_TOKENS
+    assert pa.take_catchup() == (0.0, 0)
+    sa[1].remaining = 9  # 9 x 1 covers the lag of 9
+    pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    assert sa[1].session.forwarded >= 9 and pa.unrepaid == 1 and pa.take_catchup() == (0.0, 0)  # short: not measured
+
+    def extend(i, lag):
+        nonlocal lengths
+        trunk = sa[i].session.tokens[lengths[i]]  # the first token differs from q's trunk token
+        tokens[i, lengths[i]:lengths[i] + lag] = trunk + 1 + np.arange(lag)
+        lengths = lengths.copy()
+        lengths[i] += lag
+
+    extend(0, 3)  # a drafting step's catch-up: never held back
+    sa[0].remaining = 0
+    before = sa[0].session.forwarded
+    pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    assert sa[0].session.forwarded > before and pa.unrepaid == 1
+    extend(0, 12)  # rested: a lag of 12, 11 tokens left
+    sa[0].resuming, sa[0].remaining = True, 11
+    before = sa[0].session.forwarded
+    out = pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    assert out.trees.sizes().tolist()[0] == 1 and sa[0].session.forwarded == before and sa[0].resuming
+    assert pa.unrepaid == 2 and out.modes.tolist()[0] == 0
+    sa[0].remaining = 12  # 12 x 1 covers the lag of 12 (the context: 79 tokens)
+    pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    assert sa[0].session.forwarded >= before + 12 and not sa[0].resuming and pa.unrepaid == 2
+    extend(0, 12)
+    sa[0].remaining = None  # an unknown remainder
+    before = sa[0].session.forwarded
+    pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    assert sa[0].session.forwarded >= before + 12 and pa.unrepaid == 2
+    extend(0, 12)
+    sa[0].remaining, pa.repay = 0, None  # no ratio
+    before = sa[0].session.forwarded
+    pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    assert sa[0].session.forwarded >= before + 12 and pa.unrepaid == 2
+
+
 MODES = {0: "plain", 1: "tree", 2: "bypass", 3: "chain"}
 
 

@@ -392,3 +392,20 @@ def test_a_chain_step_keeps_the_chains_as_drafted_and_is_the_chain_arm():
     reqs = [_req("a", 3)]
     b.cut(reqs)
     assert reqs[0].spec_token_ids == []
+
+
+@pytest.mark.parametrize("spec_rate, saving", [(200.0, 0.005), (105.0, None), (80.0, None)])
+def test_a_token_saves_the_difference_of_the_arms_seconds_a_token_where_the_gate_is_open(spec_rate, saving):
+    """``token_saving_s``: 1 / plain - 1 / speculative rate while the gate is open; None in the
+    warm-up, for a bucket never seen, and where the gate is closed (a tie inside the margin, or
+    speculation slower: a closed gate's exploring step must not be cut short). Catches: the
+    difference reversed or of rates (not seconds a token), a saving sent while closed or in the
+    warm-up, a decision counted by asking."""
+    gate = SpeculationGate(GateConfig(min_steps=4, explore_every=32))
+    assert gate.token_saving_s(2) is None
+    _run(gate, 2, 100.0, spec_rate, 3)
+    assert gate.token_saving_s(2) is None  # warm-up
+    _run(gate, 2, 100.0, spec_rate, 40)
+    decisions = gate.rates()[2]["decisions"]
+    assert gate.token_saving_s(2) == (None if saving is None else pytest.approx(saving, rel=0.02))
+    assert gate.rates()[2]["decisions"] == decisions and gate.token_saving_s(3) is None

@@ -231,6 +231,25 @@ def test_requests_the_gate_rested_resume_drafting_marked_until_they_draft():
     assert not d.rested
 
 
+def test_a_draft_model_gets_the_repay_ratio_and_each_drafting_requests_remaining_tokens():
+    """``propose_trees(repay=, remaining=)``: a proposer with a ``repay`` (a draft model) gets the
+    ratio and each drafting request's state its remaining tokens by batch row; without the
+    remainders the ratio is dropped (no rule), and a proposer without ``repay`` (GOOSE) gets
+    nothing. Catches: remainders by drafting index instead of batch row, a ratio kept from the
+    step before, the ratio sent without remainders."""
+    d = _stubbed(lambda n: _chain(n % V, 2), allocator="off")
+    d.proposer.repay = None
+    tokens, lengths = _tokens([30, 31, 32])
+    d.propose_trees(["a", "b", "c"], [False, True, True], [[1]] * 3, lengths, tokens, repay=7.5,
+                    remaining=[3, 20, 40])
+    assert d.proposer.repay == 7.5 and [d.states[r].remaining for r in "bc"] == [20, 40] and "a" not in d.states
+    d.propose_trees(["a", "b", "c"], [True] * 3, [[1]] * 3, lengths, tokens, repay=7.5)
+    assert d.proposer.repay is None
+    g = _stubbed(lambda n: _chain(n % V, 2), allocator="off")
+    g.propose_trees(["a"], [True], [[1]], lengths, tokens, repay=7.5, remaining=[3])
+    assert not hasattr(g.proposer, "repay") and not hasattr(g.states["a"], "remaining")
+
+
 def test_contain_disables_requests_once_and_counts_every_fault():
     d = _drafter(allocator="off")
     tokens, lengths = _tokens([30])
@@ -460,6 +479,9 @@ class _Proposer:
 
     def take_resume_seconds(self):
         return 0.0
+
+    def take_catchup(self):
+        return 0.0, 0
 
 
 def _chain(root, n):

@@ -80,6 +80,7 @@ def _make(drafter, requests=None, **overrides) -> _Runner:
     r._sampling_trees, r._logprobs_trees, r._sampled_grammar_trees, r._draft_model = True, True, True, False
     r._tree_step, r._tree_plan, r._kv_mover = None, None, None
     r._eligible_cache, r._structured, r.row_edits, r._propose_s, r._resume_s = {}, set(), {}, 0.0, 0.0
+    r._catchup, r.max_model_len = (0.0, 0), 100
     for k, v in overrides.items():
         setattr(r, k, v)
     return r
@@ -192,8 +193,10 @@ def test_propose_rests_chains_or_trees_as_the_gate_says_and_contains_a_failure()
     assert drafts == [[11, 12, 13], [31 % V + 1, 31 % V + 2], [41 % V + 1, 41 % V + 2]]
     assert 0 < r._propose_s < 5.0 and "propose" in r.host_clock.seconds
     r.drafter.proposer.take_resume_seconds = lambda: 0.125  # the draft model's catch-up, carried
+    r.drafter.proposer.take_catchup = lambda: (0.5, 128)  # and its long catch-ups, summed
     r.propose_draft_token_ids(SimpleNamespace(tree_propose=TREE), sampled)
-    assert r._resume_s == 0.125
+    r.propose_draft_token_ids(SimpleNamespace(tree_propose=TREE), sampled)
+    assert r._resume_s == 0.25 and r._catchup == (1.0, 256)
     assert r.propose_draft_token_ids(SimpleNamespace(tree_propose=PLAIN), sampled) == [[], [], []]
     assert r.drafter.pending == {}  # rested: no pending tree
     chains = r.propose_draft_token_ids(SimpleNamespace(tree_propose=CHAIN), sampled)
@@ -207,6 +210,28 @@ def test_propose_rests_chains_or_trees_as_the_gate_says_and_contains_a_failure()
     assert r.propose_draft_token_ids(SimpleNamespace(tree_propose=TREE), sampled + [[1]]) == [[], [], [], []]
     assert r.drafter.disabled == {"a", "b", "c"} and r.drafter.metrics.faults == {"propose": 1}
     assert r.drafter.metrics.disabled_requests == 2 and before < r._propose_s < 5.0
+
+
+def test_a_draft_models_proposal_gets_the_repay_ratio_and_each_requests_remaining_tokens():
+    """With the scheduler's ``tree_repay`` a draft model's drafter gets the ratio and, per batch
+    row, the tokens the request may still emit: its ``max_tokens`` less its outputs, at most the
+    model length less its tokens; without a ratio, or for GOOSE, neither. Catches: the outputs
+    not subtracted, the model length's bound dropped or taken from the prompt, the ratio not
+    passed on."""
+    requests = {"a": SamplingParams(temperature=0.0, max_tokens=30), "b": SamplingParams(temperature=0.0, max_tokens=95),
+                "c": SamplingParams(temperature=0.0, max_tokens=16)}
+    r = _make(_stubbed(_trees_by_length, allocator="off"), requests, _draft_model=True)
+    for k, n in zip("abc", (4, 10, 16)):
+        r.requests[k].output_token_ids = [7] * n
+    seen = []
+    r.drafter.propose_trees = lambda *a, **k: seen.append(k) or [[], [], []]
+    r.propose_draft_token_ids(SimpleNamespace(tree_propose=TREE, tree_repay=12.5), [[1], [1], [1]])
+    assert seen[-1]["repay"] == 12.5 and seen[-1]["remaining"] == [26, 69, 0]  # b: 100 - 31 tokens
+    r.propose_draft_token_ids(SimpleNamespace(tree_propose=TREE), [[1], [1], [1]])
+    assert seen[-1]["repay"] is None and seen[-1]["remaining"] is None
+    r._draft_model = False
+    r.propose_draft_token_ids(SimpleNamespace(tree_propose=TREE, tree_repay=12.5), [[1], [1], [1]])
+    assert seen[-1]["remaining"] is None
 
 
 def test_draft_model_requests_get_their_law_when_their_state_is_made():
@@ -306,15 +331,16 @@ def test_sample_tokens_sends_calibration_once_the_drafting_time_and_the_next_dra
     out = SimpleNamespace(sampled_token_ids=[[1]])
     r = _make(_proposed(), output=out, draft_ids=SimpleNamespace(req_ids=["a"]))
     r._cost_calibration = [(1, 1, 0, 0, 0, 0.01)]
-    r._propose_s, r._resume_s = 0.25, 0.125
+    r._propose_s, r._resume_s, r._catchup = 0.25, 0.125, (0.5, 128)
     assert r.sample_tokens(None) is out
     assert out.cost_calibration == [(1, 1, 0, 0, 0, 0.01)] and out.tree_propose_s == 0.25
     assert out.tree_resume_s == 0.125 and r._resume_s == 0.0
+    assert out.tree_catchup == (0.5, 128) and r._catchup == (0.0, 0)
     assert out.tree_drafts is r.draft_ids and r._cost_calibration is None and r._propose_s == 0.0
     again = SimpleNamespace(sampled_token_ids=[[2]])
     r.output = again
     r.sample_tokens(None)
-    assert not any(hasattr(again, k) for k in ("cost_calibration", "tree_propose_s", "tree_resume_s"))
+    assert not any(hasattr(again, k) for k in ("cost_calibration", "tree_propose_s", "tree_resume_s", "tree_catchup"))
     # vLLM's shared empty output is never written to (its drafts stay for vLLM's own RPC)
     r.output, r._propose_s, r._cost_calibration = EMPTY_MODEL_RUNNER_OUTPUT, 0.5, [(1,)]
     assert r.sample_tokens(None) is EMPTY_MODEL_RUNNER_OUTPUT

@@ -252,6 +252,21 @@ class SpeculationGate:
         period = round(c.explore_every * min(max(shortfall, 0.0) / c.explore_shortfall, 1.0))
         return max(period, max(c.explore_every // 8, 1))
 
+    def token_saving_s(self, num_reqs: int) -> float | None:
+        """Seconds one emitted token saves at ``num_reqs`` requests by speculating (the kind
+        ``kind`` takes) instead of decoding plainly, where the gate is open (past the warm-up,
+        speculation faster by ``margin``): 1 / plain rate - 1 / speculative rate; else None (a
+        closed gate's exploring step must measure speculation whole). A draft model's catch-up
+        is worth it for a request only if its remaining tokens save more than it costs
+        (``budget.BatchBudget.repay_next``). Counts no decision."""
+        b = self._buckets.get(bucket(num_reqs, self.config.exact_buckets))
+        if b is None:
+            return None
+        plain, spec = self._compared(b)
+        if not self._verdict(plain, spec) or plain.rate <= 0:
+            return None
+        return 1.0 / plain.rate - 1.0 / spec.rate
+
     def observe(self, num_reqs: int, speculative: bool | int, tokens: int, seconds: float) -> None:
         """One decode step: its requests, arm (PLAIN / TREE / CHAIN; False / True = PLAIN /
         TREE), emitted tokens and wall seconds."""

@@ -145,6 +145,13 @@ class Proposer(abc.ABC):
         the gate counts in neither arm (``budget.BatchBudget.on_output``); default: none."""
         return 0.0
 
+    def take_catchup(self) -> tuple[float, int]:
+        """(seconds, tokens) of a draft model's long catch-ups (a prompt, a resume: at least
+        ``draft_batch.CATCHUP_MIN_TOKENS`` tokens a forward) since the last call: what one
+        catch-up token costs, for the scheduler's repay ratio (``budget.BatchBudget.repay_next``);
+        default: none."""
+        return 0.0, 0
+
     def begin_step(self, num_requests: int, batch_requests: int | None = None) -> None:
         """The next ``num_requests`` ``propose`` calls draft one engine step's trees (the engine's
         drafter says so first), of the step's ``batch_requests`` (all its requests, drafting or not;

@@ -29,6 +29,17 @@ backoff kept it plain), are the speculative arm's own cost. After a rest every r
 step resumes (the gate decides for the whole step), so the forward timed is the resuming rows'
 alone, but for a prompt that arrives in the very step drafting resumes: it is timed with them.
 
+**Repay.** A catch-up longer than a drafting step leaves (a prompt, a resume, a session the KV
+bound dropped) costs q ~3-4 ms a token on one core of the 2-core EPYC (a 300-token resume ~1 s,
+two or three decode steps of the 1.5B target): at the end of a request it cannot pay. While the
+scheduler sends a ratio (``proposer.repay``: the seconds an output token saves speculating at
+the step's batch size, measured by the gate, over the seconds q takes a caught-up token,
+measured here: ``Proposer.take_catchup``), a request catches up only if its remaining output
+tokens (``DraftTreeState.remaining``: ``max_tokens`` and the model length left) times the ratio
+cover the tokens it would catch up; otherwise it decodes plainly this step (``unrepaid``) and
+asks again the next. Both numbers come from the scheduler and the request, not from this
+worker's clock, so every tensor-parallel rank decides alike.
+
 The rows keep each request's context and trunk; the lanes are overwritten by the next step.
 A request whose row does not fit q's KV bound drafts nothing this step (``DraftKV.fit``).
 """
@@ -46,7 +57,13 @@ from vllm_anisotropic.proposers.draft_common import _draw, _law, _tree, shape_pa
 from vllm_anisotropic.tree import FlatTrees
 from vllm_anisotropic.verifiers.sampling import target_probs
 
-__all__ = ["DraftProposals", "propose_draft_trees"]
+__all__ = ["CATCHUP_MIN_TOKENS", "DraftProposals", "propose_draft_trees"]
+
+# a catch-up of at least this many tokens (a forward's, all rows) measures q's cost a caught-up
+# token (``Proposer.take_catchup``): per token, a forward's fixed cost (its weights streamed
+# once, ~64 ms on the 2-core EPYC at one thread) weighs ~1 ms at 64 tokens, against ~3-4 ms of
+# q's own work a token (docs/draft_tree.md)
+CATCHUP_MIN_TOKENS = 64
 
 @dataclass
 class DraftProposals:
@@ -91,7 +108,7 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
         may = proposer.selector.may_draft_rows([len(c) for c in contexts], temps, top_ps,
                                                proposer.step_requests, proposer.step_batch).tolist()
     for r, state in enumerate(states):
-        if state.wants_q(contexts[r], budgets[r], may[r]):
+        if state.wants_q(contexts[r], budgets[r], may[r]) and _repays(proposer, state, contexts[r]):
             drafting.append(r)
         else:
             trees[r] = root_only(contexts[r])
@@ -111,12 +128,18 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
         group = [states[r] for r in order]
         ordered = [contexts[r] for r in order]
         resuming = [s for s in group if s.resuming]
+        forwarded = sum(s.session.forwarded for s in group)
         t0 = time.perf_counter()
         logits = _catch_up(kv, [s.session for s in group], ordered)  # q's rows back on the host: no sync
+        seconds = time.perf_counter() - t0
         if resuming:  # the gate rested these requests: their catch-up is a resume
-            proposer.resume_s += time.perf_counter() - t0
+            proposer.resume_s += seconds
             for s in resuming:
                 s.resuming = False
+        caught_up = sum(s.session.forwarded for s in group) - forwarded
+        if caught_up >= CATCHUP_MIN_TOKENS:  # long enough to measure a token's cost (take_catchup)
+            proposer.catchup_s += seconds
+            proposer.catchup_tokens += caught_up
         root_laws = _laws(logits, [s.sampling for s in group])
         shapes = proposer.step_shapes(group, ordered, root_laws)
         drawn = _delayed_trees(kv, shapes, group, root_laws, [int(c[-1]) for c in ordered])
@@ -125,6 +148,25 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
     modes = np.array([MODE_CODES[s.last_info.mode] for s in states], np.int8)
     prev_roots = np.where(lengths >= 2, token_ids[rows, np.maximum(lengths - 2, 0)], -1).astype(np.int64)
     return DraftProposals(FlatTrees.from_trees(trees), modes, prev_roots)
+
+
+def _repays(proposer, state, context: np.ndarray) -> bool:
+    """Whether ``state``'s catch-up of ``context`` is worth it (module docstring, "repay"): a
+    catch-up longer than a drafting step leaves (``max_drafts`` + 1 tokens) only where the
+    request's remaining output tokens, times ``proposer.repay`` (the catch-up tokens one output
+    token repays), cover it. Without a ratio or a known remainder: yes."""
+    repay, remaining = proposer.repay, state.remaining
+    held = state.session.tokens
+    if repay is None or remaining is None or len(context) - len(held) <= proposer.max_drafts + 1:
+        return True
+    n = min(len(held), len(context))
+    differ = np.flatnonzero(np.asarray(held[:n], np.int64) != context[:n])
+    lag = len(context) - (int(differ[0]) if differ.size else n)
+    if lag <= proposer.max_drafts + 1 or remaining * repay >= lag:
+        return True
+    proposer.unrepaid += 1
+    state.last_info = ProposalInfo(ProposalMode.PLAIN)
+    return False
 
 
 def _run(kv, sessions: list, tokens: list[list[int]]) -> torch.Tensor:

@@ -273,6 +273,9 @@ class DraftTreeState(RequestState):
     # the measured gate rested the request since q last ran for it (set by the engine's drafter,
     # cleared by the batched step that catches q up: a resume, ``draft_batch``)
     resuming: bool = False
+    # output tokens the request may still emit (set by the engine's drafter while the measured
+    # gate sends a repay ratio; None: unknown): its catch-up must be repaid by them (draft_batch)
+    remaining: int | None = None
 
     def __init__(self, proposer: "DraftTreeProposer") -> None:
         self.proposer = proposer
@@ -374,6 +377,13 @@ class DraftTreeProposer(Proposer):
         self.kv_bound: int | None = None
         self.step = 0  # drafting steps (begin_step), the sessions' LRU clock
         self.resume_s = 0.0  # seconds of q's catch-ups of rested requests (take_resume_seconds)
+        # q's long catch-ups (at least CATCHUP_MIN_TOKENS tokens: prompts, resumes): seconds and
+        # tokens since the last ``take_catchup``, the scheduler's measure of a catch-up token
+        self.catchup_s, self.catchup_tokens = 0.0, 0
+        # catch-up tokens one remaining output token repays this step (the scheduler's, from the
+        # measured gate: ``budget.BatchBudget.repay_next``); None: every request may catch up
+        self.repay: float | None = None
+        self.unrepaid = 0  # request-steps a long catch-up was left out as its tokens would not repay it
         # the learned (K, L1, L2) selector; "auto" is resolved by the engine's front door (it knows
         # the target): left unresolved here, it means the fixed shape
         self.selector = None
@@ -409,6 +419,11 @@ class DraftTreeProposer(Proposer):
     def take_resume_seconds(self) -> float:
         seconds, self.resume_s = self.resume_s, 0.0
         return seconds
+
+    def take_catchup(self) -> tuple[float, int]:
+        out = (self.catchup_s, self.catchup_tokens)
+        self.catchup_s, self.catchup_tokens = 0.0, 0
+        return out
 
     def begin_step(self, num_requests: int, batch_requests: int | None = None) -> None:
         self.step_requests = max(1, int(num_requests))

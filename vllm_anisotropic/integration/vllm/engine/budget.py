@@ -42,7 +42,11 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    the cost model never sees them (they are sunk when the allocator cuts), the gate charges
    them to the step that verifies the drafts, less the draft model's catch-up of what the
    target decoded while the gate rested drafting (``tree_resume_s``, ``proposers.draft_batch``):
-   a cost of the switch, which the gate counts in neither arm.
+   a cost of the switch, which the gate counts in neither arm. A draft model's long catch-ups
+   (``tree_catchup``: seconds and tokens) measure what q takes a caught-up token; with the
+   gate's saving a token at the batch size (``SpeculationGate.token_saving_s``) they make the
+   ratio sent with the next proposal (``repay_next`` -> ``tree_repay``): a request whose
+   remaining tokens would not repay q's catch-up decodes plainly (``proposers.draft_batch``).
    Predicted vs realized accepted drafts feed the metrics.
 
 Cost-model start: a linear prior (``PRIOR_BASE_S`` + ``PRIOR_PER_TOKEN_S`` per query token)
@@ -74,6 +78,7 @@ PRIOR_PER_TOKEN_S = 0.0005
 LOG_INTERVAL_S = 10.0
 WRITE_INTERVAL_S = 1.0
 SCORE_BATCH = 64  # measured steps scored against the cost model in one vectorised call
+CATCHUP_DECAY = 0.8  # weight of the earlier catch-up measures at each new one (repay_next)
 
 
 @dataclass
@@ -191,6 +196,11 @@ class BatchBudget:
         self._allowed: int | None = None
         self.start_coefficients: dict[str, float] = {}  # the cost model fitted on the worker's start-up sweep
         self.propose_next = TREE
+        # the catch-up tokens one output token repays in the step proposed next (the gate's saving
+        # a token over a draft model's measured seconds a caught-up token; sent as ``tree_repay``,
+        # proposers/draft_batch.py "Repay"); None: unknown, or nothing to repay
+        self.repay_next: float | None = None
+        self._catchup = [0.0, 0.0]  # decayed sums of a draft model's long catch-ups: seconds, tokens
         self.host_clock = HostClock()  # the allocator's host work per phase (host_clock.py)
         self._last_log = -LOG_INTERVAL_S
         self._last_write = -WRITE_INTERVAL_S
@@ -235,6 +245,11 @@ class BatchBudget:
             mode = self._allowed if self._allowed is not None else self.gate.decide(len(running))
             self._allowed = self.propose_next = self.gate.decide(len(running)) if running else mode
             self._drafting = mode
+            self.repay_next = None
+            if self.propose_next != PLAIN and self._catchup[1] > 0 and running:
+                saving = self.gate.token_saving_s(len(running))
+                if saving is not None:
+                    self.repay_next = saving * self._catchup[1] / self._catchup[0]
         if mode == CHAIN:
             self._chain_step(running)
             return
@@ -428,6 +443,10 @@ class BatchBudget:
         propose_s = float(getattr(model_runner_output, "tree_propose_s", 0.0) or 0.0)
         resume_s = float(getattr(model_runner_output, "tree_resume_s", 0.0) or 0.0)
         m.draft_resume_seconds += resume_s
+        catchup = getattr(model_runner_output, "tree_catchup", None)
+        if catchup and catchup[0] > 0:  # the latest ~1 / (1 - CATCHUP_DECAY) measures weigh most
+            self._catchup = [CATCHUP_DECAY * self._catchup[0] + float(catchup[0]),
+                             CATCHUP_DECAY * self._catchup[1] + float(catchup[1])]
         if step is not None:
             r, q, t, c, d, t0, arm = step
             seconds = now - t0 - propose_s

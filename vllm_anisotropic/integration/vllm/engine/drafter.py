@@ -294,6 +294,8 @@ class TreeDrafter:
         token_ids_cpu: np.ndarray,  # [max_num_reqs, max_model_len]
         laws: Sequence | None = None,
         chains: bool = False,
+        repay: float | None = None,
+        remaining: Sequence[int] | None = None,
     ) -> list[list[int]]:
         """One draft list per batch row: the non-root tokens of the request's new tree.
 
@@ -303,7 +305,11 @@ class TreeDrafter:
         ``chains``: the measured gate chose a chain step (``allocator.gate``): each request's
         chain alone (``propose_chain``, at most ``allocator_chain_drafts`` tokens), not ranked,
         not labelled, and its verified rows not harvested (``observe_step``); the backoff
-        neither applies nor counts."""
+        neither applies nor counts.
+        ``repay``: the catch-up tokens one output token repays at this batch size (the
+        scheduler's ``tree_repay``), with ``remaining``, per batch row, the output tokens the
+        request may still emit: a draft model catches a request up only where they cover it
+        (``draft_batch``, "Repay"); None: no such rule."""
         inject("propose")
         self._proposals += 1
         if self.unlabelled and self._proposals % LABEL_EVERY == 0:
@@ -325,6 +331,11 @@ class TreeDrafter:
                 if r in self.rested and hasattr(state, "resuming"):
                     state.resuming = True
             self.rested.difference_update(ids)
+        if hasattr(self.proposer, "repay"):  # a draft model: its long catch-ups must repay (draft_batch)
+            self.proposer.repay = repay if remaining is not None else None
+            if remaining is not None:
+                for i, state in zip(drafting, states):
+                    state.remaining = int(remaining[i])
         room = np.maximum(np.minimum(self.max_draft_tokens, self.max_model_len - lengths - 1), 0)
         trees, modes, prev_roots = self._propose(states, ids, token_ids_cpu, rows, lengths, room, chains)
         self._count_draft_kv()
@@ -676,6 +687,7 @@ class TreeDrafter:
         if isinstance(self.proposer, DraftTreeProposer):
             (self.metrics.draft_kv_bytes, self.metrics.draft_kv_peak_bytes,
              self.metrics.draft_kv_evictions) = self.proposer.kv_stats()
+            self.metrics.draft_unrepaid_catchups = self.proposer.unrepaid
 
     def _count_tables(self) -> None:
         """The table gauges (at admission and finish, not per step): salted tenant tables held,

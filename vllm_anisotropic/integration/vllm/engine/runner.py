@@ -318,6 +318,7 @@ class TreeRunnerMixin:
         self.row_edits: dict[str, RowEdits] = {}  # tree requests with logit_bias / allowed_token_ids
         self._propose_s = 0.0  # seconds drafting since the last output (sent as tree_propose_s)
         self._resume_s = 0.0  # of them, a draft model's catch-up after the gate rested drafting (tree_resume_s)
+        self._catchup = (0.0, 0)  # a draft model's long catch-ups since the last output: (seconds, tokens) (tree_catchup)
         # tensor parallelism: the CPU group on which the ranks agree on each step's verifiable
         # trees after a fault on one rank (faults.agree, in the sampler); None with one rank
         self.tree_ranks = tp_group()
@@ -579,6 +580,9 @@ class TreeRunnerMixin:
             out.tree_propose_s = propose_s
             if resume_s:
                 out.tree_resume_s = resume_s
+        catchup, self._catchup = self._catchup, (0.0, 0)
+        if catchup[1] and carries:
+            out.tree_catchup = catchup
         # The next step's drafts travel with this reply (scheduler.TreeScheduler applies them
         # in update_from_output), so the engine core skips vLLM's second RPC of the step
         # (``take_draft_token_ids`` in ``EngineCore.post_step``; patches.py patch 6).
@@ -602,6 +606,8 @@ class TreeRunnerMixin:
         if self._draft_model and any(r not in self.drafter.states for r in req_ids):
             laws = [request_law(r, self.requests[r].sampling_params, self.model_config.seed)
                     if r not in self.drafter.states else None for r in req_ids]
+        repay = getattr(scheduler_output, "tree_repay", None)  # the measured gate's (budget.BatchBudget.repay_next)
+        remaining = self._remaining(req_ids) if repay is not None and self._draft_model else None
         try:
             drafts = self.drafter.propose_trees(
                 req_ids,
@@ -611,6 +617,8 @@ class TreeRunnerMixin:
                 self.input_batch.token_ids_cpu,
                 laws,
                 chains=kind == CHAIN,
+                repay=repay,
+                remaining=remaining,
             )
         except Exception:  # noqa: BLE001 - contained (faults.py): no drafts, the batch's drafting requests lose trees
             ids = [r for r, ok in zip(req_ids, eligible) if ok and r not in self.drafter.disabled]
@@ -619,7 +627,22 @@ class TreeRunnerMixin:
             drafts = [[] for _ in req_ids]
         self._propose_s += time.perf_counter() - t0
         self._resume_s += self.drafter.proposer.take_resume_seconds()
+        seconds, tokens = self.drafter.proposer.take_catchup()
+        if tokens:
+            self._catchup = (self._catchup[0] + seconds, self._catchup[1] + tokens)
         return drafts
+
+    def _remaining(self, req_ids: list[str]) -> list[int]:
+        """Per batch row, the output tokens the request may still emit: its ``max_tokens`` less
+        those it has, and no more than the model length leaves."""
+        out = []
+        for i, r in enumerate(req_ids):
+            state = self.requests[r]
+            emitted = len(state.output_token_ids)
+            left = self.max_model_len - int(self.input_batch.num_tokens_no_spec[i])
+            max_tokens = state.sampling_params.max_tokens if state.sampling_params is not None else None
+            out.append(left if max_tokens is None else min(int(max_tokens) - emitted, left))
+        return out
 
 
 class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):

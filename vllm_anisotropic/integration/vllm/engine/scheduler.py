@@ -94,6 +94,8 @@ class TreeScheduler(Scheduler):
         # pickled with the output
         t0 = time.perf_counter()
         out.tree_propose = self.budget.propose_next
+        if self.budget.repay_next is not None:  # a draft model's catch-ups that must repay (draft_batch)
+            out.tree_repay = self.budget.repay_next
         # the tenant (cache_salt) of each new request, for the worker's per-tenant adjacency
         # tables (proposers.adjacency.TenantTables): vLLM's NewRequestData does not carry it.
         # An extra attribute, pickled with the output to every worker.
