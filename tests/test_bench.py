@@ -628,3 +628,31 @@ def test_profile_host_phases_name_functions_that_exist():
         tree = ast.parse((root / suffix).read_text())
         defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
         assert name in defined, f"profile-host phase {label!r}: no function {name} in {suffix}"
+
+
+def test_long_context_prompts_take_unshared_examples_from_the_datasets_end():
+    """``--context-tokens``: each prompt's text comes after solved examples (problem and
+    reference) of at least N tokens, taken from the dataset's end, each used once, never one
+    the bench asks; too few left, or humaneval (code the model continues), is refused. Catches:
+    examples shared between prompts (a prefix cache would hide the target's prefill), taken
+    from the prompts the bench asks, too few tokens, the task lost or put first."""
+    from vllm_anisotropic.bench.demo import CONTEXT_HEADER, with_context
+    from vllm_anisotropic.data.datasets import Prompt
+
+    class Words:
+        def encode(self, text, add_special_tokens=False):
+            return text.split()
+
+    # each example 7 words; 17 is too long (over half of the 14 words asked): passed over
+    every = [Prompt("math500", f"m/{i}", f"problem {i} " + "w " * (3 if i != 17 else 30), reference=f"answer {i}")
+             for i in range(21)]
+    got = with_context(every[:2], every, 4, 14, Words())
+    shots = [g.text.split("\n\nNow the task:\n") for g in got]
+    assert all(s[0].startswith(CONTEXT_HEADER) and len(s[0].split()) >= 14 for s in shots)
+    assert [s[1] for s in shots] == [every[0].text, every[1].text] and got[0].id == "m/0"
+    used = [set(int(w) for w in s[0].replace("problem", " P").split() if w.isdigit()) for s in shots]
+    assert used[0] == {20, 19} and used[1] == {18, 16} and not used[0] & used[1]  # 2 x 7 words each
+    with pytest.raises(ValueError, match="too few examples"):
+        with_context(every[:2], every, 18, 14, Words())
+    with pytest.raises(ValueError, match="humaneval"):
+        with_context([Prompt("humaneval", "h/0", "def f():")], every, 1, 12, Words())

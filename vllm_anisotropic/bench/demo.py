@@ -138,18 +138,54 @@ def _resolve_model(name: str) -> Path:
     return prepare_model(name)
 
 
-def build_prompts(model_dir: Path, dataset: str, limit: int, skip: int = 0) -> list[str]:
+def build_prompts(model_dir: Path, dataset: str, limit: int, skip: int = 0, context_tokens: int = 0) -> list[str]:
     """Chat-formatted prompts for ``model_dir``'s tokenizer (``dataset`` may be comma-separated;
-    ``limit`` prompts from each, after its first ``skip``)."""
+    ``limit`` prompts from each, after its first ``skip``). ``context_tokens`` > 0: each prompt's
+    first user turn is preceded by solved examples of its dataset (``with_context``)."""
     from transformers import AutoTokenizer
 
     from vllm_anisotropic.data import format_prompt, load_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return [
-        format_prompt(p, tokenizer, "chat") for d in dataset.split(",")
-        for p in load_dataset(d.strip(), limit=skip + limit)[skip:]
-    ]
+    out = []
+    for d in dataset.split(","):
+        prompts = load_dataset(d.strip(), limit=skip + limit)[skip:]
+        if context_tokens > 0:
+            prompts = with_context(prompts, load_dataset(d.strip()), skip + limit, context_tokens, tokenizer)
+        out += [format_prompt(p, tokenizer, "chat") for p in prompts]
+    return out
+
+
+CONTEXT_HEADER = "Solved examples, for reference:"
+
+
+def with_context(prompts: list, every: list, used: int, tokens: int, tokenizer) -> list:
+    """``prompts`` with a long context and the task after it (a few-shot prompt): each one's text
+    preceded by examples of its dataset (problem and reference answer) until the examples hold
+    at least ``tokens`` tokens (none longer than half of them). The examples come from the dataset's end (``every``, whose first
+    ``used`` the bench asks), each used once, so that no two prompts share a prefix (vLLM's prefix
+    cache would take a shared one off the target's prefill, not off a draft model's catch-up)."""
+    if prompts and prompts[0].dataset == "humaneval":
+        raise ValueError("--context-tokens: humaneval's prompt is code the model continues; "
+                         "take mbpp, math500, gsm8k or mtbench")
+    pool = list(reversed(every[used:]))
+    out = []
+    for p in prompts:
+        shots, held = [], 0
+        while held < tokens:
+            if not pool:
+                raise ValueError(f"--context-tokens {tokens}: {p.dataset} has too few examples beyond the "
+                                 f"{used} the bench asks for {len(prompts)} prompts")
+            shot = pool.pop(0)
+            text = shot.text + (f"\n{shot.reference}" if shot.reference else "")
+            n = len(tokenizer.encode(text, add_special_tokens=False))
+            if n > tokens // 2:  # one long example would make the context far longer than asked
+                continue
+            shots.append(text)
+            held += n
+        body = "\n\n".join(shots)
+        out.append(dataclasses.replace(p, text=f"{CONTEXT_HEADER}\n\n{body}\n\nNow the task:\n{p.text}"))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -567,6 +567,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "warm-up get prompts of their own)")
     p.add_argument("--prompt-offset", type=int, default=0,
                    help="skip the first N prompts of each dataset (e.g. those a selector was trained on)")
+    p.add_argument("--context-tokens", type=int, default=0,
+                   help="precede each prompt with solved examples of its dataset (problems and reference "
+                        "answers from the dataset's end, none shared) of at least N tokens: long prompts, "
+                        "as few-shot or retrieval prompts are (default 0: the prompt alone)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated; valid: {', '.join(METHODS)}, each also as NAME{IOMP} and NAME{SYNC}")
     p.add_argument("--concurrency", type=_int_list, default=list(DEFAULT_CONCURRENCY),
@@ -634,14 +638,19 @@ def run(args: argparse.Namespace) -> int:
     sizes = cell_sizes(args.concurrency, args.repeats, args.num_prompts * len(datasets))
     warmup_size = min(max(args.concurrency), 8)
     # enough of every dataset for a round robin to fill all cells even if the others run short
-    per_dataset = [build_prompts(model_dir, d, args.prompt_offset + sum(sizes) + warmup_size)[args.prompt_offset:]
-                   for d in datasets]
+    if args.context_tokens < 0:
+        raise SystemExit(f"--context-tokens must be >= 0, got {args.context_tokens}")
+    try:
+        per_dataset = [build_prompts(model_dir, d, args.prompt_offset + sum(sizes) + warmup_size,
+                                     context_tokens=args.context_tokens)[args.prompt_offset:] for d in datasets]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     try:
         cell_prompts, warmup = split_prompts(per_dataset, sizes, warmup_size)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     base = {"model": args.model, "draft": args.draft, "dataset": args.dataset, "split": split_of(datasets),
-            "prompt_offset": args.prompt_offset, "warmup": args.warmup,
+            "prompt_offset": args.prompt_offset, "context_tokens": args.context_tokens, "warmup": args.warmup,
             "dtype": args.dtype, "environment": environment(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)
