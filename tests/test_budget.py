@@ -998,11 +998,11 @@ def test_the_repay_ratio_is_the_gates_saving_a_token_over_a_caught_up_tokens_sec
     _decode_step(b)
     assert b.repay_next is None  # no catch-up measured yet
     b.on_output(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}),
-                SimpleNamespace(sampled_token_ids=[], req_id_to_index={}, tree_catchup=(0.4, 100)))
+                SimpleNamespace(sampled_token_ids=[], req_id_to_index={}, tree_catchup=(0.4, 100, 0)))
     _decode_step(b)
     assert b.repay_next == pytest.approx(0.1 / 0.004)  # 25 caught-up tokens a remaining token
     b.on_output(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}),
-                SimpleNamespace(sampled_token_ids=[], req_id_to_index={}, tree_catchup=(0.2, 100)))
+                SimpleNamespace(sampled_token_ids=[], req_id_to_index={}, tree_catchup=(0.2, 100, 0)))
     _decode_step(b)
     s, t = CATCHUP_DECAY * 0.4 + 0.2, CATCHUP_DECAY * 100 + 100
     assert b.repay_next == pytest.approx(0.1 * t / s)
@@ -1011,3 +1011,31 @@ def test_the_repay_ratio_is_the_gates_saving_a_token_over_a_caught_up_tokens_sec
     b.gate.decide = lambda n: PLAIN
     b.cut([_req("a", 2)])
     assert b.propose_next == PLAIN and b.repay_next is None
+
+
+def test_a_step_whose_requests_the_repay_rule_left_without_drafts_is_no_arms(tmp_path):
+    """A step the gate let draft in which no draft was verified and the workers reported requests
+    left plain by the repay rule (``tree_catchup``'s third number, with the proposals for that
+    step) measures no speculation: neither arm; the next such step without refusals is the
+    speculative arm's as before; the refusals are counted. Catches: the refused step observed
+    as speculative (its plain speed would pull the speculative rate down and close the gate), the
+    refusal carried to later steps, the count dropped."""
+    b = _gated(TREE, tmp_path)
+    b.gate.decide = lambda n: TREE
+    seen = []
+    b.gate.observe = lambda *args: seen.append(args)
+
+    def step(catchup=None):
+        reqs = [_req("a", 0)]
+        b.cut(reqs)
+        out = _scheduled({"a": 1}, {})
+        b.on_scheduled(out)
+        b.on_output(out, SimpleNamespace(sampled_token_ids=[[1]], req_id_to_index={"a": 0},
+                                         **({"tree_catchup": catchup} if catchup else {})))
+
+    step((0.0, 0, 1))  # its output carries the next step's proposals: one request refused
+    assert len(seen) == 1 and b.metrics.draft_unrepaid_catchups == 1
+    step()
+    assert len(seen) == 1  # the refused step: no arm
+    step()
+    assert len(seen) == 2 and seen[-1][1] == TREE

@@ -221,7 +221,7 @@ def test_q_catching_up_a_request_the_gate_rested_is_timed_as_a_resume(draft_dir)
 def test_a_long_catch_up_the_requests_remaining_tokens_cannot_repay_is_left_out(draft_dir):
     """With a repay ratio (``proposer.repay``), a request whose catch-up is longer than a drafting
     step leaves drafts only where its ``remaining`` tokens x the ratio cover the catch-up; else
-    its tree is the root alone, q does not run for it (its resume mark kept), and ``unrepaid``
+    its tree is the root alone, q does not run for it (its resume mark kept), and ``take_catchup``
     counts it. A request drafting every step, a ratio of None or an unknown remainder never
     stop q. Long catch-ups (>= CATCHUP_MIN_TOKENS tokens a forward) are measured
     (``take_catchup``), short ones not. Catches: the comparison reversed or against the context
@@ -235,12 +235,13 @@ def test_a_long_catch_up_the_requests_remaining_tokens_cannot_repay_is_left_out(
     pa.repay = 1.0
     sa[0].remaining, sa[1].remaining = 100, 2  # a new prompt of 64 tokens, one of 9 (lag 9 > 6)
     out = pa.propose_batch(sa, tokens, np.arange(2), lengths)
-    assert out.trees.sizes().tolist()[1] == 1 and sa[1].session.forwarded == 0 and pa.unrepaid == 1
-    assert out.trees.sizes().tolist()[0] > 1 and pa.take_catchup()[1] == CATCHUP_MIN_TOKENS
-    assert pa.take_catchup() == (0.0, 0)
+    assert out.trees.sizes().tolist()[1] == 1 and sa[1].session.forwarded == 0
+    seconds, caught_up, refused = pa.take_catchup()
+    assert out.trees.sizes().tolist()[0] > 1 and seconds > 0 and (caught_up, refused) == (CATCHUP_MIN_TOKENS, 1)
+    assert pa.take_catchup() == (0.0, 0, 0)
     sa[1].remaining = 9  # 9 x 1 covers the lag of 9
     pa.propose_batch(sa, tokens, np.arange(2), lengths)
-    assert sa[1].session.forwarded >= 9 and pa.unrepaid == 1 and pa.take_catchup() == (0.0, 0)  # short: not measured
+    assert sa[1].session.forwarded >= 9 and pa.take_catchup() == (0.0, 0, 0)  # short: not measured
 
     def extend(i, lag):
         nonlocal lengths
@@ -253,26 +254,26 @@ def test_a_long_catch_up_the_requests_remaining_tokens_cannot_repay_is_left_out(
     sa[0].remaining = 0
     before = sa[0].session.forwarded
     pa.propose_batch(sa, tokens, np.arange(2), lengths)
-    assert sa[0].session.forwarded > before and pa.unrepaid == 1
+    assert sa[0].session.forwarded > before and pa.take_catchup()[2] == 0
     extend(0, 12)  # rested: a lag of 12, 11 tokens left
     sa[0].resuming, sa[0].remaining = True, 11
     before = sa[0].session.forwarded
     out = pa.propose_batch(sa, tokens, np.arange(2), lengths)
     assert out.trees.sizes().tolist()[0] == 1 and sa[0].session.forwarded == before and sa[0].resuming
-    assert pa.unrepaid == 2 and out.modes.tolist()[0] == 0
+    assert pa.take_catchup()[2] == 1 and out.modes.tolist()[0] == 0
     sa[0].remaining = 12  # 12 x 1 covers the lag of 12 (the context: 79 tokens)
     pa.propose_batch(sa, tokens, np.arange(2), lengths)
-    assert sa[0].session.forwarded >= before + 12 and not sa[0].resuming and pa.unrepaid == 2
+    assert sa[0].session.forwarded >= before + 12 and not sa[0].resuming and pa.take_catchup()[2] == 0
     extend(0, 12)
     sa[0].remaining = None  # an unknown remainder
     before = sa[0].session.forwarded
     pa.propose_batch(sa, tokens, np.arange(2), lengths)
-    assert sa[0].session.forwarded >= before + 12 and pa.unrepaid == 2
+    assert sa[0].session.forwarded >= before + 12 and pa.take_catchup()[2] == 0
     extend(0, 12)
     sa[0].remaining, pa.repay = 0, None  # no ratio
     before = sa[0].session.forwarded
     pa.propose_batch(sa, tokens, np.arange(2), lengths)
-    assert sa[0].session.forwarded >= before + 12 and pa.unrepaid == 2
+    assert sa[0].session.forwarded >= before + 12 and pa.take_catchup()[2] == 0
 
 
 MODES = {0: "plain", 1: "tree", 2: "bypass", 3: "chain"}

@@ -481,7 +481,7 @@ class _Proposer:
         return 0.0
 
     def take_catchup(self):
-        return 0.0, 0
+        return 0.0, 0, 0
 
 
 def _chain(root, n):

@@ -80,7 +80,7 @@ def _make(drafter, requests=None, **overrides) -> _Runner:
     r._sampling_trees, r._logprobs_trees, r._sampled_grammar_trees, r._draft_model = True, True, True, False
     r._tree_step, r._tree_plan, r._kv_mover = None, None, None
     r._eligible_cache, r._structured, r.row_edits, r._propose_s, r._resume_s = {}, set(), {}, 0.0, 0.0
-    r._catchup, r.max_model_len = (0.0, 0), 100
+    r._catchup, r.max_model_len = (0.0, 0, 0), 100
     for k, v in overrides.items():
         setattr(r, k, v)
     return r
@@ -193,10 +193,10 @@ def test_propose_rests_chains_or_trees_as_the_gate_says_and_contains_a_failure()
     assert drafts == [[11, 12, 13], [31 % V + 1, 31 % V + 2], [41 % V + 1, 41 % V + 2]]
     assert 0 < r._propose_s < 5.0 and "propose" in r.host_clock.seconds
     r.drafter.proposer.take_resume_seconds = lambda: 0.125  # the draft model's catch-up, carried
-    r.drafter.proposer.take_catchup = lambda: (0.5, 128)  # and its long catch-ups, summed
+    r.drafter.proposer.take_catchup = lambda: (0.5, 128, 1)  # and its catch-up account, summed
     r.propose_draft_token_ids(SimpleNamespace(tree_propose=TREE), sampled)
     r.propose_draft_token_ids(SimpleNamespace(tree_propose=TREE), sampled)
-    assert r._resume_s == 0.25 and r._catchup == (1.0, 256)
+    assert r._resume_s == 0.25 and r._catchup == (1.0, 256, 2)
     assert r.propose_draft_token_ids(SimpleNamespace(tree_propose=PLAIN), sampled) == [[], [], []]
     assert r.drafter.pending == {}  # rested: no pending tree
     chains = r.propose_draft_token_ids(SimpleNamespace(tree_propose=CHAIN), sampled)
@@ -331,11 +331,11 @@ def test_sample_tokens_sends_calibration_once_the_drafting_time_and_the_next_dra
     out = SimpleNamespace(sampled_token_ids=[[1]])
     r = _make(_proposed(), output=out, draft_ids=SimpleNamespace(req_ids=["a"]))
     r._cost_calibration = [(1, 1, 0, 0, 0, 0.01)]
-    r._propose_s, r._resume_s, r._catchup = 0.25, 0.125, (0.5, 128)
+    r._propose_s, r._resume_s, r._catchup = 0.25, 0.125, (0.5, 128, 3)
     assert r.sample_tokens(None) is out
     assert out.cost_calibration == [(1, 1, 0, 0, 0, 0.01)] and out.tree_propose_s == 0.25
     assert out.tree_resume_s == 0.125 and r._resume_s == 0.0
-    assert out.tree_catchup == (0.5, 128) and r._catchup == (0.0, 0)
+    assert out.tree_catchup == (0.5, 128, 3) and r._catchup == (0.0, 0, 0)
     assert out.tree_drafts is r.draft_ids and r._cost_calibration is None and r._propose_s == 0.0
     again = SimpleNamespace(sampled_token_ids=[[2]])
     r.output = again

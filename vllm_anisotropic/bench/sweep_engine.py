@@ -30,9 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 STATS_ENV = "VLLM_ANISOTROPIC_TREE_STATS"
 # the allocator's counters recorded per cell (BudgetMetrics fields; draft_resume_seconds is not in older trees)
 BUDGET_FIELDS = ("steps", "steps_without_drafts", "gate_plain_steps", "chain_steps", "chain_drafts", "tree_rows",
-                 "draft_resume_seconds")
-# and the worker's, recorded with them (TreeMetrics fields, from the worker's stats file)
-WORKER_FIELDS = ("draft_unrepaid_catchups",)
+                 "draft_resume_seconds", "draft_unrepaid_catchups")
 
 
 class SweepJob(BaseModel):
@@ -82,10 +80,10 @@ def spec_counters(llm) -> dict[str, int]:
     return out
 
 
-def _budget_stats(suffix: str = ".budget") -> dict:
+def _budget_stats() -> dict:
     path = os.environ.get(STATS_ENV)
     try:
-        with open(f"{path}{suffix}", encoding="utf-8") as f:
+        with open(f"{path}.budget", encoding="utf-8") as f:
             data = json.load(f)
     except (TypeError, OSError, ValueError):
         return {}
@@ -93,14 +91,10 @@ def _budget_stats(suffix: str = ".budget") -> dict:
 
 
 def budget_counters() -> dict[str, float]:
-    """The allocator's counters so far (``BUDGET_FIELDS``), from its stats file, and the worker's
-    ``WORKER_FIELDS`` from its own; {} without the allocator's (no tree method, or the
-    allocator off)."""
+    """The allocator's counters so far (``BUDGET_FIELDS``), from its stats file; {} without one
+    (no tree method, or the allocator off)."""
     data = _budget_stats()
-    if not data:
-        return {}
-    worker = _budget_stats("")
-    return {**{k: data.get(k, 0) for k in BUDGET_FIELDS}, **{k: worker.get(k, 0) for k in WORKER_FIELDS}}
+    return {k: data.get(k, 0) for k in BUDGET_FIELDS} if data else {}
 
 
 def gate_rates() -> dict:

@@ -145,12 +145,13 @@ class Proposer(abc.ABC):
         the gate counts in neither arm (``budget.BatchBudget.on_output``); default: none."""
         return 0.0
 
-    def take_catchup(self) -> tuple[float, int]:
-        """(seconds, tokens) of a draft model's long catch-ups (a prompt, a resume: at least
-        ``draft_batch.CATCHUP_MIN_TOKENS`` tokens a forward) since the last call: what one
-        catch-up token costs, for the scheduler's repay ratio (``budget.BatchBudget.repay_next``);
-        default: none."""
-        return 0.0, 0
+    def take_catchup(self) -> tuple[float, int, int]:
+        """A draft model's catch-up account since the last call: (seconds, tokens) of its long
+        catch-ups (a forward with a prompt or a resume, at least ``draft_batch.CATCHUP_MIN_TOKENS``
+        tokens: what a caught-up token costs, for the scheduler's repay ratio,
+        ``budget.BatchBudget.repay_next``), and the request-steps the repay rule left without
+        drafts (the gate counts a step of those alone in neither arm); default: none."""
+        return 0.0, 0, 0
 
     def begin_step(self, num_requests: int, batch_requests: int | None = None) -> None:
         """The next ``num_requests`` ``propose`` calls draft one engine step's trees (the engine's

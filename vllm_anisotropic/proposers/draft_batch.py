@@ -128,7 +128,7 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
         group = [states[r] for r in order]
         ordered = [contexts[r] for r in order]
         resuming = [s for s in group if s.resuming]
-        forwarded = sum(s.session.forwarded for s in group)
+        forwarded = [s.session.forwarded for s in group]
         t0 = time.perf_counter()
         logits = _catch_up(kv, [s.session for s in group], ordered)  # q's rows back on the host: no sync
         seconds = time.perf_counter() - t0
@@ -136,8 +136,9 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
             proposer.resume_s += seconds
             for s in resuming:
                 s.resuming = False
-        caught_up = sum(s.session.forwarded for s in group) - forwarded
-        if caught_up >= CATCHUP_MIN_TOKENS:  # long enough to measure a token's cost (take_catchup)
+        per_row = [s.session.forwarded - f for s, f in zip(group, forwarded)]
+        caught_up = sum(per_row)
+        if caught_up >= CATCHUP_MIN_TOKENS and max(per_row) > proposer.max_drafts + 1:  # a long one: a token's cost
             proposer.catchup_s += seconds
             proposer.catchup_tokens += caught_up
         root_laws = _laws(logits, [s.sampling for s in group])
@@ -157,6 +158,8 @@ def _repays(proposer, state, context: np.ndarray) -> bool:
     token repays), cover it. Without a ratio or a known remainder: yes."""
     repay, remaining = proposer.repay, state.remaining
     held = state.session.tokens
+    # the quick exit: q's tokens are the request's context up to a step's drafts at most (a
+    # session is only cropped, or made anew, never rewritten), so a short difference is a short lag
     if repay is None or remaining is None or len(context) - len(held) <= proposer.max_drafts + 1:
         return True
     n = min(len(held), len(context))

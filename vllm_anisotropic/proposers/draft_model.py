@@ -383,7 +383,7 @@ class DraftTreeProposer(Proposer):
         # catch-up tokens one remaining output token repays this step (the scheduler's, from the
         # measured gate: ``budget.BatchBudget.repay_next``); None: every request may catch up
         self.repay: float | None = None
-        self.unrepaid = 0  # request-steps a long catch-up was left out as its tokens would not repay it
+        self.unrepaid = 0  # request-steps a long catch-up was left out since the last take_catchup
         # the learned (K, L1, L2) selector; "auto" is resolved by the engine's front door (it knows
         # the target): left unresolved here, it means the fixed shape
         self.selector = None
@@ -420,9 +420,9 @@ class DraftTreeProposer(Proposer):
         seconds, self.resume_s = self.resume_s, 0.0
         return seconds
 
-    def take_catchup(self) -> tuple[float, int]:
-        out = (self.catchup_s, self.catchup_tokens)
-        self.catchup_s, self.catchup_tokens = 0.0, 0
+    def take_catchup(self) -> tuple[float, int, int]:
+        out = (self.catchup_s, self.catchup_tokens, self.unrepaid)
+        self.catchup_s, self.catchup_tokens, self.unrepaid = 0.0, 0, 0
         return out
 
     def begin_step(self, num_requests: int, batch_requests: int | None = None) -> None:

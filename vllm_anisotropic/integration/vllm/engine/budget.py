@@ -103,6 +103,7 @@ class BudgetMetrics:
     grammar_pruned_nodes: int = 0  # offered draft nodes a structured-output grammar rejected (tree_grammar.py)
     grammar_reordered_trees: int = 0  # of the pruned trees, those whose kept nodes the workers moved to the front
     draft_resume_seconds: float = 0.0  # the draft model's catch-ups after the gate rested drafting (no arm's)
+    draft_unrepaid_catchups: int = 0  # request-steps without drafts: q's catch-up would not be repaid
     last_predicted_speedup: float = 1.0
 
     def summary_line(self) -> str:
@@ -201,6 +202,7 @@ class BatchBudget:
         # proposers/draft_batch.py "Repay"); None: unknown, or nothing to repay
         self.repay_next: float | None = None
         self._catchup = [0.0, 0.0]  # decayed sums of a draft model's long catch-ups: seconds, tokens
+        self._unrepaid_next = 0  # requests of the step proposed next left without drafts by the repay rule
         self.host_clock = HostClock()  # the allocator's host work per phase (host_clock.py)
         self._last_log = -LOG_INTERVAL_S
         self._last_write = -WRITE_INTERVAL_S
@@ -235,6 +237,7 @@ class BatchBudget:
             self.probs.pop(req_id, None)
             del self.chains[req_id]
         self._drafting = PLAIN
+        self.repay_next = None
         if not self.enabled:
             return
         # the gate's decision for this step was made one step ahead (so that the workers draft
@@ -245,7 +248,6 @@ class BatchBudget:
             mode = self._allowed if self._allowed is not None else self.gate.decide(len(running))
             self._allowed = self.propose_next = self.gate.decide(len(running)) if running else mode
             self._drafting = mode
-            self.repay_next = None
             if self.propose_next != PLAIN and self._catchup[1] > 0 and running:
                 saving = self.gate.token_saving_s(len(running))
                 if saving is not None:
@@ -418,7 +420,9 @@ class BatchBudget:
         decode = not scheduler_output.scheduled_new_reqs and all(rid in self._decoding for rid in num)
         arm = None
         if decode:
-            if self._drafting != PLAIN or speculating > 0:
+            if self._drafting != PLAIN and speculating == 0 and self._unrepaid_next:
+                arm = None  # requests the repay rule left plain, the others cut: no measure of speculating
+            elif self._drafting != PLAIN or speculating > 0:
                 arm = self._drafting if self._drafting != PLAIN else TREE
             elif self.propose_next == PLAIN and not any(self._decoding[rid] > 0 for rid in num):
                 arm = PLAIN
@@ -443,10 +447,12 @@ class BatchBudget:
         propose_s = float(getattr(model_runner_output, "tree_propose_s", 0.0) or 0.0)
         resume_s = float(getattr(model_runner_output, "tree_resume_s", 0.0) or 0.0)
         m.draft_resume_seconds += resume_s
-        catchup = getattr(model_runner_output, "tree_catchup", None)
-        if catchup and catchup[0] > 0:  # the latest ~1 / (1 - CATCHUP_DECAY) measures weigh most
-            self._catchup = [CATCHUP_DECAY * self._catchup[0] + float(catchup[0]),
-                             CATCHUP_DECAY * self._catchup[1] + float(catchup[1])]
+        seconds_up, tokens_up, refused = getattr(model_runner_output, "tree_catchup", None) or (0.0, 0, 0)
+        if seconds_up > 0 and tokens_up > 0:  # the latest ~1 / (1 - CATCHUP_DECAY) measures weigh most
+            self._catchup = [CATCHUP_DECAY * self._catchup[0] + float(seconds_up),
+                             CATCHUP_DECAY * self._catchup[1] + float(tokens_up)]
+        m.draft_unrepaid_catchups += refused
+        self._unrepaid_next = refused
         if step is not None:
             r, q, t, c, d, t0, arm = step
             seconds = now - t0 - propose_s

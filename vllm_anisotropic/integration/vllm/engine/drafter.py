@@ -687,7 +687,6 @@ class TreeDrafter:
         if isinstance(self.proposer, DraftTreeProposer):
             (self.metrics.draft_kv_bytes, self.metrics.draft_kv_peak_bytes,
              self.metrics.draft_kv_evictions) = self.proposer.kv_stats()
-            self.metrics.draft_unrepaid_catchups = self.proposer.unrepaid
 
     def _count_tables(self) -> None:
         """The table gauges (at admission and finish, not per step): salted tenant tables held,

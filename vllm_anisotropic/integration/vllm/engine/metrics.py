@@ -88,7 +88,6 @@ class TreeMetrics:
     draft_kv_peak_bytes: int = 0  # gauge: the most bytes q's KV took (``draft_kv.DraftKV``)
     draft_kv_bound_bytes: int = 0  # gauge: their bound, reserved out of vLLM's KV memory (draft_kv_bytes)
     draft_kv_evictions: int = 0  # q sessions dropped, or request-steps left without drafts, to stay within the bound
-    draft_unrepaid_catchups: int = 0  # request-steps without drafts: q's catch-up would not be repaid (draft_batch)
     disabled_requests: int = 0  # requests whose trees were turned off after a fault (drafter.disabled)
     faults: dict[str, int] = field(default_factory=dict)  # stage -> contained exceptions
     without_trees: dict[str, int] = field(default_factory=dict)  # reason -> requests decoded without trees (runner.ineligible_reason)
@@ -220,8 +219,6 @@ _COUNTERS = {
     "tree_disabled_requests": ("disabled_requests", "requests whose trees were turned off after a contained fault"),
     "draft_kv_evictions": ("draft_kv_evictions", "draft_tree: draft-model sessions dropped, or request-steps left "
                            "without drafts, to stay within draft_kv_bound_bytes"),
-    "draft_unrepaid_catchups": ("draft_unrepaid_catchups", "draft_tree: request-steps without drafts because the "
-                                "request's remaining tokens would not repay the draft model's catch-up"),
 }
 _BY_SOURCE = {
     "tree_source_draft_nodes": ({"spine": "spine_nodes", "branch": "branch_nodes", "draft": "draft_model_nodes"}, "draft nodes verified, by source"),
@@ -246,6 +243,9 @@ _BUDGET_COUNTERS = {
     "budget_draft_resume_seconds": ("draft_resume_seconds",
                                     "draft_tree: seconds the draft model caught up on what the target decoded while "
                                     "the measured gate rested drafting (counted in neither of its arms)"),
+    "budget_draft_unrepaid_catchups": ("draft_unrepaid_catchups",
+                                       "draft_tree: request-steps without drafts because the request's remaining tokens "
+                                       "would not repay the draft model's catch-up"),
     "budget_tree_rows": ("tree_rows", "draft nodes the allocator kept"),
     "budget_tree_rows_offered": ("tree_rows_offered", "draft nodes the proposers offered"),
     "budget_tree_rows_within_caps": ("tree_rows_within_caps",

@@ -318,7 +318,9 @@ class TreeRunnerMixin:
         self.row_edits: dict[str, RowEdits] = {}  # tree requests with logit_bias / allowed_token_ids
         self._propose_s = 0.0  # seconds drafting since the last output (sent as tree_propose_s)
         self._resume_s = 0.0  # of them, a draft model's catch-up after the gate rested drafting (tree_resume_s)
-        self._catchup = (0.0, 0)  # a draft model's long catch-ups since the last output: (seconds, tokens) (tree_catchup)
+        # a draft model's catch-up account since the last output (tree_catchup): seconds and tokens
+        # of its long catch-ups, request-steps the repay rule left without drafts
+        self._catchup = (0.0, 0, 0)
         # tensor parallelism: the CPU group on which the ranks agree on each step's verifiable
         # trees after a fault on one rank (faults.agree, in the sampler); None with one rank
         self.tree_ranks = tp_group()
@@ -580,8 +582,8 @@ class TreeRunnerMixin:
             out.tree_propose_s = propose_s
             if resume_s:
                 out.tree_resume_s = resume_s
-        catchup, self._catchup = self._catchup, (0.0, 0)
-        if catchup[1] and carries:
+        catchup, self._catchup = self._catchup, (0.0, 0, 0)
+        if (catchup[1] or catchup[2]) and carries:
             out.tree_catchup = catchup
         # The next step's drafts travel with this reply (scheduler.TreeScheduler applies them
         # in update_from_output), so the engine core skips vLLM's second RPC of the step
@@ -607,8 +609,8 @@ class TreeRunnerMixin:
             laws = [request_law(r, self.requests[r].sampling_params, self.model_config.seed)
                     if r not in self.drafter.states else None for r in req_ids]
         repay = getattr(scheduler_output, "tree_repay", None)  # the measured gate's (budget.BatchBudget.repay_next)
-        remaining = self._remaining(req_ids) if repay is not None and self._draft_model else None
         try:
+            remaining = self._remaining(req_ids) if repay is not None and self._draft_model else None
             drafts = self.drafter.propose_trees(
                 req_ids,
                 eligible,
@@ -627,9 +629,9 @@ class TreeRunnerMixin:
             drafts = [[] for _ in req_ids]
         self._propose_s += time.perf_counter() - t0
         self._resume_s += self.drafter.proposer.take_resume_seconds()
-        seconds, tokens = self.drafter.proposer.take_catchup()
-        if tokens:
-            self._catchup = (self._catchup[0] + seconds, self._catchup[1] + tokens)
+        account = self.drafter.proposer.take_catchup()
+        if account[1] or account[2]:
+            self._catchup = tuple(a + b for a, b in zip(self._catchup, account))
         return drafts
 
     def _remaining(self, req_ids: list[str]) -> list[int]:
