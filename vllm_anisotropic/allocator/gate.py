@@ -254,18 +254,23 @@ class SpeculationGate:
 
     def token_saving_s(self, num_reqs: int) -> float | None:
         """Seconds one emitted token saves at ``num_reqs`` requests by speculating (the kind
-        ``kind`` takes) instead of decoding plainly, where the gate is open (past the warm-up,
-        speculation faster by ``margin``): 1 / plain rate - 1 / speculative rate; else None (a
-        closed gate's exploring step must measure speculation whole). A draft model's catch-up
-        is worth it for a request only if its remaining tokens save more than it costs
-        (``budget.BatchBudget.repay_next``). Counts no decision."""
+        ``kind`` takes) instead of decoding plainly, past the bucket's warm-up: where the gate is
+        open, 1 / plain rate - 1 / speculative rate; where it is closed (its exploring steps), what
+        a token would save at the rate that opens it (plain x (1 + ``margin``)): an exploring step
+        resumes q only for requests that could repay the catch-up if speculation paid just
+        enough, so that exploring stays cheap where speculation cannot pay (long prompts, short
+        answers) and still measures it for the requests that can. None in the warm-up. A draft
+        model's catch-up is worth it for a request only if its remaining tokens save more than it
+        costs (``budget.BatchBudget.repay_next``). Counts no decision."""
         b = self._buckets.get(bucket(num_reqs, self.config.exact_buckets))
         if b is None:
             return None
         plain, spec = self._compared(b)
-        if not self._verdict(plain, spec) or plain.rate <= 0:
+        verdict = self._verdict(plain, spec)
+        if verdict is None or plain.rate <= 0:
             return None
-        return 1.0 / plain.rate - 1.0 / spec.rate
+        opening = plain.rate * (1.0 + self.config.margin)
+        return 1.0 / plain.rate - 1.0 / (spec.rate if verdict else opening)
 
     def observe(self, num_reqs: int, speculative: bool | int, tokens: int, seconds: float) -> None:
         """One decode step: its requests, arm (PLAIN / TREE / CHAIN; False / True = PLAIN /
