@@ -397,15 +397,18 @@ def test_a_chain_step_keeps_the_chains_as_drafted_and_is_the_chain_arm():
 @pytest.mark.parametrize("spec_rate, saving", [(200.0, 0.005), (105.0, 0.01 - 0.01 / 1.1), (80.0, 0.01 - 0.01 / 1.1)])
 def test_a_token_saves_the_difference_of_the_arms_seconds_a_token_or_what_would_open_the_gate(spec_rate, saving):
     """``token_saving_s``: where the gate is open, 1 / plain - 1 / speculative rate; where it is
-    closed (a tie inside the margin, or speculation slower), what a token saves at the opening
-    rate, plain x 1.10; None in the warm-up and for a bucket never seen. Catches: the difference
-    reversed or of rates (not seconds a token), the measured slower rate used while closed (a
-    saving <= 0: every resume refused, the gate could never reopen), a saving in the warm-up, a
-    decision counted by asking."""
-    gate = SpeculationGate(GateConfig(min_steps=4, explore_every=32))
+    closed (a tie inside the margin, or speculation slower) or warming up, what a token saves at
+    the opening rate, plain x 1.10, or at the speculative rate if higher; None before the plain
+    arm's first step and for a bucket never seen. Catches: the difference reversed or of rates
+    (not seconds a token), the measured slower rate used while closed (a saving <= 0: every
+    resume refused, the gate could never reopen), a saving before any plain step, a decision
+    counted by asking."""
+    gate = SpeculationGate(GateConfig(min_steps=4, block=2, explore_every=32))
     assert gate.token_saving_s(2) is None
-    _run(gate, 2, 100.0, spec_rate, 3)
-    assert gate.token_saving_s(2) is None  # warm-up
+    _run(gate, 2, 100.0, spec_rate, 1)  # the warm-up's first speculative step: no plain rate yet
+    assert gate.token_saving_s(2) is None
+    _run(gate, 2, 100.0, spec_rate, 2)  # then a plain block: warming up, the better of the two rates
+    assert gate.token_saving_s(2) == pytest.approx(0.01 - 1 / max(spec_rate, 110.0), rel=0.02)
     _run(gate, 2, 100.0, spec_rate, 40)
     decisions = gate.rates()[2]["decisions"]
     assert gate.token_saving_s(2) == pytest.approx(saving, rel=0.02)

@@ -254,23 +254,23 @@ class SpeculationGate:
 
     def token_saving_s(self, num_reqs: int) -> float | None:
         """Seconds one emitted token saves at ``num_reqs`` requests by speculating (the kind
-        ``kind`` takes) instead of decoding plainly, past the bucket's warm-up: where the gate is
-        open, 1 / plain rate - 1 / speculative rate; where it is closed (its exploring steps), what
-        a token would save at the rate that opens it (plain x (1 + ``margin``)): an exploring step
-        resumes q only for requests that could repay the catch-up if speculation paid just
-        enough, so that exploring stays cheap where speculation cannot pay (long prompts, short
-        answers) and still measures it for the requests that can. None in the warm-up. A draft
-        model's catch-up is worth it for a request only if its remaining tokens save more than it
-        costs (``budget.BatchBudget.repay_next``). Counts no decision."""
+        ``kind`` takes) instead of decoding plainly: 1 / plain rate - 1 / speculative rate where
+        the gate is open; where it is closed (its exploring steps) or still warming up, what a
+        token would save at the rate that opens it (plain x (1 + ``margin``)), or at the
+        speculative rate measured so far if that is higher. So an exploring or warm-up step
+        resumes q only for requests that could repay the catch-up if speculation paid at least
+        enough to open the gate: exploring stays cheap where speculation cannot pay (long
+        prompts, short answers) and still measures it for the requests that can. None before the
+        plain arm's first step at the batch size. A draft model's catch-up is worth it for a
+        request only if its remaining tokens save more than it costs
+        (``budget.BatchBudget.repay_next``). Counts no decision."""
         b = self._buckets.get(bucket(num_reqs, self.config.exact_buckets))
         if b is None:
             return None
         plain, spec = self._compared(b)
-        verdict = self._verdict(plain, spec)
-        if verdict is None or plain.rate <= 0:
+        if plain.rate <= 0:
             return None
-        opening = plain.rate * (1.0 + self.config.margin)
-        return 1.0 / plain.rate - 1.0 / (spec.rate if verdict else opening)
+        return 1.0 / plain.rate - 1.0 / max(spec.rate, plain.rate * (1.0 + self.config.margin))
 
     def observe(self, num_reqs: int, speculative: bool | int, tokens: int, seconds: float) -> None:
         """One decode step: its requests, arm (PLAIN / TREE / CHAIN; False / True = PLAIN /
