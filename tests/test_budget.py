@@ -1008,6 +1008,8 @@ def test_the_repay_ratio_is_the_gates_saving_a_token_over_a_caught_up_tokens_sec
     assert b.repay_next == pytest.approx(0.1 * t / s)
     b.cut([_req("a", 2), _req("b", 2)])  # two requests: no saving known there
     assert b.repay_next is None
+    b.cut([])  # an empty batch: a prompt about to be admitted decodes alone
+    assert b.repay_next == pytest.approx(0.1 * t / s)
     b.gate.decide = lambda n: PLAIN
     b.cut([_req("a", 2)])
     assert b.propose_next == PLAIN and b.repay_next is None

@@ -248,8 +248,10 @@ class BatchBudget:
             mode = self._allowed if self._allowed is not None else self.gate.decide(len(running))
             self._allowed = self.propose_next = self.gate.decide(len(running)) if running else mode
             self._drafting = mode
-            if self.propose_next != PLAIN and self._catchup[1] > 0 and running:
-                saving = self.gate.token_saving_s(len(running))
+            if self.propose_next != PLAIN and self._catchup[1] > 0:
+                # an empty batch (the cut runs before vLLM admits the waiting requests): the
+                # request arriving alone decodes at one request
+                saving = self.gate.token_saving_s(max(len(running), 1))
                 if saving is not None:
                     self.repay_next = saving * self._catchup[1] / self._catchup[0]
         if mode == CHAIN:
