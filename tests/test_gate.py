@@ -413,3 +413,6 @@ def test_a_token_saves_the_difference_of_the_arms_seconds_a_token_or_what_would_
     decisions = gate.rates()[2]["decisions"]
     assert gate.token_saving_s(2) == pytest.approx(saving, rel=0.02)
     assert gate.rates()[2]["decisions"] == decisions and gate.token_saving_s(3) is None
+    slow = SpeculationGate(GateConfig(min_steps=4, explore_every=32))  # a large model on a CPU: < 1 token/s
+    _run(slow, 1, 0.5, 2.0, 40)
+    assert slow.token_saving_s(1) == pytest.approx(2.0 - 0.5, rel=0.02)
