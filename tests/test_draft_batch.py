@@ -232,14 +232,14 @@ def test_a_long_catch_up_the_requests_remaining_tokens_cannot_repay_is_left_out(
 
     (pa, sa), _ = _twins(draft_dir, 2, branches=2, trunk=1, branch_length=2, selector="off")
     tokens, lengths = _contexts([CATCHUP_MIN_TOKENS, 9], seed=7)
-    pa.repay = 1.0
+    pa.repay = 2.0  # catch-up tokens an output token repays
     sa[0].remaining, sa[1].remaining = 100, 2  # a new prompt of 64 tokens, one of 9 (lag 9 > 6)
     out = pa.propose_batch(sa, tokens, np.arange(2), lengths)
     assert out.trees.sizes().tolist()[1] == 1 and sa[1].session.forwarded == 0
     seconds, caught_up, refused = pa.take_catchup()
     assert out.trees.sizes().tolist()[0] > 1 and seconds > 0 and (caught_up, refused) == (CATCHUP_MIN_TOKENS, 1)
     assert pa.take_catchup() == (0.0, 0, 0)
-    sa[1].remaining = 9  # 9 x 1 covers the lag of 9
+    sa[1].remaining = 5  # 5 x 2 covers the lag of 9
     pa.propose_batch(sa, tokens, np.arange(2), lengths)
     assert sa[1].session.forwarded >= 9 and pa.take_catchup() == (0.0, 0, 0)  # short: not measured
 
@@ -255,13 +255,24 @@ def test_a_long_catch_up_the_requests_remaining_tokens_cannot_repay_is_left_out(
     before = sa[0].session.forwarded
     pa.propose_batch(sa, tokens, np.arange(2), lengths)
     assert sa[0].session.forwarded > before and pa.take_catchup()[2] == 0
-    extend(0, 12)  # rested: a lag of 12, 11 tokens left
-    sa[0].resuming, sa[0].remaining = True, 11
+    extend(0, 6)  # a lag of 6 = max_drafts + 1, a drafting step's: never held back
+    pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    assert pa.take_catchup()[2] == 0
+    extend(0, 7)  # a lag of 7 (its last draft differs too): 3 tokens left (6) do not cover it, 4 (8) do
+    sa[0].remaining = 3
+    before = sa[0].session.forwarded
+    pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    assert pa.take_catchup()[2] == 1 and sa[0].session.forwarded == before
+    sa[0].remaining = 4
+    pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    assert pa.take_catchup()[2] == 0 and sa[0].session.forwarded >= before + 7
+    extend(0, 12)  # rested: a lag of 12, 5 tokens left (10)
+    sa[0].resuming, sa[0].remaining = True, 5
     before = sa[0].session.forwarded
     out = pa.propose_batch(sa, tokens, np.arange(2), lengths)
     assert out.trees.sizes().tolist()[0] == 1 and sa[0].session.forwarded == before and sa[0].resuming
     assert pa.take_catchup()[2] == 1 and out.modes.tolist()[0] == 0
-    sa[0].remaining = 12  # 12 x 1 covers the lag of 12 (the context: 79 tokens)
+    sa[0].remaining = 6  # 6 x 2 covers the lag of 12 (the context: 79 tokens)
     pa.propose_batch(sa, tokens, np.arange(2), lengths)
     assert sa[0].session.forwarded >= before + 12 and not sa[0].resuming and pa.take_catchup()[2] == 0
     extend(0, 12)

@@ -158,14 +158,15 @@ def _repays(proposer, state, context: np.ndarray) -> bool:
     request's remaining output tokens, times ``proposer.repay`` (the catch-up tokens one output
     token repays), cover it. Without a ratio or a known remainder: yes."""
     repay, remaining = proposer.repay, state.remaining
-    held = state.session.tokens
-    # the quick exit: q's tokens are the request's context up to a step's drafts at most (a
-    # session is only cropped, or made anew, never rewritten), so a short difference is a short lag
-    if repay is None or remaining is None or len(context) - len(held) <= proposer.max_drafts + 1:
+    if repay is None or remaining is None:
         return True
+    held = state.session.tokens
     n = min(len(held), len(context))
-    differ = np.flatnonzero(np.asarray(held[:n], np.int64) != context[:n])
-    lag = len(context) - (int(differ[0]) if differ.size else n)
+    # q's tokens before its last step's drafts are the context's (a session is only cropped to
+    # its common prefix or made anew, never rewritten): compare those drafts alone
+    start = max(n - proposer.max_drafts - 1, 0)
+    differ = np.flatnonzero(np.asarray(held[start:n], np.int64) != context[start:n])
+    lag = len(context) - (start + int(differ[0]) if differ.size else n)
     if lag <= proposer.max_drafts + 1 or remaining * repay >= lag:
         return True
     proposer.unrepaid += 1
