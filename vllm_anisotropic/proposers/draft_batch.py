@@ -160,13 +160,7 @@ def _repays(proposer, state, context: np.ndarray) -> bool:
     repay, remaining = proposer.repay, state.remaining
     if repay is None or remaining is None:
         return True
-    held = state.session.tokens
-    n = min(len(held), len(context))
-    # q's tokens before its last step's drafts are the context's (a session is only cropped to
-    # its common prefix or made anew, never rewritten): compare those drafts alone
-    start = max(n - proposer.max_drafts - 1, 0)
-    differ = np.flatnonzero(np.asarray(held[start:n], np.int64) != context[start:n])
-    lag = len(context) - (start + int(differ[0]) if differ.size else n)
+    lag = len(context) - state.session.common_prefix(context)
     if lag <= proposer.max_drafts + 1 or remaining * repay >= lag:
         return True
     proposer.unrepaid += 1

@@ -138,12 +138,13 @@ class DraftSession:
     def keep_common(self, context: list[int]) -> None:
         """Crop the cache to its longest common prefix with ``context``, short of the root (whose
         logits are needed: it always runs again)."""
-        common = 0
-        for a, b in zip(self.tokens, context):
-            if a != b:
-                break
-            common += 1
-        self.crop(min(common, len(context) - 1))
+        self.crop(min(self.common_prefix(context), len(context) - 1))
+
+    def common_prefix(self, context) -> int:
+        """How many of the cached tokens are ``context``'s first ones."""
+        n = min(len(self.tokens), len(context))
+        differ = np.flatnonzero(np.asarray(self.tokens[:n], np.int64) != np.asarray(context[:n], np.int64))
+        return int(differ[0]) if differ.size else n
 
     def crop(self, keep: int) -> None:
         """Keep the first ``keep`` cached tokens."""
