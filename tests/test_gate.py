@@ -398,8 +398,8 @@ def test_a_chain_step_keeps_the_chains_as_drafted_and_is_the_chain_arm():
 def test_a_token_saves_the_difference_of_the_arms_seconds_a_token_or_what_would_open_the_gate(spec_rate, saving):
     """``token_saving_s``: where the gate is open, 1 / plain - 1 / speculative rate; where it is
     closed (a tie inside the margin, or speculation slower) or warming up, what a token saves at
-    the opening rate, plain x 1.10, or at the speculative rate if higher; None before the plain
-    arm's first step and for a bucket never seen. Catches: the difference reversed or of rates
+    the opening rate, plain x 1.10, or at the speculative rate if higher; None before any plain
+    arm's first step (a bucket never seen borrows: the next test). Catches: the difference reversed or of rates
     (not seconds a token), the measured slower rate used while closed (a saving <= 0: every
     resume refused, the gate could never reopen), a saving before any plain step, a decision
     counted by asking."""
@@ -412,7 +412,27 @@ def test_a_token_saves_the_difference_of_the_arms_seconds_a_token_or_what_would_
     _run(gate, 2, 100.0, spec_rate, 40)
     decisions = gate.rates()[2]["decisions"]
     assert gate.token_saving_s(2) == pytest.approx(saving, rel=0.02)
-    assert gate.rates()[2]["decisions"] == decisions and gate.token_saving_s(3) is None
+    assert gate.rates()[2]["decisions"] == decisions and 3 not in gate.rates()
     slow = SpeculationGate(GateConfig(min_steps=4, explore_every=32))  # a large model on a CPU: < 1 token/s
     _run(slow, 1, 0.5, 2.0, 40)
     assert slow.token_saving_s(1) == pytest.approx(2.0 - 0.5, rel=0.02)
+
+
+def test_a_batch_size_without_a_plain_step_borrows_the_nearest_measured_saving_scaled_by_size():
+    """A cold batch size (the tail of a batch at a size not run before) takes the saving of the
+    measured bucket nearest by ratio of sizes (ties: the smaller), times that bucket's size over
+    its own: a step's saving spread over its tokens. Catches: the scale inverted or dropped, the
+    nearest by difference (5 would tie 2 and 8 and take 2, not 8), ties to the larger, a cold
+    size answered None (every catch-up let through: the bench's 1.26-s resume at a batch's
+    tail), a bucket made or a decision counted by being asked."""
+    gate = SpeculationGate(GateConfig(min_steps=4, block=2, explore_every=32, exact_buckets=8))
+    _run(gate, 2, 100.0, 80.0, 40)  # closed at 2: plain x 1.1 would open it
+    _run(gate, 8, 400.0, 1000.0, 40)  # open at 8
+    at2, at8 = 0.01 - 0.01 / 1.1, 1 / 400 - 1 / 1000
+    rates = gate.rates()
+    assert gate.token_saving_s(2) == pytest.approx(at2, rel=0.02)
+    assert gate.token_saving_s(1) == pytest.approx(at2 * 2, rel=0.02)
+    assert gate.token_saving_s(4) == pytest.approx(at2 / 2, rel=0.02)  # 4 / 2 = 8 / 4: ties to 2
+    assert gate.token_saving_s(5) == pytest.approx(at8 * 8 / 5, rel=0.02)  # 8 / 5 < 5 / 2
+    assert gate.token_saving_s(40) == pytest.approx(at8 * 8 / 64, rel=0.02)  # 33..64: bucket 64
+    assert gate.rates() == rates
