@@ -987,8 +987,10 @@ def test_the_repay_ratio_is_the_gates_saving_a_token_over_a_caught_up_tokens_sec
     """``repay_next`` (sent as ``tree_repay``): the gate's seconds saved an output token at the
     batch size over the draft model's seconds a caught-up token (``tree_catchup``, the later
     measures weighing most); none before any catch-up is measured, while the gate gives no
-    saving, or when the next step is plain. Catches: the ratio inverted, the catch-up seconds
-    and tokens swapped, a ratio sent for a plain step or kept from an earlier step."""
+    saving, or when the next step is plain; at the batch ahead (``cut``'s ``ahead``: running and
+    waiting requests) where the scheduler gives it. Catches: the ratio inverted, the catch-up
+    seconds and tokens swapped, a ratio sent for a plain step or kept from an earlier step, the
+    batch ahead ignored."""
     from vllm_anisotropic.allocator import PLAIN
     from vllm_anisotropic.integration.vllm.engine.budget import CATCHUP_DECAY
 
@@ -1009,6 +1011,10 @@ def test_the_repay_ratio_is_the_gates_saving_a_token_over_a_caught_up_tokens_sec
     b.cut([_req("a", 2), _req("b", 2)])  # two requests: no saving known there
     assert b.repay_next is None
     b.cut([])  # an empty batch: a prompt about to be admitted decodes alone
+    assert b.repay_next == pytest.approx(0.1 * t / s)
+    b.cut([], 2)  # ... unless another waits with it: priced at the batch ahead
+    assert b.repay_next is None
+    b.cut([_req("a", 2)], 1)
     assert b.repay_next == pytest.approx(0.1 * t / s)
     b.gate.decide = lambda n: PLAIN
     b.cut([_req("a", 2)])

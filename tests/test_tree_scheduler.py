@@ -96,6 +96,24 @@ def test_node_caps_cut_draft_lists_and_leave_with_the_request(sched):
     assert sched.node_caps == {"even": 3}
 
 
+def test_the_budget_is_told_the_batch_ahead_running_and_waiting_at_most_max_num_seqs(sched, monkeypatch):
+    """``cut(running, ahead)``: ``ahead`` = running + waiting requests, at most ``max_num_seqs``
+    (8 here): the batch size a draft model's catch-up is priced at (budget.BatchBudget.cut).
+    Catches: the running requests alone (a batch about to refill priced as the small one), the
+    cap dropped."""
+    seen = []
+    cut = sched.budget.cut
+    monkeypatch.setattr(sched.budget, "cut", lambda running, ahead: seen.append((len(running), ahead)) or cut(running, ahead))
+    for i in range(3):
+        sched.add_request(_request(f"r{i}"))
+    _step(sched)
+    _step(sched)
+    for i in range(3, 12):
+        sched.add_request(_request(f"r{i}"))
+    _step(sched)
+    assert seen == [(0, 3), (3, 3), (3, 8)]
+
+
 def _finished():
     from vllm.v1.request import RequestStatus
 
@@ -116,7 +134,7 @@ def test_an_allocator_fault_drops_the_drafts_caps_at_zero_and_is_told_once(sched
     sched.add_request(_request("b", cap=4))
     _step(sched, {"a": [1, 2, 3], "b": [4, 5]})
 
-    def boom(running):
+    def boom(running, ahead):
         raise RuntimeError("injected")
 
     monkeypatch.setattr(sched.budget, "cut", boom)

@@ -223,8 +223,14 @@ class BatchBudget:
 
     # ------------------------------------------------------------------ 2
     @timed("cut")
-    def cut(self, running) -> None:
-        """Cut ``request.spec_token_ids`` of the running requests (see module docstring)."""
+    def cut(self, running, ahead: int | None = None) -> None:
+        """Cut ``request.spec_token_ids`` of the running requests (see module docstring).
+        ``ahead``: the requests the coming steps will run (the scheduler's running and waiting
+        ones, at most ``max_num_seqs``; None: ``running``'s), the batch size a draft model's
+        catch-up is priced at (``repay_next``): a batch that dropped to two requests while two
+        more wait to be admitted decodes at four from the next step, where the drafting the
+        catch-up buys stops (a bench cell at four requests paid ~1 s of q's catch-ups each time
+        its batch refilled, 2026-12-07)."""
         inject("allocator")
         self._t_cut = time.perf_counter()  # the step's time starts here: the cut is part of its cost
         self._kept, self._ctx = {}, {}
@@ -249,9 +255,8 @@ class BatchBudget:
             self._allowed = self.propose_next = self.gate.decide(len(running)) if running else mode
             self._drafting = mode
             if self.propose_next != PLAIN and self._catchup[1] > 0:
-                # an empty batch (the cut runs before vLLM admits the waiting requests): the
-                # request arriving alone decodes at one request
-                saving = self.gate.token_saving_s(max(len(running), 1))
+                # an empty batch with nothing waiting (a request arriving alone) decodes at one
+                saving = self.gate.token_saving_s(max(len(running) if ahead is None else ahead, 1))
                 if saving is not None:
                     self.repay_next = saving * self._catchup[1] / self._catchup[0]
         if mode == CHAIN:

@@ -78,7 +78,9 @@ class TreeScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         if self.node_caps:
             self._cap_drafts()
-        self._budget("cut", self.running)
+        # the batch the coming steps run: a draft model's catch-up is priced there (budget.cut)
+        ahead = min(len(self.running) + len(self.waiting), self.max_num_running_reqs)
+        self._budget("cut", self.running, ahead)
         out = super().schedule(*args, **kwargs)
         self._budget("on_scheduled", out)
         if self._faults:  # pickled to every worker (runner._update_states counts them)

@@ -140,6 +140,8 @@ CLASS_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     # patches.py patch 6 reads the engine core's scheduler, patch 7 the worker process's worker
     "vllm.v1.engine.core:EngineCore": ("scheduler",),
     "vllm.v1.executor.multiproc_executor:WorkerProc": ("worker",),
+    # scheduler.TreeScheduler.schedule prices a draft model's catch-ups at the batch ahead
+    "vllm.v1.core.sched.scheduler:Scheduler": ("running", "waiting", "max_num_running_reqs"),
     # budget.BatchBudget.cut and scheduler.TreeScheduler read the scheduler's running requests
     "vllm.v1.request:Request": ("request_id", "spec_token_ids", "num_tokens", "num_computed_tokens",
                                 "num_prompt_tokens", "cache_salt", "sampling_params", "structured_output_request",
