@@ -98,9 +98,12 @@ def test_node_caps_cut_draft_lists_and_leave_with_the_request(sched):
 
 def test_the_budget_is_told_the_batch_ahead_running_and_waiting_at_most_max_num_seqs(sched, monkeypatch):
     """``cut(running, ahead)``: ``ahead`` = running + waiting requests, at most ``max_num_seqs``
-    (8 here): the batch size a draft model's catch-up is priced at (budget.BatchBudget.cut).
-    Catches: the running requests alone (a batch about to refill priced as the small one), the
-    cap dropped."""
+    (8 here), the largest of the last ``AHEAD_STEPS`` steps: the batch size a draft model's
+    catch-up is priced at (budget.BatchBudget.cut). Catches: the running requests alone (a batch
+    about to refill priced as the small one), the cap dropped, no window (a dip priced as if it
+    lasted), a window that never forgets."""
+    from vllm_anisotropic.integration.vllm.engine.scheduler import AHEAD_STEPS
+
     seen = []
     cut = sched.budget.cut
     monkeypatch.setattr(sched.budget, "cut", lambda running, ahead: seen.append((len(running), ahead)) or cut(running, ahead))
@@ -112,6 +115,11 @@ def test_the_budget_is_told_the_batch_ahead_running_and_waiting_at_most_max_num_
         sched.add_request(_request(f"r{i}"))
     _step(sched)
     assert seen == [(0, 3), (3, 3), (3, 8)]
+    sched.finish_requests([f"r{i}" for i in range(12)], _finished())
+    sched.add_request(_request("alone"))
+    for _ in range(AHEAD_STEPS):
+        _step(sched)
+    assert seen[3:] == [(0, 8)] + [(1, 8)] * (AHEAD_STEPS - 2) + [(1, 1)]  # the 8 leaves the window
 
 
 def _finished():

@@ -226,7 +226,7 @@ class BatchBudget:
     def cut(self, running, ahead: int | None = None) -> None:
         """Cut ``request.spec_token_ids`` of the running requests (see module docstring).
         ``ahead``: the requests the coming steps will run (the scheduler's running and waiting
-        ones, at most ``max_num_seqs``; None: ``running``'s), the batch size a draft model's
+        ones, at most ``max_num_seqs``, the largest of its last steps; None: ``running``'s), the batch size a draft model's
         catch-up is priced at (``repay_next``): a batch that dropped to two requests while two
         more wait to be admitted decodes at four from the next step, where the drafting the
         catch-up buys stops (a bench cell at four requests paid ~1 s of q's catch-ups each time

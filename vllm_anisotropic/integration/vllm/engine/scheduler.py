@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import numpy as np
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -26,6 +27,8 @@ from vllm.v1.outputs import DraftTokenIds
 from vllm_anisotropic.integration.vllm.engine.faults import inject, report
 from vllm_anisotropic.integration.vllm.engine.tree_grammar import TreeGrammars
 from vllm_anisotropic.integration.vllm.frontdoor.config import request_tree_options
+
+AHEAD_STEPS = 8  # steps over which the batch ahead is the largest seen (schedule)
 
 __all__ = ["TreeScheduler"]
 
@@ -49,6 +52,7 @@ class TreeScheduler(Scheduler):
         self.node_caps: dict[str, int] = {}
         self._faults: list[tuple[str, list[str]]] = []  # contained faults the workers hear of next step
         self.grammars = TreeGrammars()  # pruned trees of structured-output requests (tree_grammar.py)
+        self._ahead = deque(maxlen=AHEAD_STEPS)  # the batch ahead of the last steps (schedule)
         self._node_bitmask = None  # [num_speculative_tokens, vocab_size / 32] int32, the node rows' buffer
         self._max_drafts = int(spec.num_speculative_tokens)
         self.budget = BatchBudget(vllm_config.scheduler_config, vllm_config.model_config,
@@ -78,9 +82,11 @@ class TreeScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         if self.node_caps:
             self._cap_drafts()
-        # the batch the coming steps run: a draft model's catch-up is priced there (budget.cut)
-        ahead = min(len(self.running) + len(self.waiting), self.max_num_running_reqs)
-        self._budget("cut", self.running, ahead)
+        # the batch the coming steps run, a draft model's catch-up priced there (budget.cut): the
+        # running and waiting requests, at most max_num_seqs, the largest of the last AHEAD_STEPS
+        # steps (a request that replaces a finished one can arrive a step after the dip)
+        self._ahead.append(min(len(self.running) + len(self.waiting), self.max_num_running_reqs))
+        self._budget("cut", self.running, max(self._ahead))
         out = super().schedule(*args, **kwargs)
         self._budget("on_scheduled", out)
         if self._faults:  # pickled to every worker (runner._update_states counts them)
