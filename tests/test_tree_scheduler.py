@@ -101,12 +101,20 @@ def test_the_budget_is_told_the_batch_ahead_running_and_waiting_at_most_max_num_
     (8 here), the largest of the last ``AHEAD_STEPS`` steps: the batch size a draft model's
     catch-up is priced at (budget.BatchBudget.cut). Catches: the running requests alone (a batch
     about to refill priced as the small one), the cap dropped, no window (a dip priced as if it
-    lasted), a window that never forgets."""
+    lasted), a window that never forgets, a window kept across an empty batch (a request after
+    a drained batch priced at the batch before)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
     from vllm_anisotropic.integration.vllm.engine.scheduler import AHEAD_STEPS
+
+    def _request(req_id):  # one prompt token: r0 runs 12 steps and stays inside one KV block
+        return Request(req_id, [1], SamplingParams(max_tokens=50), None)
 
     seen = []
     cut = sched.budget.cut
-    monkeypatch.setattr(sched.budget, "cut", lambda running, ahead: seen.append((len(running), ahead)) or cut(running, ahead))
+    monkeypatch.setattr(sched.budget, "cut",
+                        lambda running, ahead: seen.append((len(running), ahead)) or cut(running, ahead))
     for i in range(3):
         sched.add_request(_request(f"r{i}"))
     _step(sched)
@@ -115,11 +123,18 @@ def test_the_budget_is_told_the_batch_ahead_running_and_waiting_at_most_max_num_
         sched.add_request(_request(f"r{i}"))
     _step(sched)
     assert seen == [(0, 3), (3, 3), (3, 8)]
-    sched.finish_requests([f"r{i}" for i in range(12)], _finished())
-    sched.add_request(_request("alone"))
+    sched.finish_requests([f"r{i}" for i in range(1, 12)], _finished())  # a dip to one request
     for _ in range(AHEAD_STEPS):
         _step(sched)
-    assert seen[3:] == [(0, 8)] + [(1, 8)] * (AHEAD_STEPS - 2) + [(1, 1)]  # the 8 leaves the window
+    assert seen[3:] == [(1, 8)] * (AHEAD_STEPS - 1) + [(1, 1)]  # until the 8 leaves the window
+    for i in range(7):
+        sched.add_request(_request(f"w{i}"))
+    _step(sched)
+    sched.finish_requests(["r0"] + [f"w{i}" for i in range(7)], _finished())  # drained; later one arrives
+    sched.add_request(_request("late"))
+    _step(sched)
+    _step(sched)
+    assert seen[3 + AHEAD_STEPS:] == [(1, 8), (0, 1), (1, 1)]
 
 
 def _finished():

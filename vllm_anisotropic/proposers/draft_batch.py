@@ -33,7 +33,8 @@ alone, but for a prompt that arrives in the very step drafting resumes: it is ti
 bound dropped) costs q ~3-4 ms a token on one core of the 2-core EPYC (a 300-token resume ~1 s,
 two or three decode steps of the 1.5B target): at the end of a request it cannot pay. While the
 scheduler sends a ratio (``proposer.repay``: the seconds an output token saves speculating at
-the step's batch size, from the gate's measured rates: ``SpeculationGate.token_saving_s``;
+the batch ahead (``budget.BatchBudget.cut``), from the gate's measured rates:
+``SpeculationGate.token_saving_s``;
 over the seconds q takes a caught-up token,
 measured here: ``Proposer.take_catchup``), a request catches up only if its remaining output
 tokens (``DraftTreeState.remaining``: ``max_tokens`` and the model length left) times the ratio

@@ -44,8 +44,8 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    target decoded while the gate rested drafting (``tree_resume_s``, ``proposers.draft_batch``):
    a cost of the switch, which the gate counts in neither arm. A draft model's long catch-ups
    (``tree_catchup``: seconds and tokens) measure what q takes a caught-up token; with the
-   gate's saving a token at the batch size (``SpeculationGate.token_saving_s``) they make the
-   ratio sent with the next proposal (``repay_next`` -> ``tree_repay``): a request whose
+   gate's saving a token at the batch ahead (``SpeculationGate.token_saving_s``, ``cut``) they
+   make the ratio sent with the next proposal (``repay_next`` -> ``tree_repay``): a request whose
    remaining tokens would not repay q's catch-up decodes plainly (``proposers.draft_batch``).
    Predicted vs realized accepted drafts feed the metrics.
 
@@ -226,7 +226,8 @@ class BatchBudget:
     def cut(self, running, ahead: int | None = None) -> None:
         """Cut ``request.spec_token_ids`` of the running requests (see module docstring).
         ``ahead``: the requests the coming steps will run (the scheduler's running and waiting
-        ones, at most ``max_num_seqs``, the largest of its last steps; None: ``running``'s), the batch size a draft model's
+        ones, at most ``max_num_seqs``, the largest of its last steps since the batch was last
+        empty; None: ``running``'s), the batch size a draft model's
         catch-up is priced at (``repay_next``): a batch that dropped to two requests while two
         more wait to be admitted decodes at four from the next step, where the drafting the
         catch-up buys stops (a bench cell at four requests paid ~1 s of q's catch-ups each time

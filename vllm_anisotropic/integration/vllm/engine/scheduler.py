@@ -84,7 +84,11 @@ class TreeScheduler(Scheduler):
             self._cap_drafts()
         # the batch the coming steps run, a draft model's catch-up priced there (budget.cut): the
         # running and waiting requests, at most max_num_seqs, the largest of the last AHEAD_STEPS
-        # steps (a request that replaces a finished one can arrive a step after the dip)
+        # steps (a request that replaces a finished one can arrive a step after the dip); an
+        # empty batch starts the window again (the engine does not schedule while idle: a
+        # request arriving after a drained batch of eight is not priced at eight)
+        if not self.running:
+            self._ahead.clear()
         self._ahead.append(min(len(self.running) + len(self.waiting), self.max_num_running_reqs))
         self._budget("cut", self.running, max(self._ahead))
         out = super().schedule(*args, **kwargs)
