@@ -183,10 +183,9 @@ def _catch_up(kv, sessions: list, contexts: list) -> torch.Tensor:
     """Each session (row b) cropped to its common prefix with its context (the root always runs
     again), then the rest of every context (a new prompt, accepted tokens, the root) in one packed
     forward: the root logits [rows, vocab]."""
-    contexts = [[int(t) for t in c] for c in contexts]
     for session, context in zip(sessions, contexts):
         session.keep_common(context)
-    return _run(kv, sessions, [context[len(s.tokens):] for s, context in zip(sessions, contexts)])
+    return _run(kv, sessions, [context[len(s.tokens):].tolist() for s, context in zip(sessions, contexts)])
 
 
 def _delayed_trees(kv, shapes: list, states: list, laws: torch.Tensor, roots: list) -> list:

@@ -135,7 +135,7 @@ class DraftSession:
         self.keep_common(context)
         return self.extend(context[len(self.tokens):])[0, -1]
 
-    def keep_common(self, context: list[int]) -> None:
+    def keep_common(self, context: Sequence[int]) -> None:
         """Crop the cache to its longest common prefix with ``context``, short of the root (whose
         logits are needed: it always runs again)."""
         self.crop(min(self.common_prefix(context), len(context) - 1))
