@@ -78,6 +78,51 @@ def test_the_warm_up_runs_at_each_concurrency_or_the_largest(warmup, concurrency
     assert peaks == runs and len(engine.added) == 8 * len(runs)
 
 
+@pytest.mark.parametrize("grows, loops", [(10, [2, 2, 2, 1]), (0, [2, 2, 2, 2, 1]), (30, [2, 1])])
+def test_the_warm_up_loops_again_on_other_prompts_while_the_gate_warms_up(tmp_path, monkeypatch, grows, loops):
+    """A tree method's warm-up at a concurrency runs again, on the next prompts, while the gate's
+    bucket there has made fewer decisions than its warm-up takes (by the allocator's stats file,
+    which each loop here advances by ``grows`` decisions at its batch size), at most
+    WARMUP_ROUNDS loops; one request's bucket, warm already, runs once. Catches: no second loop,
+    the same prompts again, no cap, another bucket read, the stats file not read at all."""
+    from vllm_anisotropic.integration.vllm.engine import metrics
+
+    stats = tmp_path / "tree_stats.json"
+    monkeypatch.setenv(metrics.STATS_ENV, str(stats))
+    gate = {"1": {"decisions": 40}}
+    def write():
+        Path(f"{stats}.budget").write_text(json.dumps({"steps": 1, "gate": gate}))
+    write()
+    job = sweep_engine.SweepJob(model="m", method="dtree", speculative_config=None, cell_prompts=[["p"]],
+                                cells=[(0, 1)], warmup_prompts=[f"w{i}" for i in range(8)], warmup_loop=2,
+                                max_tokens=4, concurrency=[1, 2])
+    engine = _Engine()
+    add = engine.add_request
+    def add_request(rid, prompt, params):
+        if rid.endswith("-0"):  # a loop starts: the gate's decisions at its batch size so far
+            key = str(sweep_engine.gate_bucket(int(rid[4:].split("-")[0])))
+            gate.setdefault(key, {"decisions": 0})["decisions"] += grows
+            write()
+        sent.append(prompt)
+        add(rid, prompt, params)
+    sent = []
+    engine.add_request = add_request
+    assert sweep_engine.warm_up(engine, job, None) == loops
+    twos = len(loops) - 1
+    assert sorted(sent[: 2 * twos]) == [f"w{i}" for i in range(2 * twos)]  # the next prompts each loop
+    assert sorted(sent[2 * twos :]) == ["w0", "w1"]  # one request's loop: the first prompts
+
+
+def test_the_bench_reads_the_gates_buckets_and_warm_up_length_as_the_package_defines_them():
+    from vllm_anisotropic.allocator.config import GateConfig
+    from vllm_anisotropic.allocator.gate import bucket
+
+    c = GateConfig()
+    assert sweep_engine.GATE_EXACT_BUCKETS == c.exact_buckets
+    assert sweep_engine.GATE_WARMUP_DECISIONS == 3 * c.min_steps
+    assert [sweep_engine.gate_bucket(r) for r in range(1, 70)] == [bucket(r, c.exact_buckets) for r in range(1, 70)]
+
+
 def test_cells_get_disjoint_prompts_mixed_from_every_dataset():
     sizes = sweep.cell_sizes([1, 8], repeats=2, per_cell=6)
     assert sizes == [6, 16, 6, 16]  # at least twice the concurrency

@@ -4,9 +4,10 @@ concurrency, in real vLLM.
 For each method one vLLM engine is started (its own process, ``max_num_seqs`` = the largest
 concurrency) and, after a short warm-up (``--warmup``: 16-token requests sampled as the cells'
 are, at the largest concurrency, then by default at each other one up to 8: the engine's cold
-first steps land at the largest, and the measured gate's warm-up at each batch size falls mostly
-before the cells, as on a server that has run a while; one wave of 8 such requests covers only
-part of it at 8), runs one cell per (repeat, concurrency) as a closed
+first steps land at the largest, and the measured gate's warm-up at each batch size falls
+before the cells, as on a server that has run a while: a concurrency's loop runs again on other
+prompts, up to 4 loops, while the gate there has not made its warm-up's decisions), runs one cell
+per (repeat, concurrency) as a closed
 loop: ``c`` requests in flight, a new one admitted as soon as one finishes
 (``LLMEngine.add_request`` / ``step``). Every cell has prompts of its own (``--num-prompts``
 from each dataset, at least twice the concurrency in all, drawn in turn from the datasets; the
@@ -580,8 +581,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="interleaved: one engine per (repeat, method), methods in turn within each repeat "
                         "(drift of the machine lands on every method alike); grouped: one engine per method")
     p.add_argument("--warmup", default="each", choices=["each", "largest"],
-                   help="each: before the cells, 8 short requests at every --concurrency up to 8 (the measured "
-                        "gate's warm-up at those batch sizes mostly done, as on a server that has run a while); "
+                   help="each: before the cells, short requests at every --concurrency up to 8 (a loop of min(largest, 8), "
+                        "again on other prompts up to 4 loops while the measured gate there is in its warm-up, "
+                        "as on a server that has run a while); "
                         "largest: at the largest alone (smaller batch sizes start cold in their first cell)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--temperature", type=float, default=0.0,
@@ -636,17 +638,18 @@ def run(args: argparse.Namespace) -> int:
         args.dataset = ",".join(SPLITS[args.split])
     datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
     sizes = cell_sizes(args.concurrency, args.repeats, args.num_prompts * len(datasets))
-    warmup_size = min(max(args.concurrency), 8)
+    warmup_size = min(max(args.concurrency), 8)  # a warm-up loop's prompts; up to WARMUP_ROUNDS loops
+    warmup_pool = warmup_size * (sweep_engine.WARMUP_ROUNDS if args.warmup == "each" else 1)
     # enough of every dataset for a round robin to fill all cells even if the others run short
     if args.context_tokens < 0:
         raise SystemExit(f"--context-tokens must be >= 0, got {args.context_tokens}")
     try:
-        per_dataset = [build_prompts(model_dir, d, args.prompt_offset + sum(sizes) + warmup_size,
+        per_dataset = [build_prompts(model_dir, d, args.prompt_offset + sum(sizes) + warmup_pool,
                                      context_tokens=args.context_tokens)[args.prompt_offset:] for d in datasets]
     except ValueError as e:
         raise SystemExit(str(e)) from None
     try:
-        cell_prompts, warmup = split_prompts(per_dataset, sizes, warmup_size)
+        cell_prompts, warmup = split_prompts(per_dataset, sizes, warmup_pool)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     base = {"model": args.model, "draft": args.draft, "dataset": args.dataset, "split": split_of(datasets),
@@ -675,7 +678,7 @@ def run(args: argparse.Namespace) -> int:
             job = sweep_engine.SweepJob(model=str(model_dir), method=method,
                            speculative_config=resolve_config(method, Path(tmp), draft_dir, args.selector),
                            cells=[c for c, _ in mine], cell_prompts=[p for _, p in mine], warmup_prompts=warmup,
-                           warmup=args.warmup,
+                           warmup_loop=warmup_size, warmup=args.warmup,
                            max_tokens=args.max_tokens, concurrency=args.concurrency,
                            temperature=args.temperature, top_p=args.top_p,
                            llm_kwargs={**CPU_LLM_DEFAULTS, "dtype": args.dtype, **extra, **method_llm_kwargs(method)},

@@ -31,6 +31,13 @@ STATS_ENV = "VLLM_ANISOTROPIC_TREE_STATS"
 # the allocator's counters recorded per cell (BudgetMetrics fields; draft_resume_seconds is not in older trees)
 BUDGET_FIELDS = ("steps", "steps_without_drafts", "gate_plain_steps", "chain_steps", "chain_drafts", "tree_rows",
                  "draft_resume_seconds", "draft_unrepaid_catchups")
+# the measured gate's warm-up at a batch size takes ~3 x GateConfig.min_steps (8) decisions
+# (allocator/config.py); its buckets: allocator.gate.bucket with GateConfig.exact_buckets (4)
+# (tests/test_bench.py checks both against the package)
+GATE_WARMUP_DECISIONS = 24
+GATE_EXACT_BUCKETS = 4
+# most warm-up loops at one concurrency while the gate's bucket there is still warming up
+WARMUP_ROUNDS = 4
 
 
 class SweepJob(BaseModel):
@@ -46,6 +53,9 @@ class SweepJob(BaseModel):
     cells: list[tuple[int, int]]
     """(repeat, concurrency) of each cell, in order."""
     warmup_prompts: list[str]
+    warmup_loop: int | None = Field(default=None, ge=1)
+    """Prompts of one warm-up loop (the first ones of ``warmup_prompts``; the next loop at the same
+    concurrency takes the next ones); None: all of them."""
     warmup: Literal["each", "largest"] = "each"
     """Warm up at each concurrency of the job up to the warm-up's prompts (``each``: the gate's
     warm-up at those batch sizes mostly done before the cells, as on a server that has run a
@@ -137,6 +147,23 @@ def closed_loop(engine, prompts: list[str], params, concurrency: int, tag: str) 
     return outputs, time.perf_counter() - started
 
 
+def gate_bucket(num_reqs: int) -> int:
+    """The measured gate's batch-size bucket of ``num_reqs`` requests (``allocator.gate.bucket``
+    at the default ``exact_buckets``): the key of its state in the stats file."""
+    r = max(int(num_reqs), 1)
+    return r if r <= GATE_EXACT_BUCKETS else 1 << (r - 1).bit_length()
+
+
+def gate_warming(num_reqs: int) -> bool:
+    """Whether the measured gate at ``num_reqs`` requests has made fewer decisions than its
+    warm-up takes (``GATE_WARMUP_DECISIONS``), by the stats file (current once a batch drains);
+    False without a gate (no stats file: plain decoding, vLLM's own methods)."""
+    rates = gate_rates()
+    if not _budget_stats():
+        return False
+    return rates.get(str(gate_bucket(num_reqs)), {}).get("decisions", 0) < GATE_WARMUP_DECISIONS
+
+
 def warm_up(engine, job: SweepJob, params) -> list[int]:
     """Run the warm-up's prompts (``params``: short, sampled as the cells' are) at the largest
     concurrency of ``job``, then (``job.warmup`` "each") at each other one in increasing order:
@@ -144,15 +171,28 @@ def warm_up(engine, job: SweepJob, params) -> list[int]:
     goes first so that the engine's cold first steps (q's first forwards, the acceptance model
     before any label) land in its bucket, not in one request's, whose gate they closed for ~80
     steps in a run (2026-12-07). A concurrency above the number of warm-up prompts (8) runs as
-    that number: larger batch sizes start cold. Returns the concurrencies run."""
+    that number: larger batch sizes start cold. With ``each``, a concurrency's loop runs again on
+    the next ``warmup_loop`` prompts (up to ``WARMUP_ROUNDS`` loops) while the gate there is
+    still in its warm-up: one loop left it mid-way at one and two requests (at two, 7 decisions
+    of ~24; its plain blocks then fell into the cells, 7 of ~40 decode steps, 2026-12-07), a cost
+    a server pays once per batch size. Returns the concurrency of each loop run."""
+    size = job.warmup_loop or len(job.warmup_prompts)
     if job.warmup == "largest":
         run = [max(job.concurrency)]
     else:
-        sizes = sorted({min(c, len(job.warmup_prompts)) for c in job.concurrency})
+        sizes = sorted({min(c, size) for c in job.concurrency})
         run = sizes[-1:] + sizes[:-1]
+    loops = []
     for conc in run:
-        closed_loop(engine, job.warmup_prompts, params, conc, f"warm{conc}")
-    return run
+        for k in range(WARMUP_ROUNDS if job.warmup == "each" else 1):
+            prompts = job.warmup_prompts[k * size : (k + 1) * size]  # other prompts each loop
+            if not prompts:
+                break
+            closed_loop(engine, prompts, params, conc, f"warm{conc}-{k}")
+            loops.append(conc)
+            if not gate_warming(conc):
+                break
+    return loops
 
 
 def run_job(job: SweepJob, out_file: Path) -> None:
