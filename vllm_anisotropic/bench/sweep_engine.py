@@ -158,9 +158,10 @@ def gate_warming(num_reqs: int) -> bool:
     """Whether the measured gate at ``num_reqs`` requests has made fewer decisions than its
     warm-up takes (``GATE_WARMUP_DECISIONS``), by the stats file (current once a batch drains);
     False without a gate (no stats file: plain decoding, vLLM's own methods)."""
-    rates = gate_rates()
-    if not _budget_stats():
+    stats = _budget_stats()
+    if not stats:
         return False
+    rates = stats.get("gate") or {}
     return rates.get(str(gate_bucket(num_reqs)), {}).get("decisions", 0) < GATE_WARMUP_DECISIONS
 
 
@@ -173,9 +174,9 @@ def warm_up(engine, job: SweepJob, params) -> list[int]:
     steps in a run (2026-12-07). A concurrency above the number of warm-up prompts (8) runs as
     that number: larger batch sizes start cold. With ``each``, a concurrency's loop runs again on
     the next ``warmup_loop`` prompts (up to ``WARMUP_ROUNDS`` loops) while the gate there is
-    still in its warm-up: one loop left it mid-way at one and two requests (at two, 7 decisions
-    of ~24; its plain blocks then fell into the cells, 7 of ~40 decode steps, 2026-12-07), a cost
-    a server pays once per batch size. Returns the concurrency of each loop run."""
+    still in its warm-up: one loop of two requests left it mid-way there (7 decisions of ~24; its
+    plain blocks then fell into the cells, 7 of ~40 decode steps, 2026-12-07), a cost a server
+    pays once per batch size. Returns the concurrency of each loop run."""
     size = job.warmup_loop or len(job.warmup_prompts)
     if job.warmup == "largest":
         run = [max(job.concurrency)]
