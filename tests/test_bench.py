@@ -78,20 +78,24 @@ def test_the_warm_up_runs_at_each_concurrency_or_the_largest(warmup, concurrency
     assert peaks == runs and len(engine.added) == 8 * len(runs)
 
 
-@pytest.mark.parametrize("grows, loops", [(10, [2, 2, 2, 1]), (0, [2, 2, 2, 2, 1]), (30, [2, 1])])
+@pytest.mark.parametrize("grows, loops", [((3, 8, None), [2, 2, 2, 1]), ((8, 3, None), [2, 2, 2, 1]), ((8, 8, 3), [2, 2, 2, 1]),
+                                          ((0, 0, None), [2, 2, 2, 2, 1]), ((8, 8, None), [2, 1]), (None, [2, 1])])
 def test_the_warm_up_loops_again_on_other_prompts_while_the_gate_warms_up(tmp_path, monkeypatch, grows, loops):
-    """A tree method's warm-up at a concurrency runs again, on the next prompts, while the gate's
-    bucket there has made fewer decisions than its warm-up takes (by the allocator's stats file,
-    which each loop here advances by ``grows`` decisions at its batch size), at most
-    WARMUP_ROUNDS loops; one request's bucket, warm already, runs once. Catches: no second loop,
-    the same prompts again, no cap, another bucket read, the stats file not read at all."""
+    """A tree method's warm-up at a concurrency runs again, on the next prompts, while an arm of
+    the gate's bucket there (plain, tree, chain where it has chains) has fewer than min_steps (8)
+    steps, by the allocator's stats file, which each loop here advances by ``grows`` (plain, tree,
+    chain steps) at its batch size; at most WARMUP_ROUNDS loops; one request's bucket, warm
+    already, runs once; a stats file without a gate (``grows`` None: the allocator or its gate
+    off) one loop each. Catches: no second loop, the same prompts again, no cap, another bucket
+    read, an arm left out (plain, tree or chain), the file not read, a gate-less file read as a
+    gate that never warms."""
     from vllm_anisotropic.integration.vllm.engine import metrics
 
     stats = tmp_path / "tree_stats.json"
     monkeypatch.setenv(metrics.STATS_ENV, str(stats))
-    gate = {"1": {"decisions": 40}}
+    gate = {"1": {"plain_steps": 9, "spec_steps": 30, "chain_steps": 30, "decisions": 40}}
     def write():
-        Path(f"{stats}.budget").write_text(json.dumps({"steps": 1, "gate": gate}))
+        Path(f"{stats}.budget").write_text(json.dumps({"steps": 1, **({"gate": gate} if grows else {})}))
     write()
     job = sweep_engine.SweepJob(model="m", method="dtree", speculative_config=None, cell_prompts=[["p"]],
                                 cells=[(0, 1)], warmup_prompts=[f"w{i}" for i in range(8)], warmup_loop=2,
@@ -99,9 +103,12 @@ def test_the_warm_up_loops_again_on_other_prompts_while_the_gate_warms_up(tmp_pa
     engine = _Engine()
     add = engine.add_request
     def add_request(rid, prompt, params):
-        if rid.endswith("-0"):  # a loop starts: the gate's decisions at its batch size so far
-            key = str(sweep_engine.gate_bucket(int(rid[4:].split("-")[0])))
-            gate.setdefault(key, {"decisions": 0})["decisions"] += grows
+        if rid.endswith("-0") and grows:  # a loop starts: the steps it adds at its batch size
+            b = gate.setdefault(str(sweep_engine.gate_bucket(int(rid[4:].split("-")[0]))),
+                                {"plain_steps": 0, "spec_steps": 0, **({"chain_steps": 0} if grows[2] is not None else {})})
+            for arm, n in zip(("plain_steps", "spec_steps", "chain_steps"), grows):
+                if n is not None:
+                    b[arm] = b.get(arm, 0) + n
             write()
         sent.append(prompt)
         add(rid, prompt, params)
@@ -119,7 +126,7 @@ def test_the_bench_reads_the_gates_buckets_and_warm_up_length_as_the_package_def
 
     c = GateConfig()
     assert sweep_engine.GATE_EXACT_BUCKETS == c.exact_buckets
-    assert sweep_engine.GATE_WARMUP_DECISIONS == 3 * c.min_steps
+    assert sweep_engine.GATE_MIN_STEPS == c.min_steps
     assert [sweep_engine.gate_bucket(r) for r in range(1, 70)] == [bucket(r, c.exact_buckets) for r in range(1, 70)]
 
 

@@ -31,10 +31,10 @@ STATS_ENV = "VLLM_ANISOTROPIC_TREE_STATS"
 # the allocator's counters recorded per cell (BudgetMetrics fields; draft_resume_seconds is not in older trees)
 BUDGET_FIELDS = ("steps", "steps_without_drafts", "gate_plain_steps", "chain_steps", "chain_drafts", "tree_rows",
                  "draft_resume_seconds", "draft_unrepaid_catchups")
-# the measured gate's warm-up at a batch size takes ~3 x GateConfig.min_steps (8) decisions
-# (allocator/config.py); its buckets: allocator.gate.bucket with GateConfig.exact_buckets (4)
-# (tests/test_bench.py checks both against the package)
-GATE_WARMUP_DECISIONS = 24
+# the measured gate leaves its warm-up at a batch size once each of its arms there has
+# GateConfig.min_steps (8) steps (allocator/config.py); its buckets: allocator.gate.bucket with
+# GateConfig.exact_buckets (4) (tests/test_bench.py checks both against the package)
+GATE_MIN_STEPS = 8
 GATE_EXACT_BUCKETS = 4
 # most warm-up loops at one concurrency while the gate's bucket there is still warming up
 WARMUP_ROUNDS = 4
@@ -155,14 +155,16 @@ def gate_bucket(num_reqs: int) -> int:
 
 
 def gate_warming(num_reqs: int) -> bool:
-    """Whether the measured gate at ``num_reqs`` requests has made fewer decisions than its
-    warm-up takes (``GATE_WARMUP_DECISIONS``), by the stats file (current once a batch drains);
-    False without a gate (no stats file: plain decoding, vLLM's own methods)."""
-    stats = _budget_stats()
-    if not stats:
+    """Whether the measured gate at ``num_reqs`` requests is still in its warm-up: an arm there
+    (plain, tree, chain where the gate has chains) with fewer than ``GATE_MIN_STEPS`` steps, by
+    the stats file (current once a batch drains). False without a gate: no stats file (plain
+    decoding, vLLM's own methods) or one without ``gate`` (the allocator or its gate off)."""
+    gate = _budget_stats().get("gate")
+    if not gate:
         return False
-    rates = stats.get("gate") or {}
-    return rates.get(str(gate_bucket(num_reqs)), {}).get("decisions", 0) < GATE_WARMUP_DECISIONS
+    b = gate.get(str(gate_bucket(num_reqs)), {})
+    arms = [k for k in ("plain_steps", "spec_steps", "chain_steps") if k in b] or ["plain_steps"]
+    return any(b.get(k, 0) < GATE_MIN_STEPS for k in arms)
 
 
 def warm_up(engine, job: SweepJob, params) -> list[int]:
@@ -174,9 +176,9 @@ def warm_up(engine, job: SweepJob, params) -> list[int]:
     steps in a run (2026-12-07). A concurrency above the number of warm-up prompts (8) runs as
     that number: larger batch sizes start cold. With ``each``, a concurrency's loop runs again on
     the next ``warmup_loop`` prompts (up to ``WARMUP_ROUNDS`` loops) while the gate there is
-    still in its warm-up: one loop of two requests left it mid-way there (7 decisions of ~24; its
-    plain blocks then fell into the cells, 7 of ~40 decode steps, 2026-12-07), a cost a server
-    pays once per batch size. Returns the concurrency of each loop run."""
+    still in its warm-up: one loop of two requests left it mid-way there (3 plain and 2 tree steps
+    of 8 each; its plain blocks then fell into the cells, 7 of ~40 decode steps, 2026-12-07), a
+    cost a server pays once per batch size. Returns the concurrency of each loop run."""
     size = job.warmup_loop or len(job.warmup_prompts)
     if job.warmup == "largest":
         run = [max(job.concurrency)]
