@@ -6,10 +6,9 @@ concurrency) and, after a short warm-up (``--warmup``: 16-token requests sampled
 are, at the largest concurrency, then by default at each other one up to 8: the engine's cold
 first steps land at the largest, and the measured gate's warm-up at each batch size falls
 before the cells, as on a server that has run a while: a concurrency's loop runs again on other
-prompts, up to 4 loops, while the gate there has not measured each arm's first steps), runs one cell
-per (repeat, concurrency) as a closed
-loop: ``c`` requests in flight, a new one admitted as soon as one finishes
-(``LLMEngine.add_request`` / ``step``). Every cell has prompts of its own (``--num-prompts``
+prompts, up to 4 loops, while the gate there has not measured each arm's first steps), runs one
+cell per (repeat, concurrency) as a closed loop: ``c`` requests in flight, a new one admitted as
+soon as one finishes (``LLMEngine.add_request`` / ``step``). Every cell has prompts of its own (``--num-prompts``
 from each dataset, at least twice the concurrency in all, drawn in turn from the datasets; the
 warm-up has its own too), the same for every method: proposers that learn across requests (GOOSE's shared adjacency table, vLLM's suffix tree) would otherwise
 recognise a repeat's prompts and their outputs, and report a memorised speedup. Those

@@ -58,7 +58,7 @@ class SweepJob(BaseModel):
     concurrency takes the next ones); None: all of them."""
     warmup: Literal["each", "largest"] = "each"
     """Warm up at each concurrency of the job up to the warm-up's prompts (``each``: the gate's
-    warm-up at those batch sizes mostly done before the cells, as on a server that has run a
+    warm-up at those batch sizes done before the cells, as on a server that has run a
     while) or at the largest alone (``largest``: smaller batch sizes start cold)."""
     max_tokens: int = Field(ge=1)
     concurrency: list[int]
@@ -163,8 +163,8 @@ def gate_warming(num_reqs: int) -> bool:
     if not gate:
         return False
     b = gate.get(str(gate_bucket(num_reqs)), {})
-    arms = [k for k in ("plain_steps", "spec_steps", "chain_steps") if k in b] or ["plain_steps"]
-    return any(b.get(k, 0) < GATE_MIN_STEPS for k in arms)
+    arms = [b[k] for k in ("plain_steps", "spec_steps", "chain_steps") if k in b]
+    return not arms or min(arms) < GATE_MIN_STEPS
 
 
 def warm_up(engine, job: SweepJob, params) -> list[int]:

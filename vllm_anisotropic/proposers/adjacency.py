@@ -139,9 +139,9 @@ def topk_scores(logits: torch.Tensor, k: int, rows: np.ndarray | None = None) ->
 
 @dataclasses.dataclass(frozen=True)
 class TopKRows:
-    """``topk_scores`` of logits rows computed once for a whole step (one top-k of the logits + one
-    log-sum-exp + one device-to-host copy for every verified row of the batch); passed where logits are accepted,
-    sliced per request like the logits it replaces."""
+    """``topk_scores`` of logits rows computed once for a whole step (one top-k of the logits, one
+    log-sum-exp and one device-to-host copy for every verified row of the batch); passed where
+    logits are accepted, sliced per request like the logits it replaces."""
 
     ids: np.ndarray  # [num_rows, k] int32
     scores: np.ndarray  # [num_rows, k] float32
