@@ -345,8 +345,13 @@ def test_every_tree_method_of_the_registry_passes_the_front_doors_validation(tmp
 
 
 @pytest.mark.engine
-def test_bench_runs_in_real_vllm_and_goose_outputs_equal_plain(tiny_model_dir, tmp_path, capsys):
+def test_bench_runs_in_real_vllm_and_goose_outputs_equal_plain(tiny_model_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "bench.jsonl"
+    # a stats file the user exported, an earlier run's gate in it: no engine may read or write it
+    user_stats = tmp_path / "user_stats.json"
+    stale = json.dumps({"steps": 999, "gate": {str(b): {"plain_steps": 99, "spec_steps": 99} for b in (1, 3)}})
+    Path(f"{user_stats}.budget").write_text(stale)
+    monkeypatch.setenv(sweep_engine.STATS_ENV, str(user_stats))
     repo = Path(sweep.__file__).parents[2]
     rc = cli_main(["bench", "--model", str(tiny_model_dir), "--dataset", "humaneval", "--num-prompts", "3",
                    "--max-tokens", "24", "--methods", "plain,goose-b8,goose-auto+src", "--src", str(repo),
@@ -362,7 +367,14 @@ def test_bench_runs_in_real_vllm_and_goose_outputs_equal_plain(tiny_model_dir, t
     auto = [r for r in records if r["method"] == "goose-auto+src"]
     assert all(r["src"] == str(repo) and r["budget"]["steps"] > 0 for r in auto)
     assert all(sum(r["decode_steps"].values()) == r["budget"]["steps"] for r in auto)
-    assert all("decode_steps" not in r for r in records if r["method"] != "goose-auto+src")
+    assert all("decode_steps" not in r and "gate" not in r for r in records if r["method"] != "goose-auto+src")
+    assert Path(f"{user_stats}.budget").read_text() == stale and not user_stats.exists()
+    # the warm-up's loops, by concurrency, the largest first: one each without a gate, the gate's
+    # engine up to WARMUP_ROUNDS at each while its bucket there is still warming up
+    assert all(r["warmup_loops"] == [3, 1] for r in records if r["method"] != "goose-auto+src")
+    loops = auto[0]["warmup_loops"]
+    assert loops == [3] * loops.count(3) + [1] * loops.count(1)
+    assert all(1 <= loops.count(c) <= sweep_engine.WARMUP_ROUNDS for c in (1, 3)), loops
     plain = {r["concurrency"]: r["output_sha1"] for r in records if r["method"] == "plain"}
     for r in records:  # float32: every method, every concurrency, token-identical to plain
         assert r["output_sha1"] == plain[r["concurrency"]], r["method"]

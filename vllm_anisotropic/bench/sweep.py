@@ -16,7 +16,8 @@ proposers still learn from the earlier cells' different prompts, as on a warm se
 
 Every cell appends one JSONL record (method,
 its ``speculative_config``, concurrency, repeat, output tokens, seconds, tokens/s, vLLM's
-speculative counters for the cell, a hash of each output, the environment; with the budget
+speculative counters for the cell, a hash of each output, the environment, the concurrency of
+each warm-up loop the engine ran; with the budget
 allocator, its counters and the decode steps the measured gate made tree, chain or plain
 steps). At the end the command prints a table (median tokens/s and min..max over repeats,
 speedup over plain at the same concurrency, tau, outputs identical to plain, the step kinds)
@@ -684,8 +685,10 @@ def run(args: argparse.Namespace) -> int:
                            record_base={**base, "order": args.order, **src_record(method, args.src)})
             job_file = Path(tmp, "job.json")
             job_file.write_text(job.model_dump_json())
+            # each engine its own stats file: one the user exported would carry one method's
+            # gate and counters into the next method's records and warm-up
             env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-                   **method_env(method, args.src)}
+                   sweep_engine.STATS_ENV: str(Path(tmp, "tree_stats.json")), **method_env(method, args.src)}
             proc = subprocess.run([sys.executable, "-c", sweep_engine.RUN_BY_PATH, sweep_engine.__file__, str(job_file),
                                    str(args.out)], env=env)
         if proc.returncode != 0:

@@ -210,7 +210,7 @@ def run_job(job: SweepJob, out_file: Path) -> None:
     startup = time.perf_counter() - started
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p)
-    warm_up(engine, job, SamplingParams(max_tokens=16, temperature=job.temperature, top_p=job.top_p))
+    warmup_loops = warm_up(engine, job, SamplingParams(max_tokens=16, temperature=job.temperature, top_p=job.top_p))
     for i, ((repeat, conc), prompts) in enumerate(zip(job.cells, job.cell_prompts)):
         before, budget_before = spec_counters(llm), budget_counters()
         outputs, seconds = closed_loop(engine, prompts, params, conc, f"r{repeat}c{conc}")
@@ -225,7 +225,7 @@ def run_job(job: SweepJob, out_file: Path) -> None:
             "tau": tokens / (tokens - accepted) if tokens > accepted else 1.0,
             "num_drafts": after["num_drafts"] - before["num_drafts"],
             "draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
-            "accepted_tokens": accepted, "startup_seconds": startup,
+            "accepted_tokens": accepted, "startup_seconds": startup, "warmup_loops": warmup_loops,
             "output_sha1": [hashlib.sha1(json.dumps(o).encode()).hexdigest()[:12] for o in outputs],
             **({"budget": budget, "decode_steps": step_kinds(budget)} if budget.get("steps") else {}),
             **({"gate": gate} if (gate := gate_rates()) else {}),
