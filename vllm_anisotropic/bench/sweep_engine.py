@@ -159,7 +159,7 @@ def gate_warming(num_reqs: int) -> bool:
     (plain, tree, chain where the gate has chains) with fewer than ``GATE_MIN_STEPS`` steps, by
     the stats file (current once a batch drains). False without a gate: no stats file (plain
     decoding, vLLM's own methods) or one without ``gate`` (the allocator or its gate off)."""
-    gate = _budget_stats().get("gate")
+    gate = gate_rates()
     if not gate:
         return False
     b = gate.get(str(gate_bucket(num_reqs)), {})
