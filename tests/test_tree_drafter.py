@@ -205,6 +205,37 @@ def test_a_chain_step_does_not_count_toward_the_backoff():
     assert d.pending_probs(["a"]) == [None] and not d.unlabelled
 
 
+def test_a_chain_steps_request_without_a_draft_stays_a_plain_row_counted_as_its_root_only_tree():
+    """A chain step where a request's context has no match: no tree pending for it (the reply,
+    the step's inputs and the harvest skip it; a step where no request drafted is plain), yet
+    the metrics count it as the verified root-only tree of a tree step (steps, plain steps,
+    the trace). Catches: the request left pending, every request dropped, or the count lost."""
+    tokens, lengths = _tokens([30, 30])
+    tokens[1, :30] = np.arange(20, 50)  # no repeated n-gram: nothing to draft
+    chain = _drafter(allocator_chain_drafts=3)
+    chain.sink.trace = True
+    drafts = chain.propose_trees(["a", "b"], [True, True], [[1], [1]], lengths, tokens, chains=True)
+    assert drafts == [[5, 6, 7], []] and set(chain.pending) == {"a"}
+    assert chain.pending_chains(["a", "b"]) == [3, 0] and chain.pending_probs(["b"]) == [None]
+    step = chain.take_step(["a", "b"], {"a": [5, 6, 7]})
+    assert step.req_ids == ["a"] and step.rows.tolist() == [0]
+    chain.propose_trees(["b"], [True], [[1]], lengths[1:], tokens[1:], chains=True)
+    assert chain.take_step(["b"], {}) is None  # nothing pending: vLLM's plain step
+    # the same request through a tree step: pending, verified, harvested as a root-only tree
+    tree = _drafter(allocator_chain_drafts=3)
+    tree.sink.trace = True
+    for _ in range(2):
+        tree.propose_trees(["b"], [True], [[1]], lengths[1:], tokens[1:])
+        only = tree.take_step(["b"], {})
+        assert only.trees.sizes().tolist() == [1]
+        tree.observe_step(only, np.full((1, 1), -1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                          torch.zeros(1, V))
+    counts = ("steps", "plain_steps", "bypass_steps", "verified_trees", "max_nodes", "accepted_nodes")
+    assert [getattr(chain.metrics, c) for c in counts] == [getattr(tree.metrics, c) for c in counts] == [2, 2, 0, 0,
+                                                                                                         0, 0]
+    assert chain.metrics.requests == tree.metrics.requests == {"b": [0, 0]}
+
+
 def test_rest_drops_pending_trees_and_drafts_nothing():
     d = _drafter(allocator="off")
     tokens, lengths = _tokens([30, 30])

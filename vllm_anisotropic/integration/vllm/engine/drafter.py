@@ -85,7 +85,8 @@ class StepTrees:
     """The trees one step verifies, in batch-row order (``TreeDrafter.take_step``).
 
     ``rows[t]`` is tree t's batch row; ``trees`` holds each tree cut to what vLLM scheduled
-    (root-only trees included: their root row is harvested); ``req_ids[t]`` its request."""
+    (root-only trees of tree steps included: their root row is harvested); ``req_ids[t]`` its
+    request."""
 
     req_ids: list[str]
     rows: np.ndarray  # [T] int64
@@ -304,8 +305,9 @@ class TreeDrafter:
         request's state (``DraftTreeState.set_sampling``); None: greedy.
         ``chains``: the measured gate chose a chain step (``allocator.gate``): each request's
         chain alone (``propose_chain``, at most ``allocator_chain_drafts`` tokens), not ranked,
-        not labelled, and its verified rows not harvested (``observe_step``); the backoff
-        neither applies nor counts.
+        not labelled, and its verified rows not harvested (``observe_step``); a request whose
+        chain is the root alone gets no pending tree (a plain row); the backoff neither applies
+        nor counts.
         ``repay``: the catch-up tokens one output token repays at this batch size (the
         scheduler's ``tree_repay``), with ``remaining``, per batch row, the output tokens the
         request may still emit: a draft model catches a request up only where they cover it
@@ -355,8 +357,19 @@ class TreeDrafter:
             offered = np.flatnonzero(trees.sizes() > 1)
             self.unlabelled.offer(trees, offered, [ids[k] for k in offered.tolist()], lengths[offered])
         proposal = _Proposal(trees, probs, prev_roots, modes, chains)
-        for k, r in enumerate(ids):
-            self.pending[r] = (proposal, k)
+        pending = range(len(ids))
+        if chains:
+            # a chain step's request without a draft (no context match) stays a plain row: no
+            # tree pending, so nothing in the reply, the step's inputs or its harvest (a chain's
+            # rows are not harvested, and GOOSE learns nothing from a chain without nodes);
+            # counted now as its verified root-only tree would be
+            alone = trees.sizes() == 1
+            if alone.any():
+                pending = np.flatnonzero(~alone).tolist()
+                self.metrics.record_root_only(modes[alone], [ids[k] for k in np.flatnonzero(alone).tolist()],
+                                              self.sink.trace)
+        for k in pending:
+            self.pending[ids[k]] = (proposal, k)
         tokens = trees.tokens.tolist()
         offsets = trees.offsets.tolist()
         out: list[list[int]] = [[] for _ in req_ids]

@@ -63,7 +63,7 @@ _NUM_SOURCES = len(NodeSource)
 class TreeMetrics:
     """Cumulative counters of one worker (see module docstring for the definitions)."""
 
-    steps: int = 0  # request-steps with a tree pending (root-only trees included)
+    steps: int = 0  # request-steps with a tree pending (root-only trees and chain steps' drafts-less requests included)
     plain_steps: int = 0  # root-only trees: nothing to draft
     bypass_steps: int = 0  # GOOSE verified its context-match spine alone
     verified_trees: int = 0  # trees with >= 1 draft node
@@ -129,6 +129,17 @@ class TreeMetrics:
         # accepted nodes after it: the K/V moves (kv_moves.py)
         self.accepted_off_chain += off_chain
         self.moved_tokens += moved
+
+    def record_root_only(self, modes: np.ndarray, req_ids: Sequence[str], trace: bool) -> None:
+        """Count root-only trees that are never verified as trees (a chain step's requests
+        without a draft, ``TreeDrafter.propose_trees``) as ``record_step`` counts them."""
+        num = len(req_ids)
+        self.steps += num
+        self.plain_steps += num
+        self.bypass_steps += int(np.count_nonzero(modes == _BYPASS))
+        if trace:
+            for r in req_ids:
+                self.requests.setdefault(r, []).append(0)
 
     @property
     def tau(self) -> float:
