@@ -78,6 +78,15 @@ def test_the_warm_up_runs_at_each_concurrency_or_the_largest(warmup, concurrency
     assert peaks == runs and len(engine.added) == 8 * len(runs)
 
 
+@pytest.mark.parametrize("warmup_tokens, expected", [(None, 48), (16, 16)])
+def test_the_warm_ups_requests_are_as_long_as_the_cells_unless_told(warmup_tokens, expected):
+    """Catches: the old fixed 16 tokens, ``--warmup-tokens`` ignored, or the cells' law lost."""
+    job = sweep_engine.SweepJob(model="m", method="dtree", speculative_config=None, cell_prompts=[["p"]],
+                                cells=[(0, 1)], warmup_prompts=["w"], max_tokens=48, warmup_tokens=warmup_tokens,
+                                concurrency=[1], temperature=0.7, top_p=0.9)
+    assert sweep_engine.warmup_params(job, dict) == {"max_tokens": expected, "temperature": 0.7, "top_p": 0.9}
+
+
 @pytest.mark.parametrize("grows, loops", [((3, 8, None), [2, 2, 2, 1]), ((8, 3, None), [2, 2, 2, 1]), ((8, 8, 3), [2, 2, 2, 1]),
                                           ((0, 0, None), [2, 2, 2, 2, 1]), ((8, 8, None), [2, 1]), (None, [2, 1])])
 def test_the_warm_up_loops_again_on_other_prompts_while_the_gate_warms_up(tmp_path, monkeypatch, grows, loops):
@@ -316,6 +325,8 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
     for bad in ("0", "1.5"):
         with pytest.raises(SystemExit, match=rf"--top-p must be in \(0, 1\], got {bad}"):
             cli_main(["bench", "--top-p", bad, "--methods", "plain", "--out", str(tmp_path / "x.jsonl")])
+    with pytest.raises(SystemExit, match=r"--warmup-tokens must be >= 1 \(or left out: --max-tokens\), got 0"):
+        cli_main(["bench", "--warmup-tokens", "0", "--methods", "plain", "--out", str(tmp_path / "x.jsonl")])
 
 
 def test_registry_is_what_the_issue_asks_for():
@@ -372,6 +383,7 @@ def test_bench_runs_in_real_vllm_and_goose_outputs_equal_plain(tiny_model_dir, t
     # the warm-up's loops, by concurrency, the largest first: one each without a gate, the gate's
     # engine up to WARMUP_ROUNDS at each while its bucket there is still warming up
     assert all(r["warmup_loops"] == [3, 1] for r in records if r["method"] != "goose-auto+src")
+    assert all(r["warmup_tokens"] == 24 for r in records)  # the cells' --max-tokens
     loops = auto[0]["warmup_loops"]
     assert loops == [3] * loops.count(3) + [1] * loops.count(1)
     assert all(1 <= loops.count(c) <= sweep_engine.WARMUP_ROUNDS for c in (1, 3)), loops

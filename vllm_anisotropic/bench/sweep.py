@@ -2,8 +2,8 @@
 concurrency, in real vLLM.
 
 For each method one vLLM engine is started (its own process, ``max_num_seqs`` = the largest
-concurrency) and, after a short warm-up (``--warmup``: 16-token requests sampled as the cells'
-are, at the largest concurrency, then by default at each other one up to 8: the engine's cold
+concurrency) and, after a warm-up (``--warmup``: requests as long as the cells' (``--warmup-tokens``), sampled as
+theirs are, at the largest concurrency, then by default at each other one up to 8: the engine's cold
 first steps land at the largest, and the measured gate's warm-up at each batch size falls
 before the cells, as on a server that has run a while: a concurrency's loop runs again on other
 prompts, up to 4 loops, while the gate there has not measured each arm's first steps), runs one
@@ -585,6 +585,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "again on other prompts up to 4 loops while the measured gate there is in its warm-up, "
                         "as on a server that has run a while); "
                         "largest: at the largest alone (smaller batch sizes start cold in their first cell)")
+    p.add_argument("--warmup-tokens", type=int, default=None,
+                   help="max_tokens of the warm-up's requests (default: --max-tokens). The measured gate's warm-up "
+                        "reads the arms' first rates off them: requests shorter than the cells' weigh a draft "
+                        "model's prompt catch-up (once a request) more than the cells do")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (0: greedy, outputs compared with plain's; > 0: seeded per prompt)")
@@ -629,6 +633,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
     if not 0.0 < args.top_p <= 1.0:
         raise SystemExit(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.warmup_tokens is not None and args.warmup_tokens < 1:
+        raise SystemExit(f"--warmup-tokens must be >= 1 (or left out: --max-tokens), got {args.warmup_tokens}")
     from vllm_anisotropic.bench.demo import _resolve_model, build_prompts
     from vllm_anisotropic.bench.offline import CPU_LLM_DEFAULTS
 
@@ -654,6 +660,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from None
     base = {"model": args.model, "draft": args.draft, "dataset": args.dataset, "split": split_of(datasets),
             "prompt_offset": args.prompt_offset, "context_tokens": args.context_tokens, "warmup": args.warmup,
+            "warmup_tokens": args.warmup_tokens or args.max_tokens,
             "dtype": args.dtype, "environment": environment(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -679,7 +686,7 @@ def run(args: argparse.Namespace) -> int:
                            speculative_config=resolve_config(method, Path(tmp), draft_dir, args.selector),
                            cells=[c for c, _ in mine], cell_prompts=[p for _, p in mine], warmup_prompts=warmup,
                            warmup_loop=warmup_size, warmup=args.warmup,
-                           max_tokens=args.max_tokens, concurrency=args.concurrency,
+                           max_tokens=args.max_tokens, warmup_tokens=args.warmup_tokens, concurrency=args.concurrency,
                            temperature=args.temperature, top_p=args.top_p,
                            llm_kwargs={**CPU_LLM_DEFAULTS, "dtype": args.dtype, **extra, **method_llm_kwargs(method)},
                            record_base={**base, "order": args.order, **src_record(method, args.src)})

@@ -61,6 +61,8 @@ class SweepJob(BaseModel):
     warm-up at those batch sizes done before the cells, as on a server that has run a
     while) or at the largest alone (``largest``: smaller batch sizes start cold)."""
     max_tokens: int = Field(ge=1)
+    warmup_tokens: int | None = Field(default=None, ge=1)
+    """``max_tokens`` of the warm-up's requests; None: the cells' ``max_tokens``."""
     concurrency: list[int]
     temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature of the cells (0: greedy); sampled requests are seeded by their index."""
@@ -168,7 +170,8 @@ def gate_warming(num_reqs: int) -> bool:
 
 
 def warm_up(engine, job: SweepJob, params) -> list[int]:
-    """Run the warm-up's prompts (``params``: short, sampled as the cells' are) at the largest
+    """Run the warm-up's prompts (``params``: as long as the cells' requests unless the job says,
+    sampled as theirs are) at the largest
     concurrency of ``job``, then (``job.warmup`` "each") at each other one in increasing order:
     the engine's first steps, and the measured gate's warm-up at those batch sizes. The largest
     goes first so that the engine's cold first steps (q's first forwards, the acceptance model
@@ -198,6 +201,15 @@ def warm_up(engine, job: SweepJob, params) -> list[int]:
     return loops
 
 
+def warmup_params(job: SweepJob, sampling_params):
+    """The warm-up requests' ``sampling_params`` (vLLM's class): the cells' law, as many tokens as
+    theirs unless ``job.warmup_tokens`` says: the measured gate reads its arms' first rates off
+    them, and shorter requests weigh a draft model's prompt catch-up (a cost once per request)
+    more than the cells do."""
+    return sampling_params(max_tokens=job.warmup_tokens or job.max_tokens, temperature=job.temperature,
+                           top_p=job.top_p)
+
+
 def run_job(job: SweepJob, out_file: Path) -> None:
     """Start vLLM once for ``job.method`` and append one record per cell to ``out_file``."""
     from vllm import LLM, SamplingParams
@@ -210,7 +222,7 @@ def run_job(job: SweepJob, out_file: Path) -> None:
     startup = time.perf_counter() - started
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p)
-    warmup_loops = warm_up(engine, job, SamplingParams(max_tokens=16, temperature=job.temperature, top_p=job.top_p))
+    warmup_loops = warm_up(engine, job, warmup_params(job, SamplingParams))
     for i, ((repeat, conc), prompts) in enumerate(zip(job.cells, job.cell_prompts)):
         before, budget_before = spec_counters(llm), budget_counters()
         outputs, seconds = closed_loop(engine, prompts, params, conc, f"r{repeat}c{conc}")
