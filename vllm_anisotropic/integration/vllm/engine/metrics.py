@@ -9,7 +9,8 @@ API-server process, and vLLM's ``SchedulerStats`` cannot carry extra fields acro
 msgspec boundary):
 
 1. ``TreeMetrics.record_step`` in the worker, once per step for all its verified trees
-   (``drafter.TreeDrafter.observe_step``);
+   (``drafter.TreeDrafter.observe_step``), and ``record_root_only`` for a chain step's requests
+   without a draft, which hold no tree (``drafter.TreeDrafter.propose_trees``);
 2. at most every ``WRITE_INTERVAL_S`` and when the batch drains, rank 0 writes the counters as JSON
    (atomic rename) to the file named by ``VLLM_ANISOTROPIC_TREE_STATS``. ``plugin.register``
    creates a temporary file name in the first vLLM process (the user's / API server's) when
