@@ -2,11 +2,12 @@
 concurrency, in real vLLM.
 
 For each method one vLLM engine is started (its own process, ``max_num_seqs`` = the largest
-concurrency) and, after a warm-up (``--warmup``: requests as long as the cells' (``--warmup-tokens``), sampled as
-theirs are, at the largest concurrency, then by default at each other one up to 8: the engine's cold
-first steps land at the largest, and the measured gate's warm-up at each batch size falls
-before the cells, as on a server that has run a while: a concurrency's loop runs again on other
-prompts, up to 4 loops, while the gate there has not measured each arm's first steps), runs one
+concurrency) and, after a warm-up (``--warmup``: requests as long as the cells' unless
+``--warmup-tokens`` says, sampled as theirs are, at the largest concurrency, then by default at
+each other one up to 8: the engine's cold first steps land at the largest, and the measured
+gate's warm-up at each batch size falls before the cells, as on a server that has run a while:
+a concurrency's loop runs again on other prompts, up to 4 loops, while the gate there has not
+measured each arm's first steps), runs one
 cell per (repeat, concurrency) as a closed loop: ``c`` requests in flight, a new one admitted as
 soon as one finishes (``LLMEngine.add_request`` / ``step``). Every cell has prompts of its own (``--num-prompts``
 from each dataset, at least twice the concurrency in all, drawn in turn from the datasets; the

@@ -170,9 +170,8 @@ def gate_warming(num_reqs: int) -> bool:
 
 
 def warm_up(engine, job: SweepJob, params) -> list[int]:
-    """Run the warm-up's prompts (``params``: as long as the cells' requests unless the job says,
-    sampled as theirs are) at the largest
-    concurrency of ``job``, then (``job.warmup`` "each") at each other one in increasing order:
+    """Run the warm-up's prompts (``params``: ``warmup_params``) at the largest concurrency of
+    ``job``, then (``job.warmup`` "each") at each other one in increasing order:
     the engine's first steps, and the measured gate's warm-up at those batch sizes. The largest
     goes first so that the engine's cold first steps (q's first forwards, the acceptance model
     before any label) land in its bucket, not in one request's, whose gate they closed for ~80
