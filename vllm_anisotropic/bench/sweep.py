@@ -636,6 +636,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.warmup_tokens is not None and args.warmup_tokens < 1:
         raise SystemExit(f"--warmup-tokens must be >= 1 (or left out: --max-tokens), got {args.warmup_tokens}")
+    warmup_tokens = args.warmup_tokens or args.max_tokens  # what the engines run and the records say
     from vllm_anisotropic.bench.demo import _resolve_model, build_prompts
     from vllm_anisotropic.bench.offline import CPU_LLM_DEFAULTS
 
@@ -661,7 +662,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from None
     base = {"model": args.model, "draft": args.draft, "dataset": args.dataset, "split": split_of(datasets),
             "prompt_offset": args.prompt_offset, "context_tokens": args.context_tokens, "warmup": args.warmup,
-            "warmup_tokens": args.warmup_tokens or args.max_tokens,
+            "warmup_tokens": warmup_tokens,
             "dtype": args.dtype, "environment": environment(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -687,7 +688,7 @@ def run(args: argparse.Namespace) -> int:
                            speculative_config=resolve_config(method, Path(tmp), draft_dir, args.selector),
                            cells=[c for c, _ in mine], cell_prompts=[p for _, p in mine], warmup_prompts=warmup,
                            warmup_loop=warmup_size, warmup=args.warmup,
-                           max_tokens=args.max_tokens, warmup_tokens=args.warmup_tokens, concurrency=args.concurrency,
+                           max_tokens=args.max_tokens, warmup_tokens=warmup_tokens, concurrency=args.concurrency,
                            temperature=args.temperature, top_p=args.top_p,
                            llm_kwargs={**CPU_LLM_DEFAULTS, "dtype": args.dtype, **extra, **method_llm_kwargs(method)},
                            record_base={**base, "order": args.order, **src_record(method, args.src)})
