@@ -396,21 +396,29 @@ def test_draft_state_bytes_bounds_the_tenants_tables_and_stores():
 
 
 def test_the_output_stores_memory_bound_holds():
-    """``OutputStore.max_bytes`` bounds what a full store holds (tracemalloc), rebuilds included:
-    fails if the index stopped dropping evicted documents' entries, or the bound were too low."""
+    """``OutputStore.max_bytes`` bounds what a full store holds (tracemalloc), rebuilds included,
+    and ``memory_bytes`` (the /metrics gauge) is it from the first document on: fails if the
+    store grew per document or per rebuild, or the bound were too low or too loose."""
     import tracemalloc
 
     from vllm_anisotropic.proposers.output_store import OutputStore
 
+    warm = OutputStore((3, 4, 5), capacity=64)  # the kernels loaded before tracing (numba allocates)
+    warm.add(np.arange(10))
+    warm.match([1, 2, 3], 5)
     rng = np.random.default_rng(1)
     tracemalloc.start()
     try:
+        base = tracemalloc.get_traced_memory()[0]
         store = OutputStore((3, 4, 5), capacity=2048)
+        assert store.memory_bytes() == 0  # nothing allocated before the first document
         most = 0
         for _ in range(60):
             store.add(rng.integers(0, 50_000, 200))
-            most = max(most, tracemalloc.get_traced_memory()[0])
+            store.match(rng.integers(0, 50_000, 5), 20)
+            most = max(most, tracemalloc.get_traced_memory()[0] - base)
     finally:
         tracemalloc.stop()
-    assert store.num_tokens <= 2048
-    assert 0.5 * OutputStore.max_bytes(2048, (3, 4, 5)) < most <= OutputStore.max_bytes(2048, (3, 4, 5)), most
+    bound = OutputStore.max_bytes(2048, (3, 4, 5))
+    assert store.num_tokens <= 2048 and store.rebuilds > 0 and store.memory_bytes() == bound
+    assert 0.98 * bound < most <= bound, (most, bound)

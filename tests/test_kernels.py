@@ -30,7 +30,7 @@ def test_the_plugin_and_the_core_import_no_numba():
 def test_load_names_the_valid_modules():
     from vllm_anisotropic import kernels
 
-    with pytest.raises(ValueError, match="allocate, emit, fit, goose, kv, label, match, plan, rank, table, vocab, walk"):
+    with pytest.raises(ValueError, match="allocate, emit, fit, goose, kv, label, match, plan, rank, store, table, vocab, walk"):
         kernels.load("nope")
 
 
@@ -38,7 +38,8 @@ def test_the_drafters_warm_up_compiles_for_vllms_token_dtype_and_keeps_nothing()
     """``TreeDrafter.warm_up`` (the worker's start): the proposals' kernels (``proposal_inputs``,
     the context match among them, and ``spine_trees``, which reads the spines from the token
     array) get their machine code for vLLM's int32 token array before any request, the
-    learning's keys (``learn_keys``) theirs, the acceptance model's refit (``kernels.fit``) its,
+    learning's keys (``learn_keys``) theirs, the cross-request store's update and lookup
+    (``kernels.store``) theirs, the acceptance model's refit (``kernels.fit``) its,
     each once (checked in a fresh process: numba's
     signatures are per process), and the drafter's own state (request states, shared adjacency
     table, pending trees) is untouched."""
@@ -61,6 +62,8 @@ def test_the_drafters_warm_up_compiles_for_vllms_token_dtype_and_keeps_nothing()
     inputs, goose = kernels.load("goose").proposal_inputs, kernels.load("goose").spine_trees
     assert any("int32" in str(sig[0]) for sig in inputs.signatures), inputs.signatures
     assert any("int32" in str(sig[9]) for sig in goose.signatures), goose.signatures  # arg 9: token_ids
+    store = kernels.load("store").match_rows
+    assert any("int32" in str(sig[6]) for sig in store.signatures), store.signatures  # arg 6: token_ids
     code = """
 from types import SimpleNamespace
 import numpy as np
@@ -73,11 +76,12 @@ cfg = SimpleNamespace(speculative_config=SimpleNamespace(method="goose", num_spe
                       model_config=SimpleNamespace(get_vocab_size=lambda: 64, max_model_len=512))
 TreeDrafter(cfg).warm_up(np.int32)
 goose = kernels.load("goose")
-print(*(len(f.signatures) for f in (goose.proposal_inputs, goose.spine_trees, goose.learn_keys)),
-      len(kernels.load("fit").newton_platt.signatures))
+store = kernels.load("store")
+print(*(len(f.signatures) for f in (goose.proposal_inputs, goose.spine_trees, goose.learn_keys, store.add_document,
+                                    store.match_rows)), len(kernels.load("fit").newton_platt.signatures))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert d.acceptance is not None  # the acceptance model's refit is warmed up too (kernels.fit)
-    assert out.stdout.split() == ["1", "1", "1", "1"]
+    assert out.stdout.split() == ["1"] * 6
     assert d.states == {} and d.pending == {} and d.proposer.table is table
     assert (before is None and table.unigram_ids is None) or np.array_equal(table.unigram_ids, before)

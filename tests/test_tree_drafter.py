@@ -844,8 +844,9 @@ def test_warm_up_runs_one_throwaway_proposal_and_keeps_nothing(monkeypatch):
 
     monkeypatch.setattr(cls, "propose_batch", propose_batch)
     d.warm_up(np.int64)
-    (proposer, dtype, nodes), = seen
-    assert proposer is not d.proposer and dtype == np.int64 and nodes > 1  # the match path ran
+    (proposer, dtype, nodes), (again, dtype2, _) = seen  # the match path, then a request asking the store
+    assert proposer is again and proposer is not d.proposer and dtype == dtype2 == np.int64 and nodes > 1
+    assert len(proposer.stores.default) == 1  # the throwaway's store got the first request's document
     assert d.states == {} and d.pending == {}
     _drafter("pld", allocator="off").warm_up()  # no batched proposer: nothing to load
 

@@ -9,7 +9,7 @@ node rows and masks), ``vocab`` (passes over vocabulary rows of logits: the harv
 softmax probabilities, the walk's argmax; bf16 rows read as their 16 bits), ``rank`` (the
 allocator's probabilities and order of a step's trees), ``allocate`` (the allocator's envelopes
 and prefix scans), ``fit`` (the acceptance model's refit), ``label`` (the label queue: its trees queued, and labelled
-into the acceptance model's histograms). Callers fetch a module with ``load(name)`` at call time, never at import time.
+into the acceptance model's histograms), ``store`` (GOOSE's cross-request store: its arrays' update and a step's lookups). Callers fetch a module with ``load(name)`` at call time, never at import time.
 
 numba's disk cache (``cache=True``) checks a function's own source file only: a kernel that calls
 one of another module (``goose`` calls ``table``'s and ``match``'s, ``walk`` calls ``vocab``'s) keeps its cached
@@ -35,14 +35,15 @@ from vllm_anisotropic.kernels import split as _split  # noqa: F401  (its fork ho
 
 __all__ = ["load"]
 
-_NAMES = ("allocate", "emit", "fit", "goose", "kv", "label", "match", "plan", "rank", "table", "vocab", "walk")
+_NAMES = ("allocate", "emit", "fit", "goose", "kv", "label", "match", "plan", "rank", "store", "table", "vocab",
+          "walk")
 
 
 _LOADED: dict[str, ModuleType] = {}  # what import_module returned (a lookup there costs ~2 us a call)
 
 
 def load(name: str) -> ModuleType:
-    """The kernel module ``name`` (one of allocate, emit, fit, goose, kv, label, match, plan, rank, table, vocab, walk), imported on first use."""
+    """The kernel module ``name`` (one of allocate, emit, fit, goose, kv, label, match, plan, rank, store, table, vocab, walk), imported on first use."""
     module = _LOADED.get(name)
     if module is None:
         if name not in _NAMES:

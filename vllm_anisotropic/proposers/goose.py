@@ -238,7 +238,7 @@ def propose_spine_trees(states: list["GooseState"], token_ids: np.ndarray, rows,
                       stats[:, 4].astype(bool), ratios)
 
 
-_NONE = np.zeros(0, np.int64)  # proposal_inputs' "none given" (budgets, chain drafts)
+_NONE = np.zeros(0, np.int64)  # "none given": proposal_inputs' budgets and chain drafts, the store's drafts
 _CONFIG_ARRAYS: dict[int, tuple] = {}  # id(config) -> (config, its kernel arrays): built once per config
 
 
@@ -259,25 +259,26 @@ def _config_arrays(cfg: GooseConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray
 def _store_spines(states, token_ids, rows, lengths, limits, match, asking: int) -> tuple:
     """The tenant store's drafts of the ``asking`` requests, those without a context match of
     their own (and room to draft): ``(ngrams [R], lens [R], starts [R], tokens)`` int64, ngrams
-    0 where the store had none (or the request did not ask)."""
+    0 where the store had none (or the request did not ask). One compiled lookup per store
+    (``OutputStore.match_rows``; one store for every request of a tenant)."""
     num = rows.shape[0]
     ngrams, lens, starts = np.zeros(num, np.int64), np.zeros(num, np.int64), np.zeros(num, np.int64)
-    drafts = []
-    if asking:
-        longest = max(states[0].config.ngram_sizes)
-        at = 0
-        for r in np.flatnonzero((match[:, 1] <= 0) & (limits > 0)).tolist():
-            store = states[r].store
-            if store is None:
-                continue
-            length = int(lengths[r])
-            draft, n = store.match(token_ids[rows[r], max(0, length - longest):length], int(limits[r]))
-            if n:
-                ngrams[r], lens[r], starts[r] = n, draft.shape[0], at
-                drafts.append(draft)
-                at += draft.shape[0]
-    tokens = np.concatenate(drafts).astype(np.int64) if drafts else np.zeros(0, np.int64)
-    return ngrams, lens, starts, tokens
+    if not asking:
+        return ngrams, lens, starts, _NONE
+    which = np.flatnonzero((match[:, 1] <= 0) & (limits > 0))
+    stores: dict[int, list[int]] = {}
+    for r in which.tolist():
+        store = states[r].store
+        if store is not None and len(store):
+            stores.setdefault(id(store), []).append(r)
+    if not stores:
+        return ngrams, lens, starts, _NONE
+    tokens = np.empty(int(limits[which].sum()), np.int64)
+    at = 0
+    for members in stores.values():
+        at = states[members[0]].store.match_rows(token_ids, rows, lengths, limits, np.asarray(members, np.int64),
+                                                 ngrams, lens, starts, tokens, at)
+    return ngrams, lens, starts, tokens[:at]
 
 
 def _spine_trees(table, cfg, token_ids, per_request: tuple, store_tokens, chains: bool, policy,

@@ -15,43 +15,29 @@ Document
     The last ``prompt_tail`` tokens of a finished request's prompt, then its output (so the
     request's opening, which follows the chat template's assistant header, is matchable).
 Bound
-    At most ``capacity`` tokens of documents; the oldest documents are evicted first. Index
-    entries of evicted documents are skipped on lookup and purged by a rebuild once the index
-    holds twice the live entries (amortized O(1) per stored token).
+    At most ``capacity`` tokens of documents; the oldest documents are evicted first. The store
+    is arrays of a fixed size (``kernels.store``: a ring of the documents' tokens, one
+    open-addressing hash table per n), allocated at the first document: ``max_bytes`` is exact.
+    A step's lookups are one compiled call over vLLM's token array (``match_rows``).
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
+
+from vllm_anisotropic import kernels
 
 __all__ = ["OutputStore"]
 
-# An n-gram key is one int: token t_k of the n-gram ending at position f - 1 sits at bits
-# [21 k, 21 (k + 1)), k = 0 for the last token (ids below 2^21; documents with larger ids are not
-# stored). An entry (document, follow position) is one int too: ~3x less memory than tuples.
-_TOKEN_BITS = 21
-_POS_BITS = 32
-_MASKS = {n: (1 << (_TOKEN_BITS * n)) - 1 for n in range(1, 12)}
 _NONE = (np.zeros(0, np.int64), 0)
-# Python objects per stored token, bytes: the token in its document (a list slot and an int,
-# ~40) and, per n-gram size, up to two index entries before a rebuild (dict slot, key and value
-# ints, ~230). tracemalloc, 200 documents of 400 random tokens into a 16,384-token store with
-# sizes (3, 4, 5): at most 10.65 MiB held (681 bytes a token); the bound below gives 730.
-_BYTES_PER_TOKEN = 40
-_BYTES_PER_TOKEN_AND_SIZE = 230
+# the instance, its attributes and the arrays' headers beside their data (tracemalloc: 1,072 bytes with
+# sizes (3, 4, 5)); bounded: nothing is allocated per document
+_OBJECT_BYTES = 2048
 
 
-def _rolling_keys(toks: list[int], width: int) -> list[int]:
-    """``keys[f]``: the packed last ``width`` tokens before position f (fewer near the start);
-    ``keys[f] & _MASKS[n]`` is the packed n-gram ``toks[f - n : f]`` for any n <= width."""
-    keys = [0] * (len(toks) + 1)
-    key, full = 0, _MASKS[width]
-    for f, tok in enumerate(toks, start=1):
-        key = ((key << _TOKEN_BITS) | tok) & full
-        keys[f] = key
-    return keys
+def _slots(capacity: int) -> int:
+    """Hash table slots per n: the power of two >= 2 ``capacity`` (at most half full after a rebuild)."""
+    return 1 << max(1, (2 * int(capacity) - 1).bit_length())
 
 
 class OutputStore:
@@ -66,83 +52,74 @@ class OutputStore:
 
     def __init__(self, ngram_sizes: tuple[int, ...] = (3, 4, 5), capacity: int = 1 << 14) -> None:
         sizes = tuple(sorted({int(n) for n in ngram_sizes}, reverse=True))
-        if not sizes or sizes[-1] < 1 or sizes[0] > 11:
-            raise ValueError(f"ngram_sizes must be integers in 1..11, got {ngram_sizes}")
+        if not sizes or sizes[-1] < 1 or sizes[0] > 32:
+            raise ValueError(f"ngram_sizes must be integers in 1..32, got {ngram_sizes}")
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 token, got {capacity}")
         self.ngram_sizes = sizes  # longest first
         self.capacity = int(capacity)
-        self._docs: dict[int, list[int]] = {}
-        self._order: deque[int] = deque()
-        self._next_id = 0
-        self.num_tokens = 0
+        self._sizes = np.asarray(sizes, np.int64)
+        self._arrays: tuple | None = None  # (tokens, till, keys, follows, used): at the first document
+        self._lo = self._hi = 0  # the live documents' absolute positions [lo, hi)
+        self._docs = 0
+        self.rebuilds = 0
         self.frozen = False  # True: stays empty, ``add`` does nothing (TenantTables' overflow tenant)
-        # n -> {packed n-gram: packed (document id, follow position)}
-        self._index: dict[int, dict[int, int]] = {n: {} for n in sizes}
 
     def __len__(self) -> int:
-        return len(self._docs)
+        return self._docs
+
+    @property
+    def num_tokens(self) -> int:
+        return self._hi - self._lo
 
     @staticmethod
     def max_bytes(capacity: int, ngram_sizes) -> int:
-        """An upper bound of a full store's Python objects (module constants: measured)."""
-        return int(capacity) * (_BYTES_PER_TOKEN + _BYTES_PER_TOKEN_AND_SIZE * len(set(ngram_sizes)))
+        """The bytes of a store with documents: its arrays (``kernels.store``) and the object."""
+        sizes = len(set(ngram_sizes))
+        return int(capacity) * 8 + sizes * (_slots(capacity) * 16 + 8) + _OBJECT_BYTES
 
     def memory_bytes(self) -> int:
-        """The same bound for the tokens held now."""
-        return self.max_bytes(self.num_tokens, self.ngram_sizes)
-
-    def _insert(self, doc_id: int, toks: list[int]) -> None:
-        keys = _rolling_keys(toks, self.ngram_sizes[0])
-        for n, index in self._index.items():
-            for f in range(n, len(toks)):  # f < len: a non-empty continuation follows
-                index[keys[f] & _MASKS[n]] = (doc_id << _POS_BITS) | f
+        """What the store holds now: ``max_bytes`` once it has a document, else 0."""
+        return 0 if self._arrays is None else self.max_bytes(self.capacity, self.ngram_sizes)
 
     def add(self, tokens) -> None:
         """Store one finished request's document; evict the oldest beyond ``capacity``."""
         if self.frozen:
             return
-        toks = [int(t) for t in tokens][-self.capacity :]
-        if len(toks) <= self.ngram_sizes[-1] or max(toks) >= 1 << _TOKEN_BITS or min(toks) < 0:
-            return
-        doc_id = self._next_id
-        self._next_id += 1
-        self._docs[doc_id] = toks
-        self._order.append(doc_id)
-        self.num_tokens += len(toks)
-        self._insert(doc_id, toks)
-        while self.num_tokens > self.capacity:
-            old = self._order.popleft()
-            self.num_tokens -= len(self._docs.pop(old))
-        entries = sum(len(index) for index in self._index.values())
-        if entries > 2 * len(self.ngram_sizes) * max(self.num_tokens, 1):
-            self._rebuild()
+        toks = np.asarray(tokens).reshape(-1)[-self.capacity :]
+        if toks.shape[0] <= self.ngram_sizes[-1] or int(toks.max()) >= 1 << 31 or int(toks.min()) < 0:
+            return  # no n-gram with a token after it, or ids outside the ring's int32
+        if self._arrays is None:
+            slots = _slots(self.capacity)
+            self._arrays = (np.zeros(self.capacity, np.int32), np.zeros(self.capacity, np.int32),
+                            np.zeros((len(self.ngram_sizes), slots), np.uint64),
+                            np.zeros((len(self.ngram_sizes), slots), np.int64), np.zeros(len(self.ngram_sizes), np.int64))
+        lo, evicted, rebuilt = kernels.load("store").add_document(*self._arrays, self._sizes, toks.astype(np.int32),
+                                                                  self._lo, self._hi)
+        self._lo, self._hi = int(lo), self._hi + toks.shape[0]
+        self._docs += 1 - int(evicted)
+        self.rebuilds += bool(rebuilt)
 
-    def _rebuild(self) -> None:
-        self._index = {n: {} for n in self.ngram_sizes}
-        for doc_id in self._order:  # oldest first: the most recent occurrence wins
-            self._insert(doc_id, self._docs[doc_id])
+    def match_rows(self, token_ids: np.ndarray, rows: np.ndarray, lengths: np.ndarray, limits: np.ndarray,
+                   which: np.ndarray, ngrams: np.ndarray, lens: np.ndarray, starts: np.ndarray, out: np.ndarray,
+                   at: int) -> int:
+        """``kernels.store.match_rows`` over this store: the drafts of requests ``which`` (int64;
+        request r's context ``token_ids[rows[r], :lengths[r]]``) into ``out`` from ``at``; returns
+        the new ``at``. Requests without a hit keep their ``ngrams`` / ``lens`` / ``starts``."""
+        if self._arrays is None or which.shape[0] == 0:
+            return at
+        tokens, till, keys, follows, _ = self._arrays
+        return int(kernels.load("store").match_rows(tokens, till, keys, follows, self._sizes, self._lo, token_ids, rows,
+                                                    lengths, limits, which, ngrams, lens, starts, out, at))
 
     def match(self, context_tail, limit: int) -> tuple[np.ndarray, int]:
         """Continuation of the longest-n, most recent stored occurrence of the context's last n
         tokens (at most ``limit`` tokens) and that n; ``(empty, 0)`` when nothing matches."""
-        if limit <= 0 or not self._docs:
+        tail = np.asarray(context_tail, np.int64).reshape(1, -1)[:, -self.ngram_sizes[0]:]
+        if limit <= 0 or self._arrays is None or tail.shape[1] == 0:
             return _NONE
-        tail = [int(t) for t in context_tail[-self.ngram_sizes[0]:]]
-        # packed n-grams of the tail, one per n: token k from the end at bits [21 k, 21 (k + 1))
-        packed, key = {}, 0
-        for k in range(min(len(tail), self.ngram_sizes[0])):
-            tok = tail[len(tail) - 1 - k]
-            if tok >= 1 << _TOKEN_BITS or tok < 0:
-                break
-            key |= tok << (_TOKEN_BITS * k)
-            packed[k + 1] = key
-        for n in self.ngram_sizes:
-            if n not in packed:
-                continue
-            hit = self._index[n].get(packed[n])
-            if hit is None or (hit >> _POS_BITS) not in self._docs:
-                continue
-            doc_id, f = hit >> _POS_BITS, hit & ((1 << _POS_BITS) - 1)
-            return np.asarray(self._docs[doc_id][f : f + limit], dtype=np.int64), n
-        return _NONE
+        one = np.zeros(1, np.int64)
+        ngrams, lens, starts, out = one.copy(), one.copy(), one.copy(), np.zeros(int(limit), np.int64)
+        self.match_rows(tail, one, np.full(1, tail.shape[1], np.int64), np.full(1, limit, np.int64), one, ngrams,
+                        lens, starts, out, 0)
+        return (out[: lens[0]], int(ngrams[0])) if ngrams[0] else _NONE

@@ -211,7 +211,8 @@ class TreeDrafter:
         tree steps, where the whole batch waits: the proposal, the allocator's ranking
         (``rank_flat``) and offers, the harvest's top-k over logits rows of the model's dtype
         (``logits_dtype``, CPU), the table update it feeds, the label queue (``kernels.label``) and
-        the acceptance model's refit (``kernels.fit``; it compiled at the first labels, mid-batch, ~0.7 s). Measured in vLLM (SmolLM2-135M,
+        the acceptance model's refit (``kernels.fit``; it compiled at the first labels, mid-batch, ~0.7 s), and
+        GOOSE's cross-request store (``kernels.store``). Measured in vLLM (SmolLM2-135M,
         16 requests, 2-core Xeon): a first tree step with the ranking, top-k and table update
         not loaded took 6.1 s with numba's disk cache empty and 0.3 s with it filled. One
         throwaway proposal, ranking and learning with a throwaway proposer of the same
@@ -226,6 +227,10 @@ class TreeDrafter:
         state = proposer.new_request()
         out = proposer.propose_batch([state], tokens, np.zeros(1, np.int64), np.array([tokens.shape[1]], np.int64))
         trees = out.trees
+        if getattr(state, "store", None) is not None:  # the cross-request store's update and lookup (kernels.store)
+            state.finish(tokens[0])
+            alone = np.arange(16, dtype=token_dtype).reshape(1, -1)  # no match of its own: the store is asked
+            proposer.propose_batch([proposer.new_request()], alone, np.zeros(1, np.int64), np.array([16], np.int64))
         if self.acceptance is not None and trees.num_nodes > 1:
             trees, _ = rank_flat(trees, self.acceptance)
         self._offers(["warm-up"], np.ones(1, np.int64))  # the offers' kernel (kernels.allocate.offer_budgets)

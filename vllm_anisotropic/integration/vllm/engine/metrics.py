@@ -83,7 +83,7 @@ class TreeMetrics:
     live_requests: int = 0  # gauge: per-request proposer states alive (dropped on finish / abort)
     tenant_tables: int = 0  # gauge: adjacency tables of cache_salt tenants held (adjacency.TenantTables)
     table_bytes: int = 0  # gauge: bytes of every adjacency table in use (AdjacencyTable.memory_bytes)
-    store_bytes: int = 0  # gauge: bound of the bytes GOOSE's cross-request stores hold (OutputStore.memory_bytes)
+    store_bytes: int = 0  # gauge: bytes of GOOSE's cross-request stores' arrays (OutputStore.memory_bytes)
     state_budget_bytes: int = 0  # gauge: the proposer's draft_state_bytes (0: no vocabulary to size it)
     draft_kv_bytes: int = 0  # gauge: bytes the draft model's KV takes (draft_tree: its rows of every request)
     draft_kv_peak_bytes: int = 0  # gauge: the most bytes q's KV took (``draft_kv.DraftKV``)
@@ -211,7 +211,7 @@ _GAUGES = {
     "tree_live_requests": ("live_requests", "requests holding proposer state in the worker"),
     "tree_tenant_tables": ("tenant_tables", "adjacency tables of cache_salt tenants held in the worker"),
     "tree_table_bytes": ("table_bytes", "bytes of the adjacency tables held in the worker (fixed per table)"),
-    "tree_store_bytes": ("store_bytes", "bound of the bytes held by the cross-request stores in the worker"),
+    "tree_store_bytes": ("store_bytes", "bytes of the cross-request stores' arrays in the worker"),
     "tree_state_budget_bytes": ("state_budget_bytes",
                                 "draft_state_bytes: the bound of the tenants' tables and stores in the worker"),
     "draft_kv_bytes": ("draft_kv_bytes", "bytes of K/V the draft model's sessions hold in the worker (draft_tree)"),
