@@ -15,6 +15,7 @@ step one).
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -189,33 +190,42 @@ def test_a_released_session_is_rebuilt_from_the_context(draft_dir):
     assert sa[0].session.tokens == sb[0].session.tokens and len(sa[0].session.tokens) == lengths[0] + 1
 
 
-def test_q_catching_up_a_request_the_gate_rested_is_timed_as_a_resume(draft_dir):
+def test_q_catching_up_a_request_the_gate_rested_or_a_new_prompt_is_in_neither_arm(draft_dir, monkeypatch):
     """The catch-up forward of a step with a request marked ``resuming`` (the gate rested it: the
     engine's drafter marks it) is timed as a resume (``take_resume_seconds``; the gate counts it in
-    neither arm) and clears the mark; a new prompt or a long catch-up without the mark is the
-    speculative step's own; a marked request q does not run for keeps its mark. Catches: the time
-    left uncounted or counted twice (not reset when taken), counted without a mark, the mark
-    never cleared or cleared when q did not run."""
-    (pa, sa), _ = _twins(draft_dir, 2, branches=2, trunk=1, branch_length=2, selector="off")
-    tokens, lengths = _contexts([20, 9], seed=6)
-    pa.propose_batch(sa, tokens, np.arange(2), lengths)  # two new prompts, not rested
-    assert pa.take_resume_seconds() == 0.0
+    neither arm) and clears the mark; new prompts (q's first run for a request) put their share of
+    the forward, by tokens, there too; a long catch-up of a request q ran before, without the
+    mark, is the speculative step's own; a marked request q does not run for keeps its mark.
+    Catches: the time left uncounted or counted twice (not reset when taken), counted without a
+    mark, a prompt's share wrong or the whole forward's, the mark never cleared or cleared when q
+    did not run."""
+    from vllm_anisotropic.proposers import draft_batch
+
+    clock = iter(range(10_000))  # each reading one second later: a catch-up forward takes 1 s
+    monkeypatch.setattr(draft_batch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    (pa, sa), _ = _twins(draft_dir, 3, branches=2, trunk=1, branch_length=2, selector="off")
+    tokens, lengths = _contexts([20, 9, 14], seed=6)
+    pa.propose_batch(sa[:2], tokens, np.arange(2), lengths[:2])  # two new prompts, not rested
+    assert pa.take_resume_seconds() == 1.0
 
     def extend(lag):
         nonlocal lengths
         for i in range(2):  # tokens q has not run: the first differs from q's trunk token
             trunk = sa[i].session.tokens[lengths[i]]
             tokens[i, lengths[i]:lengths[i] + lag] = trunk + 1 + np.arange(lag)
-        lengths = lengths + lag
+        lengths[:2] = lengths[:2] + lag
 
     extend(12)  # more than any speculative step leaves, but not rested
-    pa.propose_batch(sa, tokens, np.arange(2), lengths)
+    pa.propose_batch(sa[:2], tokens, np.arange(2), lengths[:2])
     assert pa.take_resume_seconds() == 0.0
+    extend(2)  # two tokens each, and request 2's prompt of 14: 14 of the forward's 18 tokens
+    pa.propose_batch(sa, tokens, np.arange(3), lengths)
+    assert pa.take_resume_seconds() == 14 / 18
     extend(3)
     sa[0].resuming = sa[1].resuming = True
-    pa.propose_batch(sa, tokens, np.arange(2), lengths, np.array([0, 1]))  # q runs for request 0 alone
-    assert pa.take_resume_seconds() > 0 and pa.take_resume_seconds() == 0.0
-    assert [s.resuming for s in sa] == [False, True]
+    pa.propose_batch(sa[:2], tokens, np.arange(2), lengths[:2], np.array([0, 1]))  # q runs for request 0 alone
+    assert pa.take_resume_seconds() == 1.0 and pa.take_resume_seconds() == 0.0
+    assert [s.resuming for s in sa[:2]] == [False, True]
 
 
 def test_a_long_catch_up_the_requests_remaining_tokens_cannot_repay_is_left_out(draft_dir):

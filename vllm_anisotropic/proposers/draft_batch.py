@@ -23,10 +23,15 @@ the gate's switch, not of speculating, and the gate counts them in neither arm
 (``Proposer.take_resume_seconds``). Without that, a closed gate's single exploring step paid
 q's catch-up of every token decoded since, and of every prompt that arrived since, and the
 speculative arm could read slower than plain where speculation paid (the trap of
-docs/notebook/selector.md, T = 0.7 at one request). A new prompt while the gate speculates, or
-tokens a request decoded without q while the gate let it draft (the selector or the allocator's
-backoff kept it plain), are the speculative arm's own cost. After a rest every request of the
-step resumes (the gate decides for the whole step), so the forward timed is the resuming rows'
+docs/notebook/selector.md, T = 0.7 at one request). A **new prompt** (q's first run for a
+request) is a cost of the request, once, which the repay rule below prices against its
+remaining tokens: its share of the forward (by tokens) is counted in neither arm either. In the
+arm, a prompt's step weighed on the few steps of a gate's warm-up (one request, 2-core EPYC: 0.53
+s for 4 tokens against ~0.17 s a step; with one such step among the warm-up's 8 the arm read
+15.6 tokens/s, with three 10.3, below plain's 10.9 x 1.1: closed, where open it ran ~19). Tokens
+a request decoded without q while the gate let it draft (the selector or the allocator's backoff
+kept it plain) are the speculative arm's own cost. After a rest every request of the step
+resumes (the gate decides for the whole step), so the forward timed is the resuming rows'
 alone, but for a prompt that arrives in the very step drafting resumes: it is timed with them.
 
 **Repay.** A catch-up longer than a drafting step leaves (a prompt, a resume, a session the KV
@@ -134,12 +139,15 @@ def propose_draft_trees(proposer, states, token_ids: np.ndarray, rows: np.ndarra
         t0 = time.perf_counter()
         logits = _catch_up(kv, [s.session for s in group], ordered)  # q's rows back on the host: no sync
         seconds = time.perf_counter() - t0
+        per_row = [s.session.forwarded - f for s, f in zip(group, forwarded)]
+        caught_up = sum(per_row)
         if resuming:  # the gate rested these requests: their catch-up is a resume
             proposer.resume_s += seconds
             for s in resuming:
                 s.resuming = False
-        per_row = [s.session.forwarded - f for s, f in zip(group, forwarded)]
-        caught_up = sum(per_row)
+        elif caught_up:  # new prompts: their share of the forward, by tokens, is the request's cost
+            fresh = sum(t for t, f in zip(per_row, forwarded) if f == 0)
+            proposer.resume_s += seconds * fresh / caught_up
         if caught_up >= CATCHUP_MIN_TOKENS and max(per_row) > proposer.max_drafts + 1:  # a long one: a token's cost
             proposer.catchup_s += seconds
             proposer.catchup_tokens += caught_up

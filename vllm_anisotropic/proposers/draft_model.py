@@ -377,7 +377,7 @@ class DraftTreeProposer(Proposer):
         self._kv = None
         self.kv_bound: int | None = None
         self.step = 0  # drafting steps (begin_step), the sessions' LRU clock
-        self.resume_s = 0.0  # seconds of q's catch-ups of rested requests (take_resume_seconds)
+        self.resume_s = 0.0  # seconds of q's catch-ups in neither gate arm: rested requests', new prompts' (take_resume_seconds)
         # q's long catch-ups (at least CATCHUP_MIN_TOKENS tokens: prompts, resumes): seconds and
         # tokens since the last ``take_catchup``, the scheduler's measure of a catch-up token
         self.catchup_s, self.catchup_tokens = 0.0, 0
