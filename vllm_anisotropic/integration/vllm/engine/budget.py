@@ -41,8 +41,8 @@ Per step (``EngineCore.step``: ``schedule`` -> ``execute_model`` -> ``sample_tok
    (``tree_propose_s``, timed by the runner) are moved out of the step that proposed them:
    the cost model never sees them (they are sunk when the allocator cuts), the gate charges
    them to the step that verifies the drafts, less the draft model's catch-up of what the
-   target decoded while the gate rested drafting (``tree_resume_s``, ``proposers.draft_batch``):
-   a cost of the switch, which the gate counts in neither arm. A draft model's long catch-ups
+   target decoded while the gate rested drafting and its share of new prompts (``tree_resume_s``,
+   ``proposers.draft_batch``): a cost of the switch or of the request, in neither arm. A draft model's long catch-ups
    (``tree_catchup``: seconds and tokens) measure what q takes a caught-up token; with the
    gate's saving a token at the batch ahead (``SpeculationGate.token_saving_s``, ``cut``) they
    make the ratio sent with the next proposal (``repay_next`` -> ``tree_repay``): a request whose
@@ -102,7 +102,7 @@ class BudgetMetrics:
     last_budget: int = 0  # tree rows kept in the latest step
     grammar_pruned_nodes: int = 0  # offered draft nodes a structured-output grammar rejected (tree_grammar.py)
     grammar_reordered_trees: int = 0  # of the pruned trees, those whose kept nodes the workers moved to the front
-    draft_resume_seconds: float = 0.0  # the draft model's catch-ups after the gate rested drafting (no arm's)
+    draft_resume_seconds: float = 0.0  # the draft model's catch-ups after the gate rested drafting, of new prompts (no arm's)
     draft_unrepaid_catchups: int = 0  # request-steps without drafts: q's catch-up would not be repaid
     last_predicted_speedup: float = 1.0
 

@@ -254,7 +254,8 @@ _BUDGET_COUNTERS = {
     "budget_chain_drafts": ("chain_drafts", "draft tokens the chain steps verified"),
     "budget_draft_resume_seconds": ("draft_resume_seconds",
                                     "draft_tree: seconds the draft model caught up on what the target decoded while "
-                                    "the measured gate rested drafting (counted in neither of its arms)"),
+                                    "the measured gate rested drafting, or on new prompts (counted in neither of "
+                                    "its arms)"),
     "budget_draft_unrepaid_catchups": ("draft_unrepaid_catchups",
                                        "draft_tree: request-steps without drafts because the request's remaining tokens "
                                        "would not repay the draft model's catch-up"),
