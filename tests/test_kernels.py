@@ -85,3 +85,34 @@ print(*(len(f.signatures) for f in (goose.proposal_inputs, goose.spine_trees, go
     assert out.stdout.split() == ["1"] * 6
     assert d.states == {} and d.pending == {} and d.proposer.table is table
     assert (before is None and table.unigram_ids is None) or np.array_equal(table.unigram_ids, before)
+
+
+def test_the_draft_model_drafters_warm_up_loads_the_kernels_around_q():
+    """draft_tree's warm-up (q needs none: it is loaded with its proposer) still loads the
+    step's kernels around q in a fresh process: the allocator's ranking and offers, the label
+    queue and the acceptance model's refit. Without it they compiled in its first tree steps
+    (2.7 s and 2.0 s with numba's disk cache empty: the measured gate closed at one request on
+    those steps). Nothing of the drafter's own state changes."""
+    code = """
+from types import SimpleNamespace
+import numpy as np, torch
+from vllm_anisotropic import kernels
+from vllm_anisotropic.models import build_tiny_model
+from vllm_anisotropic.integration.vllm.engine.drafter import TreeDrafter
+from vllm_anisotropic.integration.vllm.frontdoor.config import TreeSpecConfig
+spec = TreeSpecConfig.build("draft_tree", {"model": str(build_tiny_model())})
+cfg = SimpleNamespace(speculative_config=SimpleNamespace(method="draft_tree", num_speculative_tokens=8),
+                      additional_config={"vllm_anisotropic": spec.to_additional_config()},
+                      model_config=SimpleNamespace(get_vocab_size=lambda: None, max_model_len=512, dtype=torch.float32),
+                      device_config=SimpleNamespace(device=torch.device("cpu")))
+d = TreeDrafter(cfg)
+assert d.acceptance is not None
+d.warm_up(np.int32)
+assert d.states == {} and d.pending == {}
+mods = {m: kernels.load(m) for m in ("rank", "allocate", "label", "fit")}
+print(*(len(f.signatures) for f in (mods["rank"].rank_trees, mods["allocate"].offer_budgets, mods["label"].queue_trees,
+                                     mods["label"].take_labels, mods["fit"].newton_platt)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-5:] == ["1"] * 5, out.stdout

@@ -208,8 +208,8 @@ class TreeDrafter:
                 cpu_logits: bool = True) -> None:
         """Load the step's compiled kernels of the workers' side now, at the worker's start
         (after vLLM's start-up scan, which must not meet numba: ``kernels``), not in the first
-        tree steps, where the whole batch waits: the proposal, the allocator's ranking
-        (``rank_flat``) and offers, the harvest's top-k over logits rows of the model's dtype
+        tree steps, where the whole batch waits: the proposal (not draft_tree's: q is loaded
+        with its proposer), the allocator's ranking (``rank_flat``) and offers, the harvest's top-k over logits rows of the model's dtype
         (``logits_dtype``, CPU), the table update it feeds, the label queue (``kernels.label``) and
         the acceptance model's refit (``kernels.fit``; it compiled at the first labels, mid-batch, ~0.7 s), and
         GOOSE's cross-request store (``kernels.store``). Measured in vLLM (SmolLM2-135M,
@@ -218,19 +218,27 @@ class TreeDrafter:
         throwaway proposal, ranking and learning with a throwaway proposer of the same
         configuration over a token array of vLLM's dtype (``token_dtype``); nothing of it is
         kept."""
-        if getattr(self.proposer, "propose_batch", None) is None or isinstance(self.proposer, DraftTreeProposer):
-            return  # nothing compiled to load (draft_tree: q loaded with the proposer)
+        if getattr(self.proposer, "propose_batch", None) is None:
+            return  # nothing compiled to load
         t0 = time.perf_counter()
-        vocab_size = vocab_size or self.proposer.vocab_size
-        proposer = type(self.proposer)(self.proposer.config, vocab_size)
         tokens = np.tile(np.arange(8, dtype=token_dtype), 8).reshape(1, -1)
-        state = proposer.new_request()
-        out = proposer.propose_batch([state], tokens, np.zeros(1, np.int64), np.array([tokens.shape[1]], np.int64))
-        trees = out.trees
-        if getattr(state, "store", None) is not None:  # the cross-request store's update and lookup (kernels.store)
-            state.finish(tokens[0])
-            alone = np.arange(16, dtype=token_dtype).reshape(1, -1)  # no match of its own: the store is asked
-            proposer.propose_batch([proposer.new_request()], alone, np.zeros(1, np.int64), np.array([16], np.int64))
+        proposer = state = out = None
+        if isinstance(self.proposer, DraftTreeProposer):
+            # q is loaded with the proposer (a throwaway one would load it again); the kernels
+            # around it run on a stand-in tree: a trunk of two and a branch (without them its
+            # first tree steps compiled the ranking, offers, labels and refit, ~4.7 s in two
+            # steps with numba's disk cache empty, which closed the gate at one request)
+            trees = FlatTrees.from_trees([DraftTree(tokens=np.arange(4, dtype=np.int64), parents=[-1, 0, 1, 0])])
+        else:
+            vocab_size = vocab_size or self.proposer.vocab_size
+            proposer = type(self.proposer)(self.proposer.config, vocab_size)
+            state = proposer.new_request()
+            out = proposer.propose_batch([state], tokens, np.zeros(1, np.int64), np.array([tokens.shape[1]], np.int64))
+            trees = out.trees
+            if getattr(state, "store", None) is not None:  # the cross-request store's update and lookup (kernels.store)
+                state.finish(tokens[0])
+                alone = np.arange(16, dtype=token_dtype).reshape(1, -1)  # no match of its own: the store is asked
+                proposer.propose_batch([proposer.new_request()], alone, np.zeros(1, np.int64), np.array([16], np.int64))
         if self.acceptance is not None and trees.num_nodes > 1:
             trees, _ = rank_flat(trees, self.acceptance)
         self._offers(["warm-up"], np.ones(1, np.int64))  # the offers' kernel (kernels.allocate.offer_budgets)
