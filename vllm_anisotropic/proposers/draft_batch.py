@@ -26,9 +26,9 @@ speculative arm could read slower than plain where speculation paid (the trap of
 docs/notebook/selector.md, T = 0.7 at one request). A **new prompt** (q's first run for a
 request) is a cost of the request, once, which the repay rule below prices against its
 remaining tokens: its share of the forward (by tokens) is counted in neither arm either. In the
-arm, a prompt's step weighed on the few steps of a gate's warm-up (one request, 2-core EPYC: 0.53
-s for 4 tokens against ~0.17 s a step; with one such step among the warm-up's 8 the arm read
-15.6 tokens/s, with three 10.3, below plain's 10.9 x 1.1: closed, where open it ran ~19). Tokens
+arm, a prompt's step weighs on the few steps of a gate's warm-up (one request, 2-core EPYC: 0.53
+s for 4 tokens against ~0.17 s a step; with one such step among the warm-up's 8 the arm reads
+15.6 tokens/s, with three it would read 10.3, below plain's 10.9 x 1.1, where open it runs ~19). Tokens
 a request decoded without q while the gate let it draft (the selector or the allocator's backoff
 kept it plain) are the speculative arm's own cost. After a rest every request of the step
 resumes (the gate decides for the whole step), so the forward timed is the resuming rows'
