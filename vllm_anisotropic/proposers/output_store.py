@@ -90,10 +90,10 @@ class OutputStore:
         if toks.shape[0] <= self.ngram_sizes[-1] or int(toks.max()) >= 1 << 31 or int(toks.min()) < 0:
             return  # no n-gram with a token after it, or ids outside the ring's int32
         if self._arrays is None:
-            slots = _slots(self.capacity)
+            sizes, slots = len(self.ngram_sizes), _slots(self.capacity)
             self._arrays = (np.zeros(self.capacity, np.int32), np.zeros(self.capacity, np.int32),
-                            np.zeros((len(self.ngram_sizes), slots), np.uint64),
-                            np.zeros((len(self.ngram_sizes), slots), np.int64), np.zeros(len(self.ngram_sizes), np.int64))
+                            np.zeros((sizes, slots), np.uint64), np.zeros((sizes, slots), np.int64),
+                            np.zeros(sizes, np.int64))
         lo, evicted, rebuilt = kernels.load("store").add_document(*self._arrays, self._sizes, toks.astype(np.int32),
                                                                   self._lo, self._hi)
         self._lo, self._hi = int(lo), self._hi + toks.shape[0]

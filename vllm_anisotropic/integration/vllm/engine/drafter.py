@@ -209,15 +209,16 @@ class TreeDrafter:
         """Load the step's compiled kernels of the workers' side now, at the worker's start
         (after vLLM's start-up scan, which must not meet numba: ``kernels``), not in the first
         tree steps, where the whole batch waits: the proposal (not draft_tree's: q is loaded
-        with its proposer), the allocator's ranking (``rank_flat``) and offers, the harvest's top-k over logits rows of the model's dtype
-        (``logits_dtype``, CPU), the table update it feeds, the label queue (``kernels.label``) and
-        the acceptance model's refit (``kernels.fit``; it compiled at the first labels, mid-batch, ~0.7 s), and
-        GOOSE's cross-request store (``kernels.store``). Measured in vLLM (SmolLM2-135M,
+        with its proposer), the allocator's ranking (``rank_flat``) and offers, the harvest's
+        top-k over logits rows of the model's dtype (``logits_dtype``, CPU), the table update it
+        feeds, the label queue (``kernels.label``) and the acceptance model's refit
+        (``kernels.fit``; it compiled at the first labels, mid-batch, ~0.7 s), and GOOSE's
+        cross-request store (``kernels.store``). Measured in vLLM (SmolLM2-135M,
         16 requests, 2-core Xeon): a first tree step with the ranking, top-k and table update
         not loaded took 6.1 s with numba's disk cache empty and 0.3 s with it filled. One
         throwaway proposal, ranking and learning with a throwaway proposer of the same
-        configuration over a token array of vLLM's dtype (``token_dtype``); nothing of it is
-        kept."""
+        configuration over a token array of vLLM's dtype (``token_dtype``; draft_tree: ranking
+        and labels of a stand-in tree); nothing of it is kept."""
         if getattr(self.proposer, "propose_batch", None) is None:
             return  # nothing compiled to load
         t0 = time.perf_counter()
