@@ -71,18 +71,15 @@ def _insert(keys, follows, used, s, key, follow, lo):
     i = np.int64(key & np.uint64(mask))
     while True:
         k = keys[s, i]
-        if k == 0:
-            used[s] += 1
-            keys[s, i], follows[s, i] = key, follow
-            return
-        if k == key or follows[s, i] < lo:  # the n-gram's older occurrence, or a dead slot
+        if k == 0 or k == key or follows[s, i] < lo:  # empty, the n-gram's older occurrence, or dead
+            used[s] += k == 0
             keys[s, i], follows[s, i] = key, follow
             return
         i = (i + 1) & mask
 
 
 @_jit
-def _index(tokens, till, keys, follows, used, sizes, start, end, lo):
+def _index(tokens, keys, follows, used, sizes, start, end, lo):
     """Index the document at absolute positions ``[start, end)``: every n-gram with a token
     after it, in position order (the most recent occurrence wins)."""
     for s in range(sizes.shape[0]):
@@ -104,7 +101,7 @@ def add_document(tokens, till, keys, follows, used, sizes, doc, lo, hi):
     for j in range(length):
         tokens[(hi + j) % c] = doc[j]
         till[(hi + j) % c] = length - j
-    _index(tokens, till, keys, follows, used, sizes, hi, hi + length, lo)
+    _index(tokens, keys, follows, used, sizes, hi, hi + length, lo)
     end = hi + length
     rebuilt = False
     for s in range(sizes.shape[0]):
@@ -116,13 +113,13 @@ def add_document(tokens, till, keys, follows, used, sizes, doc, lo, hi):
         a = lo
         while a < end:
             n = till[a % c]
-            _index(tokens, till, keys, follows, used, sizes, a, a + n, lo)
+            _index(tokens, keys, follows, used, sizes, a, a + n, lo)
             a += n
     return lo, evicted, rebuilt
 
 
 @_jit
-def _lookup(tokens, till, keys, follows, s, row, end, n, lo):
+def _lookup(tokens, keys, follows, s, row, end, n, lo):
     """The absolute follow position of ``row[end - n : end]``'s most recent live occurrence, -1
     when none."""
     key = _hash_row(row, end, n)
@@ -164,7 +161,7 @@ def match_rows(tokens, till, keys, follows, sizes, lo, token_ids, rows, lengths,
             n = sizes[s]
             if end < n:
                 continue
-            f = _lookup(tokens, till, keys, follows, s, row, end, n, lo)
+            f = _lookup(tokens, keys, follows, s, row, end, n, lo)
             if f < 0:
                 continue
             m = min(limit, np.int64(till[f % c]))
